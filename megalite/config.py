@@ -1,0 +1,140 @@
+"""Typed configs and the checks that must pass before any collective runs."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from megalite.typed_config import ConfigError, from_dict
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Enough knobs to express GPT-2 and Llama exactly."""
+
+    vocab_size: int = 50257
+    # Pad the vocabulary to a multiple that does not depend on the TP size, so that changing TP
+    # never changes the model (the bug of Megatron-LM #1754, which pads to 128 * tp).
+    vocab_pad_multiple: int = 128
+    max_seq_len: int = 1024
+    n_layers: int = 12
+    hidden: int = 768
+    n_heads: int = 12
+    n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
+    ffn_hidden: Optional[int] = None  # None: 4 * hidden
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu_tanh"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    position: Literal["learned", "rotary"] = "learned"
+    rope_theta: float = 10000.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    # Passed to init_process_group and to every new_group (Megatron-LM #564, #735: a timeout that
+    # does not reach the sub-groups turns a dead rank into a silent hang).
+    timeout_minutes: float = 10.0
+
+
+def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
+    """A preset name from configs/model/ (e.g. 'gpt2-small') or a path to a YAML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+        raise ConfigError(f"model config '{name_or_path}' not found (presets: {presets})")
+    data = yaml.safe_load(path.read_text()) or {}
+    return from_dict(ModelConfig, {**data, **overrides}, "model.")
+
+
+def check_layout(model: ModelConfig | None, tp: int, world_size: int) -> None:
+    """Raise ONE ConfigError listing every way `model` cannot run at this TP and world size.
+
+    Runs before any collective, so a bad config fails on every rank with the same message
+    instead of deadlocking the ranks that did not fail.
+    """
+    problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
+    if tp >= 1 and world_size % tp:
+        problems.append(f"world size {world_size} is not divisible by parallel.tp={tp}: use "
+                        f"parallel.tp among {_divisors(world_size)} or launch a multiple of "
+                        f"{tp} processes")
+    if model is not None:
+        bad_values = _model_value_problems(model)
+        problems += bad_values
+        if not bad_values and tp >= 1:
+            problems += _model_split_problems(model, tp)
+    if problems:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _model_value_problems(model: ModelConfig) -> list[str]:
+    sizes = {"vocab_size": model.vocab_size, "vocab_pad_multiple": model.vocab_pad_multiple,
+             "max_seq_len": model.max_seq_len, "n_layers": model.n_layers, "hidden": model.hidden,
+             "n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "ffn_hidden": model.ffn}
+    problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
+    checks = [
+        (0.0 <= model.dropout < 1.0, f"model.dropout={model.dropout} must be in [0, 1)"),
+        (model.norm_eps > 0, f"model.norm_eps={model.norm_eps} must be > 0"),
+        (model.init_std > 0, f"model.init_std={model.init_std} must be > 0"),
+        (model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be > 0"),
+    ]
+    return problems + [message for ok, message in checks if not ok]
+
+
+def _model_split_problems(model: ModelConfig, tp: int) -> list[str]:
+    checks = [
+        (model.hidden % model.n_heads == 0,
+         f"model.hidden={model.hidden} is not divisible by model.n_heads={model.n_heads}: "
+         f"choose n_heads among {_divisors(model.hidden)}"),
+        (model.n_heads % model.kv_heads == 0,
+         f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}: "
+         f"choose n_kv_heads among {_divisors(model.n_heads)}"),
+        (model.position != "rotary" or model.head_dim % 2 == 0,
+         f"rotary positions need an even head dim, got hidden/n_heads={model.head_dim}: "
+         f"change model.hidden or model.n_heads"),
+        (model.n_heads % tp == 0,
+         f"model.n_heads={model.n_heads} is not divisible by parallel.tp={tp}: "
+         f"use parallel.tp among {_divisors(model.n_heads)}"),
+        (model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
+         f"model.n_kv_heads={model.kv_heads} and parallel.tp={tp}: one must divide the other "
+         f"so that each rank holds whole KV heads or a whole copy of one"),
+        (model.ffn % tp == 0,
+         f"model.ffn_hidden={model.ffn} is not divisible by parallel.tp={tp}: "
+         f"use a multiple of {tp}"),
+        (model.padded_vocab % tp == 0,
+         f"padded vocab {model.padded_vocab} (model.vocab_size={model.vocab_size} rounded up to "
+         f"model.vocab_pad_multiple={model.vocab_pad_multiple}) is not divisible by "
+         f"parallel.tp={tp}: use a vocab_pad_multiple that is a multiple of {tp}"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

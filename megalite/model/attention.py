@@ -1,0 +1,67 @@
+"""Causal self-attention with its heads split across TP ranks (Megatron-LM, section 3).
+
+Q and K/V are column-parallel by heads, so each rank attends its own heads with no
+communication; the output projection is row-parallel. One all-reduce forward (g, in the output
+projection) and one backward (the shared f on the input).
+
+Grouped-query attention: K/V have n_kv_heads heads, each serving n_heads / n_kv_heads
+consecutive query heads. Ranks hold consecutive query heads, so when n_kv_heads >= tp each
+rank holds the n_kv_heads / tp K/V heads its queries need; when n_kv_heads < tp, tp /
+n_kv_heads consecutive ranks keep a copy of the one K/V head their queries share.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.model.layout import SequenceLayout
+from megalite.model.positions import apply_rotary
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.mappings import copy_to_tensor_parallel_region
+from megalite.parallel.random import TensorParallelRNG
+from megalite.parallel.state import ParallelState
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
+        super().__init__()
+        tp = pstate.tp_size
+        self.head_dim = cfg.head_dim
+        self.heads = cfg.n_heads // tp
+        self.kv_heads = max(1, cfg.kv_heads // tp)
+        self.dropout = cfg.dropout
+        self.rng = rng
+        self.tp_group = pstate.tp_group
+        std = cfg.init_std
+        self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_dim, pstate,
+                                           bias=cfg.bias, init_std=std, copy_input=False)
+        # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
+        # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
+        self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim, pstate,
+                                            bias=cfg.bias, init_std=std, copy_input=False,
+                                            shards=min(tp, cfg.kv_heads))
+        # GPT-2's scaled init of projections into the residual stream: 1/sqrt(2 * layers).
+        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.hidden, pstate,
+                                          bias=cfg.bias, init_std=std / math.sqrt(2 * cfg.n_layers))
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        x = copy_to_tensor_parallel_region(x, self.tp_group)
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        kv = self.kv_proj(x).view(batch, seq, self.kv_heads, 2, self.head_dim)
+        k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # Attention probabilities belong to this rank's heads only: dropped with the per-rank
+        # generator, so that ranks do not drop the same pattern in different heads.
+        with self.rng.fork():
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=layout.mask, is_causal=layout.mask is None,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=self.kv_heads != self.heads)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))

@@ -1,0 +1,47 @@
+"""TP-invariant initialisation: the TP=t model holds exactly the slices of the TP=1 weights.
+
+Each parameter is drawn IN FULL from its own generator, seeded by (seed, parameter name), so the
+draw depends on neither the TP size nor module construction order; each rank keeps its slice and
+frees the full tensor before drawing the next one. Bit-identical to TP=1, at the cost of drawing
+the full tensor on every rank (as Megatron's CPU-init path and picotron do; Megatron's GPU path
+draws only the slice and is only statistically equivalent).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from megalite.parallel.sharding import shard_of
+
+
+@dataclass(frozen=True)
+class Init:
+    """normal(0, std) when std is set, else the constant `fill` (zeros for biases, ones for norms)."""
+
+    std: float | None = None
+    fill: float = 0.0
+
+
+def set_init(param: torch.nn.Parameter, init: Init) -> torch.nn.Parameter:
+    param.megalite_init = init
+    return param
+
+
+def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tensor:
+    """The full fp32 tensor that TP=1 would hold for parameter `name`, drawn on the CPU."""
+    if init.std is None:
+        return torch.full(shape, init.fill)
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, init.std, generator=generator)
+
+
+@torch.no_grad()
+def init_parameters_(module: torch.nn.Module, seed: int) -> None:
+    for name, param in module.named_parameters():
+        shard = shard_of(param)
+        full = draw_full(param.megalite_init, shard.full_shape(param.shape) if shard else param.shape,
+                         name, seed)
+        param.copy_(shard.take(full) if shard else full)
+        del full  # before the next draw: at most one full tensor alive at a time

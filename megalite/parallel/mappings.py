@@ -1,0 +1,144 @@
+"""Communication primitives of tensor (and sequence) parallelism, as autograd functions.
+
+Named as in Megatron-LM's `tensor_parallel/mappings.py`. Each is a pair of collectives, one for
+forward and its adjoint for backward:
+
+| primitive                           | forward            | backward          | paper |
+|-------------------------------------|--------------------|-------------------|-------|
+| copy_to_tensor_parallel_region      | identity           | all-reduce        | f     |
+| reduce_from_tensor_parallel_region  | all-reduce         | identity          | g     |
+| scatter_to_tensor_parallel_region   | split last dim     | all-gather last   |       |
+| gather_from_tensor_parallel_region  | all-gather last    | split last dim    |       |
+| scatter_to_sequence_parallel_region | split seq dim      | all-gather seq    |       |
+| gather_from_sequence_parallel_region| all-gather seq     | reduce-scatter    |  g-bar (SP) |
+| reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | g (SP) |
+
+Activations are [batch, seq, hidden], so the sequence dim is 1. A group of None or of size 1
+makes every primitive the identity, with no autograd node and no collective.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 1
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x.chunk(group_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (no autograd)."""
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [p.contiguous() for p in x.chunk(group_size(group), dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, -1, ctx.group), None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+def _unless_single(function):
+    def apply(x: torch.Tensor, group) -> torch.Tensor:
+        return x if group_size(group) == 1 else function.apply(x, group)
+    apply.__doc__ = function.__name__.lstrip("_")
+    return apply
+
+
+copy_to_tensor_parallel_region = _unless_single(_CopyToTensorParallelRegion)
+reduce_from_tensor_parallel_region = _unless_single(_ReduceFromTensorParallelRegion)
+scatter_to_tensor_parallel_region = _unless_single(_ScatterToTensorParallelRegion)
+gather_from_tensor_parallel_region = _unless_single(_GatherFromTensorParallelRegion)
+scatter_to_sequence_parallel_region = _unless_single(_ScatterToSequenceParallelRegion)
+gather_from_sequence_parallel_region = _unless_single(_GatherFromSequenceParallelRegion)
+reduce_scatter_to_sequence_parallel_region = _unless_single(_ReduceScatterToSequenceParallelRegion)

@@ -1,0 +1,56 @@
+"""Dropout randomness under tensor parallelism (Megatron-LM's `random.py`).
+
+Replicated activations (the residual stream, embeddings) must be dropped identically on every
+TP rank, or the replicas diverge: they use the default generator, which the caller seeds the
+same on all TP ranks. Activations split across TP ranks (attention probabilities of each rank's
+own heads) must be dropped independently, or every rank would drop the same pattern in
+different heads: they use a tracked state seeded with seed + offset + tp_rank, swapped in with
+`fork()`. Activation recomputation saves and restores both (`get_state` / `set_state`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from megalite.parallel.state import ParallelState
+
+_TP_SEED_OFFSET = 2718
+
+
+def _device_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class TensorParallelRNG:
+    """The generator state used inside TP-split regions, distinct per TP rank."""
+
+    def __init__(self, seed: int, pstate: ParallelState):
+        self.device = pstate.device
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed + _TP_SEED_OFFSET + pstate.tp_rank)
+        self.state = generator.get_state()
+
+    @contextmanager
+    def fork(self):
+        outside = _device_rng_state(self.device)
+        _set_device_rng_state(self.device, self.state)
+        try:
+            yield
+        finally:
+            self.state = _device_rng_state(self.device)
+            _set_device_rng_state(self.device, outside)
+
+    def get_state(self) -> dict[str, torch.Tensor]:
+        return {"default": _device_rng_state(self.device), "tensor_parallel": self.state.clone()}
+
+    def set_state(self, state: dict[str, torch.Tensor]) -> None:
+        _set_device_rng_state(self.device, state["default"])
+        self.state = state["tensor_parallel"].clone()

@@ -1,0 +1,49 @@
+"""Which slice of a full weight a rank holds, recorded on the parameter itself.
+
+A parameter without a `Shard` is replicated: every TP rank holds the whole tensor. A sharded one
+holds slice `index` of `count` equal slices along `dim`. Usually count == tp; GQA with fewer KV
+heads than TP ranks has count < tp, and tp / count consecutive ranks hold the same slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.parallel.mappings import all_gather, group_size
+from megalite.parallel.state import ParallelState
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    index: int
+    count: int
+
+    def full_shape(self, local_shape: torch.Size) -> torch.Size:
+        shape = list(local_shape)
+        shape[self.dim] *= self.count
+        return torch.Size(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.count, dim=self.dim)[self.index]
+
+
+def mark_sharded(param: torch.nn.Parameter, dim: int, index: int, count: int) -> None:
+    param.tp_shard = Shard(dim, index, count)
+
+
+def shard_of(param: torch.Tensor) -> Shard | None:
+    return getattr(param, "tp_shard", None)
+
+
+def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState) -> torch.Tensor:
+    """The full tensor (weight, gradient, optimizer moment) whose slice `local` is, on every rank.
+
+    A collective over the TP group when `shard` is not None: every TP rank must call it.
+    """
+    if shard is None or group_size(pstate.tp_group) == 1:
+        return local
+    parts = all_gather(local.unsqueeze(0), 0, pstate.tp_group)
+    copies = pstate.tp_size // shard.count
+    return torch.cat(list(parts[::copies]), dim=shard.dim)

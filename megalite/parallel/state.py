@@ -1,0 +1,106 @@
+"""Who is who in a TP x DP layout: ranks, sizes and process groups, in one explicit object.
+
+Global rank = dp_rank * tp + tp_rank: TP groups are blocks of consecutive ranks, so with one
+process per GPU a TP group stays inside a node (NVLink) and only DP traffic crosses nodes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megalite.config import ModelConfig, ParallelConfig, check_layout
+
+
+@dataclass
+class ParallelState:
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout: timedelta = timedelta(minutes=10)
+    _tp_subgroups: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_world(cls, tp: int, timeout: timedelta = timedelta(minutes=10),
+                   device: torch.device | None = None) -> "ParallelState":
+        """Build the TP and DP groups of an initialised torch.distributed world.
+
+        Every rank creates every group, in the same order, as new_group requires.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        check_layout(None, tp, world)
+        dp = world // tp
+        tp_group = dp_group = None
+        for d in range(dp):
+            group = dist.new_group(list(range(d * tp, (d + 1) * tp)), timeout=timeout)
+            if rank // tp == d:
+                tp_group = group
+        for t in range(tp):
+            group = dist.new_group(list(range(t, world, tp)), timeout=timeout)
+            if rank % tp == t:
+                dp_group = group
+        return cls(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
+                   tp_group=tp_group, dp_group=dp_group, timeout=timeout,
+                   device=device or torch.device("cpu"))
+
+    def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
+        """The group of `size` consecutive ranks of this TP group that contains this rank.
+
+        GQA with fewer KV heads than TP ranks gives such a block of ranks the same KV head;
+        their weight gradients are summed over this group. Created on first use; every rank
+        builds the model identically, so every rank asks for the same sizes in the same order.
+        """
+        if size == 1:
+            return None
+        if size == self.tp_size:
+            return self.tp_group
+        if size not in self._tp_subgroups:
+            mine = None
+            for first in range(0, self.world_size, size):
+                group = dist.new_group(list(range(first, first + size)), timeout=self.timeout)
+                if first <= self.rank < first + size:
+                    mine = group
+            self._tp_subgroups[size] = mine
+        return self._tp_subgroups[size]
+
+
+def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) -> ParallelState:
+    """Initialise torch.distributed from torchrun's environment and build the TP x DP layout.
+
+    Without torchrun (no WORLD_SIZE in the environment) this is a plain single process,
+    TP=1 x DP=1, with no process group at all. The layout is validated from the environment
+    BEFORE init_process_group, so a bad config fails on every rank without a collective.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_layout(model, parallel.tp, world)
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    timeout = timedelta(minutes=parallel.timeout_minutes)
+    if "WORLD_SIZE" not in os.environ:
+        return ParallelState(device=device, timeout=timeout)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
+                                device_id=device if use_cuda else None)
+    return ParallelState.from_world(parallel.tp, timeout, device)

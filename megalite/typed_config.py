@@ -1,0 +1,74 @@
+"""Strict conversion of YAML-shaped dicts into typed dataclasses.
+
+Every key is checked against the dataclass: an unknown key is an error that names the nearest
+valid key, and every value is checked against its annotated type, so a typo in a config file
+fails at load time instead of silently falling back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Union
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a valid run; the message names the value and the fix."""
+
+
+def from_dict(cls: type, data: Any, where: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key(f"{where}{key}", key, fields, where))
+    return cls(**{key: coerce(hints[key], value, f"{where}{key}") for key, value in data.items()})
+
+
+def coerce(annotation: Any, value: Any, key: str) -> Any:
+    """Return `value` as `annotation`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, f"{key}.")
+    if origin is Literal:
+        if value not in typing.get_args(annotation):
+            choices = ", ".join(repr(c) for c in typing.get_args(annotation))
+            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        return value
+    if origin in (Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(annotation)):
+            return None
+        errors = []
+        for option in options:
+            try:
+                return coerce(option, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError("; ".join(errors))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
+
+
+def _unknown_key(full_key: str, key: str, valid: set[str], where: str) -> str:
+    close = difflib.get_close_matches(key, sorted(valid), n=1)
+    hint = f"; did you mean '{where}{close[0]}'?" if close else ""
+    return f"unknown config key '{full_key}'{hint} (valid keys: {', '.join(sorted(valid))})"

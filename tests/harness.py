@@ -1,0 +1,112 @@
+"""Run a function on N gloo processes and fail fast: the suite never hangs.
+
+    results = run_distributed(check_something, 4, arg1, arg2)
+
+Each rank runs `fn(*args)` after init_process_group (gloo, a file store in a temporary
+directory, so there is no port to collide on) and reports its return value or traceback.
+The parent fails as soon as one rank raises, dies without reporting, or the timeout passes,
+and kills the others, which would otherwise wait forever in their next collective.
+
+By hand under torchrun (the rendezvous then comes from torchrun's environment):
+    torchrun --nproc_per_node 2 -m tests.harness tests.test_layers:check_linear_layers 2
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import queue as queue_lib
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedFailure(AssertionError):
+    pass
+
+
+def _worker(fn, rank, world_size, init_file, results, args, timeout):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+    """fn's return value on each rank, in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(fn, rank, world_size, os.path.join(tmp, "store"), results,
+                                   args, timeout))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, timeout)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def _collect(procs, results, timeout: float) -> list:
+    done: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < len(procs):
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue_lib.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if r not in done and p.exitcode is not None]
+            if dead:
+                _kill(procs)
+                raise DistributedFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} "
+                                         f"before reporting a result")
+            if time.monotonic() > deadline:
+                _kill(procs)
+                waiting = [r for r in range(len(procs)) if r not in done]
+                raise DistributedFailure(f"timed out after {timeout:.0f}s; ranks {waiting} "
+                                         f"had not finished")
+            continue
+        if not ok:
+            _kill(procs)
+            raise DistributedFailure(f"rank {rank} raised:\n{payload}")
+        done[rank] = pickle.loads(payload)
+    return [done[r] for r in range(len(procs))]
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+
+
+def main(argv: list[str]) -> None:
+    """torchrun entry point: `-m tests.harness module:function [int args...]`."""
+    module, name = argv[0].split(":")
+    dist.init_process_group("gloo")
+    try:
+        getattr(importlib.import_module(module), name)(*(int(a) for a in argv[1:]))
+        print(f"rank {dist.get_rank()}: {argv[0]} passed")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
