@@ -1,0 +1,58 @@
+"""Collectives per transformer layer, counted: 2 all-reduces forward and 2 backward (TP > 1)."""
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState
+from tests.harness import run_distributed
+from tests.models import CONFIGS, padded_batch
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "all_to_all", "send", "recv")
+
+
+def count_collectives(config_name: str, tp: int) -> dict:
+    cfg = CONFIGS[config_name]
+    ps = ParallelState.from_world(tp)
+    model = GPT(cfg, ps, seed=0)
+    ids, mask, labels = padded_batch(cfg, "right")
+    calls: collections.Counter = collections.Counter()
+    phase = ["idle"]
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            group = kwargs.get("group")
+            calls[(phase[0], _name, dist.get_world_size(group))] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    phase[0] = "forward"
+    loss = model(ids, labels=labels).token_losses.sum()
+    phase[0] = "backward"
+    loss.backward()
+    return dict(calls)
+
+
+@pytest.mark.parametrize("config_name,tp,world,per_layer_backward_extra", [
+    ("gpt2", 2, 2, 0),
+    ("llama", 2, 2, 0),
+    # n_kv_heads=2 < tp=4: the two copies of each KV weight sum their gradients, one more
+    # all-reduce per layer in backward, over the pair of ranks that share it.
+    ("llama", 4, 4, 1),
+])
+def test_two_all_reduces_per_layer_each_way(config_name, tp, world, per_layer_backward_extra):
+    layers = CONFIGS[config_name].n_layers
+    calls = run_distributed(count_collectives, world, config_name, tp)[0]
+    expected = {
+        # 2 per layer (attention and MLP g) + embedding g + loss (max, target logit, sum-exp)
+        ("forward", "all_reduce", tp): 2 * layers + 1 + 3,
+        # 2 per layer (attention and MLP f) + the LM head's f
+        ("backward", "all_reduce", tp): 2 * layers + 1,
+    }
+    if per_layer_backward_extra:
+        expected[("backward", "all_reduce", 2)] = per_layer_backward_extra * layers
+    assert calls == expected

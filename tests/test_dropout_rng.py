@@ -1,0 +1,69 @@
+"""Dropout under TP: identical masks on replicated activations, distinct inside split regions."""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megalite.model import GPT
+from megalite.parallel.mappings import all_gather
+from megalite.parallel.random import TensorParallelRNG
+from megalite.parallel.state import ParallelState
+from tests.harness import run_distributed
+from tests.models import CONFIGS, padded_batch
+
+
+def same_on_all_ranks(x: torch.Tensor, group) -> bool:
+    copies = all_gather(x.unsqueeze(0), 0, group)
+    return all(torch.equal(c, copies[0]) for c in copies)
+
+
+def check_tracker():
+    ps = ParallelState.from_world(2)
+    torch.manual_seed(0)
+    rng = TensorParallelRNG(seed=0, pstate=ps)
+    with rng.fork():
+        inside = torch.rand(8)
+    outside = torch.rand(8)
+    assert not same_on_all_ranks(inside, ps.tp_group)
+    assert same_on_all_ranks(outside, ps.tp_group)
+    # fork() leaves the default stream where it was: as if the fork had not happened.
+    torch.manual_seed(0)
+    assert torch.equal(outside, torch.rand(8))
+    # The tracked stream moves on between forks, and its state round-trips.
+    state = rng.get_state()
+    with rng.fork():
+        second = torch.rand(8)
+    rng.set_state(state)
+    with rng.fork():
+        assert torch.equal(second, torch.rand(8))
+    assert not torch.equal(inside, second)
+
+
+def check_model_dropout():
+    ps = ParallelState.from_world(2)
+    cfg = dataclasses.replace(CONFIGS["llama"], dropout=0.2)
+    ids, mask, labels = padded_batch(cfg, "right")
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(1)  # the trainer seeds the default generator the same on all TP ranks
+        model = GPT(cfg, ps, seed=4).train()
+        loss = model(ids, labels=labels).token_losses.sum()
+        loss.backward()
+        losses.append(loss.detach())
+        # Replicated parameters see the replicated residual stream: if its dropout masks
+        # differed between TP ranks, their gradients would too.
+        for name, p in model.named_parameters():
+            if not hasattr(p, "tp_shard"):
+                assert same_on_all_ranks(p.grad, ps.tp_group), name
+    assert torch.equal(losses[0], losses[1])
+    eval_loss = model.eval()(ids, labels=labels).token_losses.sum()
+    assert not torch.allclose(eval_loss, losses[0])
+    return dist.get_rank()
+
+
+def test_tracker_streams_differ_inside_tp_regions_and_match_outside():
+    run_distributed(check_tracker, 2)
+
+
+def test_model_dropout_is_reproducible_and_consistent_across_tp_ranks():
+    run_distributed(check_model_dropout, 2)

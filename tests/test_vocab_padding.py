@@ -1,0 +1,34 @@
+"""Vocab padding: a fixed multiple, independent of TP; padded columns get no mass and no gradient."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+from megalite.config import check_layout, load_model_config
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState
+from tests.models import CONFIGS, padded_batch
+
+
+def test_padded_vocab_does_not_depend_on_tp():
+    cfg = load_model_config("gpt2-small")
+    assert cfg.padded_vocab == 50304
+    for tp in (1, 2, 4):
+        check_layout(cfg, tp, tp)  # the same padded vocab is valid at every TP size
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_padded_columns_get_no_mass_and_do_not_change_the_loss(config_name):
+    cfg = CONFIGS[config_name]
+    model = GPT(cfg, ParallelState(), seed=0)
+    ids, mask, labels = padded_batch(cfg, "right")
+    out = model(ids, labels=labels)
+    assert bool((out.logits[..., cfg.vocab_size:] == float("-inf")).all())
+    out.token_losses.sum().backward()
+    head = model.embed if model.head is None else model.head
+    assert bool((head.weight.grad[cfg.vocab_size:] == 0).all())
+
+    with torch.no_grad():
+        head.weight[cfg.vocab_size:] = 100.0  # whatever the padded rows hold
+    changed = model(ids, labels=labels)
+    assert_close(changed.logits[..., : cfg.vocab_size], out.logits[..., : cfg.vocab_size])
+    assert_close(changed.token_losses, out.token_losses)
