@@ -16,6 +16,7 @@ import importlib
 import os
 import pickle
 import queue as queue_lib
+import socket
 import sys
 import tempfile
 import time
@@ -31,11 +32,15 @@ class DistributedFailure(AssertionError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, results, args, timeout):
+def _worker(fn, rank, world_size, init_file, results, args, timeout, torchrun_env):
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        if torchrun_env:
+            os.environ.update(torchrun_env, RANK=str(rank), LOCAL_RANK=str(rank),
+                              WORLD_SIZE=str(world_size))
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout))
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -44,14 +49,20 @@ def _worker(fn, rank, world_size, init_file, results, args, timeout):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
-    """fn's return value on each rank, in rank order."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0,
+                    torchrun_env: bool = False) -> list:
+    """fn's return value on each rank, in rank order.
+
+    torchrun_env=True gives each rank torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK,
+    LOCAL_RANK, WORLD_SIZE) instead of an initialised process group: `fn` initialises it.
+    """
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if torchrun_env else None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(fn, rank, world_size, os.path.join(tmp, "store"), results,
-                                   args, timeout))
+                                   args, timeout, env))
                  for rank in range(world_size)]
         for p in procs:
             p.start()
@@ -72,29 +83,38 @@ def _collect(procs, results, timeout: float) -> list:
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue_lib.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if r not in done and p.exitcode is not None]
-            if dead:
-                _kill(procs)
-                raise DistributedFailure(f"rank {dead[0][0]} died with exit code {dead[0][1]} "
-                                         f"before reporting a result")
+            if _dead(procs, done):
+                _fail(procs, done, "")
             if time.monotonic() > deadline:
-                _kill(procs)
                 waiting = [r for r in range(len(procs)) if r not in done]
-                raise DistributedFailure(f"timed out after {timeout:.0f}s; ranks {waiting} "
-                                         f"had not finished")
+                _fail(procs, done, f"timed out after {timeout:.0f}s; ranks {waiting} had not finished")
             continue
         if not ok:
-            _kill(procs)
-            raise DistributedFailure(f"rank {rank} raised:\n{payload}")
+            # A rank that died makes its peers' collectives raise too: give the dead rank a
+            # moment to be seen, so the report names the root cause first.
+            time.sleep(1.0)
+            _fail(procs, done, f"rank {rank} raised:\n{payload}")
         done[rank] = pickle.loads(payload)
     return [done[r] for r in range(len(procs))]
 
 
-def _kill(procs) -> None:
+def _dead(procs, done) -> list[str]:
+    return [f"rank {r} died with exit code {p.exitcode} before reporting a result"
+            for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
+
+
+def _fail(procs, done, message: str):
+    dead = _dead(procs, done)
     for p in procs:
         if p.is_alive():
             p.kill()
+    raise DistributedFailure("\n".join(dead + ([message] if message else [])))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,100 @@
+"""Strict config loading, and one clear error per invalid layout, raised before any collective."""
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from megalite.config import ModelConfig, ParallelConfig, check_layout, load_model_config
+from megalite.parallel.state import init_parallel
+from megalite.typed_config import ConfigError
+
+BASE = ModelConfig(vocab_size=1000, hidden=64, n_heads=8, n_layers=2, max_seq_len=64)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt2-medium", "llama-1b"])
+def test_presets_load_and_are_valid(preset):
+    cfg = load_model_config(preset)
+    check_layout(cfg, 1, 1)
+
+
+def test_llama_1b_preset_has_the_expected_shape():
+    cfg = load_model_config("llama-1b")
+    assert (cfg.kv_heads, cfg.head_dim, cfg.padded_vocab) == (8, 64, 128256)
+    check_layout(cfg, 8, 16)
+
+
+def test_unknown_key_names_the_nearest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.n_head'; did you mean 'model\.n_heads'\?"):
+        load_model_config("tiny", n_head=4)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("n_layers", "2", r"model\.n_layers: expected an integer, got '2'"),
+    ("n_layers", True, r"model\.n_layers: expected an integer, got True"),
+    ("bias", 1, r"model\.bias: expected true or false, got 1"),
+    ("dropout", "high", r"model\.dropout: expected a number, got 'high'"),
+    ("norm", "batchnorm", r"model\.norm: 'batchnorm' is not one of 'layernorm', 'rmsnorm'"),
+    ("n_kv_heads", 2.5, r"model\.n_kv_heads: expected an integer, got 2\.5"),
+])
+def test_wrong_types_name_the_key_and_value(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_model_config("tiny", **{key: value})
+
+
+def test_optional_fields_accept_null_and_ints_become_floats():
+    cfg = load_model_config("tiny", n_kv_heads=None, dropout=0)
+    assert cfg.n_kv_heads is None and isinstance(cfg.dropout, float)
+
+
+def test_missing_preset_lists_the_available_ones():
+    with pytest.raises(ConfigError, match=r"model config 'gpt5' not found \(presets: gpt2-medium, gpt2-small, llama-1b, tiny\)"):
+        load_model_config("gpt5")
+
+
+@pytest.mark.parametrize("changes,tp,world,message", [
+    (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
+    (dict(n_kv_heads=3), 1, 1, r"model\.n_heads=8 is not divisible by model\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
+    (dict(hidden=40, n_heads=8, position="rotary"), 1, 1, r"rotary positions need an even head dim, got hidden/n_heads=5"),
+    ({}, 2, 3, r"world size 3 is not divisible by parallel\.tp=2: use parallel\.tp among \[1, 3\] or launch a multiple of 2 processes"),
+    ({}, 16, 16, r"model\.n_heads=8 is not divisible by parallel\.tp=16: use parallel\.tp among \[1, 2, 4, 8\]"),
+    (dict(n_kv_heads=2), 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads
+    (dict(n_heads=12, n_kv_heads=6, hidden=48), 4, 4, r"model\.n_kv_heads=6 and parallel\.tp=4: one must divide the other"),
+    (dict(ffn_hidden=250), 4, 4, r"model\.ffn_hidden=250 is not divisible by parallel\.tp=4: use a multiple of 4"),
+    (dict(vocab_pad_multiple=2, vocab_size=1001), 4, 4, r"padded vocab 1002 \(model\.vocab_size=1001 rounded up to model\.vocab_pad_multiple=2\) is not divisible by parallel\.tp=4: use a vocab_pad_multiple that is a multiple of 4"),
+    (dict(dropout=1.0), 1, 1, r"model\.dropout=1\.0 must be in \[0, 1\)"),
+    (dict(n_layers=0), 1, 1, r"model\.n_layers=0 must be >= 1"),
+    (dict(max_seq_len=0), 1, 1, r"model\.max_seq_len=0 must be >= 1"),
+    (dict(norm_eps=0.0), 1, 1, r"model\.norm_eps=0\.0 must be > 0"),
+    (dict(init_std=-1.0), 1, 1, r"model\.init_std=-1\.0 must be > 0"),
+    ({}, 0, 1, r"parallel\.tp=0 must be >= 1"),
+])
+def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
+    cfg = dataclasses.replace(BASE, **changes)
+    if message is None:
+        check_layout(cfg, tp, world)
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, tp, world)
+
+
+def test_all_problems_come_in_one_error():
+    cfg = dataclasses.replace(BASE, n_heads=5, hidden=64)
+    with pytest.raises(ConfigError) as err:
+        check_layout(cfg, 2, 3)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid config:" and len(lines) == 5
+
+
+def test_init_parallel_rejects_a_bad_layout_before_any_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by parallel.tp=2"):
+        init_parallel(ParallelConfig(tp=2), BASE)
+    assert not dist.is_initialized()
+
+
+def test_without_torchrun_init_parallel_is_a_plain_single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ps = init_parallel(ParallelConfig(tp=1), BASE)
+    assert (ps.tp_size, ps.dp_size, ps.tp_group, ps.dp_group) == (1, 1, None, None)
+    assert not dist.is_initialized()
