@@ -29,7 +29,9 @@ def group_size(group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
+    # Out of place: autograd may hand the same gradient tensor to several branches (an add
+    # passes one tensor to both inputs), so reducing it in place would corrupt the others.
+    x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=group)
     return x
 
