@@ -54,93 +54,67 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+def _primitive(name: str, forward, backward):
+    """An autograd function whose forward is forward(x, group) and backward backward(grad, group).
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    A group of None or of size 1 makes it the identity, with no autograd node.
+    """
 
+    class Primitive(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, -1, ctx.group), None
+    Primitive.__name__ = Primitive.__qualname__ = name
 
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, SEQ_DIM, ctx.group), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, SEQ_DIM, ctx.group), None
-
-
-def _unless_single(function):
     def apply(x: torch.Tensor, group) -> torch.Tensor:
-        return x if group_size(group) == 1 else function.apply(x, group)
-    apply.__doc__ = function.__name__.lstrip("_")
+        return x if group_size(group) == 1 else Primitive.apply(x, group)
+
+    apply.__name__ = apply.__qualname__ = name
     return apply
 
 
-copy_to_tensor_parallel_region = _unless_single(_CopyToTensorParallelRegion)
-reduce_from_tensor_parallel_region = _unless_single(_ReduceFromTensorParallelRegion)
-scatter_to_tensor_parallel_region = _unless_single(_ScatterToTensorParallelRegion)
-gather_from_tensor_parallel_region = _unless_single(_GatherFromTensorParallelRegion)
-scatter_to_sequence_parallel_region = _unless_single(_ScatterToSequenceParallelRegion)
-gather_from_sequence_parallel_region = _unless_single(_GatherFromSequenceParallelRegion)
-reduce_scatter_to_sequence_parallel_region = _unless_single(_ReduceScatterToSequenceParallelRegion)
+def _split_last(x, group):
+    return _split(x, -1, group)
+
+
+def _gather_last(x, group):
+    return all_gather(x, -1, group)
+
+
+def _split_seq(x, group):
+    return _split(x, SEQ_DIM, group)
+
+
+def _gather_seq(x, group):
+    return all_gather(x, SEQ_DIM, group)
+
+
+def _reduce_scatter_seq(x, group):
+    return _reduce_scatter(x, SEQ_DIM, group)
+
+
+# name                                     forward              backward
+copy_to_tensor_parallel_region = _primitive(
+    "copy_to_tensor_parallel_region",      _identity,           _all_reduce)
+reduce_from_tensor_parallel_region = _primitive(
+    "reduce_from_tensor_parallel_region",  _all_reduce,         _identity)
+scatter_to_tensor_parallel_region = _primitive(
+    "scatter_to_tensor_parallel_region",   _split_last,         _gather_last)
+gather_from_tensor_parallel_region = _primitive(
+    "gather_from_tensor_parallel_region",  _gather_last,        _split_last)
+scatter_to_sequence_parallel_region = _primitive(
+    "scatter_to_sequence_parallel_region", _split_seq,          _gather_seq)
+gather_from_sequence_parallel_region = _primitive(
+    "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
+reduce_scatter_to_sequence_parallel_region = _primitive(
+    "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
