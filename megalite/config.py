@@ -62,15 +62,21 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
 
 
-def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
-    """A preset name from configs/model/ (e.g. 'gpt2-small') or a path to a YAML file."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = PRESET_DIR / f"{name_or_path}.yaml"
+def read_preset(name: str) -> dict:
+    """The raw mapping of a model preset under configs/model/ (e.g. 'gpt2-small')."""
+    path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-        raise ConfigError(f"model config '{name_or_path}' not found (presets: {presets})")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"model config '{name}' not found (presets: {presets})")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
+    """A preset name from configs/model/ or a path to a YAML file, with keyword overrides."""
+    path = Path(name_or_path)
+    if path.suffix and not path.is_file():
+        raise ConfigError(f"model config file '{path}' not found")
+    data = (yaml.safe_load(path.read_text()) or {}) if path.suffix else read_preset(str(name_or_path))
     return from_dict(ModelConfig, {**data, **overrides}, "model.")
 
 

@@ -49,6 +49,11 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError("; ".join(errors))
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(annotation)[:1]
+        return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     if annotation is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -58,6 +63,12 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

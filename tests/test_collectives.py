@@ -1,5 +1,6 @@
 """Collectives per transformer layer, counted: 2 all-reduces forward and 2 backward (TP > 1)."""
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "reduce_scatter_tensor", "broadcast", "all_to_all", "send", "recv")
 
 
+VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
+
+
 def count_collectives(config_name: str, tp: int) -> dict:
-    cfg = CONFIGS[config_name]
+    cfg = VARIANTS[config_name]
     ps = ParallelState.from_world(tp)
     model = GPT(cfg, ps, seed=0)
     ids, mask, labels = padded_batch(cfg, "right")
@@ -43,9 +47,11 @@ def count_collectives(config_name: str, tp: int) -> dict:
     # n_kv_heads=2 < tp=4: the two copies of each KV weight sum their gradients, one more
     # all-reduce per layer in backward, over the pair of ranks that share it.
     ("llama", 4, 4, 1),
+    # With biases, the KV bias's copies sum theirs too: one more again.
+    ("gpt2-gqa1", 2, 2, 2),
 ])
 def test_two_all_reduces_per_layer_each_way(config_name, tp, world, per_layer_backward_extra):
-    layers = CONFIGS[config_name].n_layers
+    layers = VARIANTS[config_name].n_layers
     calls = run_distributed(count_collectives, world, config_name, tp)[0]
     expected = {
         # 2 per layer (attention and MLP g) + embedding g + loss (max, target logit, sum-exp)
@@ -54,5 +60,7 @@ def test_two_all_reduces_per_layer_each_way(config_name, tp, world, per_layer_ba
         ("backward", "all_reduce", tp): 2 * layers + 1,
     }
     if per_layer_backward_extra:
-        expected[("backward", "all_reduce", 2)] = per_layer_backward_extra * layers
+        copies = tp // min(tp, VARIANTS[config_name].kv_heads)
+        key = ("backward", "all_reduce", copies)
+        expected[key] = expected.get(key, 0) + per_layer_backward_extra * layers
     assert calls == expected

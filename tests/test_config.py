@@ -5,7 +5,8 @@ import pytest
 import torch.distributed as dist
 
 from megalite.config import ModelConfig, ParallelConfig, check_layout, load_model_config
-from megalite.parallel.state import init_parallel
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState, init_parallel
 from megalite.typed_config import ConfigError
 
 BASE = ModelConfig(vocab_size=1000, hidden=64, n_heads=8, n_layers=2, max_seq_len=64)
@@ -39,6 +40,15 @@ def test_unknown_key_names_the_nearest_valid_key():
 def test_wrong_types_name_the_key_and_value(key, value, message):
     with pytest.raises(ConfigError, match=message):
         load_model_config("tiny", **{key: value})
+
+
+def test_model_refuses_a_layout_it_cannot_split_exactly():
+    with pytest.raises(ConfigError, match=r"model\.ffn_hidden=50 is not divisible by parallel\.tp=4"):
+        GPT(dataclasses.replace(BASE, ffn_hidden=50), ParallelState(tp_size=4))
+
+
+def test_yaml_exponents_without_a_dot_are_numbers():
+    assert load_model_config("tiny", norm_eps="1e-5").norm_eps == 1e-5
 
 
 def test_optional_fields_accept_null_and_ints_become_floats():

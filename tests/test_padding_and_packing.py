@@ -67,6 +67,20 @@ def test_packed_batch_equals_each_document_alone(model, trailing_pad):
     assert torch.isfinite(logits[:, : model.cfg.vocab_size]).all()
 
 
+def test_packed_row_with_left_padding_counts_positions_from_the_first_real_token(model):
+    """Pads that share the first document's id must not shift its positions (learned
+    positions see absolute positions; rotary ones would hide the error)."""
+    docs = sequences(model.cfg, lengths=(4, 3), seed=5)
+    ids = torch.cat([torch.full((1, 2), PAD_ID)] + docs, dim=1)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    assert sequence_layout(ids, mask, doc_ids).positions[0, 2:].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    logits = model(ids, attention_mask=mask, doc_ids=doc_ids).logits[0]
+    expected = alone(model, docs)
+    assert_close(logits[2:6], expected[0], **TOL)
+    assert_close(logits[6:], expected[1], **TOL)
+
+
 def test_a_fully_padded_row_stays_finite(model):
     ids, mask, labels = padded_batch(model.cfg, "left", lengths=(6, 0))
     out = model.train()(ids, attention_mask=mask, labels=labels)

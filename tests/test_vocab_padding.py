@@ -1,19 +1,14 @@
-"""Vocab padding: a fixed multiple, independent of TP; padded columns get no mass and no gradient."""
+"""Padded vocab columns get no probability mass and no gradient, whatever the padded rows hold.
+
+(That the padding does not depend on TP is what the TP parity tests show: the TP=2 and TP=4
+models equal the TP=1 model, padded vocabulary included.)"""
 import pytest
 import torch
 from torch.testing import assert_close
 
-from megalite.config import check_layout, load_model_config
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.models import CONFIGS, padded_batch
-
-
-def test_padded_vocab_does_not_depend_on_tp():
-    cfg = load_model_config("gpt2-small")
-    assert cfg.padded_vocab == 50304
-    for tp in (1, 2, 4):
-        check_layout(cfg, tp, tp)  # the same padded vocab is valid at every TP size
 
 
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))

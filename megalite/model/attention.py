@@ -12,6 +12,7 @@ n_kv_heads consecutive ranks keep a copy of the one K/V head their queries share
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +58,11 @@ class Attention(nn.Module):
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        dropout = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: dropped with the per-rank
         # generator, so that ranks do not drop the same pattern in different heads.
-        with self.rng.fork():
+        with self.rng.fork() if dropout > 0 else nullcontext():
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=layout.mask, is_causal=layout.mask is None,
-                dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=self.kv_heads != self.heads)
+                dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))

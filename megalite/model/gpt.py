@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, check_layout
 from megalite.model.attention import Attention
 from megalite.model.layout import SequenceLayout, sequence_layout
 from megalite.model.mlp import MLP
@@ -66,6 +66,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0):
         super().__init__()
+        check_layout(cfg, pstate.tp_size, pstate.world_size)
         self.cfg, self.pstate = cfg, pstate
         self.rng = TensorParallelRNG(seed, pstate)
         device, std = pstate.device, cfg.init_std
@@ -99,6 +100,8 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, layout, rotary)
         x = copy_to_tensor_parallel_region(self.norm(x), self.pstate.tp_group)
+        # Tied or not, the head is the vocab-split matrix E_r applied after f: the tied case has
+        # no module of its own, so both use the weight directly.
         head = self.embed if self.head is None else self.head
         logits = F.linear(x, head.weight)
         if self.vocab_padding is not None:

@@ -41,7 +41,8 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     else:
         # Packed documents: positions restart where the document id changes, and a query
         # sees only earlier keys of its own document.
-        starts = (doc_ids != doc_ids.roll(1, dims=-1)) | (index == 0)
+        # A document also starts at its first real token, should pads before it share its id.
+        starts = (doc_ids != doc_ids.roll(1, dims=-1)) | (index == 0) | (real & ~real.roll(1, dims=-1))
         first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
         positions = index - first
         same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)

@@ -33,7 +33,7 @@ def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tens
     """The full fp32 tensor that TP=1 would hold for parameter `name`, drawn on the CPU."""
     if init.std is None:
         return torch.full(shape, init.fill)
-    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    generator = torch.Generator().manual_seed(((seed % 2**31) << 32) | zlib.crc32(name.encode()))
     return torch.empty(shape).normal_(0.0, init.std, generator=generator)
 
 

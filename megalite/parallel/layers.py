@@ -39,6 +39,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         shards = shards or pstate.tp_size
         copies = pstate.tp_size // shards
+        if gather_output and copies > 1:
+            raise ValueError("gather_output needs one slice per rank (shards == tp): with "
+                             "copies, the gathered output would repeat columns")
         index = pstate.tp_rank // copies
         self.tp_group = pstate.tp_group
         self.replica_group = pstate.tp_subgroup(copies)

@@ -58,9 +58,11 @@ class ParallelState:
             group = dist.new_group(list(range(t, world, tp)), timeout=timeout)
             if rank % tp == t:
                 dp_group = group
+        if device is None:
+            nccl = dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         return cls(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
-                   tp_group=tp_group, dp_group=dp_group, timeout=timeout,
-                   device=device or torch.device("cpu"))
+                   tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device)
 
     def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks of this TP group that contains this rank.

@@ -1,0 +1,24 @@
+"""megalite's model equals the transformer written out by hand (tests/reference_model.py)."""
+import dataclasses
+
+import pytest
+from torch.testing import assert_close
+
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState
+from tests.models import CONFIGS, sequences
+from tests.reference_model import reference_logits
+
+VARIANTS = {
+    **CONFIGS,
+    "gpt2-exact-gelu-gqa1": dataclasses.replace(CONFIGS["gpt2"], activation="gelu", n_kv_heads=1),
+    "llama-mha-tied": dataclasses.replace(CONFIGS["llama"], n_kv_heads=None, tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_model_equals_the_hand_written_transformer(name):
+    model = GPT(VARIANTS[name], ParallelState(), seed=9).eval()
+    for ids in sequences(model.cfg):
+        assert_close(model.full_logits(model(ids).logits)[0], reference_logits(model, ids),
+                     atol=1e-5, rtol=1e-5)
