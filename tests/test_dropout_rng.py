@@ -67,3 +67,22 @@ def test_tracker_streams_differ_inside_tp_regions_and_match_outside():
 
 def test_model_dropout_is_reproducible_and_consistent_across_tp_ranks():
     run_distributed(check_model_dropout, 2)
+
+
+def check_activation_checkpointing_replays_dropout():
+    ps = ParallelState.from_world(2)
+    cfg = dataclasses.replace(CONFIGS["llama"], dropout=0.2)
+    ids, _, labels = padded_batch(cfg, "right")
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        model = GPT(cfg, ps, seed=4).train()
+        model.activation_checkpointing = recompute
+        model(ids, labels=labels).token_losses.sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+
+
+def test_activation_checkpointing_recomputes_the_same_dropout_masks():
+    run_distributed(check_activation_checkpointing_replays_dropout, 2)

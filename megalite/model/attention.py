@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.positions import apply_rotary
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -28,9 +29,10 @@ from megalite.parallel.state import ParallelState
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         tp = pstate.tp_size
+        self.layer = layer
         self.head_dim = cfg.head_dim
         self.heads = cfg.n_heads // tp
         self.kv_heads = max(1, cfg.kv_heads // tp)
@@ -50,7 +52,8 @@ class Attention(nn.Module):
                                           bias=cfg.bias, init_std=std / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         x = copy_to_tensor_parallel_region(x, self.tp_group)
         q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
@@ -58,11 +61,17 @@ class Attention(nn.Module):
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        # A prompt attends causally; a decoded token, alone, attends every cached token.
+        causal = layout.mask is None and seq > 1
+        if cache is not None:
+            if seq > 1 and cache.offset > 0:
+                raise ValueError("after the prompt, decode one token per forward")
+            k, v = cache.extend(self.layer, k, v)
         dropout = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: dropped with the per-rank
         # generator, so that ranks do not drop the same pattern in different heads.
         with self.rng.fork() if dropout > 0 else nullcontext():
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=layout.mask, is_causal=layout.mask is None,
+                q, k, v, attn_mask=layout.mask, is_causal=causal,
                 dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))

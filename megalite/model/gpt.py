@@ -27,9 +27,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig, check_layout
 from megalite.model.attention import Attention
+from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout, sequence_layout
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
@@ -48,18 +50,19 @@ class Output(NamedTuple):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.attn_norm = Norm(cfg, pstate.device)
-        self.attn = Attention(cfg, pstate, rng)
+        self.attn = Attention(cfg, pstate, rng, layer)
         self.mlp_norm = Norm(cfg, pstate.device)
         self.mlp = MLP(cfg, pstate)
         self.dropout = cfg.dropout
 
-    def forward(self, x, layout: SequenceLayout, rotary):
+    def forward(self, x, layout: SequenceLayout, rotary, cache: KVCache | None = None):
         # Residual dropout acts on replicated activations: the default generator, seeded the
         # same on every TP rank, drops the same elements everywhere.
-        x = x + F.dropout(self.attn(self.attn_norm(x), layout, rotary), self.dropout, self.training)
+        x = x + F.dropout(self.attn(self.attn_norm(x), layout, rotary, cache), self.dropout,
+                          self.training)
         return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 
 
@@ -74,7 +77,7 @@ class GPT(nn.Module):
         self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, device, std)
                           if cfg.position == "learned" else None)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device) if cfg.position == "rotary" else None
-        self.blocks = nn.ModuleList(Block(cfg, pstate, self.rng) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, pstate, self.rng, i) for i in range(cfg.n_layers))
         self.norm = Norm(cfg, device)
         self.head = (None if cfg.tie_embeddings else
                      ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
@@ -84,21 +87,35 @@ class GPT(nn.Module):
         padding = columns >= cfg.vocab_size
         self.register_buffer("vocab_padding", padding if bool(padding.any()) else None,
                              persistent=False)
+        # Recompute each block's activations in backward instead of storing them.
+        self.activation_checkpointing = False
         init_parameters_(self, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> Output:
-        if input_ids.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_seq_len="
-                             f"{self.cfg.max_seq_len}: truncate the input or raise max_seq_len")
+                doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> Output:
+        """cache: decode incrementally (unpadded sequences); positions continue from it."""
+        start = 0 if cache is None else cache.offset
+        if start + input_ids.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + input_ids.shape[1]} exceeds "
+                             f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
+                             f"raise max_seq_len")
         layout = sequence_layout(input_ids, attention_mask, doc_ids)
+        if start:
+            layout.positions = layout.positions + start
         x = self.embed(input_ids)
         if self.positions is not None:
             x = x + self.positions(layout.positions)
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
         x = F.dropout(x, self.cfg.dropout, self.training)
         for block in self.blocks:
-            x = block(x, layout, rotary)
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(block, x, layout, rotary, use_reentrant=False,
+                               context_fn=self.rng.recompute_contexts)
+            else:
+                x = block(x, layout, rotary, cache)
+        if cache is not None:
+            cache.offset += input_ids.shape[1]
         x = copy_to_tensor_parallel_region(self.norm(x), self.pstate.tp_group)
         # Tied or not, the head is the vocab-split matrix E_r applied after f: the tied case has
         # no module of its own, so both use the weight directly.
@@ -110,6 +127,11 @@ class GPT(nn.Module):
             return Output(logits, None)
         return Output(logits, vocab_parallel_cross_entropy(logits, labels, self.embed.vocab_start,
                                                            self.pstate.tp_group))
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
+        attention = self.blocks[0].attn
+        return KVCache(self.cfg.n_layers, batch, attention.kv_heads, max_len, attention.head_dim,
+                       self.pstate.device, dtype)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocab columns of `logits` (a collective over TP), the padding stripped."""

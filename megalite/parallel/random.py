@@ -48,6 +48,27 @@ class TensorParallelRNG:
             self.state = _device_rng_state(self.device)
             _set_device_rng_state(self.device, outside)
 
+    def recompute_contexts(self):
+        """Contexts for torch.utils.checkpoint's `context_fn`: the forward records the tracked
+        state, the recompute replays from it. (checkpoint itself restores only the default
+        generator, so without this the recomputed attention-dropout masks would differ.)"""
+        recorded = {}
+
+        @contextmanager
+        def forward():
+            recorded["state"] = self.state.clone()
+            yield
+
+        @contextmanager
+        def recompute():
+            current, self.state = self.state, recorded["state"].clone()
+            try:
+                yield
+            finally:
+                self.state = current
+
+        return forward(), recompute()
+
     def get_state(self) -> dict[str, torch.Tensor]:
         return {"default": _device_rng_state(self.device), "tensor_parallel": self.state.clone()}
 

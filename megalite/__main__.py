@@ -1,0 +1,5 @@
+import sys
+
+from megalite.cli import main
+
+sys.exit(main())

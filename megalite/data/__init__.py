@@ -1,0 +1,1 @@
+"""Text in, token batches out: corpus, tokenizer, pre-tokenized cache, samples and batches."""

@@ -1,0 +1,122 @@
+"""The whole run's config: model, parallel layout, data, training, run directory, sampling.
+
+    cfg = load_config("configs/demo.yaml", ["parallel.tp=2", "train.max_steps=8"])
+
+Dotted overrides are parsed as YAML values and type-checked like the file; an unknown key is an
+error naming the nearest valid one. `model` is a preset name, or a mapping whose optional
+`preset` key names the preset its other keys override.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from megalite.config import ModelConfig, ParallelConfig, read_preset
+from megalite.typed_config import ConfigError, from_dict
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # "embedded": the Python documentation prose shipped with megalite; else a .txt file (one
+    # document per blank-line-separated paragraph block), a .jsonl file ({"text": ...} per
+    # line) or a directory of .txt files (one document each).
+    path: str = "embedded"
+    # "bpe": a byte-level BPE trained on the training split and cached; else a tokenizer.json.
+    tokenizer: str = "bpe"
+    bpe_vocab_size: int = 4096
+    seq_len: int = 128
+    mode: Literal["padded", "packed"] = "packed"
+    val_fraction: float = 0.02
+    cache_dir: str = ".megalite_cache"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    global_batch_size: int = 16  # sequences per optimizer step, all DP ranks together
+    micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
+    max_steps: int = 100
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    checkpoint_every: int = 0  # steps; 0: only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    eval_every: int = 0  # steps; 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 1234
+    wandb: bool = False
+    wandb_project: str = "megalite"
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    prompts: list[str] = field(default_factory=lambda: ["The", "A list is"])
+    max_new_tokens: int = 48
+    temperature: float = 0.8
+    top_k: int = 40
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        raw = yaml.safe_load(path.read_text()) or {}
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{override}' is not of the form key.sub=value")
+        _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
+    raw["model"] = _resolve_preset(raw.get("model", {}))
+    return from_dict(Config, raw)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(raw: dict, keys: list[str], value) -> None:
+    for depth, key in enumerate(keys[:-1]):
+        child = raw.setdefault(key, {})
+        if isinstance(child, str) and key == "model":
+            child = raw[key] = {"preset": child}
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(keys[:depth + 1])}' is a value, not a section")
+        raw = child
+    raw[keys[-1]] = value
+
+
+def _resolve_preset(model) -> dict:
+    if isinstance(model, str):
+        model = {"preset": model}
+    if not isinstance(model, dict) or "preset" not in model:
+        return model
+    model = dict(model)
+    return {**read_preset(model.pop("preset")), **model}

@@ -1,0 +1,266 @@
+"""Train a model: `python -m megalite.train --config CFG [key=value ...]`, under torchrun or alone.
+
+Every check that can fail on bad input (the config, the data, the batch arithmetic) runs before
+the process group exists, on every rank, so a bad run stops everywhere with one message instead
+of leaving ranks waiting in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megalite.config import check_layout
+from megalite.data.batches import BatchOrder, Samples
+from megalite.data.prepare import PreparedData, prepare_data
+from megalite.generate import generate
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState, init_parallel
+from megalite.run_config import Config, load_config, to_dict
+from megalite.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
+from megalite.training.metrics import MetricsLog, flops_per_token, peak_flops, plot_losses
+from megalite.training.optim import build_optimizer, lr_at
+from megalite.typed_config import ConfigError
+
+
+def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
+    parser = argparse.ArgumentParser(prog="megalite train", description=__doc__)
+    parser.add_argument("--config", help="YAML run config (see configs/demo.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides), args.overrides
+
+
+def check_batch_layout(cfg: Config, world: int) -> None:
+    check_layout(cfg.model, cfg.parallel.tp, world)
+    t = cfg.train
+    dp = world // cfg.parallel.tp
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
+                          f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / tp "
+            f"{cfg.parallel.tp}): use a global batch that is a multiple of "
+            f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
+    if t.max_steps < 1 or t.keep_checkpoints < 1:
+        raise ConfigError(f"train.max_steps={t.max_steps} and train.keep_checkpoints="
+                          f"{t.keep_checkpoints} must be >= 1")
+
+
+def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
+    """model.vocab_size is the tokenizer's: the embedding must have a row for every token id."""
+    model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
+    return dataclasses.replace(cfg, model=model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_batch_layout(cfg, world)
+    data = prepare_data(cfg.data)
+    cfg = with_tokenizer_vocab(cfg, data)
+    train_set = Samples(data.train, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
+    if len(train_set) < cfg.train.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
+                          f"{len(train_set)} training samples of data.path={cfg.data.path} "
+                          f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
+                          f"a smaller global batch or more data")
+    pstate = init_parallel(cfg.parallel, cfg.model)
+    try:
+        train(cfg, pstate, data, train_set)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples) -> None:
+    run_dir, t = Path(cfg.run.dir), cfg.train
+    # The default generator drives dropout on replicated activations: the same on every TP
+    # rank of a DP group, different between DP groups, which hold different samples.
+    torch.manual_seed(cfg.run.seed + ps.dp_rank)
+    model = GPT(cfg.model, ps, seed=cfg.run.seed)
+    model.activation_checkpointing = t.activation_checkpointing
+    optimizer = build_optimizer(model, t, ps.device)
+    grad_sync = DataParallelGradSync(model, ps)
+
+    start = resume(cfg, run_dir, model, optimizer, ps)
+    if ps.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        report_data(data, train_set)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None) if ps.is_main else None
+    val_set = Samples(data.val, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
+    order = BatchOrder(len(train_set), t.global_batch_size, cfg.run.seed)
+    bf16 = ps.device.type == "cuda" and t.precision != "fp32" or t.precision == "bf16"
+    autocast = torch.autocast(ps.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = peak_flops(ps.device)
+    bar = progress_bar(ps, start, t.max_steps)
+    tokens_seen = 0
+    for step in range(start, t.max_steps):
+        started = time.perf_counter()
+        lr = lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batches = [train_set.collate(rows).to(ps.device)
+                   for rows in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
+        # The loss is the mean over every real target token of the GLOBAL batch: each
+        # micro-batch's token-loss sum is divided by the global count, so the sum over
+        # micro-batches and DP ranks is the same number for any layout.
+        n_tokens = all_reduce_dp(torch.tensor(float(sum(b.target_tokens for b in batches)),
+                                              device=ps.device), ps)
+        loss = torch.zeros((), device=ps.device)
+        model.train()
+        for i, batch in enumerate(batches):
+            with autocast:
+                out = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
+                micro_loss = out.token_losses.sum() / n_tokens
+            with grad_sync.last_micro_batch() if i == len(batches) - 1 else nullcontext():
+                micro_loss.backward()
+            loss += micro_loss.detach()
+        grad_sync.wait()
+        grad_norm = clip_grad_norm_(model, t.grad_clip, ps)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens_seen += int(n_tokens)
+
+        done = step + 1
+        if done % t.log_every == 0 or done == t.max_steps:
+            loss = all_reduce_dp(loss, ps)
+            elapsed = time.perf_counter() - started
+            step_tokens = t.global_batch_size * cfg.data.seq_len
+            record = {"step": done, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens": tokens_seen, "tokens_per_s": step_tokens / elapsed,
+                      "mfu": (step_tokens / elapsed * flops / ps.world_size / peak) if peak else None,
+                      "time": time.time()}
+            if metrics:
+                metrics.write(record)
+            update_bar(bar, record)
+        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            evaluate(cfg, model, val_set, ps, done, metrics, autocast)
+        if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
+            checkpoint(cfg, run_dir, done, model, optimizer, ps)
+    if bar is not None:
+        bar.close()
+    if start < t.max_steps:
+        checkpoint(cfg, run_dir, t.max_steps, model, optimizer, ps)
+    evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
+    samples(cfg, model, data, ps, run_dir)
+    if ps.is_main:
+        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+
+
+def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    if ps.dp_size > 1:
+        dist.all_reduce(x, group=ps.dp_group)
+    return x
+
+
+def resume(cfg: Config, run_dir: Path, model, optimizer, ps: ParallelState) -> int:
+    """The step to start from: 0, or the step of the checkpoint that train.resume names."""
+    if cfg.train.resume == "never":
+        return 0
+    path = latest_checkpoint(run_dir) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+    if path is None:
+        return 0
+    meta, rng = load_checkpoint(path, model, optimizer, ps)
+    if rng is not None:
+        torch.set_rng_state(rng.pop("cpu"))
+        model.rng.set_state(rng)
+    if ps.is_main:
+        print(f"resumed from {path} at step {meta['step']}", flush=True)
+    return meta["step"]
+
+
+def checkpoint(cfg: Config, run_dir: Path, step: int, model, optimizer, ps: ParallelState) -> None:
+    rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
+    meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg)}
+    save_checkpoint(run_dir, step, model, optimizer, rng, meta, ps, cfg.train.keep_checkpoints)
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int, metrics, autocast) -> None:
+    if len(val_set) == 0:
+        return
+    model.eval()
+    batch_size = min(cfg.train.global_batch_size, len(val_set))
+    batch_size -= batch_size % ps.dp_size
+    if batch_size == 0:
+        return
+    order = BatchOrder(len(val_set), batch_size, seed=0, shuffle=False)
+    total = torch.zeros(2, device=ps.device)
+    for k in range(min(cfg.train.eval_batches, math.ceil(len(val_set) / batch_size))):
+        for rows in order.micro_batches(k, ps.dp_rank, ps.dp_size, batch_size // ps.dp_size):
+            batch = val_set.collate(rows).to(ps.device)
+            with autocast:
+                losses = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels).token_losses
+            total += torch.stack([losses.sum().float(), torch.tensor(float(batch.target_tokens), device=ps.device)])
+    total = all_reduce_dp(total, ps)
+    val_loss = (total[0] / total[1]).item()
+    if metrics:
+        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {math.exp(min(val_loss, 50)):.1f}", flush=True)
+
+
+def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
+    s, tok = cfg.sample, data.tokenizer
+    lines = []
+    for i, prompt in enumerate(s.prompts):
+        ids = generate(model, [tok.bos_id] + tok.encode(prompt), s.max_new_tokens,
+                       temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
+                       seed=cfg.run.seed + i)
+        lines.append(f"--- {prompt!r}\n{tok.decode(ids[1:])}")
+    if ps.is_main:
+        text = "\n".join(lines)
+        (run_dir / "samples.txt").write_text(text + "\n")
+        print(f"samples (temperature {s.temperature}, top-k {s.top_k}):\n{text}", flush=True)
+
+
+def report_data(data: PreparedData, train_set: Samples) -> None:
+    m = data.meta
+    notes = [f"{m['train_documents']} training documents ({m['train_tokens']} tokens), "
+             f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)"]
+    if m["skipped_empty_documents"]:
+        notes.append(f"{m['skipped_empty_documents']} empty documents skipped")
+    if m["documents_with_invalid_utf8"]:
+        notes.append(f"{m['documents_with_invalid_utf8']} documents had bytes that are not "
+                     f"UTF-8 (replaced with U+FFFD)")
+    if train_set.truncated:
+        notes.append(f"{train_set.truncated} documents longer than data.seq_len were truncated")
+    print("data: " + "; ".join(notes), flush=True)
+
+
+def progress_bar(ps: ParallelState, start: int, total: int):
+    if not ps.is_main:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
+
+
+def update_bar(bar, record: dict) -> None:
+    if bar is None:
+        return
+    bar.n = record["step"]
+    mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "-"
+    bar.set_postfix_str(f"loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                        f"tok/s {record['tokens_per_s']:,.0f} mfu {mfu}", refresh=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The pieces of the training loop: optimizer, gradient sync, checkpoints, metrics."""

@@ -1,0 +1,148 @@
+"""Atomic, layout-independent checkpoints.
+
+    RUN_DIR/checkpoints/step_00000012/
+        model.safetensors       full (unsharded) tensors by parameter name
+        optimizer.safetensors   full Adam moments, "<name>.exp_avg" / "<name>.exp_avg_sq"
+        rng/rank_<r>.safetensors  every rank's generator states
+        meta.json               step, layout, config; written last
+
+Tensors are stored whole, gathered over TP one parameter at a time, so a checkpoint does not
+depend on the TP x DP layout it was written with; loading reads one tensor at a time and keeps
+this rank's slice. The directory is written under a hidden temporary name, fsynced, and renamed
+into place only when complete: a crash mid-save leaves the previous checkpoints untouched, and
+`latest_checkpoint` never sees the half-written one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megalite.parallel.sharding import gather_full, shard_of
+from megalite.parallel.state import ParallelState
+from megalite.typed_config import ConfigError
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _barrier(pstate: ParallelState) -> None:
+    if pstate.world_size > 1:
+        dist.barrier()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
+                    keep: int) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    if pstate.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier(pstate)
+
+    rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
+    save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
+    _fsync(rng_file)
+    if pstate.dp_rank == 0:  # DP replicas are identical: one TP group gathers and rank 0 writes
+        weights, moments = _gather_full_state(model, optimizer, pstate)
+        if pstate.is_main:
+            for name, tensors in (("model", weights), ("optimizer", moments)):
+                save_file(tensors, str(tmp / f"{name}.safetensors"))
+                _fsync(tmp / f"{name}.safetensors")
+    _barrier(pstate)
+
+    if pstate.is_main:
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        _fsync(tmp / "meta.json")
+        _fsync(tmp / "rng")
+        _fsync(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync(root)
+        for old in sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name))[:-keep]:
+            shutil.rmtree(old)
+    _barrier(pstate)
+    return final
+
+
+def _gather_full_state(model, optimizer, pstate):
+    weights, moments = {}, {}
+    for name, p in model.named_parameters():
+        shard = shard_of(p)
+        full = gather_full(p.detach(), shard, pstate)
+        state = optimizer.state.get(p, {})
+        gathered = {m: gather_full(state[m], shard, pstate) for m in MOMENTS if m in state}
+        if pstate.is_main:
+            weights[name] = full.cpu().contiguous()
+            moments.update({f"{name}.{m}": t.cpu().contiguous() for m, t in gathered.items()})
+    return weights, moments
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    pstate: ParallelState) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Load weights (and Adam moments) into this rank's slices; return (meta, this rank's RNG
+    state, or None when the checkpoint was written with another layout)."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"checkpoint '{path}' is incomplete or missing (no meta.json): "
+                          f"use train.resume=auto to pick the latest complete one")
+    meta = json.loads((path / "meta.json").read_text())
+    params = dict(model.named_parameters())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        missing = sorted(set(params) - set(f.keys()))
+        if missing:
+            raise ConfigError(f"checkpoint '{path}' lacks parameters {missing[:4]}: it was "
+                              f"written for another model config")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(_my_slice(f.get_tensor(name), p))
+    if optimizer is not None:
+        _load_moments(path, optimizer, params, meta["step"])
+    rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
+    same_layout = meta.get("layout") == {"tp": pstate.tp_size, "dp": pstate.dp_size}
+    rng = None
+    if same_layout and rng_file.is_file():
+        with safe_open(str(rng_file), framework="pt") as f:
+            rng = {k: f.get_tensor(k) for k in f.keys()}
+    return meta, rng
+
+
+def _my_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    shard = shard_of(p)
+    return shard.take(full) if shard else full
+
+
+def _load_moments(path: Path, optimizer, params: dict, step: int) -> None:
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state = {}
+    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for name, p in params.items():
+            if f"{name}.exp_avg" in keys:
+                state[index[id(p)]] = {"step": torch.tensor(float(step)),
+                                       **{m: _my_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device)
+                                          for m in MOMENTS}}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

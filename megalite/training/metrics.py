@@ -1,0 +1,73 @@
+"""Throughput, MFU (PaLM, Chowdhery et al. 2022, appendix B), metrics.jsonl and the loss plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megalite.config import ModelConfig
+
+# Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """N of the PaLM formula: every weight used in a matmul, the LM head once even if tied;
+    embedding and position lookups excluded."""
+    attention = cfg.hidden * cfg.n_heads * cfg.head_dim * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_dim
+    mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden * cfg.ffn
+    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * cfg.hidden
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6 N (forward and backward of the matmuls) + 12 L h s (attention scores and values)."""
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.hidden * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None (CPU, or a GPU not in the table): MFU left blank."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl, one JSON object per line, appended (a resumed run continues it)."""
+
+    def __init__(self, path: Path, resume_after_step: int | None):
+        self.path = path
+        if resume_after_step is None:
+            path.write_text("")
+        elif path.exists():
+            # Drop records of steps the resumed run will redo (written after the checkpoint).
+            kept = [line for line in path.read_text().splitlines()
+                    if line and json.loads(line).get("step", 0) <= resume_after_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def plot_losses(metrics: Path, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
