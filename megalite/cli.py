@@ -1,6 +1,7 @@
 """`megalite <command> ...`: the console script (and `python -m megalite`)."""
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {"train": "megalite.train"}
@@ -12,7 +13,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: megalite {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         return 2
     module = __import__(COMMANDS[argv[0]], fromlist=["main"])
-    return module.main(argv[1:])
+    return run_reporting_errors(module.main, argv[1:])
+
+
+def run_reporting_errors(entry, argv: list[str]) -> int:
+    """Bad input is the user's to fix, not a crash: one line naming the value and the fix,
+    from every rank (so it is clear that each one stopped), and exit status 2."""
+    from megalite.typed_config import ConfigError
+    try:
+        return entry(argv)
+    except ConfigError as err:
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"megalite: error{where}: {err}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

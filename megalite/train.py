@@ -263,4 +263,5 @@ def update_bar(bar, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megalite.cli import run_reporting_errors
+    sys.exit(run_reporting_errors(main, sys.argv[1:]))

@@ -25,11 +25,16 @@ class Corpus:
     notes: list[str] = field(default_factory=list)
 
 
-def read_corpus(path: str) -> Corpus:
+def corpus_source(path: str) -> Path:
     source = EMBEDDED if path == "embedded" else Path(path)
     if not source.exists():
         raise ConfigError(f"data.path '{path}' does not exist: point data.path at a .txt or "
                           f".jsonl file or a directory of .txt files, or use data.path=embedded")
+    return source
+
+
+def read_corpus(path: str) -> Corpus:
+    source = corpus_source(path)
     raw = _read_raw(source)
     corpus = Corpus([], str(source))
     for text, had_bad_bytes in raw:

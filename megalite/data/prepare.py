@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.corpus import EMBEDDED, read_corpus
+from megalite.data.corpus import corpus_source, read_corpus
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.run_config import DataConfig
 
@@ -60,7 +60,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
 
 def _cache_key(cfg: DataConfig) -> str:
     h = hashlib.sha256(f"v{FORMAT_VERSION}|{cfg.tokenizer}|{cfg.bpe_vocab_size}|{cfg.val_fraction}".encode())
-    source = EMBEDDED if cfg.path == "embedded" else Path(cfg.path)
+    source = corpus_source(cfg.path)
     files = sorted(source.rglob("*.txt")) if source.is_dir() else [source]
     for f in files + ([Path(cfg.tokenizer)] if cfg.tokenizer != "bpe" else []):
         if f.is_file():

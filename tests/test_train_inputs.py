@@ -1,0 +1,117 @@
+"""Bad input to the trainer: a clear error before any collective, or handled and counted."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalite.data.batches import BatchOrder, Samples
+from megalite.data.prepare import prepare_data
+from megalite.run_config import DataConfig
+from megalite.train import main
+from megalite.typed_config import ConfigError
+from tests.test_train import STEPS, assert_same_training, common, train_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def small_args(tmp_path, data_path, *extra) -> list[str]:
+    return common(str(tmp_path / "cache"), tmp_path / "run", "padded") + [
+        f"data.path={data_path}", "data.val_fraction=0.0", "train.max_steps=2",
+        "train.global_batch_size=2", "train.micro_batch_size=2", *extra]
+
+
+def write_jsonl(path: Path, texts) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+PROSE = ("Tensor parallelism splits each weight matrix across devices, so that every device "
+         "holds a slice and computes part of each layer. ")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["data.path=/no/such/corpus.txt"], r"data\.path '/no/such/corpus\.txt' does not exist"),
+    (["train.global_batch_size=3"], r"train\.global_batch_size=3 is not a multiple of train\.micro_batch_size=2 x DP=1"),
+    (["train.global_batch_size=4096", "train.micro_batch_size=8"], r"train\.global_batch_size=4096 exceeds the \d+ training samples"),
+    (["data.seq_len=4096"], r"data\.seq_len=4096 exceeds model\.max_seq_len=128"),
+    (["parallel.tp=3"], r"model\.n_heads=4 is not divisible by parallel\.tp=3"),
+    (["train.max_step=3"], r"unknown config key 'train\.max_step'; did you mean 'train\.max_steps'"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, extra, message):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    with pytest.raises(ConfigError, match=message):
+        main(small_args(tmp_path, corpus) + extra)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    corpus = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
+    with pytest.raises(ConfigError, match=r"holds no text \(3 empty documents\)"):
+        main(small_args(tmp_path, corpus))
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: expected a JSON object with a 'text' field"):
+        main(small_args(tmp_path, corpus))
+
+
+def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"{i}.txt").write_text(PROSE * (1 + 20 * (i % 2)))  # odd ones: far past seq_len
+    (docs / "empty.txt").write_text("  \n")
+    (docs / "latin1.txt").write_bytes(("caf\xe9 " + PROSE).encode("latin-1"))
+    assert main(small_args(tmp_path, docs)) == 0
+    out = capsys.readouterr().out
+    assert "1 empty documents skipped" in out
+    assert "1 documents had bytes that are not UTF-8" in out
+    assert "3 documents longer than data.seq_len were truncated" in out
+
+
+def test_a_failed_launch_loses_nothing_already_saved(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    assert main(small_args(tmp_path, corpus)) == 0
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError):
+        main(small_args(tmp_path, corpus, "train.global_batch_size=3"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+         "megalite.train", *small_args(tmp_path, "/no/such/corpus.txt", "train.global_batch_size=4")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert (done.stdout + done.stderr).count("data.path '/no/such/corpus.txt' does not exist") >= 2
+    assert time.monotonic() - start < 90
+
+
+def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path):
+    """One-sentence and thirty-sentence documents: in padded mode the DP ranks of a step hold
+    very different numbers of real tokens; the global-token loss makes that irrelevant."""
+    corpus = write_jsonl(tmp_path / "mixed.jsonl",
+                         ["A short note." if i % 3 else PROSE * 30 for i in range(48)])
+    args = common(str(tmp_path / "cache"), None, "padded")[:-1] + [
+        f"data.path={corpus}", "data.val_fraction=0.0", "data.seq_len=96", "model.max_seq_len=96",
+        "train.global_batch_size=4", "train.micro_batch_size=1"]
+    data = prepare_data(DataConfig(path=str(corpus), bpe_vocab_size=512, seq_len=96,
+                                   val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
+    samples = Samples(data.train, "padded", 96, data.tokenizer.pad_id)
+    order = BatchOrder(len(samples), 4, seed=1234)
+    real = [[sum(samples.collate(m).target_tokens for m in order.micro_batches(s, r, 2, 1))
+             for r in range(2)] for s in range(STEPS)]
+    assert max(max(r) / max(1, min(r)) for r in real) > 5, real
+
+    train_run(1, args + [f"run.dir={tmp_path / 'one'}"])
+    train_run(2, args + [f"run.dir={tmp_path / 'dp2'}"])
+    assert_same_training(tmp_path / "one", tmp_path / "dp2")
