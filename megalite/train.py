@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -28,7 +29,8 @@ from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
-from megalite.training.metrics import MetricsLog, flops_per_token, peak_flops, plot_losses
+from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
+                                       start_wandb)
 from megalite.training.optim import build_optimizer, lr_at
 from megalite.typed_config import ConfigError
 
@@ -57,6 +59,9 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
+                          "or set run.wandb=false")
     if t.max_steps < 1 or t.keep_checkpoints < 1:
         raise ConfigError(f"train.max_steps={t.max_steps} and train.keep_checkpoints="
                           f"{t.keep_checkpoints} must be >= 1")
@@ -104,7 +109,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         report_data(data, train_set)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None) if ps.is_main else None
+    metrics = None
+    if ps.is_main:
+        wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
+        metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
     val_set = Samples(data.val, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
     order = BatchOrder(len(train_set), t.global_batch_size, cfg.run.seed)
     bf16 = ps.device.type == "cuda" and t.precision != "fp32" or t.precision == "bf16"
@@ -164,6 +172,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     samples(cfg, model, data, ps, run_dir)
     if ps.is_main:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        if metrics.wandb_run is not None:
+            metrics.wandb_run.finish()
 
 
 def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:

@@ -115,3 +115,21 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
     train_run(1, args + [f"run.dir={tmp_path / 'one'}"])
     train_run(2, args + [f"run.dir={tmp_path / 'dp2'}"])
     assert_same_training(tmp_path / "one", tmp_path / "dp2")
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_run_configs_load_and_fit_their_layout(config):
+    from megalite.run_config import load_config
+    from megalite.train import check_batch_layout
+    cfg = load_config(ROOT / "configs" / config)
+    dp = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    check_batch_layout(cfg, cfg.parallel.tp * min(dp, 2))
+
+
+def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    with pytest.raises(ConfigError, match=r"run\.wandb=true needs the wandb package: pip install 'megalite\[wandb\]'"):
+        main(small_args(tmp_path, corpus, "run.wandb=true"))

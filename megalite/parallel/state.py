@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig, ParallelConfig, check_layout
+from megalite.typed_config import ConfigError
 
 
 @dataclass
@@ -96,6 +97,11 @@ def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) ->
     check_layout(model, parallel.tp, world)
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} "
+                          f"visible GPU(s): launch one process per GPU (torchrun "
+                          f"--nproc_per_node {torch.cuda.device_count()}), or hide the GPUs "
+                          f"(CUDA_VISIBLE_DEVICES=) to run every process on the CPU")
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -34,10 +34,11 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl, one JSON object per line, appended (a resumed run continues it)."""
+    """RUN_DIR/metrics.jsonl, one JSON object per line, appended (a resumed run continues it),
+    and the same records to wandb when a wandb run is given."""
 
-    def __init__(self, path: Path, resume_after_step: int | None):
-        self.path = path
+    def __init__(self, path: Path, resume_after_step: int | None, wandb_run=None):
+        self.path, self.wandb_run = path, wandb_run
         if resume_after_step is None:
             path.write_text("")
         elif path.exists():
@@ -49,6 +50,18 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                               step=record["step"])
+
+
+def start_wandb(project: str, run_dir: Path, config: dict):
+    """A wandb run, offline unless an API key is set (no network is assumed)."""
+    import os
+
+    import wandb  # presence checked with the config, before any collective
+    mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return wandb.init(project=project, dir=str(run_dir), config=config, mode=mode)
 
 
 def plot_losses(metrics: Path, out: Path) -> None:
