@@ -8,7 +8,7 @@ draws only the slice and is only statistically equivalent).
 """
 from __future__ import annotations
 
-import zlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,9 @@ def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tens
     """The full fp32 tensor that TP=1 would hold for parameter `name`, drawn on the CPU."""
     if init.std is None:
         return torch.full(shape, init.fill)
-    generator = torch.Generator().manual_seed(((seed % 2**31) << 32) | zlib.crc32(name.encode()))
+    # The CPU generator keeps only the low 32 bits of its seed: hash (seed, name) into them.
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
     return torch.empty(shape).normal_(0.0, init.std, generator=generator)
 
 
