@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-COMMANDS = {"train": "megalite.train"}
+COMMANDS = {"train": "megalite.train", "prepare-data": "megalite.data.prepare"}
 
 
 def main(argv: list[str] | None = None) -> int:

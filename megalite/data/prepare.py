@@ -125,6 +125,20 @@ def _write_split(info: TokenizerInfo, docs: list[str], stem: Path, dtype) -> dic
     return {f"{stem.name}_documents": len(encoded), f"{stem.name}_tokens": int(offsets[-1])}
 
 
+def main(argv: list[str]) -> int:
+    """`megalite prepare-data --config CFG [data.key=value ...]`: build the cache ahead of a run."""
+    import argparse
+
+    from megalite.run_config import load_config
+    parser = argparse.ArgumentParser(prog="megalite prepare-data", description=main.__doc__)
+    parser.add_argument("--config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    data = prepare_data(load_config(args.config, args.overrides).data)
+    print(json.dumps(data.meta, indent=1))
+    return 0
+
+
 def _load(target: Path) -> PreparedData:
     meta = json.loads((target / "meta.json").read_text())
 

@@ -1,0 +1,84 @@
+"""Data preparation: the cache, user tokenizers, and the batches each DP rank reads."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from megalite.data.batches import BatchOrder, Samples
+from megalite.data.prepare import prepare_data
+from megalite.run_config import DataConfig
+from megalite.typed_config import ConfigError
+
+TEXTS = [f"Document number {i} talks about tensors and gradients. " * (1 + i % 4) for i in range(30)]
+
+
+def corpus(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return path
+
+
+def user_tokenizer(tmp_path, special):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                       show_progress=False))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
+    tok = user_tokenizer(tmp_path, ["<s>", "</s>", "<pad>"])
+    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
+                                   cache_dir=str(tmp_path / "cache")))
+    assert (data.tokenizer.bos_id, data.tokenizer.eos_id, data.tokenizer.pad_id) == (0, 1, 2)
+    assert data.tokenizer.vocab_size == Tokenizer.from_file(str(tok)).get_vocab_size()
+    doc = data.train.tokens[data.train.offsets[0]: data.train.offsets[1]]
+    assert doc[-1] == 1  # every document ends with eos
+
+
+def test_user_tokenizer_without_padding_token_is_refused(tmp_path):
+    tok = user_tokenizer(tmp_path, ["</s>"])
+    with pytest.raises(ConfigError, match="has no padding token: add '<|pad|>'"):
+        prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
+                                cache_dir=str(tmp_path / "cache")))
+
+
+def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
+    cfg = DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(cfg)
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # the cache and its lock
+    again = prepare_data(cfg)
+    assert np.array_equal(first.train.tokens, again.train.tokens)
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "something else entirely"}) * 1 + "\n"
+                                      + json.dumps({"text": "and more"}) + "\n")
+    prepare_data(cfg)
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_path, mode):
+    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300,
+                                   cache_dir=str(tmp_path / "cache"), val_fraction=0.0))
+    samples = Samples(data.train, mode, 16, data.tokenizer.pad_id)
+    order = BatchOrder(len(samples), 8, seed=3)
+    for step in (0, 5, 40):  # 40 is several epochs in
+        everyone = sorted(np.concatenate(order.micro_batches(step, 0, 1, 8)).tolist())
+        split = [np.concatenate(order.micro_batches(step, r, 4, 1)).tolist() for r in range(4)]
+        assert sorted(sum(split, [])) == everyone
+        assert not set(split[0]) & set(split[1])
+    batch = samples.collate(order.micro_batches(0, 0, 1, 8)[0])
+    if mode == "padded":
+        assert bool((batch.input_ids[batch.attention_mask == 0] == data.tokenizer.pad_id).all())
+
+
+def test_prepare_data_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megalite", "prepare-data",
+                           f"data.path={corpus(tmp_path)}", "data.bpe_vocab_size=300",
+                           f"data.cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["train_documents"] + json.loads(done.stdout)["val_documents"] == 30
