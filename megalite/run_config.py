@@ -21,8 +21,8 @@ from megalite.typed_config import ConfigError, from_dict
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "embedded": the Python documentation prose shipped with megalite; else a .txt file (one
-    # document per blank-line-separated paragraph block), a .jsonl file ({"text": ...} per
+    # "embedded": the Python documentation prose shipped with megalite; else a .txt file
+    # (documents separated by two blank lines), a .jsonl file ({"text": ...} per
     # line) or a directory of .txt files (one document each).
     path: str = "embedded"
     # "bpe": a byte-level BPE trained on the training split and cached; else a tokenizer.json.

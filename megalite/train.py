@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import importlib.util
 import math
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import numpy as np
 import yaml
 
 from megalite.config import check_layout
@@ -27,7 +29,8 @@ from megalite.generate import generate
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
-from megalite.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megalite.training.checkpoint import (checkpoint_step, latest_checkpoint, load_checkpoint,
+                                          save_checkpoint)
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
@@ -62,15 +65,61 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
                           "or set run.wandb=false")
-    if t.max_steps < 1 or t.keep_checkpoints < 1:
-        raise ConfigError(f"train.max_steps={t.max_steps} and train.keep_checkpoints="
-                          f"{t.keep_checkpoints} must be >= 1")
+    for key in ("max_steps", "keep_checkpoints", "log_every", "eval_batches"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
 
 
 def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
     """model.vocab_size is the tokenizer's: the embedding must have a row for every token id."""
     model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
     return dataclasses.replace(cfg, model=model)
+
+
+# What fixes the meaning of a step: change any of these and "resume" would train a different run.
+RESUME_KEYS = ("model", "data", "train.global_batch_size", "run.seed")
+
+
+def find_resume(cfg: Config, data: PreparedData) -> Path | None:
+    """The checkpoint to resume from, or None; refuses to overwrite or to mix runs."""
+    run_dir, resume = Path(cfg.run.dir), cfg.train.resume
+    latest = latest_checkpoint(run_dir)
+    if resume == "never":
+        if latest is not None:
+            raise ConfigError(f"run.dir '{run_dir}' already holds checkpoints (latest {latest.name}): "
+                              f"train.resume=never would overwrite them; use train.resume=auto to "
+                              f"continue, or a new run.dir")
+        return None
+    path = latest if resume == "auto" else Path(resume)
+    if path is None:
+        return None
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"train.resume '{path}' is not a complete checkpoint (no meta.json): "
+                          f"use train.resume=auto to pick the latest complete one")
+    saved = json.loads((path / "meta.json").read_text())
+    if latest is not None and checkpoint_step(latest) > saved["step"]:
+        raise ConfigError(f"run.dir '{run_dir}' holds {latest.name}, later than the step "
+                          f"{saved['step']} of train.resume '{path}': resuming there would "
+                          f"overwrite it; use another run.dir")
+    now, before = _flat(to_dict(cfg)), _flat(saved["config"])
+    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
+               if k.startswith(RESUME_KEYS) and k != "data.cache_dir" and before.get(k) != now.get(k)]
+    if saved.get("data_cache_key") != data.meta["cache_key"]:
+        changed.append("the tokenized data (corpus or tokenizer) differs")
+    if changed:
+        raise ConfigError(f"cannot resume from '{path}': " + "; ".join(changed) +
+                          ". Resume with the saved values, or start a new run.dir")
+    return path
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,16 +134,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"{len(train_set)} training samples of data.path={cfg.data.path} "
                           f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
                           f"a smaller global batch or more data")
+    resume_from = find_resume(cfg, data)
     pstate = init_parallel(cfg.parallel, cfg.model)
     try:
-        train(cfg, pstate, data, train_set)
+        train(cfg, pstate, data, train_set, resume_from)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples) -> None:
+def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
+          resume_from: Path | None) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
     # The default generator drives dropout on replicated activations: the same on every TP
     # rank of a DP group, different between DP groups, which hold different samples.
@@ -104,7 +155,11 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     optimizer = build_optimizer(model, t, ps.device)
     grad_sync = DataParallelGradSync(model, ps)
 
-    start = resume(cfg, run_dir, model, optimizer, ps)
+    start, tokens_seen = resume(resume_from, model, optimizer, ps)
+    if start >= t.max_steps:
+        if ps.is_main:
+            print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
+        return
     if ps.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -115,12 +170,11 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
     val_set = Samples(data.val, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
     order = BatchOrder(len(train_set), t.global_batch_size, cfg.run.seed)
-    bf16 = ps.device.type == "cuda" and t.precision != "fp32" or t.precision == "bf16"
+    bf16 = (ps.device.type == "cuda" and t.precision == "auto") or t.precision == "bf16"
     autocast = torch.autocast(ps.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
     bar = progress_bar(ps, start, t.max_steps)
-    tokens_seen = 0
     for step in range(start, t.max_steps):
         started = time.perf_counter()
         lr = lr_at(step, t)
@@ -137,6 +191,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         model.train()
         for i, batch in enumerate(batches):
             with autocast:
+                # No attention mask: padded batches are right-padded, where causal attention
+                # alone is exact at every real position (model/layout.py) and stays fused.
                 out = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
                 micro_loss = out.token_losses.sum() / n_tokens
             with grad_sync.last_micro_batch() if i == len(batches) - 1 else nullcontext():
@@ -150,12 +206,15 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
 
         done = step + 1
         if done % t.log_every == 0 or done == t.max_steps:
-            loss = all_reduce_dp(loss, ps)
+            # .item() waits for the device, so the step time below includes all of its work.
+            loss_value = all_reduce_dp(loss, ps).item()
             elapsed = time.perf_counter() - started
-            step_tokens = t.global_batch_size * cfg.data.seq_len
-            record = {"step": done, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens": tokens_seen, "tokens_per_s": step_tokens / elapsed,
-                      "mfu": (step_tokens / elapsed * flops / ps.world_size / peak) if peak else None,
+            # Throughput counts the real tokens trained on (padding excluded), all ranks together;
+            # MFU divides it by the peak of all devices.
+            tokens_per_s = float(n_tokens) / elapsed
+            record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens": tokens_seen, "tokens_per_s": tokens_per_s,
+                      "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
                       "time": time.time()}
             if metrics:
                 metrics.write(record)
@@ -163,11 +222,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
-            checkpoint(cfg, run_dir, done, model, optimizer, ps)
+            checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
     if bar is not None:
         bar.close()
-    if start < t.max_steps:
-        checkpoint(cfg, run_dir, t.max_steps, model, optimizer, ps)
+    checkpoint(cfg, run_dir, t.max_steps, model, optimizer, ps, data, tokens_seen)
     evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
     samples(cfg, model, data, ps, run_dir)
     if ps.is_main:
@@ -182,60 +240,59 @@ def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
-def resume(cfg: Config, run_dir: Path, model, optimizer, ps: ParallelState) -> int:
-    """The step to start from: 0, or the step of the checkpoint that train.resume names."""
-    if cfg.train.resume == "never":
-        return 0
-    path = latest_checkpoint(run_dir) if cfg.train.resume == "auto" else Path(cfg.train.resume)
+def resume(path: Path | None, model, optimizer, ps: ParallelState) -> tuple[int, int]:
+    """(step, tokens seen) to start from: (0, 0), or the checkpoint's, its state loaded."""
     if path is None:
-        return 0
+        return 0, 0
     meta, rng = load_checkpoint(path, model, optimizer, ps)
     if rng is not None:
         torch.set_rng_state(rng.pop("cpu"))
         model.rng.set_state(rng)
     if ps.is_main:
         print(f"resumed from {path} at step {meta['step']}", flush=True)
-    return meta["step"]
+    return meta["step"], meta["tokens"]
 
 
-def checkpoint(cfg: Config, run_dir: Path, step: int, model, optimizer, ps: ParallelState) -> None:
+def checkpoint(cfg: Config, run_dir: Path, step: int, model, optimizer, ps: ParallelState,
+               data: PreparedData, tokens_seen: int) -> None:
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-    meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg)}
+    meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
+            "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
     save_checkpoint(run_dir, step, model, optimizer, rng, meta, ps, cfg.train.keep_checkpoints)
 
 
 @torch.no_grad()
 def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int, metrics, autocast) -> None:
-    if len(val_set) == 0:
+    """Mean loss over the first eval_batches x global_batch_size validation samples (or all of
+    them), each counted once; DP ranks take disjoint parts, in micro-batches as in training."""
+    count = min(len(val_set), cfg.train.eval_batches * cfg.train.global_batch_size)
+    if count == 0:
         return
     model.eval()
-    batch_size = min(cfg.train.global_batch_size, len(val_set))
-    batch_size -= batch_size % ps.dp_size
-    if batch_size == 0:
-        return
-    order = BatchOrder(len(val_set), batch_size, seed=0, shuffle=False)
+    mine = np.array_split(np.arange(count), ps.dp_size)[ps.dp_rank]
     total = torch.zeros(2, device=ps.device)
-    for k in range(min(cfg.train.eval_batches, math.ceil(len(val_set) / batch_size))):
-        for rows in order.micro_batches(k, ps.dp_rank, ps.dp_size, batch_size // ps.dp_size):
-            batch = val_set.collate(rows).to(ps.device)
-            with autocast:
-                losses = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels).token_losses
-            total += torch.stack([losses.sum().float(), torch.tensor(float(batch.target_tokens), device=ps.device)])
+    for start in range(0, len(mine), cfg.train.micro_batch_size):
+        batch = val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
+        with autocast:
+            losses = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels).token_losses
+        total += torch.stack([losses.sum().float(),
+                              torch.tensor(float(batch.target_tokens), device=ps.device)])
     total = all_reduce_dp(total, ps)
     val_loss = (total[0] / total[1]).item()
+    val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow
     if metrics:
-        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {math.exp(min(val_loss, 50)):.1f}", flush=True)
+        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
+        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {val_ppl:.1f}", flush=True)
 
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
     s, tok = cfg.sample, data.tokenizer
     lines = []
     for i, prompt in enumerate(s.prompts):
-        ids = generate(model, [tok.bos_id] + tok.encode(prompt), s.max_new_tokens,
-                       temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
-                       seed=cfg.run.seed + i)
-        lines.append(f"--- {prompt!r}\n{tok.decode(ids[1:])}")
+        # No bos: training documents start bare (and follow an eos in packed rows).
+        ids = generate(model, tok.encode(prompt), s.max_new_tokens, temperature=s.temperature,
+                       top_k=s.top_k, eos_id=tok.eos_id, seed=cfg.run.seed + i)
+        lines.append(f"--- {prompt!r}\n{tok.decode(ids)}")
     if ps.is_main:
         text = "\n".join(lines)
         (run_dir / "samples.txt").write_text(text + "\n")

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from megalite.training.checkpoint import latest_checkpoint
 from tests.test_train import STEPS, common, losses
@@ -21,7 +23,21 @@ def cache(tmp_path_factory):
 
 def args(cache, run_dir, *extra) -> list[str]:
     return ["-m", "megalite.train"] + common(cache, run_dir, "packed") + [
-        "model.dropout=0.1", "train.checkpoint_every=3", "train.micro_batch_size=4", *extra]
+        "model.dropout=0.1", "train.checkpoint_every=3", "train.micro_batch_size=4",
+        "train.eval_every=2", *extra]
+
+
+def assert_continues_exactly(resumed: Path, whole: Path, after: int) -> None:
+    """Every record after step `after` (loss, lr, grad norm, tokens, validation) and the final
+    weights are those of the uninterrupted run, bit for bit."""
+    for key in ("loss", "lr", "grad_norm", "tokens", "val_loss"):
+        expected, got = losses(whole, key), losses(resumed, key)
+        assert sorted(got) == sorted(expected), key
+        for step in (s for s in expected if s > after):
+            assert got[step] == expected[step], (key, step, got[step], expected[step])
+    final = f"checkpoints/step_{STEPS:08d}/model.safetensors"
+    a, b = load_file(whole / final), load_file(resumed / final)
+    assert all(torch.equal(a[name], b[name]) for name in a)
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -62,10 +78,7 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, cache):
 
     done = run(torchrun(2) + args(cache, killed, "parallel.tp=2", "train.resume=auto"))
     assert f"step_{resumed_from:08d} at step {resumed_from}" in done.stdout
-    expected, got = losses(whole), losses(killed)
-    assert sorted(got) == sorted(expected)
-    for step in range(resumed_from + 1, STEPS + 1):
-        assert got[step] == expected[step], (step, got[step], expected[step])
+    assert_continues_exactly(killed, whole, resumed_from)
 
 
 KILL_DURING_SAVE = """
@@ -82,6 +95,51 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def check_save_failing_on_one_rank(tmp):
+    """Rank 0's disk is full: every rank raises at once (none waits in a collective) and the
+    previous checkpoint stays complete."""
+    import errno
+
+    import torch.distributed as dist
+
+    import megalite.training.checkpoint as checkpoint
+    from megalite.model import GPT
+    from megalite.parallel.state import ParallelState
+    from megalite.training.optim import build_optimizer
+    from megalite.run_config import TrainConfig
+    from tests.models import CONFIGS
+    ps = ParallelState.from_world(2)
+    model = GPT(CONFIGS["gpt2"], ps, seed=0)
+    optimizer = build_optimizer(model, TrainConfig(), ps.device)
+    save = lambda step: checkpoint.save_checkpoint(tmp, step, model, optimizer, {"x": torch.zeros(1)},  # noqa: E731
+                                                   {}, ps, keep=3)
+    save(1)
+    original = checkpoint.save_file
+
+    def disk_full(tensors, path):
+        if dist.get_rank() == 0 and path.endswith("model.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(tensors, path)
+
+    checkpoint.save_file = disk_full
+    try:
+        save(2)
+    except checkpoint.CheckpointError as err:
+        return str(err), checkpoint.latest_checkpoint(tmp).name
+    return "no error", None
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    from tests.harness import run_distributed
+    start = time.monotonic()
+    (r0, latest0), (r1, latest1) = run_distributed(check_save_failing_on_one_rank, 2, tmp_path,
+                                                   timeout=60)
+    assert "writing checkpoint step 2 failed on rank 0: [Errno 28] No space left on device" in r0
+    assert "writing checkpoint step 2 failed on another rank" in r1
+    assert latest0 == latest1 == "step_00000001"
+    assert time.monotonic() - start < 45
+
+
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, cache):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
     run([sys.executable] + args(cache, whole))
@@ -95,7 +153,5 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, cache)
 
     done = run([sys.executable, "-m", "megalite.train", *train_args, "train.resume=auto"])
     assert "at step 3" in done.stdout
-    expected, got = losses(whole), losses(crashed)
-    for step in range(4, STEPS + 1):
-        assert got[step] == expected[step], (step, got[step], expected[step])
-    assert not half.exists()  # the next save of step 6 replaced the half-written directory
+    assert_continues_exactly(crashed, whole, 3)
+    assert not half.exists()  # the next save removed the half-written directory

@@ -74,15 +74,30 @@ def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, 
     assert "3 documents longer than data.seq_len were truncated" in out
 
 
-def test_a_failed_launch_loses_nothing_already_saved(tmp_path):
+@pytest.mark.parametrize("extra,message", [
+    (["train.resume=never"], r"run\.dir '.*' already holds checkpoints \(latest step_00000002\): train\.resume=never would overwrite them"),
+    (["train.global_batch_size=4", "train.max_steps=4"], r"cannot resume from '.*step_00000002': train\.global_batch_size: 2 -> 4"),
+    (["run.seed=7", "train.max_steps=4"], r"cannot resume from .*: run\.seed: 1234 -> 7"),
+    (["data.bpe_vocab_size=400", "train.max_steps=4"], r"cannot resume from .*data\.bpe_vocab_size: 512 -> 400; the tokenized data \(corpus or tokenizer\) differs"),
+    (["train.resume=/nowhere/step_00000001"], r"train\.resume '/nowhere/step_00000001' is not a complete checkpoint"),
+])
+def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     assert main(small_args(tmp_path, corpus)) == 0
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError):
-        main(small_args(tmp_path, corpus, "train.global_batch_size=3"))
+    with pytest.raises(ConfigError, match=message):
+        main(small_args(tmp_path, corpus, *extra))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_one_bad_byte_marks_only_its_own_document(tmp_path):
+    from megalite.data.corpus import read_corpus
+    path = tmp_path / "three.txt"
+    path.write_bytes(b"first document\n\n\ncaf\xe9 second\n\n\nthird document")
+    corpus = read_corpus(str(path))
+    assert len(corpus.documents) == 3 and corpus.replaced_bytes_docs == 1
 
 
 def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):

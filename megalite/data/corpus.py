@@ -77,6 +77,6 @@ def _read_raw(source: Path) -> list[tuple[str, bool]]:
                     raise ConfigError(f"{source}:{number}: expected a JSON object with a "
                                       f"'text' field ({err})") from None
         return docs
-    text, bad = _decode(data)
-    # A plain text file: documents are separated by two or more blank lines.
-    return [(doc, bad) for doc in text.replace("\r\n", "\n").split("\n\n\n")]
+    # A plain text file: documents are separated by two blank lines. Split the bytes first, so
+    # that one undecodable byte marks only its own document.
+    return [_decode(doc) for doc in data.replace(b"\r\n", b"\n").split(b"\n\n\n")]

@@ -55,7 +55,9 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     with _locked(root / f"{key}.lock"):
         if not (target / "meta.json").is_file():
             _build(cfg, target)
-    return _load(target)
+    data = _load(target)
+    data.meta["cache_key"] = key
+    return data
 
 
 def _cache_key(cfg: DataConfig) -> str:

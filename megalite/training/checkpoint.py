@@ -33,9 +33,28 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _barrier(pstate: ParallelState) -> None:
+class CheckpointError(RuntimeError):
+    """A save failed on some rank (a full disk, say); every rank raises it together."""
+
+
+def _agree(error: BaseException | None, pstate: ParallelState, what: str) -> None:
+    """A barrier that also tells every rank whether any rank failed its part, so that a rank
+    whose disk is full does not leave the others waiting for it until the timeout."""
+    failed = torch.tensor([0.0 if error is None else 1.0], device=pstate.device)
     if pstate.world_size > 1:
-        dist.barrier()
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise CheckpointError(f"{what} failed on rank {pstate.rank}: {error}") from error
+    if failed.item():
+        raise CheckpointError(f"{what} failed on another rank; the previous checkpoints are intact")
+
+
+def _attempt(action) -> BaseException | None:
+    try:
+        action()
+    except Exception as err:  # reported to every rank by _agree, then raised
+        return err
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -46,9 +65,16 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name))
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(STEP_DIR.match(Path(path).name).group(1))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name) and (p / "meta.json").is_file())
+    done = [p for p in _step_dirs(Path(run_dir) / "checkpoints") if (p / "meta.json").is_file()]
     return done[-1] if done else None
 
 
@@ -57,23 +83,28 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
                     keep: int) -> Path:
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    if pstate.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    _barrier(pstate)
 
-    rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
-    save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
-    _fsync(rng_file)
-    if pstate.dp_rank == 0:  # DP replicas are identical: one TP group gathers and rank 0 writes
-        weights, moments = _gather_full_state(model, optimizer, pstate)
-        if pstate.is_main:
-            for name, tensors in (("model", weights), ("optimizer", moments)):
+    def start():
+        for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
+            shutil.rmtree(stale)
+        (tmp / "rng").mkdir(parents=True)
+    _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
+
+    # The gathers are collectives: every rank of the first TP group takes part, whatever
+    # happens to its own files, and only then are failures compared.
+    gathered = _gather_full_state(model, optimizer, pstate) if pstate.dp_rank == 0 else None
+
+    def write_tensors():
+        rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
+        save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
+        _fsync(rng_file)
+        if pstate.is_main:  # DP replicas are identical: one TP group gathered, rank 0 writes
+            for name, tensors in zip(("model", "optimizer"), gathered):
                 save_file(tensors, str(tmp / f"{name}.safetensors"))
                 _fsync(tmp / f"{name}.safetensors")
-    _barrier(pstate)
+    _agree(_attempt(write_tensors), pstate, f"writing checkpoint step {step}")
 
-    if pstate.is_main:
+    def publish():
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
         _fsync(tmp / "meta.json")
         _fsync(tmp / "rng")
@@ -82,9 +113,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
-        for old in sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name))[:-keep]:
+        # The newest `keep` by step; the run refuses to start below a later checkpoint
+        # (see train.check_run_dir), so the one just written is among them.
+        for old in _step_dirs(root)[:-keep]:
             shutil.rmtree(old)
-    _barrier(pstate)
+    _agree(_attempt(publish) if pstate.is_main else None, pstate, f"publishing checkpoint step {step}")
     return final
 
 
