@@ -4,7 +4,10 @@ from __future__ import annotations
 import os
 import sys
 
-COMMANDS = {"train": "megalite.train", "prepare-data": "megalite.data.prepare"}
+COMMANDS = {"train": ("megalite.train", "main"),
+            "prepare-data": ("megalite.data.prepare", "main"),
+            "export": ("megalite.hf.convert", "main_export"),
+            "import": ("megalite.hf.convert", "main_import")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,8 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: megalite {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         return 2
-    module = __import__(COMMANDS[argv[0]], fromlist=["main"])
-    return run_reporting_errors(module.main, argv[1:])
+    module, function = COMMANDS[argv[0]]
+    entry = getattr(__import__(module, fromlist=[function]), function)
+    return run_reporting_errors(entry, argv[1:])
 
 
 def run_reporting_errors(entry, argv: list[str]) -> int:

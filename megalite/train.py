@@ -258,7 +258,8 @@ def checkpoint(cfg: Config, run_dir: Path, step: int, model, optimizer, ps: Para
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
     meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
             "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
-    save_checkpoint(run_dir, step, model, optimizer, rng, meta, ps, cfg.train.keep_checkpoints)
+    save_checkpoint(run_dir, step, model, optimizer, rng, meta, ps, cfg.train.keep_checkpoints,
+                    tokenizer=data.directory / "tokenizer.json")
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ class PreparedData:
     train: TokenDocs
     val: TokenDocs
     meta: dict
+    directory: Path
 
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
@@ -150,4 +151,5 @@ def _load(target: Path) -> PreparedData:
                   if size else np.zeros(0, dtype=meta["dtype"]))
         return TokenDocs(tokens, np.fromfile(target / f"{name}.idx", dtype=np.int64))
 
-    return PreparedData(load_tokenizer(target / "tokenizer.json"), split("train"), split("val"), meta)
+    return PreparedData(load_tokenizer(target / "tokenizer.json"), split("train"), split("val"),
+                        meta, target)

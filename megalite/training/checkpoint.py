@@ -80,7 +80,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
-                    keep: int) -> Path:
+                    keep: int, tokenizer: Path | None = None) -> Path:
+    """`tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
 
@@ -105,6 +106,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     _agree(_attempt(write_tensors), pstate, f"writing checkpoint step {step}")
 
     def publish():
+        if tokenizer is not None:
+            shutil.copy(tokenizer, tmp / "tokenizer.json")
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
         _fsync(tmp / "meta.json")
         _fsync(tmp / "rng")

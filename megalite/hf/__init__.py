@@ -1,0 +1,1 @@
+"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM, both directions."""

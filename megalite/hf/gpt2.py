@@ -1,0 +1,92 @@
+"""megalite <-> Hugging Face GPT2LMHeadModel.
+
+GPT-2 keeps its linear weights as Conv1D, [in, out] (the transpose of nn.Linear), and fuses Q, K
+and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head-major.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.config import ModelConfig
+from megalite.hf.layout import fuse_kv, pad_rows, split_kv
+from megalite.typed_config import ConfigError
+
+ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    wanted = {"position": "learned", "norm": "layernorm", "bias": True, "tie_embeddings": True,
+              "kv_heads": cfg.n_heads}
+    wrong = [f"model.{k}={getattr(cfg, k)!r} (GPT-2 needs {v!r})" for k, v in wanted.items()
+             if getattr(cfg, k) != v]
+    if cfg.activation not in ACTIVATIONS:
+        wrong.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
+    if wrong:
+        raise ConfigError("not exportable as GPT2LMHeadModel: " + "; ".join(wrong))
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.hidden,
+            "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn,
+            "activation_function": ACTIVATIONS[cfg.activation],
+            "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+            "tie_word_embeddings": True, **special}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    activation = {v: k for k, v in ACTIVATIONS.items()}.get(hf.get("activation_function", "gelu_new"))
+    if activation is None:
+        raise ConfigError(f"GPT-2 activation_function {hf['activation_function']!r} is not "
+                          f"supported (gelu_new, gelu)")
+    return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                       n_layers=hf["n_layer"], hidden=hf["n_embd"], n_heads=hf["n_head"],
+                       ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"], activation=activation,
+                       norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                       position="learned", bias=True, tie_embeddings=True,
+                       init_std=hf.get("initializer_range", 0.02))
+
+
+def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"transformer.wte.weight": w["embed.weight"][: cfg.vocab_size],
+           "transformer.wpe.weight": w["positions.weight"],
+           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
+    for i in range(cfg.n_layers):
+        m, h = f"blocks.{i}.", f"transformer.h.{i}."
+        k, v = split_kv(w[m + "attn.kv_proj.weight"], cfg.kv_heads)
+        kb, vb = split_kv(w[m + "attn.kv_proj.bias"], cfg.kv_heads)
+        out.update({
+            h + "ln_1.weight": w[m + "attn_norm.weight"], h + "ln_1.bias": w[m + "attn_norm.bias"],
+            h + "attn.c_attn.weight": torch.cat([w[m + "attn.q_proj.weight"], k, v]).T,
+            h + "attn.c_attn.bias": torch.cat([w[m + "attn.q_proj.bias"], kb, vb]),
+            h + "attn.c_proj.weight": w[m + "attn.out_proj.weight"].T,
+            h + "attn.c_proj.bias": w[m + "attn.out_proj.bias"],
+            h + "ln_2.weight": w[m + "mlp_norm.weight"], h + "ln_2.bias": w[m + "mlp_norm.bias"],
+            h + "mlp.c_fc.weight": w[m + "mlp.up.weight"].T, h + "mlp.c_fc.bias": w[m + "mlp.up.bias"],
+            h + "mlp.c_proj.weight": w[m + "mlp.down.weight"].T,
+            h + "mlp.c_proj.bias": w[m + "mlp.down.bias"]})
+    return out
+
+
+def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    out = {"embed.weight": pad_rows(hf["wte.weight"], cfg.padded_vocab),
+           "positions.weight": hf["wpe.weight"],
+           "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
+    for i in range(cfg.n_layers):
+        m, h = f"blocks.{i}.", f"h.{i}."
+        q, k, v = hf[h + "attn.c_attn.weight"].T.chunk(3)
+        qb, kb, vb = hf[h + "attn.c_attn.bias"].chunk(3)
+        out.update({
+            m + "attn_norm.weight": hf[h + "ln_1.weight"], m + "attn_norm.bias": hf[h + "ln_1.bias"],
+            m + "attn.q_proj.weight": q, m + "attn.q_proj.bias": qb,
+            m + "attn.kv_proj.weight": fuse_kv(k, v, cfg.kv_heads),
+            m + "attn.kv_proj.bias": fuse_kv(kb, vb, cfg.kv_heads),
+            m + "attn.out_proj.weight": hf[h + "attn.c_proj.weight"].T,
+            m + "attn.out_proj.bias": hf[h + "attn.c_proj.bias"],
+            m + "mlp_norm.weight": hf[h + "ln_2.weight"], m + "mlp_norm.bias": hf[h + "ln_2.bias"],
+            m + "mlp.up.weight": hf[h + "mlp.c_fc.weight"].T, m + "mlp.up.bias": hf[h + "mlp.c_fc.bias"],
+            m + "mlp.down.weight": hf[h + "mlp.c_proj.weight"].T,
+            m + "mlp.down.bias": hf[h + "mlp.c_proj.bias"]})
+    return out

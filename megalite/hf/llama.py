@@ -1,0 +1,89 @@
+"""megalite <-> Hugging Face LlamaForCausalLM.
+
+Llama's q/k/v/o and gate/up/down are nn.Linear ([out, in], like megalite's); its rotary
+embedding uses the rotate-half convention, as megalite does, so Q and K need no permutation.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.config import ModelConfig
+from megalite.hf.layout import fuse_kv, pad_rows, split_kv
+from megalite.typed_config import ConfigError
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    wanted = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+    wrong = [f"model.{k}={getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in wanted.items()
+             if getattr(cfg, k) != v]
+    if wrong:
+        raise ConfigError("not exportable as LlamaForCausalLM: " + "; ".join(wrong))
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+            "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout,
+            "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    problems = []
+    if rope_type != "default":
+        problems.append(f"rope scaling {rope_type!r} (only the default rotary is supported)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        problems.append("attention_bias / mlp_bias")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r}")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        problems.append(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
+    if problems:
+        raise ConfigError("unsupported Llama checkpoint: " + "; ".join(problems))
+    return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+                       n_layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
+                       n_heads=hf["num_attention_heads"],
+                       n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                       ffn_hidden=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary",
+                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       init_std=hf.get("initializer_range", 0.02))
+
+
+LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
+         "attn.out_proj.weight": "self_attn.o_proj.weight",
+         "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.gate.weight": "mlp.gate_proj.weight",
+         "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
+
+
+def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": w["embed.weight"][: cfg.vocab_size],
+           "model.norm.weight": w["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = w["head.weight"][: cfg.vocab_size]
+    for i in range(cfg.n_layers):
+        m, h = f"blocks.{i}.", f"model.layers.{i}."
+        out.update({h + theirs: w[m + ours] for ours, theirs in LAYER.items()})
+        k, v = split_kv(w[m + "attn.kv_proj.weight"], cfg.kv_heads)
+        out.update({h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
+    return out
+
+
+def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"embed.weight": pad_rows(hf["model.embed_tokens.weight"], cfg.padded_vocab),
+           "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["head.weight"] = pad_rows(hf["lm_head.weight"], cfg.padded_vocab)
+    for i in range(cfg.n_layers):
+        m, h = f"blocks.{i}.", f"model.layers.{i}."
+        out.update({m + ours: hf[h + theirs] for ours, theirs in LAYER.items()})
+        out[m + "attn.kv_proj.weight"] = fuse_kv(hf[h + "self_attn.k_proj.weight"],
+                                                 hf[h + "self_attn.v_proj.weight"], cfg.kv_heads)
+    return out

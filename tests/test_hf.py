@@ -1,0 +1,140 @@
+"""Hugging Face interop, checked against transformers itself (CPU, fp32)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from megalite.data.corpus import read_corpus  # noqa: E402
+from megalite.data.tokenizer import train_bpe  # noqa: E402
+from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
+from megalite.model import GPT  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
+from megalite.run_config import TrainConfig  # noqa: E402
+from megalite.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.training.optim import build_optimizer  # noqa: E402
+from megalite.typed_config import ConfigError  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+from tests.models import CONFIGS, padded_batch  # noqa: E402
+
+VOCAB = 320
+TOL = dict(atol=1e-4, rtol=1e-4)
+MODELS = {
+    "gpt2": dataclasses.replace(CONFIGS["gpt2"], vocab_size=VOCAB, max_seq_len=64),
+    "llama": dataclasses.replace(CONFIGS["llama"], vocab_size=VOCAB, max_seq_len=64),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_bpe(["tensor parallel training of language models " * 20], VOCAB).save(str(path))
+    return path
+
+
+def batch(cfg):
+    ids, mask, _ = padded_batch(cfg, "right")
+    return ids, mask
+
+
+def megalite_checkpoint(cfg, tokenizer_file, directory):
+    model = GPT(cfg, ParallelState(), seed=21)
+    ps = ParallelState()
+    optimizer = build_optimizer(model, TrainConfig(), ps.device)
+    meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
+    path = save_checkpoint(directory, 0, model, optimizer, {"cpu": torch.get_rng_state()}, meta,
+                           ps, keep=1, tokenizer=tokenizer_file)
+    return model, path
+
+
+@pytest.mark.parametrize("name,arch", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
+def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokenizer_file, name, arch):
+    model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
+    assert export_hf(ckpt, tmp_path / "hf") == arch
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == arch
+    ids, mask = batch(model.cfg)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask).logits
+        ours = model.full_logits(model(ids).logits)
+    real = mask.bool()
+    assert_close(theirs[real], ours[real], **TOL)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.pad_token_id == 2 and tok.eos_token_id == 0
+
+
+def random_hf_model(name: str, directory, tokenizer_file):
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+                                         n_head=4, activation_function="gelu_new")
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64,
+                                          hidden_size=32, intermediate_size=48,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, tie_word_embeddings=False,
+                                          rms_norm_eps=1e-5)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    return model
+
+
+def check_imported_logits(tp: int, ckpt: str, ids, mask):
+    ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
+    cfg = checkpoint_model_config(ckpt)
+    model = GPT(cfg, ps, seed=1)
+    load_checkpoint(ckpt, model, None, ps)
+    with torch.no_grad():
+        return model.full_logits(model(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, tokenizer_file, name):
+    hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    ids, mask = batch(MODELS[name])
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert_close(check_imported_logits(1, str(tmp_path / "ckpt"), ids, mask)[real], theirs[real], **TOL)
+    for tp in (2, 4):
+        ours = run_distributed(check_imported_logits, tp, tp, str(tmp_path / "ckpt"), ids, mask)[0]
+        assert_close(ours[real], theirs[real], **TOL)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"],
+                                                      "model_type": "bert"}))
+    with pytest.raises(ConfigError, match=r"is a \['BertForMaskedLM'\] model: megalite imports GPT2LMHeadModel, LlamaForCausalLM"):
+        import_hf(tmp_path, tmp_path / "ckpt")
+
+
+def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
+    random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
+    big = train_bpe(read_corpus("embedded").documents[:300], 400)
+    big.save(str(tmp_path / "hf" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"tokenizer of .* has 400 tokens but the model's vocabulary has 320 rows"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_half_written_checkpoint_is_refused(tmp_path):
+    (tmp_path / "step_00000003").mkdir()
+    with pytest.raises(ConfigError, match="is not a complete megalite checkpoint"):
+        export_hf(tmp_path / "step_00000003", tmp_path / "hf")
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused(tmp_path, tokenizer_file):
+    _, ckpt = megalite_checkpoint(MODELS["gpt2"], tokenizer_file, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"model\.n_heads=4 is not divisible by parallel\.tp=3"):
+        GPT(MODELS["gpt2"], ParallelState(tp_size=3))
+
+
+def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
+    odd = dataclasses.replace(MODELS["gpt2"], norm="rmsnorm")
+    _, ckpt = megalite_checkpoint(odd, tokenizer_file, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norm='rmsnorm'"):
+        export_hf(ckpt, tmp_path / "hf")
