@@ -7,7 +7,9 @@ import sys
 COMMANDS = {"train": ("megalite.train", "main"),
             "prepare-data": ("megalite.data.prepare", "main"),
             "export": ("megalite.hf.convert", "main_export"),
-            "import": ("megalite.hf.convert", "main_import")}
+            "import": ("megalite.hf.convert", "main_import"),
+            "eval": ("megalite.evaluate", "main"),
+            "generate": ("megalite.generate", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,46 +1,101 @@
-"""Sampling with a KV cache: greedy, temperature and top-k, identical on every TP rank.
+"""Sampling with a KV cache: greedy, temperature, top-k and top-p, identical on every TP rank.
 
-Every TP rank gathers the full logits and draws from a generator seeded the same everywhere,
-so all ranks pick the same token and feed the same next input.
+Prompts are left-padded into one batch. Every TP rank gathers the full logits and draws from a
+generator seeded the same everywhere, so all ranks pick the same tokens and feed the same input.
+
+    megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] ...
 """
 from __future__ import annotations
 
-import torch
+import argparse
+from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from megalite.config import ParallelConfig
+from megalite.data.tokenizer import load_tokenizer
+from megalite.hf.convert import checkpoint_model_config
 from megalite.model import GPT
+from megalite.parallel.state import init_parallel
+from megalite.training.checkpoint import load_checkpoint
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, eos_id: int | None = None, seed: int = 0,
-             use_cache: bool = True) -> list[int]:
-    """Prompt ids -> prompt + new ids. temperature 0 is greedy."""
+def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_id: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             eos_id: int | None = None, seed: int = 0, use_cache: bool = True) -> list[list[int]]:
+    """New token ids for each prompt (stopping after eos). temperature 0 is greedy."""
     was_training = model.training
     model.eval()
     device = model.pstate.device
-    ids = list(prompt)
-    room = min(max_new_tokens, model.cfg.max_seq_len - len(ids))
-    cache = model.new_cache(1, len(ids) + room) if use_cache else None
+    width = max(len(p) for p in prompts)
+    room = min(max_new_tokens, model.cfg.max_seq_len - width)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache = model.new_cache(len(prompts), width + room) if use_cache else None
     generator = torch.Generator().manual_seed(seed)
-    step_input = ids
+    new = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    step_ids = ids
     for _ in range(room):
-        context = step_input if use_cache else ids
-        logits = model(torch.tensor([context], device=device), cache=cache).logits[:, -1]
-        logits = model.full_logits(logits)[0].float().cpu()
-        token = _pick(logits, temperature, top_k, generator)
-        ids.append(token)
-        step_input = [token]
-        if token == eos_id:
+        logits = model(step_ids if use_cache else ids, attention_mask=mask, cache=cache).logits[:, -1]
+        tokens = pick(model.full_logits(logits).float().cpu(), temperature, top_k, top_p, generator)
+        for row, token in enumerate(tokens.tolist()):
+            if not done[row]:
+                new[row].append(token)
+                done[row] = token == eos_id
+        if all(done):
             break
+        step_ids = tokens.to(device).unsqueeze(1)
+        ids = torch.cat([ids, step_ids], dim=1)
+        mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     model.train(was_training)
-    return ids
+    return new
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+         generator: torch.Generator) -> torch.Tensor:
+    """One token per row of [batch, vocab] logits."""
     if temperature <= 0:
-        return int(logits.argmax())
+        return logits.argmax(-1)
     logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        kth = logits.topk(top_k).values[-1]
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    if top_p < 1.0:
+        # Keep the most likely tokens whose cumulative probability first reaches top_p.
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megalite generate", description=__doc__)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = checkpoint_model_config(Path(args.ckpt))
+    tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")
+    ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
+    try:
+        model = GPT(cfg, ps)
+        load_checkpoint(Path(args.ckpt), model, None, ps)
+        outputs = generate(model, [tokenizer.encode(p) for p in args.prompt], args.max_new_tokens,
+                           pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, eos_id=tokenizer.eos_id, seed=args.seed)
+        if ps.is_main:
+            for prompt, new in zip(args.prompt, outputs):
+                print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(new)}", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -291,9 +291,10 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
     lines = []
     for i, prompt in enumerate(s.prompts):
         # No bos: training documents start bare (and follow an eos in packed rows).
-        ids = generate(model, tok.encode(prompt), s.max_new_tokens, temperature=s.temperature,
-                       top_k=s.top_k, eos_id=tok.eos_id, seed=cfg.run.seed + i)
-        lines.append(f"--- {prompt!r}\n{tok.decode(ids)}")
+        new = generate(model, [tok.encode(prompt)], s.max_new_tokens, pad_id=tok.pad_id,
+                       temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
+                       seed=cfg.run.seed + i)[0]
+        lines.append(f"--- {prompt!r}\n{prompt}{tok.decode(new)}")
     if ps.is_main:
         text = "\n".join(lines)
         (run_dir / "samples.txt").write_text(text + "\n")

@@ -138,3 +138,55 @@ def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
     _, ckpt = megalite_checkpoint(odd, tokenizer_file, tmp_path / "run")
     with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norm='rmsnorm'"):
         export_hf(ckpt, tmp_path / "hf")
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "megalite", *args], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, tokenizer_file, name):
+    hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    text = tmp_path / "text.txt"
+    text.write_text("tensor parallel training of language models, " * 40)  # > 2 windows of 64
+    result = json.loads(run_cli("eval", "--ckpt", str(tmp_path / "ckpt"), "--text", str(text),
+                                "--json").strip().splitlines()[-1])
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok(text.read_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), 64):
+            window = ids[start:start + 64].unsqueeze(0)
+            if window.shape[1] > 1:
+                total += hf(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
+                count += window.shape[1] - 1
+    assert len(ids) > 128 and result["tokens"] == count
+    assert result["loss"] == pytest.approx(total / count, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_greedy_generation_at_tp2_equals_transformers_generate(tmp_path, tokenizer_file, name):
+    from megalite.generate import generate
+    model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
+    export_hf(ckpt, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    prompt = [17, 45, 3, 99, 120]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+    ours = run_distributed(generate_at_tp2, 2, str(ckpt), prompt)[0]
+    assert ours == theirs
+
+
+def generate_at_tp2(ckpt: str, prompt):
+    from megalite.generate import generate
+    ps = ParallelState.from_world(2)
+    model = GPT(checkpoint_model_config(ckpt), ps, seed=5)
+    load_checkpoint(ckpt, model, None, ps)
+    return generate(model, [prompt], 12, pad_id=2)[0]

@@ -119,7 +119,8 @@ def _build(cfg: DataConfig, target: Path) -> None:
 
 
 def _write_split(info: TokenizerInfo, docs: list[str], stem: Path, dtype) -> dict:
-    encoded = [e.ids + [info.eos_id] for e in info.tokenizer.encode_batch(docs)]
+    encoded = [e.ids + [info.eos_id]
+               for e in info.tokenizer.encode_batch(docs, add_special_tokens=False)]
     offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     tokens = np.fromiter((t for e in encoded for t in e), dtype=dtype, count=int(offsets[-1]))

@@ -27,7 +27,8 @@ class TokenizerInfo:
         return self.tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        """The text's tokens only: no template tokens (a Llama tokenizer would prepend bos)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

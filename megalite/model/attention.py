@@ -64,8 +64,6 @@ class Attention(nn.Module):
         # A prompt attends causally; a decoded token, alone, attends every cached token.
         causal = layout.mask is None and seq > 1
         if cache is not None:
-            if seq > 1 and cache.offset > 0:
-                raise ValueError("after the prompt, decode one token per forward")
             k, v = cache.extend(self.layer, k, v)
         dropout = self.dropout if self.training else 0.0
         # Attention probabilities belong to this rank's heads only: dropped with the per-rank

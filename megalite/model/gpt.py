@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig, check_layout
 from megalite.model.attention import Attention
 from megalite.model.kv_cache import KVCache
-from megalite.model.layout import SequenceLayout, sequence_layout
+from megalite.model.layout import SequenceLayout, cached_layout, sequence_layout
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
@@ -94,15 +94,17 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> Output:
-        """cache: decode incrementally (unpadded sequences); positions continue from it."""
+        """cache: decode incrementally; then attention_mask, if given, covers the cached tokens
+        and the new ones (left-padded prompts)."""
         start = 0 if cache is None else cache.offset
         if start + input_ids.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + input_ids.shape[1]} exceeds "
                              f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
-        layout = sequence_layout(input_ids, attention_mask, doc_ids)
-        if start:
-            layout.positions = layout.positions + start
+        if cache is None:
+            layout = sequence_layout(input_ids, attention_mask, doc_ids)
+        else:
+            layout = cached_layout(input_ids, attention_mask, start)
         x = self.embed(input_ids)
         if self.positions is not None:
             x = x + self.positions(layout.positions)

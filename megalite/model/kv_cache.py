@@ -1,8 +1,7 @@
 """Keys and values of past tokens, per layer, for incremental decoding.
 
 Preallocated for max_len tokens; a forward writes its new keys/values at [offset, offset + n)
-and attends everything up to there. One prompt, then one token per step: a step of several
-tokens after the prompt would need a causal mask offset by the cache, which no caller needs.
+and attends everything up to there, as the layout's mask allows (model/layout.cached_layout).
 """
 from __future__ import annotations
 

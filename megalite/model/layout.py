@@ -17,6 +17,26 @@ class SequenceLayout:
     mask: torch.Tensor | None
 
 
+def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  start: int) -> SequenceLayout:
+    """The layout of tokens start .. start + n of sequences whose first `start` tokens are in a
+    KV cache. attention_mask (or None: no padding) covers all start + n tokens."""
+    batch, seq = input_ids.shape
+    if attention_mask is None:
+        index = torch.arange(start, start + seq, device=input_ids.device)
+        # Causal within the new tokens is what SDPA's is_causal does only when nothing is cached.
+        if start and seq > 1:
+            raise ValueError("several new tokens after a cached prefix need an attention_mask")
+        return SequenceLayout(index.expand(batch, seq), None)
+    real = attention_mask.bool()
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+    queries = torch.arange(start, start + seq, device=input_ids.device)
+    keys = torch.arange(start + seq, device=input_ids.device)
+    allowed = (keys <= queries.unsqueeze(-1)) & real.unsqueeze(1)
+    allowed = allowed | (keys == queries.unsqueeze(-1))  # a pad query attends itself: no NaN
+    return SequenceLayout(positions, allowed.unsqueeze(1))
+
+
 def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     doc_ids: torch.Tensor | None = None) -> SequenceLayout:
     """attention_mask: 1 real token, 0 padding. doc_ids: document of each token (packed rows)."""

@@ -1,0 +1,76 @@
+"""`megalite eval --ckpt CKPT --text FILE [--tp N] [--json]`: the loss of a model on a text.
+
+The whole file is tokenized with the checkpoint's tokenizer (nothing added) and cut into
+consecutive, non-overlapping windows of the model's context length, the last one shorter.
+Every token after the first of its window is predicted from the ones before it in that window;
+the loss is the mean over all of them. DP ranks take disjoint windows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megalite.config import ParallelConfig
+from megalite.data.tokenizer import load_tokenizer
+from megalite.hf.convert import checkpoint_model_config
+from megalite.model import GPT
+from megalite.parallel.state import init_parallel
+from megalite.parallel.vocab import IGNORE_INDEX
+from megalite.training.checkpoint import load_checkpoint
+from megalite.typed_config import ConfigError
+
+
+@torch.no_grad()
+def text_loss(model: GPT, ids: list[int]) -> tuple[float, int]:
+    """(sum of next-token losses, number of predicted tokens) over this DP rank's windows."""
+    ps, length = model.pstate, model.cfg.max_seq_len
+    windows = [ids[i:i + length] for i in range(0, len(ids), length)]
+    mine = np.array_split(np.arange(len(windows)), ps.dp_size)[ps.dp_rank]
+    total = torch.zeros(2, dtype=torch.float64, device=ps.device)
+    model.eval()
+    for w in mine:
+        window = torch.tensor([windows[w]], device=ps.device)
+        labels = torch.cat([window[:, 1:], torch.full_like(window[:, :1], IGNORE_INDEX)], dim=1)
+        losses = model(window, labels=labels).token_losses
+        total += torch.stack([losses.sum().double(), torch.tensor(window.shape[1] - 1.0, device=ps.device,
+                                                                   dtype=torch.float64)])
+    if ps.dp_size > 1:
+        dist.all_reduce(total, group=ps.dp_group)
+    return total[0].item(), int(total[1].item())
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megalite eval", description=__doc__)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
+    args = parser.parse_args(argv)
+    ckpt, text_file = Path(args.ckpt), Path(args.text)
+    cfg = checkpoint_model_config(ckpt)
+    if not text_file.is_file():
+        raise ConfigError(f"--text '{text_file}' not found")
+    ids = load_tokenizer(ckpt / "tokenizer.json").encode(
+        text_file.read_bytes().decode("utf-8", errors="replace"))
+    if len(ids) < 2:
+        raise ConfigError(f"--text '{text_file}' has {len(ids)} tokens: nothing to predict")
+    ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
+    try:
+        model = GPT(cfg, ps)
+        load_checkpoint(ckpt, model, None, ps)
+        loss_sum, count = text_loss(model, ids)
+        loss = loss_sum / count
+        if ps.is_main:
+            result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count}
+            print(json.dumps(result) if args.json else
+                  f"loss {loss:.4f}, perplexity {result['ppl']:.2f} over {count} predicted tokens")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
