@@ -51,6 +51,10 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps; 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | a checkpoint directory
+    # Start from these weights (a megalite checkpoint or a Hugging Face directory) instead of a
+    # random init: its architecture replaces `model` (but for dropout) and, with
+    # data.tokenizer=bpe, its tokenizer.json is used.
+    init_from: str = ""
     eval_every: int = 0  # steps; 0: only at the end
     eval_batches: int = 4
     log_every: int = 1

@@ -26,6 +26,7 @@ from megalite.config import check_layout
 from megalite.data.batches import BatchOrder, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
+from megalite.hf.convert import check_tokenizer_matches, load_pretrained, pretrained_config
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
@@ -70,8 +71,24 @@ def check_batch_layout(cfg: Config, world: int) -> None:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
 
 
+def with_pretrained(cfg: Config) -> Config:
+    """train.init_from fixes the architecture, and its tokenizer unless one is given."""
+    if not cfg.train.init_from:
+        return cfg
+    source = Path(cfg.train.init_from)
+    model = dataclasses.replace(pretrained_config(source), dropout=cfg.model.dropout)
+    data = cfg.data
+    if data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(source / "tokenizer.json"))
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
 def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
-    """model.vocab_size is the tokenizer's: the embedding must have a row for every token id."""
+    """model.vocab_size is the tokenizer's: the embedding must have a row for every token id.
+    A pretrained model keeps its own vocabulary, which must hold the tokenizer's."""
+    if cfg.train.init_from:
+        check_tokenizer_matches(data.tokenizer, cfg.model, cfg.train.init_from)
+        return cfg
     model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
     return dataclasses.replace(cfg, model=model)
 
@@ -125,6 +142,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def main(argv: list[str] | None = None) -> int:
     cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = with_pretrained(cfg)
     check_batch_layout(cfg, world)
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
@@ -156,6 +174,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     grad_sync = DataParallelGradSync(model, ps)
 
     start, tokens_seen = resume(resume_from, model, optimizer, ps)
+    if resume_from is None and t.init_from:
+        load_pretrained(Path(t.init_from), model, ps)
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")

@@ -190,3 +190,29 @@ def generate_at_tp2(ckpt: str, prompt):
     model = GPT(checkpoint_model_config(ckpt), ps, seed=5)
     load_checkpoint(ckpt, model, None, ps)
     return generate(model, [prompt], 12, pad_id=2)[0]
+
+
+def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file):
+    """train.init_from=HF_DIR at TP=2: with lr 0, the final weights are the imported ones."""
+    from safetensors.torch import load_file
+
+    from megalite.train import main
+    from tests.test_train import run_train
+    random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
+    import_hf(tmp_path / "hf", tmp_path / "imported")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": "tensor parallel training " * 8}) + "\n" for _ in range(40)))
+    argv = [f"train.init_from={tmp_path / 'hf'}", f"data.path={corpus}", "data.seq_len=32",
+            "data.val_fraction=0.0", f"data.cache_dir={tmp_path / 'cache'}", "parallel.tp=2",
+            "train.max_steps=1", "train.lr=0.0", "train.min_lr=0.0", "train.global_batch_size=2",
+            "train.micro_batch_size=2", "sample.max_new_tokens=2", f"run.dir={tmp_path / 'run'}"]
+    assert run_distributed(run_train, 2, argv, torchrun_env=True) == [0, 0]
+    final = load_file(tmp_path / "run" / "checkpoints" / "step_00000001" / "model.safetensors")
+    imported = load_file(tmp_path / "imported" / "model.safetensors")
+    assert final.keys() == imported.keys()
+    assert all(torch.equal(final[k], imported[k]) for k in final)
+
+    big = tmp_path / "big.json"
+    train_bpe(read_corpus("embedded").documents[:300], 400).save(str(big))
+    with pytest.raises(ConfigError, match="has 400 tokens but the model's vocabulary has 320 rows"):
+        main(argv + [f"data.tokenizer={big}", "parallel.tp=1"])

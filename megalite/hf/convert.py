@@ -111,6 +111,29 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
     return cfg
 
 
+def pretrained_config(path: Path) -> ModelConfig:
+    """The model config of a megalite checkpoint or a Hugging Face directory."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        hf_cfg = json.loads((path / "config.json").read_text())
+        names = hf_cfg.get("architectures") or []
+        arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"'{path}' is a {names} model: megalite imports {', '.join(ARCHITECTURES)}")
+        return arch.config_from_hf(hf_cfg)
+    return checkpoint_model_config(path)
+
+
+def load_pretrained(path: Path, model, pstate) -> None:
+    """Weights of a megalite checkpoint or a Hugging Face directory into this rank's slices."""
+    from megalite.training.checkpoint import load_checkpoint, load_full_weights
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        load_checkpoint(path, model, None, pstate)
+    else:
+        load_full_weights(read_hf(path)[1], model, str(path))
+
+
 def check_tokenizer_matches(tokenizer, cfg: ModelConfig, where) -> None:
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer of '{where}' has {tokenizer.vocab_size} tokens but the "

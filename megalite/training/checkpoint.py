@@ -148,13 +148,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     meta = json.loads((path / "meta.json").read_text())
     params = dict(model.named_parameters())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        missing = sorted(set(params) - set(f.keys()))
-        if missing:
-            raise ConfigError(f"checkpoint '{path}' lacks parameters {missing[:4]}: it was "
-                              f"written for another model config")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(_my_slice(f.get_tensor(name), p))
+        load_full_weights(f, model, str(path))
     if optimizer is not None:
         _load_moments(path, optimizer, params, meta["step"])
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
@@ -164,6 +158,28 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         with safe_open(str(rng_file), framework="pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
     return meta, rng
+
+
+def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
+    """Copy this rank's slice of each full tensor into the model, one tensor at a time.
+    `tensors`: a dict or an open safetensors file (read lazily, tensor by tensor)."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors.keys()))
+    if missing:
+        raise ConfigError(f"'{source}' lacks parameters {missing[:4]}: it was written for "
+                          f"another model config")
+    with torch.no_grad():
+        for name, p in params.items():
+            full = tensors.get_tensor(name) if hasattr(tensors, "get_tensor") else tensors[name]
+            if full.shape != shard_full_shape(p):
+                raise ConfigError(f"'{source}': {name} has shape {tuple(full.shape)}, the model "
+                                  f"expects {tuple(shard_full_shape(p))}")
+            p.copy_(_my_slice(full, p))
+
+
+def shard_full_shape(p: torch.Tensor) -> torch.Size:
+    shard = shard_of(p)
+    return shard.full_shape(p.shape) if shard else p.shape
 
 
 def _my_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
