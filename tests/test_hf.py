@@ -78,7 +78,8 @@ def random_hf_model(name: str, directory, tokenizer_file):
                                           num_key_value_heads=2, tie_word_embeddings=False,
                                           rms_norm_eps=1e-5)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(directory)
+    # Llama is saved in shards (with model.safetensors.index.json), GPT-2 in one file.
+    model.save_pretrained(directory, max_shard_size="40KB" if name == "llama" else "5GB")
     (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     return model
 
@@ -95,6 +96,7 @@ def check_imported_logits(tp: int, ckpt: str, ids, mask):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == (name == "llama")
     import_hf(tmp_path / "hf", tmp_path / "ckpt")
     ids, mask = batch(MODELS[name])
     with torch.no_grad():
