@@ -48,24 +48,27 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02))
 
 
+# megalite name in a block -> (GPT-2 name in a block, stored transposed as Conv1D).
+LAYER = {"attn_norm.weight": ("ln_1.weight", False), "attn_norm.bias": ("ln_1.bias", False),
+         "attn.out_proj.weight": ("attn.c_proj.weight", True),
+         "attn.out_proj.bias": ("attn.c_proj.bias", False),
+         "mlp_norm.weight": ("ln_2.weight", False), "mlp_norm.bias": ("ln_2.bias", False),
+         "mlp.up.weight": ("mlp.c_fc.weight", True), "mlp.up.bias": ("mlp.c_fc.bias", False),
+         "mlp.down.weight": ("mlp.c_proj.weight", True), "mlp.down.bias": ("mlp.c_proj.bias", False)}
+
+
 def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     out = {"transformer.wte.weight": w["embed.weight"][: cfg.vocab_size],
            "transformer.wpe.weight": w["positions.weight"],
            "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
     for i in range(cfg.n_layers):
         m, h = f"blocks.{i}.", f"transformer.h.{i}."
-        k, v = split_kv(w[m + "attn.kv_proj.weight"], cfg.kv_heads)
-        kb, vb = split_kv(w[m + "attn.kv_proj.bias"], cfg.kv_heads)
-        out.update({
-            h + "ln_1.weight": w[m + "attn_norm.weight"], h + "ln_1.bias": w[m + "attn_norm.bias"],
-            h + "attn.c_attn.weight": torch.cat([w[m + "attn.q_proj.weight"], k, v]).T,
-            h + "attn.c_attn.bias": torch.cat([w[m + "attn.q_proj.bias"], kb, vb]),
-            h + "attn.c_proj.weight": w[m + "attn.out_proj.weight"].T,
-            h + "attn.c_proj.bias": w[m + "attn.out_proj.bias"],
-            h + "ln_2.weight": w[m + "mlp_norm.weight"], h + "ln_2.bias": w[m + "mlp_norm.bias"],
-            h + "mlp.c_fc.weight": w[m + "mlp.up.weight"].T, h + "mlp.c_fc.bias": w[m + "mlp.up.bias"],
-            h + "mlp.c_proj.weight": w[m + "mlp.down.weight"].T,
-            h + "mlp.c_proj.bias": w[m + "mlp.down.bias"]})
+        out.update({h + theirs: w[m + ours].T if transposed else w[m + ours]
+                    for ours, (theirs, transposed) in LAYER.items()})
+        for kind in ("weight", "bias"):
+            k, v = split_kv(w[m + f"attn.kv_proj.{kind}"], cfg.kv_heads)
+            fused = torch.cat([w[m + f"attn.q_proj.{kind}"], k, v])
+            out[h + f"attn.c_attn.{kind}"] = fused.T if kind == "weight" else fused
     return out
 
 
@@ -76,17 +79,11 @@ def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
            "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
     for i in range(cfg.n_layers):
         m, h = f"blocks.{i}.", f"h.{i}."
-        q, k, v = hf[h + "attn.c_attn.weight"].T.chunk(3)
-        qb, kb, vb = hf[h + "attn.c_attn.bias"].chunk(3)
-        out.update({
-            m + "attn_norm.weight": hf[h + "ln_1.weight"], m + "attn_norm.bias": hf[h + "ln_1.bias"],
-            m + "attn.q_proj.weight": q, m + "attn.q_proj.bias": qb,
-            m + "attn.kv_proj.weight": fuse_kv(k, v, cfg.kv_heads),
-            m + "attn.kv_proj.bias": fuse_kv(kb, vb, cfg.kv_heads),
-            m + "attn.out_proj.weight": hf[h + "attn.c_proj.weight"].T,
-            m + "attn.out_proj.bias": hf[h + "attn.c_proj.bias"],
-            m + "mlp_norm.weight": hf[h + "ln_2.weight"], m + "mlp_norm.bias": hf[h + "ln_2.bias"],
-            m + "mlp.up.weight": hf[h + "mlp.c_fc.weight"].T, m + "mlp.up.bias": hf[h + "mlp.c_fc.bias"],
-            m + "mlp.down.weight": hf[h + "mlp.c_proj.weight"].T,
-            m + "mlp.down.bias": hf[h + "mlp.c_proj.bias"]})
+        out.update({m + ours: hf[h + theirs].T if transposed else hf[h + theirs]
+                    for ours, (theirs, transposed) in LAYER.items()})
+        for kind in ("weight", "bias"):
+            fused = hf[h + f"attn.c_attn.{kind}"]
+            q, k, v = (fused.T if kind == "weight" else fused).chunk(3)
+            out[m + f"attn.q_proj.{kind}"] = q
+            out[m + f"attn.kv_proj.{kind}"] = fuse_kv(k, v, cfg.kv_heads)
     return out
