@@ -36,6 +36,7 @@ from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import build_optimizer, lr_at
+from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.typed_config import ConfigError
 
 
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     pstate = init_parallel(cfg.parallel, cfg.model)
     try:
         train(cfg, pstate, data, train_set, resume_from)
+    except Preempted:
+        return PREEMPTED
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -180,8 +183,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
         return
+    stop = StopRequest()
     if ps.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        clear_marker(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         report_data(data, train_set)
     metrics = None
@@ -243,6 +248,13 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
         if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
             checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
+        if done != t.max_steps and stop.agreed(ps):
+            checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
+            if ps.is_main:
+                bar.close()
+                mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
+                print(f"stopped after step {done} on request; checkpoint saved", flush=True)
+            raise Preempted()
     if bar is not None:
         bar.close()
     checkpoint(cfg, run_dir, t.max_steps, model, optimizer, ps, data, tokens_seen)
@@ -252,6 +264,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
+
+
+class Preempted(Exception):
+    """Raised on every rank after the checkpoint of an agreed early stop."""
 
 
 def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:

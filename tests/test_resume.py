@@ -61,10 +61,17 @@ def kill_every_process_of(run_dir: Path) -> None:
             pass
 
 
-def test_sigkill_then_resume_continues_exactly(tmp_path, cache):
-    """TP=2, dropout on: weights, Adam moments, schedule, data position and both RNG streams."""
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
+@pytest.fixture(scope="module")
+def whole_tp2(tmp_path_factory, cache):
+    """The uninterrupted TP=2 run the interrupted ones are compared with."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
     run(torchrun(2) + args(cache, whole, "parallel.tp=2"))
+    return whole
+
+
+def test_sigkill_then_resume_continues_exactly(tmp_path, cache, whole_tp2):
+    """TP=2, dropout on: weights, Adam moments, schedule, data position and both RNG streams."""
+    whole, killed = whole_tp2, tmp_path / "killed"
     proc = subprocess.Popen(torchrun(2) + args(cache, killed, "parallel.tp=2"), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -79,6 +86,43 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, cache):
     done = run(torchrun(2) + args(cache, killed, "parallel.tp=2", "train.resume=auto"))
     assert f"step_{resumed_from:08d} at step {resumed_from}" in done.stdout
     assert_continues_exactly(killed, whole, resumed_from)
+
+
+def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path, cache,
+                                                                                whole_tp2):
+    """Slurm's --signal=USR1 reaches the torchrun agent, which forwards it to its workers."""
+    stopped = tmp_path / "stopped"
+    launcher = torchrun(2) + ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                              "--shutdown-timeout", "60"]
+    proc = subprocess.Popen(launcher + args(cache, stopped, "parallel.tp=2"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while latest_checkpoint(stopped) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, out  # stopped early, not finished
+    marker = (stopped / "PREEMPTED").read_text()
+    step = int(marker.split()[3])
+    assert step < STEPS and f"on SIGUSR1" in marker, marker
+    assert latest_checkpoint(stopped).name == f"step_{step:08d}"  # saved where it stopped
+
+    done = run(torchrun(2) + args(cache, stopped, "parallel.tp=2"))
+    assert f"at step {step}" in done.stdout and not (stopped / "PREEMPTED").exists()
+    assert_continues_exactly(stopped, whole_tp2, step)
+
+
+def test_sigterm_stops_a_single_process_run_with_the_preempted_status(tmp_path, cache):
+    from megalite.training.preemption import PREEMPTED
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable] + args(cache, run_dir), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(run_dir) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED
+    assert "on SIGTERM" in (run_dir / "PREEMPTED").read_text()
 
 
 KILL_DURING_SAVE = """
