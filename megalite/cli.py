@@ -9,7 +9,9 @@ COMMANDS = {"train": ("megalite.train", "main"),
             "export": ("megalite.hf.convert", "main_export"),
             "import": ("megalite.hf.convert", "main_import"),
             "eval": ("megalite.evaluate", "main"),
-            "generate": ("megalite.generate", "main")}
+            "generate": ("megalite.generate", "main"),
+            "slurm": ("megalite.launch.slurm", "main"),
+            "sweep-status": ("megalite.launch.slurm", "main_status")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,11 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item,) = typing.get_args(annotation)[:1]
         return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if annotation in (dict, list):  # free-form sections (a sweep's grid and points)
+        if not isinstance(value, annotation):
+            raise ConfigError(f"{key}: expected a {'mapping' if annotation is dict else 'list'}, "
+                              f"got {value!r}")
+        return value
     if annotation is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")

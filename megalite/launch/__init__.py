@@ -1,0 +1,1 @@
+"""Launching runs: Slurm job arrays from YAML sweeps, and their status."""

@@ -1,0 +1,159 @@
+"""`megalite slurm SWEEP.yaml [--dry-run | --submit]` and `megalite sweep-status DIR`.
+
+Writes each point's resolved config to RUN_ROOT/<sweep>/<index>-<short>/config.yaml, their list
+to RUN_ROOT/<sweep>/configs.txt, and ONE sbatch script, RUN_ROOT/<sweep>/sweep.sbatch, whose
+array task i trains config i (launch/sbatch.template).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from string import Template
+
+import yaml
+
+from megalite.launch.sweep import Run, SweepFile, load_sweep
+from megalite.run_config import to_dict
+from megalite.training.checkpoint import latest_checkpoint
+from megalite.typed_config import ConfigError
+
+TEMPLATE = Path(__file__).resolve().parent.parent.parent / "launch" / "sbatch.template"
+
+
+def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path) -> str:
+    s = sweep.slurm
+    optional = [f"#SBATCH --{key}={value}" for key, value in
+                (("partition", s.partition), ("account", s.account), ("qos", s.qos),
+                 ("constraint", s.constraint)) if value]
+    if s.gpus_per_node:
+        optional.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+    optional += [f"#SBATCH {line}" for line in s.extra_sbatch]
+    return Template(TEMPLATE.read_text()).substitute(
+        name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
+        throttle=f"%{s.throttle}" if s.throttle else "", nodes=s.nodes,
+        cpus_per_task=s.cpus_per_task, time=s.time, sweep_dir=sweep_dir.resolve(),
+        signal=s.signal, optional_sbatch="\n".join(optional), setup="\n".join(s.setup),
+        python=s.python, procs_per_node=s.procs)
+
+
+def write_sweep(sweep_file: Path) -> tuple[SweepFile, list[Run], Path]:
+    sweep, runs = load_sweep(sweep_file)
+    sweep_dir = Path(sweep.run_root) / sweep.name
+    (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        run.directory.mkdir(parents=True, exist_ok=True)
+        (run.directory / "config.yaml").write_text(yaml.safe_dump(to_dict(run.config), sort_keys=False))
+    (sweep_dir / "configs.txt").write_text(
+        "".join(f"{(run.directory / 'config.yaml').resolve()}\n" for run in runs))
+    (sweep_dir / "sweep.sbatch").write_text(render(sweep, runs, sweep_file, sweep_dir))
+    return sweep, runs, sweep_dir
+
+
+def table(runs: list[Run]) -> str:
+    rows = [("index", "run dir", "overrides")] + [
+        (str(r.index), str(r.directory), " ".join(o for o in r.overrides if not o.startswith("run.dir=")))
+        for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megalite slurm")
+    parser.add_argument("sweep")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dry-run", action="store_true", help="print the script and the runs")
+    mode.add_argument("--submit", action="store_true", help="sbatch the array")
+    args = parser.parse_args(argv)
+    sweep, runs, sweep_dir = write_sweep(Path(args.sweep))
+    script = sweep_dir / "sweep.sbatch"
+    if args.dry_run:
+        print(script.read_text())
+        print(table(runs))
+        print(f"\nwrote {script}; submit with: sbatch {script}")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError("sbatch not found: run on a Slurm login node, or use --dry-run")
+    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"sbatch refused {script}: {done.stderr.strip()}")
+    job_id = done.stdout.strip().split(";")[0]
+    (sweep_dir / "job_id").write_text(job_id + "\n")
+    print(f"submitted job {job_id}: {len(runs)} array tasks; megalite sweep-status {sweep_dir}")
+    return 0
+
+
+def task_states(sweep_dir: Path) -> dict[int, str]:
+    """Slurm's view of each array task, from sacct, else squeue; empty when neither answers."""
+    job_file = sweep_dir / "job_id"
+    if not job_file.is_file():
+        return {}
+    job = job_file.read_text().strip()
+    states = {}
+    if shutil.which("sacct"):
+        out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "--format=JobID,State"],
+                             capture_output=True, text=True)
+        for line in out.stdout.splitlines() if out.returncode == 0 else []:
+            job_id, state = line.split("|")[:2]
+            if "_" in job_id and job_id.split("_")[1].isdigit():
+                states[int(job_id.split("_")[1])] = state.split()[0]
+    if not states and shutil.which("squeue"):
+        out = subprocess.run(["squeue", "-j", job, "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True)
+        for line in out.stdout.splitlines() if out.returncode == 0 else []:
+            job_id, state = line.split("|")
+            if "_" in job_id:
+                states[int(job_id.split("_")[1])] = state
+    return states
+
+
+SLURM_STATES = {"OUT_OF_MEMORY": "OOM", "TIMEOUT": "timeout", "FAILED": "failed",
+                "CANCELLED": "failed", "NODE_FAIL": "failed", "PENDING": "pending",
+                "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "done"}
+
+
+def run_status(run_dir: Path, slurm_state: str | None) -> dict:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    records = []
+    if (run_dir / "metrics.jsonl").is_file():
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in records if "loss" in r]
+    latest = latest_checkpoint(run_dir)
+    finished = latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}"
+    if finished:
+        state = "done"
+    elif slurm_state is not None:
+        state = SLURM_STATES.get(slurm_state, slurm_state.lower())
+        state = "failed" if state == "done" else state  # Slurm says completed, the run did not
+    else:
+        state = "running" if steps else "pending"
+    return {"state": state, "step": steps[-1]["step"] if steps else None,
+            "loss": steps[-1]["loss"] if steps else None,
+            "tokens_per_s": steps[-1]["tokens_per_s"] if steps else None}
+
+
+def main_status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megalite sweep-status")
+    parser.add_argument("sweep_dir")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    sweep_dir = Path(args.sweep_dir)
+    if not (sweep_dir / "configs.txt").is_file():
+        raise ConfigError(f"'{sweep_dir}' is not a sweep directory (no configs.txt)")
+    slurm = task_states(sweep_dir)
+    rows = []
+    for index, line in enumerate((sweep_dir / "configs.txt").read_text().split()):
+        status = run_status(Path(line).parent, slurm.get(index))
+        rows.append({"index": index, "run": Path(line).parent.name, **status})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] is not None else "-"
+        print(f"{r['index']:>4}  {r['run']:<40} {r['state']:<8} step {r['step'] or '-':>6}  "
+              f"loss {loss:>8}  tok/s {tps:>10}")
+    return 0

@@ -1,0 +1,102 @@
+"""A sweep file names a base config, the points to run and the Slurm resources:
+
+    name: lr-sweep
+    base: configs/demo.yaml
+    run_root: runs/sweeps
+    overrides: [train.max_steps=200]           # every point
+    grid: {train.lr: [1.0e-3, 3.0e-3], parallel.tp: [1, 2]}   # the cartesian product...
+    points: [{run.seed: 1}, {run.seed: 2}]     # ...times each of these (either may be absent)
+    slurm: {nodes: 1, gpus_per_node: 8, time: "02:00:00", partition: gpu, ...}
+
+Every point is resolved and checked (unknown keys, the TP x DP layout of nodes x processes)
+before anything is written or submitted.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megalite.run_config import Config, load_config
+from megalite.train import check_batch_layout
+from megalite.typed_config import ConfigError, from_dict
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU processes (gloo)
+    procs_per_node: int = 0  # processes per node; 0: gpus_per_node (CPU runs: set it)
+    cpus_per_task: int = 8
+    time: str = "01:00:00"
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    throttle: int = 0  # at most this many array tasks at once; 0: no limit
+    signal: str = "USR1@90"  # sent ahead of the time limit: checkpoint, requeue, resume
+    extra_sbatch: list[str] = field(default_factory=list)  # e.g. ["--exclusive"]
+    setup: list[str] = field(default_factory=list)  # shell lines, e.g. module load / venv
+    python: str = "python"
+
+    @property
+    def procs(self) -> int:
+        return self.procs_per_node or self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class SweepFile:
+    name: str
+    base: str
+    run_root: str = "runs/sweeps"
+    overrides: list[str] = field(default_factory=list)
+    grid: dict = field(default_factory=dict)
+    points: list = field(default_factory=list)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+@dataclass
+class Run:
+    index: int
+    short_name: str
+    overrides: list[str]
+    config: Config
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.config.run.dir)
+
+
+def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file '{path}' not found")
+    sweep = from_dict(SweepFile, yaml.safe_load(path.read_text()) or {}, "sweep.")
+    if not Path(sweep.base).is_file():
+        raise ConfigError(f"sweep.base '{sweep.base}' not found: name the run config the sweep "
+                          f"varies (e.g. configs/demo.yaml)")
+    if sweep.slurm.procs < 1:
+        raise ConfigError("sweep.slurm: set gpus_per_node, or procs_per_node for CPU runs")
+    empty = [k for k, values in sweep.grid.items() if not isinstance(values, list) or not values]
+    if empty or (not sweep.grid and not sweep.points):
+        raise ConfigError(f"sweep '{sweep.name}' has nothing to run: "
+                          + (f"grid keys {empty} have no values" if empty else
+                             "give a non-empty grid (key: [values]) or points"))
+    world = sweep.slurm.nodes * sweep.slurm.procs
+    runs = []
+    grid = [dict(zip(sweep.grid, values)) for values in itertools.product(*sweep.grid.values())]
+    for index, (g, p) in enumerate(itertools.product(grid, sweep.points or [{}])):
+        point = {**g, **p}
+        short = "-".join(f"{k.split('.')[-1]}{v}" for k, v in point.items()) or "base"
+        run_dir = Path(sweep.run_root) / sweep.name / f"{index}-{short}"
+        overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
+        try:
+            config = load_config(sweep.base, overrides)
+            check_batch_layout(config, world)
+        except ConfigError as err:
+            raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
+                              f"{sweep.slurm.procs} processes: {err}") from None
+        runs.append(Run(index, short, overrides, config))
+    return sweep, runs

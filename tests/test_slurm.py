@@ -1,0 +1,146 @@
+"""Slurm job arrays from YAML sweeps, run on a real one-node Slurm started by the test."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megalite.launch.slurm import main as slurm_main
+from megalite.typed_config import ConfigError
+from tests import slurm_cluster
+from tests.test_train import common, losses
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_slurm = pytest.mark.skipif(not slurm_cluster.available(),
+                                 reason="needs root and Debian's slurm-wlm + munge (.ci/run installs them)")
+
+
+def write_sweep(tmp: Path, grid: dict, overrides=(), **slurm) -> Path:
+    base = tmp / "base.yaml"
+    argv = common(str(tmp / "cache"), tmp / "unused", "packed")
+    raw = {}
+    for item in argv:
+        key, value = item.split("=", 1)
+        section, *rest = key.split(".")
+        if rest:
+            raw.setdefault(section, {})[rest[0]] = yaml.safe_load(value)
+        else:
+            raw[section] = {"preset": value}
+    base.write_text(yaml.safe_dump(raw))
+    sweep = tmp / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "t", "base": str(base), "run_root": str(tmp / "runs"), "grid": grid,
+        "overrides": ["train.micro_batch_size=4", *overrides],
+        "slurm": {"nodes": 1, "procs_per_node": 1, "cpus_per_task": 1, "time": "00:10:00",
+                  "python": sys.executable, **slurm}}))
+    return sweep
+
+
+@pytest.mark.parametrize("grid,slurm,message", [
+    ({"train.lrr": [1e-3]}, {}, r"unknown config key 'train\.lrr'; did you mean 'train\.lr'"),
+    ({"parallel.tp": [2]}, {"procs_per_node": 3}, r"world size 3 is not divisible by parallel\.tp=2"),
+    ({}, {}, r"has nothing to run: give a non-empty grid"),
+    ({"train.lr": []}, {}, r"grid keys \['train\.lr'\] have no values"),
+])
+def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, message):
+    sweep = write_sweep(tmp_path, grid, **slurm)
+    with pytest.raises(ConfigError, match=message):
+        slurm_main([str(sweep), "--dry-run"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_base_config_is_named(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "t", "base": "nope.yaml", "grid": {"train.lr": [1]}}))
+    with pytest.raises(ConfigError, match=r"sweep\.base 'nope\.yaml' not found"):
+        slurm_main([str(sweep), "--dry-run"])
+
+
+def sweep_status(sweep_dir: Path, env) -> list[dict]:
+    done = subprocess.run([sys.executable, "-m", "megalite", "sweep-status", str(sweep_dir), "--json"],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def wait_for(sweep_dir: Path, env, states: set[str], timeout: float = 240) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = sweep_status(sweep_dir, env)
+        if all(r["state"] in states for r in rows):
+            return rows
+        time.sleep(1)
+    logs = "".join(p.read_text()[-1500:] for p in (sweep_dir / "logs").glob("*"))
+    raise AssertionError(f"sweep did not reach {states}: {rows}\n{logs}")
+
+
+def submit(sweep: Path, env) -> str:
+    done = subprocess.run([sys.executable, "-m", "megalite", "slurm", str(sweep), "--submit"],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.split()[2].rstrip(":")
+
+
+@needs_slurm
+def test_array_of_three_runs_each_trains_its_own_config(tmp_path):
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3, 1e-2]})
+    with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
+        slurm_main([str(sweep), "--dry-run"])
+        script = tmp_path / "runs" / "t" / "sweep.sbatch"
+        test_only = subprocess.run(["sbatch", "--test-only", str(script)], env=env,
+                                   capture_output=True, text=True)
+        assert test_only.returncode == 0 and "to start at" in test_only.stderr, test_only.stderr
+        submit(sweep, env)
+        rows = wait_for(tmp_path / "runs" / "t", env, {"done", "failed", "OOM", "timeout"})
+    assert [r["state"] for r in rows] == ["done"] * 3, rows
+    for index, lr in enumerate((1e-3, 3e-3, 1e-2)):
+        run_dir = tmp_path / "runs" / "t" / rows[index]["run"]
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["lr"] == lr
+        steps = losses(run_dir)
+        assert steps[max(steps)] < steps[1] - 0.1
+        log = next((tmp_path / "runs" / "t" / "logs").glob(f"*_{index}.out")).read_text()
+        assert f"task {index}: {run_dir.resolve() / 'config.yaml'}" in log
+
+
+@needs_slurm
+def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path):
+    overrides = ["train.max_steps=40", "train.checkpoint_every=5", "model.dropout=0.1"]
+    sweep = write_sweep(tmp_path, {"run.seed": [1234]}, overrides)
+    with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
+        job = submit(sweep, env)
+        run_dir = next((tmp_path / "runs" / "t").glob("0-*"))
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+        deadline = time.monotonic() + 120
+        while not (run_dir / "PREEMPTED").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (run_dir / "PREEMPTED").exists(), "the run did not stop on USR1"
+        # Slurm holds a requeued job for a couple of minutes before it may start again; once
+        # the task is back in the queue, let it start now.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            queued = subprocess.run(["squeue", "-j", job, "-h", "-r", "-o", "%T"], env=env,
+                                    capture_output=True, text=True).stdout.split()
+            if queued == ["PENDING"]:
+                subprocess.run(["scontrol", "update", f"JobId={job}_0", "StartTime=now"], env=env,
+                               check=True)
+                break
+            time.sleep(0.2)
+        rows = wait_for(tmp_path / "runs" / "t", env, {"done", "failed"}, timeout=300)
+    assert rows[0]["state"] == "done"
+    logs = "".join(p.read_text() for p in (tmp_path / "runs" / "t" / "logs").glob("*.out"))
+    assert "preempted: requeueing" in logs and "resumed from" in logs + "".join(
+        p.read_text() for p in (tmp_path / "runs" / "t" / "logs").glob("*.err"))
+
+    whole = tmp_path / "whole"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["run"]["dir"] = str(whole)
+    (tmp_path / "whole.yaml").write_text(yaml.safe_dump(config))
+    subprocess.run([sys.executable, "-m", "megalite", "train", "--config", str(tmp_path / "whole.yaml")],
+                   cwd=ROOT, check=True, capture_output=True)
+    assert losses(run_dir) == losses(whole)
