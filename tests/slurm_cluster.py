@@ -15,6 +15,9 @@ SlurmctldHost={host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again only once the credentials of its last run have expired
+# (120 s by default): short, so the preemption test does not wait minutes.
+AuthInfo=cred_expire=5
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 StateSaveLocation={dir}/state
