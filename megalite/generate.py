@@ -26,11 +26,19 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              eos_id: int | None = None, seed: int = 0, use_cache: bool = True) -> list[list[int]]:
     """New token ids for each prompt (stopping after eos). temperature 0 is greedy."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    width = max(len(p) for p in prompts)
+    # Rows share one padded width: the longest prompt bounds how many tokens every row gets.
+    room = min(max_new_tokens, model.cfg.max_seq_len - width)
+    if room < 1:
+        raise ValueError(f"the longest prompt has {width} tokens: no room to generate within "
+                         f"model.max_seq_len={model.cfg.max_seq_len}")
     was_training = model.training
     model.eval()
     device = model.pstate.device
-    width = max(len(p) for p in prompts)
-    room = min(max_new_tokens, model.cfg.max_seq_len - width)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = model.new_cache(len(prompts), width + room) if use_cache else None
@@ -66,8 +74,8 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     if top_p < 1.0:
         # Keep the most likely tokens whose cumulative probability first reaches top_p.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the most likely token is never dropped
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 

@@ -154,19 +154,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
                           f"a smaller global batch or more data")
     resume_from = find_resume(cfg, data)
-    pstate = init_parallel(cfg.parallel, cfg.model)
-    try:
-        train(cfg, pstate, data, train_set, resume_from)
-    except Preempted:
-        return PREEMPTED
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with StopRequest() as stop:
+        pstate = init_parallel(cfg.parallel, cfg.model)
+        try:
+            train(cfg, pstate, data, train_set, resume_from, stop)
+        except Preempted:
+            return PREEMPTED
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 
 def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
-          resume_from: Path | None) -> None:
+          resume_from: Path | None, stop: StopRequest) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
     # The default generator drives dropout on replicated activations: the same on every TP
     # rank of a DP group, different between DP groups, which hold different samples.
@@ -183,7 +184,6 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
         return
-    stop = StopRequest()
     if ps.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(run_dir)
@@ -246,10 +246,12 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             update_bar(bar, record)
         if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
-        if t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps:
+        saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
+        if saved:
             checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
         if done != t.max_steps and stop.agreed(ps):
-            checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
+            if not saved:
+                checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
             if ps.is_main:
                 bar.close()
                 mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")

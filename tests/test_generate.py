@@ -46,3 +46,20 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
     assert probs[0] < 0.8 < probs[:2].sum()
     assert set(pick(logits, 1.0, 0, 0.8, g).tolist()) == {0, 1}
     assert pick(logits[:1], 0.0, 0, 1.0, g).tolist() == [0]
+
+
+def test_each_row_stops_at_its_own_eos_and_bad_prompts_are_refused():
+    import pytest
+    model = GPT(CONFIGS["gpt2"], ParallelState(), seed=3)
+    free = generate(model, PROMPTS, 8, pad_id=PAD_ID)
+    eos = free[0][2]  # make the first row's third new token the end of its document
+    stopped = generate(model, PROMPTS, 8, pad_id=PAD_ID, eos_id=eos)
+    for row in range(len(PROMPTS)):  # cut after its first eos, the other rows carrying on
+        assert stopped[row] == (free[row][:free[row].index(eos) + 1] if eos in free[row] else free[row])
+    assert len(stopped[0]) <= 3
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        generate(model, [[]], 4, pad_id=PAD_ID)
+    with pytest.raises(ValueError, match="no room to generate"):
+        generate(model, [[1] * model.cfg.max_seq_len], 4, pad_id=PAD_ID)
+    with pytest.raises(ValueError, match=r"top_p=0.0 must be in \(0, 1\]"):
+        generate(model, PROMPTS, 4, pad_id=PAD_ID, temperature=1.0, top_p=0.0)

@@ -129,10 +129,25 @@ def test_half_written_checkpoint_is_refused(tmp_path):
         export_hf(tmp_path / "step_00000003", tmp_path / "hf")
 
 
-def test_tp_that_does_not_divide_the_heads_is_refused(tmp_path, tokenizer_file):
-    _, ckpt = megalite_checkpoint(MODELS["gpt2"], tokenizer_file, tmp_path / "run")
+def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_path, tokenizer_file):
+    random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
+    cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
     with pytest.raises(ConfigError, match=r"model\.n_heads=4 is not divisible by parallel\.tp=3"):
-        GPT(MODELS["gpt2"], ParallelState(tp_size=3))
+        GPT(cfg, ParallelState(tp_size=3))
+
+
+@pytest.mark.parametrize("option,message", [
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"scale_attn_weights": False}, "scale_attn_weights=false"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=false"),
+    ({"activation_function": "relu"}, "activation_function 'relu'"),
+])
+def test_gpt2_options_megalite_does_not_compute_are_refused(tmp_path, tokenizer_file, option, message):
+    random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **option}))
+    with pytest.raises(ConfigError, match=f"unsupported GPT-2 checkpoint: {message}"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
 def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
@@ -175,15 +190,16 @@ def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, toke
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_greedy_generation_at_tp2_equals_transformers_generate(tmp_path, tokenizer_file, name):
-    from megalite.generate import generate
-    model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
+    # A larger init than 0.02, so that the greedy continuation is not one token repeated.
+    cfg = dataclasses.replace(MODELS[name], init_std=0.3)
+    model, ckpt = megalite_checkpoint(cfg, tokenizer_file, tmp_path / "run")
     export_hf(ckpt, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     prompt = [17, 45, 3, 99, 120]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                          eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
     ours = run_distributed(generate_at_tp2, 2, str(ckpt), prompt)[0]
-    assert ours == theirs
+    assert ours == theirs and len(set(theirs)) > 3
 
 
 def generate_at_tp2(ckpt: str, prompt):

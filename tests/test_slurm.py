@@ -133,3 +133,29 @@ def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path):
     subprocess.run([sys.executable, "-m", "megalite", "train", "--config", str(tmp_path / "whole.yaml")],
                    cwd=ROOT, check=True, capture_output=True)
     assert losses(run_dir) == losses(whole)
+
+
+def test_sweep_paths_are_absolute_so_the_job_finds_its_runs_from_any_directory(tmp_path, monkeypatch):
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3]})
+    raw = yaml.safe_load(sweep.read_text())
+    raw["run_root"] = "relative/runs"
+    sweep.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    slurm_main([str(sweep), "--dry-run"])
+    listed = (tmp_path / "relative/runs/t/configs.txt").read_text().splitlines()
+    config = yaml.safe_load(Path(listed[0]).read_text())
+    assert Path(config["run"]["dir"]).is_absolute()
+    assert f"#SBATCH --chdir={tmp_path}" in (tmp_path / "relative/runs/t/sweep.sbatch").read_text()
+
+
+def test_a_submitted_task_gone_from_the_queue_unfinished_is_failed(tmp_path):
+    from megalite.launch.slurm import run_status
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 10}}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 5.0, "tokens_per_s": 1.0}) + "\n")
+    assert run_status(run_dir, None, queue_answered=True)["state"] == "failed"
+    assert run_status(run_dir, "RUNNING", queue_answered=True)["state"] == "running"
+    assert run_status(run_dir, None, queue_answered=False)["state"] == "not submitted"
+    (tmp_path / "job_id").write_text("7\n")  # submitted, but Slurm did not answer
+    assert run_status(run_dir, None, queue_answered=False)["state"] == "unknown"

@@ -47,6 +47,14 @@ def test_bad_config_is_one_clear_error(tmp_path, extra, message):
         main(small_args(tmp_path, corpus) + extra)
 
 
+def test_signal_handlers_are_restored_after_a_run(tmp_path):
+    import signal
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    assert main(small_args(tmp_path, corpus)) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+
+
 def test_empty_corpus_is_an_error(tmp_path):
     corpus = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
     with pytest.raises(ConfigError, match=r"holds no text \(3 empty documents\)"):

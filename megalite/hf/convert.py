@@ -32,18 +32,34 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     return from_dict(ModelConfig, json.loads(meta_file.read_text())["config"]["model"], "model.")
 
 
-def export_hf(ckpt: Path, out: Path) -> str:
-    ckpt, out = Path(ckpt), Path(out)
-    cfg = checkpoint_model_config(ckpt)
-    errors = {}
+def _exportable_as(cfg: ModelConfig) -> tuple[str, object]:
+    errors = []
     for name, arch in ARCHITECTURES.items():
         try:
             arch.check_exportable(cfg)
-            break
+            return name, arch
         except ConfigError as err:
-            errors[name] = str(err)
-    else:
-        raise ConfigError("; ".join(errors.values()))
+            errors.append(str(err))
+    raise ConfigError("; ".join(errors))
+
+
+def _architecture(hf_dir: Path) -> tuple[dict, object]:
+    """(config.json, architecture module) of a Hugging Face directory megalite can read."""
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    names = hf_cfg.get("architectures") or []
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
+                          f"imports {', '.join(ARCHITECTURES)}")
+    return hf_cfg, arch
+
+
+def export_hf(ckpt: Path, out: Path) -> str:
+    ckpt, out = Path(ckpt), Path(out)
+    cfg = checkpoint_model_config(ckpt)
+    name, arch = _exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                "pad_token_id": tokenizer.pad_id}
@@ -70,15 +86,7 @@ def _write_tokenizer_files(source: Path, tokenizer, out: Path) -> None:
 def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
     """(megalite config, megalite full tensors, architecture module) of a HF directory."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    names = hf_cfg.get("architectures") or []
-    arch_name = next((n for n in names if n in ARCHITECTURES), None)
-    if arch_name is None:
-        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
-                          f"imports {', '.join(ARCHITECTURES)}")
-    arch = ARCHITECTURES[arch_name]
+    hf_cfg, arch = _architecture(hf_dir)
     cfg = arch.config_from_hf(hf_cfg)
     return cfg, arch.weights_from_hf(_hf_tensors(hf_dir), cfg), arch
 
@@ -114,14 +122,10 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
 def pretrained_config(path: Path) -> ModelConfig:
     """The model config of a megalite checkpoint or a Hugging Face directory."""
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        hf_cfg = json.loads((path / "config.json").read_text())
-        names = hf_cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(f"'{path}' is a {names} model: megalite imports {', '.join(ARCHITECTURES)}")
-        return arch.config_from_hf(hf_cfg)
-    return checkpoint_model_config(path)
+    if (path / "meta.json").is_file():
+        return checkpoint_model_config(path)
+    hf_cfg, arch = _architecture(path)
+    return arch.config_from_hf(hf_cfg)
 
 
 def load_pretrained(path: Path, model, pstate) -> None:

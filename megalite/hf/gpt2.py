@@ -36,10 +36,18 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    activation = {v: k for k, v in ACTIVATIONS.items()}.get(hf.get("activation_function", "gelu_new"))
-    if activation is None:
-        raise ConfigError(f"GPT-2 activation_function {hf['activation_function']!r} is not "
-                          f"supported (gelu_new, gelu)")
+    # gelu_pytorch_tanh is gelu_new computed by a fused kernel: the same function.
+    names = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    activation = names.get(hf.get("activation_function", "gelu_new"))
+    problems = [] if activation else [f"activation_function {hf['activation_function']!r}"]
+    if hf.get("scale_attn_by_inverse_layer_idx"):
+        problems.append("scale_attn_by_inverse_layer_idx (attention scaled per layer)")
+    if not hf.get("scale_attn_weights", True):
+        problems.append("scale_attn_weights=false (unscaled attention)")
+    if not hf.get("tie_word_embeddings", True):
+        problems.append("tie_word_embeddings=false")
+    if problems:
+        raise ConfigError("unsupported GPT-2 checkpoint: " + "; ".join(problems))
     return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                        n_layers=hf["n_layer"], hidden=hf["n_embd"], n_heads=hf["n_head"],
                        ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"], activation=activation,

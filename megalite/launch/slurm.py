@@ -38,7 +38,8 @@ def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path)
         throttle=f"%{s.throttle}" if s.throttle else "", nodes=s.nodes,
         cpus_per_task=s.cpus_per_task, time=s.time, sweep_dir=sweep_dir.resolve(),
         signal=s.signal, optional_sbatch="\n".join(optional), setup="\n".join(s.setup),
-        python=s.python, procs_per_node=s.procs)
+        python=s.python, procs_per_node=s.procs, max_requeues=s.max_requeues,
+        workdir=Path.cwd())
 
 
 def write_sweep(sweep_file: Path) -> tuple[SweepFile, list[Run], Path]:
@@ -87,11 +88,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def task_states(sweep_dir: Path) -> dict[int, str]:
-    """Slurm's view of each array task, from sacct, else squeue; empty when neither answers."""
+def task_states(sweep_dir: Path) -> dict[int, str] | None:
+    """Slurm's view of each array task, from sacct, else squeue; None when the sweep was not
+    submitted or Slurm did not answer (then a task's absence means nothing)."""
     job_file = sweep_dir / "job_id"
     if not job_file.is_file():
-        return {}
+        return None
     job = job_file.read_text().strip()
     states = {}
     if shutil.which("sacct"):
@@ -101,12 +103,18 @@ def task_states(sweep_dir: Path) -> dict[int, str]:
             job_id, state = line.split("|")[:2]
             if "_" in job_id and job_id.split("_")[1].isdigit():
                 states[int(job_id.split("_")[1])] = state.split()[0]
-    if not states and shutil.which("squeue"):
-        out = subprocess.run(["squeue", "-j", job, "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True)
-        for line in out.stdout.splitlines() if out.returncode == 0 else []:
-            job_id, state = line.split("|")
-            if "_" in job_id:
-                states[int(job_id.split("_")[1])] = state
+    if states:
+        return states
+    if not shutil.which("squeue"):
+        return None
+    out = subprocess.run(["squeue", "-j", job, "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True)
+    if out.returncode != 0:
+        # A finished job is "invalid" to squeue once slurmctld forgets it: the queue answered.
+        return {} if "Invalid job id" in out.stderr else None
+    for line in out.stdout.splitlines():
+        job_id, state = line.split("|")
+        if "_" in job_id:
+            states[int(job_id.split("_")[1])] = state
     return states
 
 
@@ -115,7 +123,9 @@ SLURM_STATES = {"OUT_OF_MEMORY": "OOM", "TIMEOUT": "timeout", "FAILED": "failed"
                 "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "done"}
 
 
-def run_status(run_dir: Path, slurm_state: str | None) -> dict:
+def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> dict:
+    """slurm_state: Slurm's state of the task, None when it does not list it; queue_answered:
+    whether Slurm was asked about a submitted sweep and answered."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     records = []
     if (run_dir / "metrics.jsonl").is_file():
@@ -128,8 +138,12 @@ def run_status(run_dir: Path, slurm_state: str | None) -> dict:
     elif slurm_state is not None:
         state = SLURM_STATES.get(slurm_state, slurm_state.lower())
         state = "failed" if state == "done" else state  # Slurm says completed, the run did not
+    elif queue_answered:
+        state = "failed"  # left the queue (without accounting: gone from squeue) unfinished
+    elif (run_dir.parent / "job_id").is_file():
+        state = "unknown"  # Slurm did not answer
     else:
-        state = "running" if steps else "pending"
+        state = "not submitted"
     return {"state": state, "step": steps[-1]["step"] if steps else None,
             "loss": steps[-1]["loss"] if steps else None,
             "tokens_per_s": steps[-1]["tokens_per_s"] if steps else None}
@@ -145,8 +159,8 @@ def main_status(argv: list[str]) -> int:
         raise ConfigError(f"'{sweep_dir}' is not a sweep directory (no configs.txt)")
     slurm = task_states(sweep_dir)
     rows = []
-    for index, line in enumerate((sweep_dir / "configs.txt").read_text().split()):
-        status = run_status(Path(line).parent, slurm.get(index))
+    for index, line in enumerate((sweep_dir / "configs.txt").read_text().splitlines()):
+        status = run_status(Path(line).parent, (slurm or {}).get(index), slurm is not None)
         rows.append({"index": index, "run": Path(line).parent.name, **status})
     if args.json:
         print(json.dumps(rows))

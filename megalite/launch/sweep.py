@@ -13,6 +13,7 @@ before anything is written or submitted.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class SlurmConfig:
     extra_sbatch: list[str] = field(default_factory=list)  # e.g. ["--exclusive"]
     setup: list[str] = field(default_factory=list)  # shell lines, e.g. module load / venv
     python: str = "python"
+    max_requeues: int = 20  # a run preempted more often than this stays stopped
 
     @property
     def procs(self) -> int:
@@ -74,9 +76,16 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
     if not path.is_file():
         raise ConfigError(f"sweep file '{path}' not found")
     sweep = from_dict(SweepFile, yaml.safe_load(path.read_text()) or {}, "sweep.")
+    spaced = [f"sweep.{k}={v!r}" for k, v in (("name", sweep.name), ("run_root", sweep.run_root),
+                                               ("slurm.python", sweep.slurm.python)) if " " in v]
+    if spaced:
+        raise ConfigError(f"{', '.join(spaced)}: no spaces, please (#SBATCH lines cannot quote them)")
     if not Path(sweep.base).is_file():
         raise ConfigError(f"sweep.base '{sweep.base}' not found: name the run config the sweep "
                           f"varies (e.g. configs/demo.yaml)")
+    # Absolute, so that the job finds its runs whatever directory sbatch is called from.
+    sweep = dataclasses.replace(sweep, base=str(Path(sweep.base).resolve()),
+                                run_root=str(Path(sweep.run_root).resolve()))
     if sweep.slurm.procs < 1:
         raise ConfigError("sweep.slurm: set gpus_per_node, or procs_per_node for CPU runs")
     empty = [k for k, values in sweep.grid.items() if not isinstance(values, list) or not values]

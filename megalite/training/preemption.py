@@ -21,11 +21,22 @@ MARKER = "PREEMPTED"
 
 
 class StopRequest:
+    """A context: the handlers are installed on entry (before the process group exists, so an
+    early signal is not fatal) and the previous ones restored on exit."""
+
     def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
         self.requested = False
         self.signal_name = ""
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self.signals = signals
+        self.previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
