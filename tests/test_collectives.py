@@ -3,7 +3,6 @@ import collections
 import dataclasses
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megalite.model import GPT

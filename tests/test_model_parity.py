@@ -6,7 +6,6 @@ logits gathered over TP and DP, the loss normalised by the real tokens of the GL
 and every gradient (DP-summed, TP shards gathered). fp32, tolerance 1e-5.
 """
 import pytest
-import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 

@@ -1,6 +1,5 @@
 """A checkpoint written at one TP x DP layout loads at any other and training continues."""
 import pytest
-import torch
 from torch.testing import assert_close
 
 from megalite.model import GPT

@@ -104,7 +104,7 @@ def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly
     assert proc.returncode != 0, out  # stopped early, not finished
     marker = (stopped / "PREEMPTED").read_text()
     step = int(marker.split()[3])
-    assert step < STEPS and f"on SIGUSR1" in marker, marker
+    assert step < STEPS and "on SIGUSR1" in marker, marker
     assert latest_checkpoint(stopped).name == f"step_{step:08d}"  # saved where it stopped
 
     done = run(torchrun(2) + args(cache, stopped, "parallel.tp=2"))

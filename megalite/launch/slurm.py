@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from string import Template
 

@@ -1,0 +1,111 @@
+"""Everything decided before the process group exists: the batch layout, the pretrained
+source, the tokenizer's vocabulary, and which checkpoint (if any) a run resumes from.
+
+Each check runs on every rank from the same files, so a bad run stops everywhere with the same
+ConfigError and no rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+from megalite.config import check_layout
+from megalite.data.prepare import PreparedData
+from megalite.hf.convert import check_tokenizer_matches, pretrained_config
+from megalite.run_config import Config, to_dict
+from megalite.training.checkpoint import checkpoint_step, latest_checkpoint
+from megalite.typed_config import ConfigError
+
+
+def check_batch_layout(cfg: Config, world: int) -> None:
+    check_layout(cfg.model, cfg.parallel.tp, world)
+    t = cfg.train
+    dp = world // cfg.parallel.tp
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
+                          f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / tp "
+            f"{cfg.parallel.tp}): use a global batch that is a multiple of "
+            f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
+                          f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
+    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
+                          "or set run.wandb=false")
+    for key in ("max_steps", "keep_checkpoints", "log_every", "eval_batches"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
+
+
+def with_pretrained(cfg: Config) -> Config:
+    """train.init_from fixes the architecture, and its tokenizer unless one is given."""
+    if not cfg.train.init_from:
+        return cfg
+    source = Path(cfg.train.init_from)
+    model = dataclasses.replace(pretrained_config(source), dropout=cfg.model.dropout)
+    data = cfg.data
+    if data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
+        data = dataclasses.replace(data, tokenizer=str(source / "tokenizer.json"))
+    return dataclasses.replace(cfg, model=model, data=data)
+
+
+def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
+    """model.vocab_size is the tokenizer's: the embedding must have a row for every token id.
+    A pretrained model keeps its own vocabulary, which must hold the tokenizer's."""
+    if cfg.train.init_from:
+        check_tokenizer_matches(data.tokenizer, cfg.model, cfg.train.init_from)
+        return cfg
+    model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
+    return dataclasses.replace(cfg, model=model)
+
+
+# What fixes the meaning of a step: change any of these and "resume" would train a different run.
+RESUME_KEYS = ("model", "data", "train.global_batch_size", "run.seed")
+
+
+def find_resume(cfg: Config, data: PreparedData) -> Path | None:
+    """The checkpoint to resume from, or None; refuses to overwrite or to mix runs."""
+    run_dir, resume = Path(cfg.run.dir), cfg.train.resume
+    latest = latest_checkpoint(run_dir)
+    if resume == "never":
+        if latest is not None:
+            raise ConfigError(f"run.dir '{run_dir}' already holds checkpoints (latest {latest.name}): "
+                              f"train.resume=never would overwrite them; use train.resume=auto to "
+                              f"continue, or a new run.dir")
+        return None
+    path = latest if resume == "auto" else Path(resume)
+    if path is None:
+        return None
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"train.resume '{path}' is not a complete checkpoint (no meta.json): "
+                          f"use train.resume=auto to pick the latest complete one")
+    saved = json.loads((path / "meta.json").read_text())
+    if latest is not None and checkpoint_step(latest) > saved["step"]:
+        raise ConfigError(f"run.dir '{run_dir}' holds {latest.name}, later than the step "
+                          f"{saved['step']} of train.resume '{path}': resuming there would "
+                          f"overwrite it; use another run.dir")
+    now, before = _flat(to_dict(cfg)), _flat(saved["config"])
+    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
+               if k.startswith(RESUME_KEYS) and k != "data.cache_dir" and before.get(k) != now.get(k)]
+    if saved.get("data_cache_key") != data.meta["cache_key"]:
+        changed.append("the tokenized data (corpus or tokenizer) differs")
+    if changed:
+        raise ConfigError(f"cannot resume from '{path}': " + "; ".join(changed) +
+                          ". Resume with the saved values, or start a new run.dir")
+    return path
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
