@@ -6,7 +6,7 @@ from torch.testing import assert_close
 
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.sharding import gather_full, shard_of
+from megalite.parallel.sharding import gather_full, local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tests.harness import run_distributed
@@ -32,8 +32,8 @@ def assert_params_are_slices(layer: nn.Module, ref: nn.Module, ps: ParallelState
     for name, p in layer.named_parameters():
         shard = shard_of(p)
         full, full_grad = refs[name].detach(), refs[name].grad
-        assert torch.equal(p.detach(), shard.take(full) if shard else full), name
-        assert_close(p.grad, shard.take(full_grad) if shard else full_grad, msg=name)
+        assert torch.equal(p.detach(), local_slice(full, p)), name
+        assert_close(p.grad, local_slice(full_grad, p), msg=name)
         assert torch.equal(gather_full(p.detach(), shard, ps), full), name
         assert_close(gather_full(p.grad, shard, ps), full_grad, msg=name)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.parallel.sharding import shard_of
+from megalite.parallel.sharding import full_shape, local_slice
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,6 @@ def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tens
 @torch.no_grad()
 def init_parameters_(module: torch.nn.Module, seed: int) -> None:
     for name, param in module.named_parameters():
-        shard = shard_of(param)
-        full = draw_full(param.megalite_init, shard.full_shape(param.shape) if shard else param.shape,
-                         name, seed)
-        param.copy_(shard.take(full) if shard else full)
+        full = draw_full(param.megalite_init, full_shape(param), name, seed)
+        param.copy_(local_slice(full, param))
         del full  # before the next draw: at most one full tensor alive at a time

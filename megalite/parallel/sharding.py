@@ -37,6 +37,18 @@ def shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "tp_shard", None)
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor whose slice `param` holds (its own, if replicated)."""
+    shard = shard_of(param)
+    return shard.full_shape(param.shape) if shard else param.shape
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (a weight, gradient or moment of param's shape) that this rank holds."""
+    shard = shard_of(param)
+    return shard.take(full) if shard else full
+
+
 def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState) -> torch.Tensor:
     """The full tensor (weight, gradient, optimizer moment) whose slice `local` is, on every rank.
 

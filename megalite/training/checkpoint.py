@@ -25,7 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.parallel.sharding import gather_full, shard_of
+from megalite.parallel.sharding import full_shape, gather_full, local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.typed_config import ConfigError
 
@@ -171,20 +171,10 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
     with torch.no_grad():
         for name, p in params.items():
             full = tensors.get_tensor(name) if hasattr(tensors, "get_tensor") else tensors[name]
-            if full.shape != shard_full_shape(p):
+            if full.shape != full_shape(p):
                 raise ConfigError(f"'{source}': {name} has shape {tuple(full.shape)}, the model "
-                                  f"expects {tuple(shard_full_shape(p))}")
-            p.copy_(_my_slice(full, p))
-
-
-def shard_full_shape(p: torch.Tensor) -> torch.Size:
-    shard = shard_of(p)
-    return shard.full_shape(p.shape) if shard else p.shape
-
-
-def _my_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    shard = shard_of(p)
-    return shard.take(full) if shard else full
+                                  f"expects {tuple(full_shape(p))}")
+            p.copy_(local_slice(full, p))
 
 
 def _load_moments(path: Path, optimizer, params: dict, step: int) -> None:
@@ -195,6 +185,6 @@ def _load_moments(path: Path, optimizer, params: dict, step: int) -> None:
         for name, p in params.items():
             if f"{name}.exp_avg" in keys:
                 state[index[id(p)]] = {"step": torch.tensor(float(step)),
-                                       **{m: _my_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device)
+                                       **{m: local_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device)
                                           for m in MOMENTS}}
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
