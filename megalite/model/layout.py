@@ -28,13 +28,23 @@ def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         if start and seq > 1:
             raise ValueError("several new tokens after a cached prefix need an attention_mask")
         return SequenceLayout(index.expand(batch, seq), None)
-    real = attention_mask.bool()
+    return _padded_layout(attention_mask.bool(), start)
+
+
+def _padded_layout(real: torch.Tensor, start: int) -> SequenceLayout:
+    """Tokens start.. of rows padded anywhere (real: [batch, start + n]): positions count from
+    each row's first real token."""
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-    queries = torch.arange(start, start + seq, device=input_ids.device)
-    keys = torch.arange(start + seq, device=input_ids.device)
-    allowed = (keys <= queries.unsqueeze(-1)) & real.unsqueeze(1)
-    allowed = allowed | (keys == queries.unsqueeze(-1))  # a pad query attends itself: no NaN
-    return SequenceLayout(positions, allowed.unsqueeze(1))
+    return SequenceLayout(positions, _visible(real, start).unsqueeze(1))
+
+
+def _visible(real: torch.Tensor, start: int) -> torch.Tensor:
+    """[batch, n, start + n]: query start + i sees the real keys up to itself, and itself: a
+    padding query with nothing to attend would give a softmax over an empty row (NaN, which
+    would then poison gradients)."""
+    keys = torch.arange(real.shape[1], device=real.device)
+    queries = keys[start:].unsqueeze(-1)
+    return ((keys <= queries) & real.unsqueeze(1)) | (keys == queries)
 
 
 def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -46,7 +56,6 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         return SequenceLayout(index.expand(batch, seq), None)
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
             else attention_mask.bool())
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=input_ids.device).tril()
     if doc_ids is None:
         # Right padding: real tokens form a prefix, so under the causal mask a real query can
         # only see real keys, and the plain causal path is exact at every real position. Pad
@@ -55,19 +64,11 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         # passing no mask at all.
         if bool((real[:, 1:] <= real[:, :-1]).all()):
             return SequenceLayout(index.expand(batch, seq), None)
-        # Left padding: positions count from each sequence's first real token.
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-        allowed = causal & real.unsqueeze(1)
-    else:
-        # Packed documents: positions restart where the document id changes, and a query
-        # sees only earlier keys of its own document.
-        # A document also starts at its first real token, should pads before it share its id.
-        starts = (doc_ids != doc_ids.roll(1, dims=-1)) | (index == 0) | (real & ~real.roll(1, dims=-1))
-        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-        positions = index - first
-        same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)
-        allowed = causal & same_doc & real.unsqueeze(1)
-    # A padding query with nothing to attend would give a softmax over an empty row (NaN,
-    # which would then poison gradients); let it attend itself.
-    allowed = allowed | torch.eye(seq, dtype=torch.bool, device=input_ids.device)
-    return SequenceLayout(positions, allowed.unsqueeze(1))
+        return _padded_layout(real, 0)  # left padding
+    # Packed documents: positions restart where the document id changes, and a query sees only
+    # earlier keys of its own document. A document also starts at its first real token, should
+    # pads before it share its id.
+    starts = (doc_ids != doc_ids.roll(1, dims=-1)) | (index == 0) | (real & ~real.roll(1, dims=-1))
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)  # holds on the diagonal too
+    return SequenceLayout(index - first, (_visible(real, 0) & same_doc).unsqueeze(1))
