@@ -3,13 +3,13 @@
 Runs megalite.train.main on gloo processes given torchrun's environment, on the embedded corpus
 with a small tokenizer, and compares the per-step losses in metrics.jsonl and the final weights.
 """
-import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megalite import train as train_module
+from megalite.training.metrics import read_records
 from tests.harness import run_distributed
 
 STEPS = 10
@@ -43,8 +43,7 @@ def train_run(world: int, argv: list[str]) -> None:
 
 
 def losses(run_dir, key: str = "loss") -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in records if key in r}
+    return {r["step"]: r[key] for r in read_records(run_dir / "metrics.jsonl") if key in r}
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ import yaml
 from megalite.launch.sweep import Run, SweepFile, load_sweep
 from megalite.run_config import to_dict
 from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.metrics import read_records
 from megalite.typed_config import ConfigError
 
 TEMPLATE = Path(__file__).resolve().parent.parent.parent / "launch" / "sbatch.template"
@@ -125,10 +126,7 @@ def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> 
     """slurm_state: Slurm's state of the task, None when it does not list it; queue_answered:
     whether Slurm was asked about a submitted sweep and answered."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    records = []
-    if (run_dir / "metrics.jsonl").is_file():
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in records if "loss" in r]
+    steps = [r for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
     latest = latest_checkpoint(run_dir)
     finished = latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}"
     if finished:

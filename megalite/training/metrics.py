@@ -33,6 +33,14 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, in order; none if it does not exist yet."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl, one JSON object per line, appended (a resumed run continues it),
     and the same records to wandb when a wandb run is given."""
@@ -43,9 +51,8 @@ class MetricsLog:
             path.write_text("")
         elif path.exists():
             # Drop records of steps the resumed run will redo (written after the checkpoint).
-            kept = [line for line in path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= resume_after_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_records(path) if r.get("step", 0) <= resume_after_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -69,7 +76,7 @@ def plot_losses(metrics: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    records = read_records(metrics)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
