@@ -56,7 +56,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0,
     torchrun_env=True gives each rank torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK,
     LOCAL_RANK, WORLD_SIZE) instead of an initialised process group: `fn` initialises it.
     """
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if torchrun_env else None
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} if torchrun_env else None
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +111,7 @@ def _fail(procs, done, message: str):
     raise DistributedFailure("\n".join(dead + ([message] if message else [])))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

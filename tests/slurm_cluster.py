@@ -9,6 +9,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.harness import free_port
+
 CONF = """\
 ClusterName=megalite-test
 SlurmctldHost={host}
@@ -45,11 +47,6 @@ def available() -> bool:
     return os.geteuid() == 0 and all(shutil.which(t) for t in ("munged", "slurmctld", "slurmd", "sbatch"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 @contextmanager
 def slurm_cluster(directory: Path):
@@ -58,8 +55,8 @@ def slurm_cluster(directory: Path):
     for sub in ("state", "spool"):
         (directory / sub).mkdir(parents=True, exist_ok=True)
     conf = directory / "slurm.conf"
-    conf.write_text(CONF.format(host=socket.gethostname(), dir=directory, ctld_port=_port(),
-                                d_port=_port(), cpus=os.cpu_count()))
+    conf.write_text(CONF.format(host=socket.gethostname(), dir=directory, ctld_port=free_port(),
+                                d_port=free_port(), cpus=os.cpu_count()))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     # Fails, harmlessly, when a munged is already running: then it is not ours to stop.

@@ -1,18 +1,13 @@
 """Two torchrun agents on this machine form one 4-rank job (c10d rendezvous over loopback)."""
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.harness import free_port
 from tests.test_train import assert_same_training, common
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_train_like_one_node(tmp_path):
