@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
     try:
         model = GPT(cfg, ps)
-        load_checkpoint(ckpt, model, None, ps)
+        load_checkpoint(ckpt, model, ps)
         loss_sum, count = text_loss(model, ids)
         loss = loss_sum / count
         if ps.is_main:

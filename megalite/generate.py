@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
     try:
         model = GPT(cfg, ps)
-        load_checkpoint(Path(args.ckpt), model, None, ps)
+        load_checkpoint(Path(args.ckpt), model, ps)
         outputs = generate(model, [tokenizer.encode(p) for p in args.prompt], args.max_new_tokens,
                            pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, eos_id=tokenizer.eos_id, seed=args.seed)

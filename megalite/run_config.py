@@ -58,6 +58,12 @@ class TrainConfig:
     eval_every: int = 0  # steps; 0: only at the end
     eval_batches: int = 4
     log_every: int = 1
+    # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
+    engine: Literal["native", "deepspeed"] = "native"
+    zero_stage: Literal[0, 1, 2] = 1  # engine=deepspeed: 1 partitions Adam's state, 2 also gradients
+    # engine=deepspeed: more DeepSpeed config keys (e.g. zero_optimization.reduce_bucket_size),
+    # merged into the config megalite derives from this section.
+    deepspeed: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

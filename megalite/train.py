@@ -26,11 +26,12 @@ from megalite.hf.convert import load_pretrained
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
-from megalite.training.checkpoint import load_checkpoint, save_checkpoint
-from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
+from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
+from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.training.engine import build_engine
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
-from megalite.training.optim import build_optimizer, lr_at
+from megalite.training.optim import lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.setup import (check_batch_layout, find_resume, with_pretrained,
                                      with_tokenizer_vocab)
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = with_pretrained(cfg)
     check_batch_layout(cfg, world)
+    check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp,
+                    world if "WORLD_SIZE" in os.environ else None)
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = Samples(data.train, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
@@ -79,12 +82,13 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     torch.manual_seed(cfg.run.seed + ps.dp_rank)
     model = GPT(cfg.model, ps, seed=cfg.run.seed)
     model.activation_checkpointing = t.activation_checkpointing
-    optimizer = build_optimizer(model, t, ps.device)
-    grad_sync = DataParallelGradSync(model, ps)
-
-    start, tokens_seen = resume(resume_from, model, optimizer, ps)
+    start, tokens_seen = resume(resume_from, model, ps)
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
+    # After the weights: DeepSpeed copies them into its fp32 partitions.
+    engine = build_engine(model, t, ps)
+    if resume_from is not None:
+        engine.load_moments(read_moments(resume_from, model), start)
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
@@ -108,8 +112,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     for step in range(start, t.max_steps):
         started = time.perf_counter()
         lr = lr_at(step, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        engine.set_lr(lr)
         batches = [train_set.collate(rows).to(ps.device)
                    for rows in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
         # The loss is the mean over every real target token of the GLOBAL batch: each
@@ -123,15 +126,11 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             with autocast:
                 # No attention mask: padded batches are right-padded, where causal attention
                 # alone is exact at every real position (model/layout.py) and stays fused.
-                out = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
+                out = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
                 micro_loss = out.token_losses.sum() / n_tokens
-            with grad_sync.last_micro_batch() if i == len(batches) - 1 else nullcontext():
-                micro_loss.backward()
+            engine.backward(micro_loss, last=i == len(batches) - 1)
             loss += micro_loss.detach()
-        grad_sync.wait()
-        grad_norm = clip_grad_norm_(model, t.grad_clip, ps)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = engine.step()
         tokens_seen += int(n_tokens)
 
         done = step + 1
@@ -153,10 +152,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
         saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
         if saved:
-            checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
+            checkpoint(cfg, run_dir, done, model, engine, ps, data, tokens_seen)
         if done != t.max_steps and stop.agreed(ps):
             if not saved:
-                checkpoint(cfg, run_dir, done, model, optimizer, ps, data, tokens_seen)
+                checkpoint(cfg, run_dir, done, model, engine, ps, data, tokens_seen)
             if ps.is_main:
                 bar.close()
                 mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
@@ -164,7 +163,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             raise Preempted()
     if bar is not None:
         bar.close()
-    checkpoint(cfg, run_dir, t.max_steps, model, optimizer, ps, data, tokens_seen)
+    checkpoint(cfg, run_dir, t.max_steps, model, engine, ps, data, tokens_seen)
     evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
     samples(cfg, model, data, ps, run_dir)
     if ps.is_main:
@@ -183,11 +182,12 @@ def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
-def resume(path: Path | None, model, optimizer, ps: ParallelState) -> tuple[int, int]:
-    """(step, tokens seen) to start from: (0, 0), or the checkpoint's, its state loaded."""
+def resume(path: Path | None, model, ps: ParallelState) -> tuple[int, int]:
+    """(step, tokens seen) to start from: (0, 0), or the checkpoint's, its weights and RNG
+    state loaded (the optimizer's are loaded once the engine exists)."""
     if path is None:
         return 0, 0
-    meta, rng = load_checkpoint(path, model, optimizer, ps)
+    meta, rng = load_checkpoint(path, model, ps)
     if rng is not None:
         torch.set_rng_state(rng.pop("cpu"))
         model.rng.set_state(rng)
@@ -196,12 +196,12 @@ def resume(path: Path | None, model, optimizer, ps: ParallelState) -> tuple[int,
     return meta["step"], meta["tokens"]
 
 
-def checkpoint(cfg: Config, run_dir: Path, step: int, model, optimizer, ps: ParallelState,
+def checkpoint(cfg: Config, run_dir: Path, step: int, model, engine, ps: ParallelState,
                data: PreparedData, tokens_seen: int) -> None:
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
     meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
             "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
-    save_checkpoint(run_dir, step, model, optimizer, rng, meta, ps, cfg.train.keep_checkpoints,
+    save_checkpoint(run_dir, step, model, engine.moments, rng, meta, ps, cfg.train.keep_checkpoints,
                     tokenizer=data.directory / "tokenizer.json")
 
 

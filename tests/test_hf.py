@@ -13,9 +13,7 @@ from megalite.data.tokenizer import train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.run_config import TrainConfig  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from megalite.training.optim import build_optimizer  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 from tests.models import CONFIGS, padded_batch  # noqa: E402
@@ -43,9 +41,8 @@ def batch(cfg):
 def megalite_checkpoint(cfg, tokenizer_file, directory):
     model = GPT(cfg, ParallelState(), seed=21)
     ps = ParallelState()
-    optimizer = build_optimizer(model, TrainConfig(), ps.device)
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
-    path = save_checkpoint(directory, 0, model, optimizer, {"cpu": torch.get_rng_state()}, meta,
+    path = save_checkpoint(directory, 0, model, lambda p: {}, {"cpu": torch.get_rng_state()}, meta,
                            ps, keep=1, tokenizer=tokenizer_file)
     return model, path
 
@@ -88,7 +85,7 @@ def check_imported_logits(tp: int, ckpt: str, ids, mask):
     ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
     cfg = checkpoint_model_config(ckpt)
     model = GPT(cfg, ps, seed=1)
-    load_checkpoint(ckpt, model, None, ps)
+    load_checkpoint(ckpt, model, ps)
     with torch.no_grad():
         return model.full_logits(model(ids, attention_mask=mask).logits)
 
@@ -206,7 +203,7 @@ def generate_at_tp2(ckpt: str, prompt):
     from megalite.generate import generate
     ps = ParallelState.from_world(2)
     model = GPT(checkpoint_model_config(ckpt), ps, seed=5)
-    load_checkpoint(ckpt, model, None, ps)
+    load_checkpoint(ckpt, model, ps)
     return generate(model, [prompt], 12, pad_id=2)[0]
 
 

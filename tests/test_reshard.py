@@ -28,7 +28,7 @@ def check_logits_at(tp: int, checkpoint_dir: str, config_path: str):
     cfg = load_config(config_path)
     ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
     model = GPT(cfg.model, ps, seed=99)  # a different init, entirely overwritten by the load
-    load_checkpoint(checkpoint_dir, model, None, ps)
+    load_checkpoint(checkpoint_dir, model, ps)
     ids, mask, _ = padded_batch(cfg.model, "left")
     return model.full_logits(model(ids, attention_mask=mask).logits)
 

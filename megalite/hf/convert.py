@@ -133,7 +133,7 @@ def load_pretrained(path: Path, model, pstate) -> None:
     from megalite.training.checkpoint import load_checkpoint, load_full_weights
     path = Path(path)
     if (path / "meta.json").is_file():
-        load_checkpoint(path, model, None, pstate)
+        load_checkpoint(path, model, pstate)
     else:
         load_full_weights(read_hf(path)[1], model, str(path))
 

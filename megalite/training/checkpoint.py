@@ -8,7 +8,8 @@
 
 Tensors are stored whole, gathered over TP one parameter at a time, so a checkpoint does not
 depend on the TP x DP layout it was written with; loading reads one tensor at a time and keeps
-this rank's slice. The directory is written under a hidden temporary name, fsynced, and renamed
+this rank's slice. Nor does it depend on the engine (native or DeepSpeed ZeRO) that wrote
+it. The directory is written under a hidden temporary name, fsynced, and renamed
 into place only when complete: a crash mid-save leaves the previous checkpoints untouched, and
 `latest_checkpoint` never sees the half-written one.
 """
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from megalite.typed_config import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+Moments = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
 
 
 class CheckpointError(RuntimeError):
@@ -78,10 +81,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
                     keep: int, tokenizer: Path | None = None) -> Path:
-    """`tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
+    """`moments(p)`: this rank's slice of each Adam moment of p (the engine's `moments`; it may
+    be a collective, so every rank asks for every parameter in the same order).
+    `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
 
@@ -91,9 +96,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         (tmp / "rng").mkdir(parents=True)
     _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
 
-    # The gathers are collectives: every rank of the first TP group takes part, whatever
-    # happens to its own files, and only then are failures compared.
-    gathered = _gather_full_state(model, optimizer, pstate) if pstate.dp_rank == 0 else None
+    # The gathers are collectives: every rank takes part, whatever happens to its own files,
+    # and only then are failures compared.
+    gathered = _gather_full_state(model, moments, pstate)
 
     def write_tensors():
         rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
@@ -124,33 +129,29 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def _gather_full_state(model, optimizer, pstate):
-    weights, moments = {}, {}
+def _gather_full_state(model, moments: Moments, pstate):
+    weights, full_moments = {}, {}
     for name, p in model.named_parameters():
         shard = shard_of(p)
         full = gather_full(p.detach(), shard, pstate)
-        state = optimizer.state.get(p, {})
-        gathered = {m: gather_full(state[m], shard, pstate) for m in MOMENTS if m in state}
+        gathered = {m: gather_full(t, shard, pstate) for m, t in moments(p).items()}
         if pstate.is_main:
             weights[name] = full.cpu().contiguous()
-            moments.update({f"{name}.{m}": t.cpu().contiguous() for m, t in gathered.items()})
-    return weights, moments
+            full_moments.update({f"{name}.{m}": t.cpu().contiguous() for m, t in gathered.items()})
+    return weights, full_moments
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def load_checkpoint(path: Path, model: torch.nn.Module,
                     pstate: ParallelState) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Load weights (and Adam moments) into this rank's slices; return (meta, this rank's RNG
-    state, or None when the checkpoint was written with another layout)."""
+    """Load weights into this rank's slices; return (meta, this rank's RNG state, or None when
+    the checkpoint was written with another layout). `read_moments` reads the optimizer state."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise ConfigError(f"checkpoint '{path}' is incomplete or missing (no meta.json): "
                           f"use train.resume=auto to pick the latest complete one")
     meta = json.loads((path / "meta.json").read_text())
-    params = dict(model.named_parameters())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         load_full_weights(f, model, str(path))
-    if optimizer is not None:
-        _load_moments(path, optimizer, params, meta["step"])
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == {"tp": pstate.tp_size, "dp": pstate.dp_size}
     rng = None
@@ -177,14 +178,11 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             p.copy_(local_slice(full, p))
 
 
-def _load_moments(path: Path, optimizer, params: dict, step: int) -> None:
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = {}
-    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+def read_moments(path: Path, model: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, dict]]:
+    """(parameter, {moment: this rank's slice}) for each parameter with stored Adam moments,
+    read one tensor at a time."""
+    with safe_open(str(Path(path) / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())
-        for name, p in params.items():
-            if f"{name}.exp_avg" in keys:
-                state[index[id(p)]] = {"step": torch.tensor(float(step)),
-                                       **{m: local_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device)
-                                          for m in MOMENTS}}
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+        for name, p in model.named_parameters():
+            if f"{name}.{MOMENTS[0]}" in keys:
+                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device) for m in MOMENTS}

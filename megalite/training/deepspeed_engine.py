@@ -1,0 +1,187 @@
+"""DeepSpeed ZeRO (stage 0, 1 or 2) as the data-parallel engine: `train.engine: deepspeed`.
+
+`deepspeed.initialize` gets megalite's model, its AdamW and an `mpu` holding megalite's TP and DP
+groups (the Megatron contract), so ZeRO partitions the optimizer state (stage 1) and the
+gradients (stage 2) over the DP group only. Three things keep it the same training as the native
+engine, to float rounding:
+
+- The loss is already the mean over the GLOBAL batch's tokens, so the right gradient is the SUM
+  over DP ranks and micro-batches: DeepSpeed is told to sum (`gradient_allreduce_op: sum`) and
+  not to divide backward by the accumulation steps.
+- TP-sharded parameters carry Megatron's `tensor_model_parallel = True`: DeepSpeed's gradient
+  norm adds their squares on every TP rank and counts the replicated ones on TP rank 0 only.
+  A slice held by several TP ranks (GQA with fewer KV heads than TP ranks) would be counted once
+  per copy, so that layout is refused (check_deepspeed).
+- Checkpoints keep megalite's format: Adam's moments are read and written whole per parameter
+  through ZeRO's parameter-to-partition map, so a run can resume on either engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megalite.config import ModelConfig
+from megalite.parallel.sharding import shard_of
+from megalite.parallel.state import ParallelState
+from megalite.run_config import TrainConfig
+from megalite.training.checkpoint import MOMENTS
+from megalite.training.engine import load_adam_state
+from megalite.training.grads import clip_grad_norm_
+from megalite.training.optim import build_optimizer
+from megalite.typed_config import ConfigError
+
+# Set by megalite from train.*; a passthrough value for one of them must agree.
+DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+           "gradient_clipping", "gradient_allreduce_op")
+# Would change the arithmetic the parity with the native engine rests on.
+REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_optimization.stage")
+
+
+class ModelParallelUnit:
+    """megalite's layout under the names DeepSpeed asks Megatron's `mpu` for."""
+
+    def __init__(self, pstate: ParallelState):
+        self.ps = pstate
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ps.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ps.tp_size
+
+    def get_model_parallel_group(self):
+        return self.ps.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ps.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ps.dp_size
+
+    def get_data_parallel_group(self):
+        return self.ps.dp_group
+
+    # Megatron-core's names for the same three; DeepSpeed prefers them when present.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+
+def check_deepspeed(train: TrainConfig, model: ModelConfig, tp: int, world: int | None) -> None:
+    """Every way engine=deepspeed can be misconfigured, before any process group exists."""
+    if train.engine != "deepspeed":
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
+                          "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "
+                          "train.engine=native")
+    if world is None:
+        raise ConfigError("train.engine=deepspeed runs under torchrun (DeepSpeed needs a process "
+                          "group): torchrun --nproc_per_node N -m megalite.train ...")
+    n_kv = model.kv_heads
+    if n_kv < tp:
+        raise ConfigError(f"train.engine=deepspeed with model.n_kv_heads={n_kv} < parallel.tp={tp}: "
+                          f"each KV head would sit on {tp // n_kv} TP ranks and DeepSpeed's gradient "
+                          f"norm would count it {tp // n_kv} times; use parallel.tp <= {n_kv} or "
+                          f"train.engine=native")
+    for key in REFUSED:
+        if _lookup(train.deepspeed, key) is not None:
+            raise ConfigError(f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW "
+                              f"from train.*, the schedule is train.lr/warmup_steps, precision is "
+                              f"train.precision, the stage is train.zero_stage): remove it")
+    deepspeed_config(train, world // tp)
+
+
+def deepspeed_config(train: TrainConfig, dp: int) -> dict:
+    accumulation = train.global_batch_size // (train.micro_batch_size * dp)
+    derived = {"train_batch_size": train.global_batch_size,
+               "train_micro_batch_size_per_gpu": train.micro_batch_size,
+               "gradient_accumulation_steps": accumulation,
+               "gradient_clipping": train.grad_clip,
+               "gradient_allreduce_op": "sum",
+               "steps_per_print": 2**31 - 1}
+    for key in DERIVED:
+        given = train.deepspeed.get(key)
+        if given is not None and given != derived[key]:
+            raise ConfigError(f"train.deepspeed.{key}={given!r} disagrees with the value megalite "
+                              f"derives from train.* ({derived[key]!r}): remove it")
+    return {**derived, **train.deepspeed,
+            "zero_optimization": {**train.deepspeed.get("zero_optimization", {}),
+                                  "stage": train.zero_stage}}
+
+
+class DeepSpeedEngine:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
+        import deepspeed
+        for p in model.parameters():
+            if shard_of(p) is not None:
+                p.tensor_model_parallel = True
+        deepspeed.init_distributed(dist_backend="nccl" if pstate.device.type == "cuda" else "gloo")
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=build_optimizer(model, cfg, pstate.device),
+            mpu=ModelParallelUnit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
+        self.model, self.pstate = model, pstate
+        self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
+        self.zero = cfg.zero_stage > 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        # DeepSpeed counts micro-batches through step() calls and reduces at the last one.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not last:
+            self.engine.step()
+
+    def step(self) -> torch.Tensor:
+        # Stage 0 keeps no norm to report: take it from the reduced gradients before the update.
+        norm = None if self.zero else clip_grad_norm_(self.model, 0.0, self.pstate)
+        self.engine.step()
+        if self.zero:
+            # DeepSpeed 0.19 links each parameter to its slice of Adam's state right after the
+            # FIRST parameter group's first update, before the other groups have any state, and
+            # never again: link again, or `moments` finds nothing for the no-decay group.
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+            norm = torch.as_tensor(self.engine.get_global_grad_norm())
+        return norm
+
+    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        if not self.zero:
+            state = self.optimizer.state.get(p, {})
+            return {m: state[m] for m in MOMENTS if m in state}
+        from deepspeed.utils import safe_get_full_optimizer_state
+        # An all-reduce over DP of each rank's part of the partitioned moment: every rank calls.
+        full = {m: safe_get_full_optimizer_state(p, m) for m in MOMENTS}
+        return {m: t for m, t in full.items() if t is not None}
+
+    def load_moments(self, moments, step: int) -> None:
+        if not self.zero:
+            load_adam_state(self.optimizer, moments, step)
+            return
+        # ZeRO's AdamW steps flat fp32 partitions, one per parameter group; each parameter maps
+        # a range of its flattened tensor onto a range of this rank's partition.
+        flats = self.optimizer.single_partition_of_fp32_groups
+        state = [{m: torch.zeros_like(flat) for m in MOMENTS} for flat in flats]
+        for p, tensors in moments:
+            mapping = p._hp_mapping
+            if mapping is None:  # no part of p in this rank's partition
+                continue
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            for m, full in tensors.items():
+                part = full.flatten().narrow(0, lp.start, lp.numel)
+                state[mapping.param_group_index][m].narrow(0, hp.start, hp.numel).copy_(part)
+        for flat, tensors in zip(flats, state):
+            self.optimizer.optimizer.state[flat] = {"step": torch.tensor(float(step)), **tensors}
+        self.optimizer._hp_optimizer_states_linked = False
+
+
+def _lookup(config: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+

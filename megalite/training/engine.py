@@ -1,0 +1,76 @@
+"""The data-parallel engine: how gradients cross DP ranks and how the optimizer steps.
+
+`train.engine` picks one; the training loop sees only these calls, in this order per step:
+
+    engine.set_lr(lr)
+    engine.module(...)                      the model's forward, once per micro-batch
+    engine.backward(micro_loss, last=...)
+    grad_norm = engine.step()               clip, update, zero the gradients
+
+native (the default): the all-reduce overlapped with backward and the TP-aware clipping of
+grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
+(deepspeed_engine.py). Both keep the Adam moments readable whole per parameter (`moments`,
+`load_moments`), so checkpoints stay layout- and engine-independent.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megalite.parallel.state import ParallelState
+from megalite.run_config import TrainConfig
+from megalite.training.checkpoint import MOMENTS
+from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
+from megalite.training.optim import build_optimizer
+
+
+class NativeEngine:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
+        self.model = self.module = model
+        self.cfg, self.pstate = cfg, pstate
+        self.optimizer = build_optimizer(model, cfg, pstate.device)
+        self.grad_sync = DataParallelGradSync(model, pstate)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        if last:
+            with self.grad_sync.last_micro_batch():
+                loss.backward()
+        else:
+            loss.backward()
+
+    def step(self) -> torch.Tensor:
+        self.grad_sync.wait()
+        norm = clip_grad_norm_(self.model, self.cfg.grad_clip, self.pstate)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's slice of each Adam moment of p (none before the first step)."""
+        state = self.optimizer.state.get(p, {})
+        return {m: state[m] for m in MOMENTS if m in state}
+
+    def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
+        """Set the Adam state from (parameter, {moment: this rank's slice}) pairs."""
+        load_adam_state(self.optimizer, moments, step)
+
+
+def load_adam_state(optimizer: torch.optim.Optimizer, moments, step: int) -> None:
+    # Through load_state_dict, so torch places "step" and the moments as its AdamW variant
+    # (fused or not) expects.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in moments}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
+    if cfg.engine == "deepspeed":
+        from megalite.training.deepspeed_engine import DeepSpeedEngine
+        return DeepSpeedEngine(model, cfg, pstate)
+    return NativeEngine(model, cfg, pstate)

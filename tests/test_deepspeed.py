@@ -1,0 +1,100 @@
+"""DeepSpeed ZeRO as the data-parallel engine (train.engine=deepspeed) is the same training as
+the native engine: per-step losses, gradient norms, final weights and Adam moments, at
+TP=2 x DP=2 with gradient accumulation; a ZeRO run resumes from a native checkpoint; DP
+replicas hold identical parameters; bad DeepSpeed configs fail before any process starts.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megalite.config import ModelConfig
+from megalite.run_config import TrainConfig
+from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.typed_config import ConfigError
+from tests.harness import run_distributed
+from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+
+pytest.importorskip("deepspeed")
+
+LAYOUT = ["parallel.tp=2", "train.micro_batch_size=2"]  # DP=2, 2 micro-batches per step
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data-cache"))
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory, cache):
+    run_dir = tmp_path_factory.mktemp("native")
+    train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])
+    return run_dir
+
+
+def moments(run_dir, step=STEPS):
+    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "optimizer.safetensors")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_trains_like_the_native_engine(tmp_path, cache, native, stage):
+    train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
+              ["train.engine=deepspeed", f"train.zero_stage={stage}"])
+    assert_same_training(native, tmp_path)
+    # Its checkpoint holds the whole Adam state, gathered from ZeRO's partitions.
+    expected, saved = moments(native), moments(tmp_path)
+    assert saved.keys() == expected.keys() and len(saved) == 2 * 32
+    for name in expected:
+        torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_zero2_resumes_from_a_native_checkpoint(tmp_path, cache, native):
+    train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
+              ["train.engine=deepspeed", "train.zero_stage=2",
+               f"train.resume={native / 'checkpoints' / 'step_00000005'}"])
+    whole, resumed = losses(native), losses(tmp_path)
+    assert sorted(resumed) == list(range(6, STEPS + 1))
+    for step in resumed:
+        assert abs(resumed[step] - whole[step]) <= 1e-5, (step, resumed[step], whole[step])
+
+
+def check_replicas_stay_identical(stage: int) -> None:
+    """ZeRO-`stage` at TP2 x DP2, each DP rank on its own data: after 3 steps every DP replica
+    holds the same parameters, and they moved."""
+    from megalite.model import GPT
+    from megalite.config import ParallelConfig
+    from megalite.parallel.state import init_parallel
+    from megalite.training.engine import build_engine
+    ps = init_parallel(ParallelConfig(tp=2))  # from torchrun's environment, as DeepSpeed wants
+    model = GPT(ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=96, max_seq_len=16), ps, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine = build_engine(model, TrainConfig(global_batch_size=4, micro_batch_size=1, engine="deepspeed",
+                                             zero_stage=stage), ps)
+    data = torch.Generator().manual_seed(ps.dp_rank)
+    for _ in range(3):
+        for last in (False, True):
+            ids = torch.randint(0, 96, (1, 16), generator=data)
+            engine.backward(engine.module(ids, labels=ids).token_losses.mean(), last=last)
+        engine.step()
+    for p, p0 in zip(model.parameters(), before):
+        replicas = [torch.empty_like(p) for _ in range(ps.dp_size)]
+        dist.all_gather(replicas, p.detach().contiguous(), group=ps.dp_group)
+        assert torch.equal(replicas[0], replicas[1])
+        assert not torch.equal(p.detach(), p0)
+
+
+def test_zero2_dp_replicas_hold_identical_parameters():
+    run_distributed(check_replicas_stay_identical, 4, 2, torchrun_env=True)
+
+
+@pytest.mark.parametrize("model, train, world, message", [
+    (ModelConfig(n_heads=4, n_kv_heads=1), {}, 4, "n_kv_heads=1 < parallel.tp=2"),
+    (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, 4, "train_batch_size=32 disagrees"),
+    (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, 4, "train.deepspeed.optimizer"),
+    (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, 4, "zero_optimization.stage"),
+    (ModelConfig(), {}, None, "runs under torchrun"),
+])
+def test_bad_deepspeed_configs_are_refused_before_any_collective(model, train, world, message):
+    cfg = TrainConfig(engine="deepspeed", global_batch_size=16, micro_batch_size=4, **train)
+    with pytest.raises(ConfigError, match=message):
+        check_deepspeed(cfg, model, 2, world)
