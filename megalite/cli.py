@@ -11,7 +11,10 @@ COMMANDS = {"train": ("megalite.train", "main"),
             "eval": ("megalite.evaluate", "main"),
             "generate": ("megalite.generate", "main"),
             "slurm": ("megalite.launch.slurm", "main"),
-            "sweep-status": ("megalite.launch.slurm", "main_status")}
+            "sweep-status": ("megalite.launch.slurm", "main_status"),
+            "bench": ("megalite.bench.runner", "main"),
+            "peer-bench": ("megalite.bench.peer", "main"),
+            "scale-model": ("megalite.bench.scaling_model", "main")}
 
 
 def main(argv: list[str] | None = None) -> int:

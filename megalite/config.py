@@ -60,6 +60,10 @@ class ParallelConfig:
     # Passed to init_process_group and to every new_group (Megatron-LM #564, #735: a timeout that
     # does not reach the sub-groups turns a dead rank into a silent hang).
     timeout_minutes: float = 10.0
+    # Korthikanti et al. 2022: between the TP regions each TP rank holds a 1/tp shard of the
+    # sequence, where norms, dropout and residual adds run: activation memory per layer / tp;
+    # all-reduces become reduce-scatter + all-gather pairs (README, "Sequence parallelism").
+    sequence_parallel: bool = False
 
 
 def read_preset(name: str) -> dict:
@@ -80,7 +84,8 @@ def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
     return from_dict(ModelConfig, {**data, **overrides}, "model.")
 
 
-def check_layout(model: ModelConfig | None, tp: int, world_size: int) -> None:
+def check_layout(model: ModelConfig | None, tp: int, world_size: int,
+                 sequence_parallel: bool = False) -> None:
     """Raise ONE ConfigError listing every way `model` cannot run at this TP and world size.
 
     Runs before any collective, so a bad config fails on every rank with the same message
@@ -96,6 +101,14 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int) -> None:
         problems += bad_values
         if not bad_values and tp >= 1:
             problems += _model_split_problems(model, tp)
+        if not bad_values and tp >= 1 and sequence_parallel and model.max_seq_len % tp:
+            # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
+            # length must still have positions.
+            m = model.max_seq_len
+            problems.append(f"parallel.sequence_parallel=true splits every sequence into "
+                            f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
+                            f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
+                            f"parallel.sequence_parallel=false")
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 

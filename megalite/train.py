@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.engine import build_engine
+from megalite.training.engine import autocast_for, build_engine, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import lr_at
@@ -104,58 +103,53 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
     val_set = Samples(data.val, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
     order = BatchOrder(len(train_set), t.global_batch_size, cfg.run.seed)
-    bf16 = (ps.device.type == "cuda" and t.precision == "auto") or t.precision == "bf16"
-    autocast = torch.autocast(ps.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
     bar = progress_bar(ps, start, t.max_steps)
+    # Nothing in a step waits for the device but the logging steps' .item(): the token counts
+    # stay on the device and the stop agreement lags a step, so the host queues step N+1
+    # while the device still runs step N.
+    tokens = torch.tensor(float(tokens_seen), dtype=torch.float64, device=ps.device)
+    since, interval_tokens = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ps.device)
     for step in range(start, t.max_steps):
-        started = time.perf_counter()
         lr = lr_at(step, t)
         engine.set_lr(lr)
-        batches = [train_set.collate(rows).to(ps.device)
-                   for rows in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
-        # The loss is the mean over every real target token of the GLOBAL batch: each
-        # micro-batch's token-loss sum is divided by the global count, so the sum over
-        # micro-batches and DP ranks is the same number for any layout.
-        n_tokens = all_reduce_dp(torch.tensor(float(sum(b.target_tokens for b in batches)),
+        rows = [train_set.collate(r)
+                for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
+        # Counted on the host, before the copy to the device.
+        n_tokens = all_reduce_dp(torch.tensor(float(sum(b.target_tokens for b in rows)),
                                               device=ps.device), ps)
-        loss = torch.zeros((), device=ps.device)
         model.train()
-        for i, batch in enumerate(batches):
-            with autocast:
-                # No attention mask: padded batches are right-padded, where causal attention
-                # alone is exact at every real position (model/layout.py) and stays fused.
-                out = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
-                micro_loss = out.token_losses.sum() / n_tokens
-            engine.backward(micro_loss, last=i == len(batches) - 1)
-            loss += micro_loss.detach()
-        grad_norm = engine.step()
-        tokens_seen += int(n_tokens)
+        loss, grad_norm = train_step(engine, [b.to(ps.device) for b in rows], n_tokens, autocast)
+        tokens += n_tokens
+        interval_tokens += n_tokens
 
         done = step + 1
         if done % t.log_every == 0 or done == t.max_steps:
-            # .item() waits for the device, so the step time below includes all of its work.
-            loss_value = all_reduce_dp(loss, ps).item()
-            elapsed = time.perf_counter() - started
-            # Throughput counts the real tokens trained on (padding excluded), all ranks together;
-            # MFU divides it by the peak of all devices.
-            tokens_per_s = float(n_tokens) / elapsed
+            loss_value = all_reduce_dp(loss, ps).item()  # waits for the device
+            # Throughput since the last log: the real tokens trained on (padding excluded), all
+            # ranks together; MFU divides it by the peak of all devices.
+            tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
             record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens": tokens_seen, "tokens_per_s": tokens_per_s,
+                      "tokens": int(tokens.item()), "tokens_per_s": tokens_per_s,
                       "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
                       "time": time.time()}
             if metrics:
                 metrics.write(record)
             update_bar(bar, record)
-        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
+        evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
+        if evaluated:
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
         saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
         if saved:
-            checkpoint(cfg, run_dir, done, model, engine, ps, data, tokens_seen)
+            checkpoint(cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
+        if evaluated or saved:  # not training time
+            since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
         if done != t.max_steps and stop.agreed(ps):
             if not saved:
-                checkpoint(cfg, run_dir, done, model, engine, ps, data, tokens_seen)
+                checkpoint(cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
             if ps.is_main:
                 bar.close()
                 mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
@@ -163,7 +157,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             raise Preempted()
     if bar is not None:
         bar.close()
-    checkpoint(cfg, run_dir, t.max_steps, model, engine, ps, data, tokens_seen)
+    checkpoint(cfg, run_dir, t.max_steps, model, engine, ps, data, int(tokens.item()))
     evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
     samples(cfg, model, data, ps, run_dir)
     if ps.is_main:

@@ -17,9 +17,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
 
 
-def count_collectives(config_name: str, tp: int) -> dict:
+def count_collectives(config_name: str, tp: int, sequence_parallel: bool = False) -> dict:
     cfg = VARIANTS[config_name]
-    ps = ParallelState.from_world(tp)
+    ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel)
     model = GPT(cfg, ps, seed=0)
     ids, mask, labels = padded_batch(cfg, "right")
     calls: collections.Counter = collections.Counter()

@@ -10,8 +10,8 @@ from tests.models import CONFIGS, PAD_ID
 PROMPTS = [[7, 3, 9, 1], [4, 4], [11, 2, 8, 6, 5, 13]]
 
 
-def check_cache_and_batching(tp: int):
-    ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
+def check_cache_and_batching(tp: int, sequence_parallel: bool = False):
+    ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel) if tp > 1 else ParallelState()
     results = []
     for cfg in CONFIGS.values():
         model = GPT(cfg, ps, seed=3)

@@ -32,7 +32,7 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     return from_dict(ModelConfig, json.loads(meta_file.read_text())["config"]["model"], "model.")
 
 
-def _exportable_as(cfg: ModelConfig) -> tuple[str, object]:
+def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
     errors = []
     for name, arch in ARCHITECTURES.items():
         try:
@@ -59,7 +59,7 @@ def _architecture(hf_dir: Path) -> tuple[dict, object]:
 def export_hf(ckpt: Path, out: Path) -> str:
     ckpt, out = Path(ckpt), Path(out)
     cfg = checkpoint_model_config(ckpt)
-    name, arch = _exportable_as(cfg)
+    name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                "pad_token_id": tokenizer.pad_id}

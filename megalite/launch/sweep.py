@@ -71,6 +71,21 @@ class Run:
         return Path(self.config.run.dir)
 
 
+def expand(name: str, grid: dict, points: list) -> list[dict]:
+    """The grid's cartesian product, times each point (either may be absent): {key: value}s."""
+    empty = [k for k, values in grid.items() if not isinstance(values, list) or not values]
+    if empty or (not grid and not points):
+        raise ConfigError(f"sweep '{name}' has nothing to run: "
+                          + (f"grid keys {empty} have no values" if empty else
+                             "give a non-empty grid (key: [values]) or points"))
+    product = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return [{**g, **p} for g, p in itertools.product(product, points or [{}])]
+
+
+def short_name(point: dict) -> str:
+    return "-".join(f"{k.split('.')[-1]}{v}" for k, v in point.items()) or "base"
+
+
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
     path = Path(path)
     if not path.is_file():
@@ -88,17 +103,10 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
                                 run_root=str(Path(sweep.run_root).resolve()))
     if sweep.slurm.procs < 1:
         raise ConfigError("sweep.slurm: set gpus_per_node, or procs_per_node for CPU runs")
-    empty = [k for k, values in sweep.grid.items() if not isinstance(values, list) or not values]
-    if empty or (not sweep.grid and not sweep.points):
-        raise ConfigError(f"sweep '{sweep.name}' has nothing to run: "
-                          + (f"grid keys {empty} have no values" if empty else
-                             "give a non-empty grid (key: [values]) or points"))
     world = sweep.slurm.nodes * sweep.slurm.procs
     runs = []
-    grid = [dict(zip(sweep.grid, values)) for values in itertools.product(*sweep.grid.values())]
-    for index, (g, p) in enumerate(itertools.product(grid, sweep.points or [{}])):
-        point = {**g, **p}
-        short = "-".join(f"{k.split('.')[-1]}{v}" for k, v in point.items()) or "base"
+    for index, point in enumerate(expand(sweep.name, sweep.grid, sweep.points)):
+        short = short_name(point)
         run_dir = Path(sweep.run_root) / sweep.name / f"{index}-{short}"
         overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
         try:

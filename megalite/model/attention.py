@@ -2,7 +2,9 @@
 
 Q and K/V are column-parallel by heads, so each rank attends its own heads with no
 communication; the output projection is row-parallel. One all-reduce forward (g, in the output
-projection) and one backward (the shared f on the input).
+projection) and one backward (the shared f on the input). Sequence parallel, the input is this
+rank's sequence shard and the output too: the SP paper's g gathers the whole sequence for Q
+and K/V (attention needs every earlier key), and g-bar reduce-scatters the output back to it.
 
 Grouped-query attention: K/V have n_kv_heads heads, each serving n_heads / n_kv_heads
 consecutive query heads. Ranks hold consecutive query heads, so when n_kv_heads >= tp each
@@ -22,8 +24,7 @@ from megalite.config import ModelConfig
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.positions import apply_rotary
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.mappings import copy_to_tensor_parallel_region
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
 
@@ -41,11 +42,11 @@ class Attention(nn.Module):
         self.tp_group = pstate.tp_group
         std = cfg.init_std
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_dim, pstate,
-                                           bias=cfg.bias, init_std=std, copy_input=False)
+                                           bias=cfg.bias, init_std=std)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim, pstate,
-                                            bias=cfg.bias, init_std=std, copy_input=False,
+                                            bias=cfg.bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
         # GPT-2's scaled init of projections into the residual stream: 1/sqrt(2 * layers).
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.hidden, pstate,
@@ -53,11 +54,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        x = copy_to_tensor_parallel_region(x, self.tp_group)
-        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        kv = self.kv_proj(x).view(batch, seq, self.kv_heads, 2, self.head_dim)
+                cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+        q, kv = column_parallel_linears(x, self.tp_group, sequence_parallel,
+                                        self.q_proj.weight_and_bias(), self.kv_proj.weight_and_bias())
+        batch, seq, _ = q.shape  # the whole sequence, also when x is a shard of it
+        q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        kv = kv.view(batch, seq, self.kv_heads, 2, self.head_dim)
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -72,4 +74,5 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=layout.mask, is_causal=causal,
                 dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
+                             sequence_parallel)

@@ -7,6 +7,15 @@
     logits_r = f(norm(x)) E_r^T                    this rank's vocab columns, never gathered
     loss = vocab_parallel_cross_entropy(logits_r, labels)
 
+Sequence parallelism (pstate.sequence_parallel, Korthikanti et al. 2022) keeps x split along
+the sequence, a 1/tp shard of the tokens per rank, wherever it is outside a TP region: the
+embedding's g becomes the SP paper's g-bar (reduce-scatter), every f becomes its g (all-gather
+the shards; reduce-scatter backward) and every g its g-bar, so norms, dropout and residual adds
+run on the shard. Dropout there uses the per-rank generator; replicated parameters used on the
+shard (norms, row-parallel biases, positions) sum their gradients over TP. Inputs are padded
+to a multiple of tp tokens at the end, which causal attention hides from every real token, and
+the padding is cut from the logits. A forward with a KV cache (generation) runs without it.
+
 What is split how:
 | module                | weight split                | communication              |
 |-----------------------|-----------------------------|----------------------------|
@@ -18,7 +27,7 @@ What is split how:
 | mlp.gate, mlp.up      | output (ffn)                | shares the MLP's f         |
 | mlp.down              | input (ffn)                 | all-reduce forward (g)     |
 | head (or tied embed)  | vocab rows                  | f: all-reduce backward     |
-| norms, positions, row-parallel biases | replicated  | none                       |
+| norms, positions, row-parallel biases | replicated  | none; SP: grads all-reduced |
 """
 from __future__ import annotations
 
@@ -37,8 +46,8 @@ from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
 from megalite.parallel.init import init_parameters_
-from megalite.parallel.layers import ColumnParallelLinear
-from megalite.parallel.mappings import all_gather, copy_to_tensor_parallel_region
+from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
+from megalite.parallel.mappings import all_gather
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -52,36 +61,43 @@ class Output(NamedTuple):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
-        self.attn_norm = Norm(cfg, pstate.device)
+        self.attn_norm = Norm(cfg, pstate)
         self.attn = Attention(cfg, pstate, rng, layer)
-        self.mlp_norm = Norm(cfg, pstate.device)
+        self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MLP(cfg, pstate)
+        self.rng = rng
         self.dropout = cfg.dropout
 
-    def forward(self, x, layout: SequenceLayout, rotary, cache: KVCache | None = None):
-        # Residual dropout acts on replicated activations: the default generator, seeded the
-        # same on every TP rank, drops the same elements everywhere.
-        x = x + F.dropout(self.attn(self.attn_norm(x), layout, rotary, cache), self.dropout,
-                          self.training)
-        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+    def forward(self, x, layout: SequenceLayout, rotary, cache: KVCache | None = None,
+                sequence_parallel: bool = False):
+        """x: the residual stream, or this rank's sequence shard of it (sequence_parallel)."""
+        sp = sequence_parallel
+        h = self.attn(self.attn_norm(x, sp), layout, rotary, cache, sp)
+        # Residual dropout: the same mask on every TP rank for the replicated stream, its own
+        # mask on each rank's shard (rng.dropout).
+        x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
+        h = self.mlp(self.mlp_norm(x, sp), sp)
+        return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0):
         super().__init__()
-        check_layout(cfg, pstate.tp_size, pstate.world_size)
+        check_layout(cfg, pstate.tp_size, pstate.world_size, pstate.sequence_parallel)
         self.cfg, self.pstate = cfg, pstate
+        # At tp=1 there is nothing to split: the same model, on the default generator.
+        self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
         self.rng = TensorParallelRNG(seed, pstate)
         device, std = pstate.device, cfg.init_std
         self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=std)
-        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, device, std)
+        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
                           if cfg.position == "learned" else None)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device) if cfg.position == "rotary" else None
         self.blocks = nn.ModuleList(Block(cfg, pstate, self.rng, i) for i in range(cfg.n_layers))
-        self.norm = Norm(cfg, device)
+        self.norm = Norm(cfg, pstate)
         self.head = (None if cfg.tie_embeddings else
                      ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
-                                          init_std=std, copy_input=False))
+                                          init_std=std))
         # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
         columns = torch.arange(self.embed.vocab_start, self.embed.vocab_end, device=device)
         padding = columns >= cfg.vocab_size
@@ -96,33 +112,42 @@ class GPT(nn.Module):
                 cache: KVCache | None = None) -> Output:
         """cache: decode incrementally; then attention_mask, if given, covers the cached tokens
         and the new ones (left-padded prompts)."""
-        start = 0 if cache is None else cache.offset
-        if start + input_ids.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {start + input_ids.shape[1]} exceeds "
+        start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
+        if start + seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + seq} exceeds "
                              f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
+        # Decoding appends a token or a few to the cache: nothing to split.
+        sp = self.sequence_parallel and cache is None
+        if sp:
+            input_ids, attention_mask, doc_ids = pad_to_shards(
+                self.pstate.tp_size, input_ids, attention_mask, doc_ids)
         if cache is None:
             layout = sequence_layout(input_ids, attention_mask, doc_ids)
         else:
             layout = cached_layout(input_ids, attention_mask, start)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, sp)
         if self.positions is not None:
-            x = x + self.positions(layout.positions)
+            positions = layout.positions
+            if sp:
+                positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
+            x = x + self.positions(positions, sp)
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
-        x = F.dropout(x, self.cfg.dropout, self.training)
+        x = self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, rotary, use_reentrant=False,
+                x = checkpoint(block, x, layout, rotary, sequence_parallel=sp, use_reentrant=False,
                                context_fn=self.rng.recompute_contexts)
             else:
-                x = block(x, layout, rotary, cache)
+                x = block(x, layout, rotary, cache, sp)
         if cache is not None:
-            cache.offset += input_ids.shape[1]
-        x = copy_to_tensor_parallel_region(self.norm(x), self.pstate.tp_group)
+            cache.offset += seq
         # Tied or not, the head is the vocab-split matrix E_r applied after f: the tied case has
         # no module of its own, so both use the weight directly.
         head = self.embed if self.head is None else self.head
-        logits = F.linear(x, head.weight)
+        logits, = column_parallel_linears(self.norm(x, sp), self.pstate.tp_group, sp,
+                                          (head.weight, None))
+        logits = logits[:, :seq]  # without the padding to shards
         if self.vocab_padding is not None:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         if labels is None:
@@ -140,3 +165,17 @@ class GPT(nn.Module):
         if self.pstate.tp_size > 1:
             logits = all_gather(logits, -1, self.pstate.tp_group)
         return logits[..., : self.cfg.vocab_size]
+
+
+def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  doc_ids: torch.Tensor | None) -> tuple:
+    """The batch with tokens appended until the length is a multiple of tp, so it splits into
+    tp equal sequence shards. They come after every real token, so causal attention hides them
+    from all of those, and their logits are cut off: exact. The mask, if any, marks them as
+    padding, and they get a document of their own."""
+    extra = -input_ids.shape[1] % tp
+
+    def pad(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
+        return t if t is None or extra == 0 else F.pad(t, (0, extra), value=value)
+
+    return pad(input_ids, 0), pad(attention_mask, 0), pad(doc_ids, -1)

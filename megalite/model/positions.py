@@ -5,18 +5,23 @@ import torch
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
+from megalite.parallel.mappings import sum_grad_over_shards
+from megalite.parallel.state import ParallelState
 
 
 class LearnedPositions(nn.Module):
-    """GPT-2's position table, replicated on every TP rank (it is small)."""
+    """GPT-2's position table, replicated on every TP rank (it is small). Sequence parallel, a
+    rank looks up the positions of its shard only, so the gradient is summed over TP."""
 
-    def __init__(self, max_seq_len: int, hidden: int, device: torch.device, init_std: float):
+    def __init__(self, max_seq_len: int, hidden: int, pstate: ParallelState, init_std: float):
         super().__init__()
-        self.weight = set_init(nn.Parameter(torch.empty(max_seq_len, hidden, device=device)),
+        self.tp_group = pstate.tp_group
+        self.weight = set_init(nn.Parameter(torch.empty(max_seq_len, hidden, device=pstate.device)),
                                Init(std=init_std))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(positions, self.weight)
+    def forward(self, positions: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
+        return nn.functional.embedding(positions, weight)
 
 
 class Rotary(nn.Module):

@@ -4,6 +4,13 @@ MLP: Y = GeLU(X A), Z = Y B. Split A by columns, A = [A_1 .. A_t]: rank r comput
 Y_r = GeLU(f(X) A_r) with no communication (GeLU is element-wise). Split B by rows: rank r
 computes Y_r B_r and g sums the partial products, Z = g(sum_r Y_r B_r). One all-reduce in
 forward (g) and one in backward (f) per column/row pair.
+
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) keeps X and Z split along the
+sequence between the pairs: the SP paper's g all-gathers X before A (reduce-scatter backward),
+and its g-bar reduce-scatters the partial products after B (all-gather backward): each
+all-reduce becomes a reduce-scatter and an all-gather, the same bytes, plus one all-gather in
+backward (_GatheredLinears). In exchange the norms and dropouts around the pair run on 1/t of
+the tokens and store 1/t of the activations.
 """
 from __future__ import annotations
 
@@ -12,30 +19,85 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import (copy_to_tensor_parallel_region,
-                                        gather_from_tensor_parallel_region,
-                                        reduce_from_tensor_parallel_region,
-                                        scatter_to_tensor_parallel_region)
+from megalite.parallel.mappings import (SEQ_DIM, all_gather,
+                                        copy_to_tensor_parallel_region,
+                                        gather_from_tensor_parallel_region, group_size,
+                                        reduce_partial_sums, reduce_scatter,
+                                        scatter_to_tensor_parallel_region,
+                                        sum_grad_over_shards)
 from megalite.parallel.sharding import mark_sharded
 from megalite.parallel.state import ParallelState
 
 
+def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
+                            *layers: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+    """X A_i + b_i for each (A_i, b_i) of column-parallel layers that read the same X (Q and KV,
+    SwiGLU's gate and up, or one layer): X enters the TP region once for all of them, so
+    backward sums its gradient over the ranks once, not once per layer.
+
+    X replicated: through f (identity forward, all-reduce backward). X split along the sequence
+    (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
+    backward), storing only this rank's shard for backward (_GatheredLinears).
+    """
+    if sequence_parallel and group_size(group) > 1:
+        return list(_GatheredLinears.apply(x, group, *(t for layer in layers for t in layer)))
+    x = copy_to_tensor_parallel_region(x, group)
+    return [F.linear(x, weight, bias) for weight, bias in layers]
+
+
+class _GatheredLinears(torch.autograd.Function):
+    """Y_i = g(X_r) A_i + b_i with g the all-gather of the sequence shards X_r.
+
+    Autograd would store the gathered g(X_r), a whole [batch, seq, hidden] per layer on every
+    rank: the very activation sequence parallelism splits. This stores X_r and gathers it again
+    in backward, the trade Megatron-LM makes (one more all-gather per layer in backward).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *layers):
+        ctx.group, ctx.input_dtype = group, x.dtype
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # The matmuls read X in the autocast dtype anyway: casting the shard first halves
+            # what is gathered and stored, and gives the same values.
+            x = x.to(torch.get_autocast_dtype(device))
+        full = all_gather(x, SEQ_DIM, group)
+        weights, biases = layers[0::2], layers[1::2]
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = all_gather(x, SEQ_DIM, ctx.group)
+        rows = full.reshape(-1, full.shape[-1])
+        # Each layer's input gradient in its own dtype, summed and reduced in X's (fp32 under
+        # autocast), as autograd and f do without sequence parallelism.
+        grad_full = sum(g.matmul(w.to(g.dtype)).to(ctx.input_dtype) for g, w in zip(grads, weights))
+        params = []
+        for g, has_bias in zip(grads, ctx.has_bias):
+            g = g.reshape(-1, g.shape[-1])
+            params += [g.t().matmul(rows.to(g.dtype)), g.sum(0) if has_bias else None]
+        return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, *params)
+
+
 class ColumnParallelLinear(nn.Module):
-    """Y = X A + b with A split by output columns; the input passes through f.
+    """Y = X A + b with A split by output columns; the input passes through f (or, sequence
+    parallel, the SP paper's g: column_parallel_linears).
 
     `shards` < tp splits A into fewer slices than ranks: tp / shards consecutive ranks hold the
     same slice (GQA's KV heads when n_kv_heads < tp). Each copy sees only its own ranks' part
     of the gradient, so the weight passes through f over that block of ranks: the copies'
     gradients are summed and stay identical.
 
-    `copy_input=False` when the caller already passed the input through f: several
-    column-parallel layers that read the same input (Q and KV, SwiGLU's gate and up) share one
-    f, hence one all-reduce in backward instead of one each.
+    Several layers that read the same input (Q and KV, SwiGLU's gate and up) call
+    column_parallel_linears with their weight_and_bias() instead of forward: one f for all.
     """
 
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *,
                  bias: bool, init_std: float, gather_output: bool = False,
-                 shards: int | None = None, copy_input: bool = True):
+                 shards: int | None = None):
         super().__init__()
         shards = shards or pstate.tp_size
         copies = pstate.tp_size // shards
@@ -46,7 +108,6 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = pstate.tp_group
         self.replica_group = pstate.tp_subgroup(copies)
         self.gather_output = gather_output
-        self.copy_input = copy_input
         local = out_features // shards
         self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),
                                Init(std=init_std))
@@ -56,17 +117,22 @@ class ColumnParallelLinear(nn.Module):
             self.bias = set_init(nn.Parameter(torch.empty(local, device=pstate.device)), Init())
             mark_sharded(self.bias, 0, index, shards)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
         weight = copy_to_tensor_parallel_region(self.weight, self.replica_group)
         bias = None if self.bias is None else copy_to_tensor_parallel_region(self.bias, self.replica_group)
-        if self.copy_input:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        y, = column_parallel_linears(x, self.tp_group, sequence_parallel, self.weight_and_bias())
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """Z = X B + b with B split by input rows; partial products summed by g, then b added once."""
+    """Z = X B + b with B split by input rows; partial products summed by g, then b added once.
+
+    Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
+    added to that shard only, has its gradient summed over TP."""
 
     def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *,
                  bias: bool, init_std: float, input_is_parallel: bool = True):
@@ -82,8 +148,10 @@ class RowParallelLinear(nn.Module):
             # Replicated and added after the reduce: added before it, it would count t times.
             self.bias = set_init(nn.Parameter(torch.empty(out_features, device=pstate.device)), Init())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        z = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.tp_group)
-        return z if self.bias is None else z + self.bias
+        z = reduce_partial_sums(F.linear(x, self.weight), self.tp_group, sequence_parallel)
+        if self.bias is None:
+            return z
+        return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)

@@ -1,20 +1,24 @@
 """Communication primitives of tensor (and sequence) parallelism, as autograd functions.
 
 Named as in Megatron-LM's `tensor_parallel/mappings.py`. Each is a pair of collectives, one for
-forward and its adjoint for backward:
+forward and its adjoint for backward. The operator names are Megatron-LM's (Shoeybi et al.
+2019: f, g), then the sequence-parallel paper's (Korthikanti et al. 2022, figures 4 and 5, which
+call Megatron-LM's g "f-bar"):
 
 | primitive                           | forward            | backward          | paper |
 |-------------------------------------|--------------------|-------------------|-------|
 | copy_to_tensor_parallel_region      | identity           | all-reduce        | f     |
-| reduce_from_tensor_parallel_region  | all-reduce         | identity          | g     |
+| reduce_from_tensor_parallel_region  | all-reduce         | identity          | g (SP paper: f-bar) |
 | scatter_to_tensor_parallel_region   | split last dim     | all-gather last   |       |
 | gather_from_tensor_parallel_region  | all-gather last    | split last dim    |       |
 | scatter_to_sequence_parallel_region | split seq dim      | all-gather seq    |       |
-| gather_from_sequence_parallel_region| all-gather seq     | reduce-scatter    |  g-bar (SP) |
-| reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | g (SP) |
+| gather_from_sequence_parallel_region| all-gather seq     | reduce-scatter    | SP paper: g |
+| reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | SP paper: g-bar |
 
 Activations are [batch, seq, hidden], so the sequence dim is 1. A group of None or of size 1
-makes every primitive the identity, with no autograd node and no collective.
+makes every primitive the identity, with no autograd node and no collective. The model applies
+the SP paper's g fused with the column-parallel matmuls after it (layers.py), so that backward
+keeps the shard rather than the gathered input.
 """
 from __future__ import annotations
 
@@ -47,7 +51,8 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's chunk of the sum along `dim` (no autograd)."""
     parts = [p.contiguous() for p in x.chunk(group_size(group), dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -100,7 +105,7 @@ def _gather_seq(x, group):
 
 
 def _reduce_scatter_seq(x, group):
-    return _reduce_scatter(x, SEQ_DIM, group)
+    return reduce_scatter(x, SEQ_DIM, group)
 
 
 # name                                     forward              backward
@@ -118,3 +123,25 @@ gather_from_sequence_parallel_region = _primitive(
     "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
 reduce_scatter_to_sequence_parallel_region = _primitive(
     "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
+
+
+def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The sum over TP ranks of their partial results (row-parallel products, vocab-split
+    embedding rows). Into the replicated residual stream: g (all-reduce forward, identity
+    backward). With sequence parallelism, into this rank's sequence shard of it: the SP paper's
+    g-bar (reduce-scatter forward, all-gather backward), the same bytes on the wire as the
+    all-reduce it replaces (an all-reduce is a reduce-scatter then an all-gather)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group)
+    return reduce_from_tensor_parallel_region(x, group)
+
+
+def sum_grad_over_shards(param: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """A replicated parameter (norm weight, row-parallel bias, position table) as applied to
+    this rank's activations. With sequence parallelism they are one shard of the tokens, so its
+    gradient here is only that shard's part: f on the parameter (identity forward, all-reduce
+    backward) sums the parts over TP, and every rank holds the whole gradient once backward
+    is done, whatever engine or accumulation follows (Megatron-LM all-reduces these gradients
+    once per step after backward instead: fewer, larger messages, but every engine must call
+    it, and ZeRO-2 has already partitioned the gradients by then)."""
+    return copy_to_tensor_parallel_region(param, group) if sequence_parallel else param

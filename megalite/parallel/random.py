@@ -3,15 +3,18 @@
 Replicated activations (the residual stream, embeddings) must be dropped identically on every
 TP rank, or the replicas diverge: they use the default generator, which the caller seeds the
 same on all TP ranks. Activations split across TP ranks (attention probabilities of each rank's
-own heads) must be dropped independently, or every rank would drop the same pattern in
-different heads: they use a tracked state seeded with seed + offset + tp_rank, swapped in with
-`fork()`. Activation recomputation saves and restores both (`get_state` / `set_state`).
+own heads; with sequence parallelism, the residual stream and embeddings too, each rank holding
+a shard of the tokens) must be dropped independently, or every rank would drop the same pattern
+in different heads or tokens: they use a tracked state seeded with seed + offset + tp_rank,
+swapped in with `fork()`. Activation recomputation replays both (`recompute_contexts`), and
+checkpoints save and restore both (`get_state` / `set_state`).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from megalite.parallel.state import ParallelState
 
@@ -47,6 +50,14 @@ class TensorParallelRNG:
         finally:
             self.state = _device_rng_state(self.device)
             _set_device_rng_state(self.device, outside)
+
+    def dropout(self, x: torch.Tensor, p: float, training: bool, split: bool) -> torch.Tensor:
+        """F.dropout of replicated activations (split=False: the default generator, the same
+        mask on every TP rank) or of activations split across TP ranks (the tracked stream)."""
+        if not split or not training or p == 0:
+            return F.dropout(x, p, training)
+        with self.fork():
+            return F.dropout(x, p, training)
 
     def recompute_contexts(self):
         """Contexts for torch.utils.checkpoint's `context_fn`: the forward records the tracked

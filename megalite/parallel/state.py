@@ -2,6 +2,8 @@
 
 Global rank = dp_rank * tp + tp_rank: TP groups are blocks of consecutive ranks, so with one
 process per GPU a TP group stays inside a node (NVLink) and only DP traffic crosses nodes.
+`sequence_parallel` says how activations are laid out over the TP group between its parallel
+regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: timedelta = timedelta(minutes=10)
+    sequence_parallel: bool = False
     _tp_subgroups: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -42,7 +45,8 @@ class ParallelState:
 
     @classmethod
     def from_world(cls, tp: int, timeout: timedelta = timedelta(minutes=10),
-                   device: torch.device | None = None) -> "ParallelState":
+                   device: torch.device | None = None,
+                   sequence_parallel: bool = False) -> "ParallelState":
         """Build the TP and DP groups of an initialised torch.distributed world.
 
         Every rank creates every group, in the same order, as new_group requires.
@@ -63,7 +67,8 @@ class ParallelState:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         return cls(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
-                   tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device)
+                   tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device,
+                   sequence_parallel=sequence_parallel)
 
     def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks of this TP group that contains this rank.
@@ -94,7 +99,7 @@ def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) ->
     BEFORE init_process_group, so a bad config fails on every rank without a collective.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(model, parallel.tp, world)
+    check_layout(model, parallel.tp, world, parallel.sequence_parallel)
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
@@ -107,8 +112,9 @@ def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) ->
         torch.cuda.set_device(device)
     timeout = timedelta(minutes=parallel.timeout_minutes)
     if "WORLD_SIZE" not in os.environ:
-        return ParallelState(device=device, timeout=timeout)
+        return ParallelState(device=device, timeout=timeout,
+                             sequence_parallel=parallel.sequence_parallel)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 device_id=device if use_cuda else None)
-    return ParallelState.from_world(parallel.tp, timeout, device)
+    return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import group_size, reduce_from_tensor_parallel_region
+from megalite.parallel.mappings import group_size, reduce_partial_sums
 from megalite.parallel.sharding import mark_sharded
 from megalite.parallel.state import ParallelState
 
@@ -20,7 +20,8 @@ IGNORE_INDEX = -100
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Look up the ids this rank owns, zero the others, and sum over ranks (g)."""
+    """Look up the ids this rank owns, zero the others, and sum over ranks: g, or with sequence
+    parallelism the SP paper's g-bar, which leaves each rank its sequence shard of the sum."""
 
     def __init__(self, vocab: int, hidden: int, pstate: ParallelState, *, init_std: float):
         super().__init__()
@@ -32,13 +33,13 @@ class VocabParallelEmbedding(nn.Module):
                                Init(std=init_std))
         mark_sharded(self.weight, 0, pstate.tp_rank, pstate.tp_size)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(rows, self.tp_group)
+        return reduce_partial_sums(rows, self.tp_group, sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

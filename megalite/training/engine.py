@@ -14,6 +14,7 @@ grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Iterable
 
 import torch
@@ -58,6 +59,32 @@ class NativeEngine:
     def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
         """Set the Adam state from (parameter, {moment: this rank's slice}) pairs."""
         load_adam_state(self.optimizer, moments, step)
+
+
+def autocast_for(device: torch.device, precision: str):
+    """bf16 autocast for precision=bf16, or auto on a GPU; otherwise fp32 (no context)."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this DP rank's micro-batches: (loss, gradient norm).
+
+    The loss is the mean over every real target token of the GLOBAL batch (`n_tokens`, all
+    micro-batches of all DP ranks): each micro-batch's token-loss sum is divided by that count,
+    so the sum over micro-batches and DP ranks is the same number for any layout. The returned
+    loss is this rank's part of it.
+    """
+    loss = torch.zeros((), device=n_tokens.device)
+    for i, batch in enumerate(batches):
+        with autocast:
+            # No attention mask: padded batches are right-padded, where causal attention
+            # alone is exact at every real position (model/layout.py) and stays fused.
+            out = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
+            micro_loss = out.token_losses.sum() / n_tokens
+        engine.backward(micro_loss, last=i == len(batches) - 1)
+        loss += micro_loss.detach()
+    return loss, engine.step()
 
 
 def load_adam_state(optimizer: torch.optim.Optimizer, moments, step: int) -> None:

@@ -3,7 +3,8 @@ SIGTERM (preemption, scancel, a container stop).
 
 A handler only records the request; after each step the ranks agree (a MAX all-reduce, since
 the signal reaches them at different moments), so all of them finish the same step, save the
-same checkpoint and exit together. The exit status PREEMPTED and the file RUN_DIR/PREEMPTED
+same checkpoint and exit together. The agreement lags one step, so that it never makes the host
+wait for the device (see `agreed`). The exit status PREEMPTED and the file RUN_DIR/PREEMPTED
 tell the launcher (launch/sbatch template) to requeue the job, which then resumes.
 """
 from __future__ import annotations
@@ -29,6 +30,8 @@ class StopRequest:
         self.signal_name = ""
         self.signals = signals
         self.previous = {}
+        self._flag: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
 
     def __enter__(self) -> "StopRequest":
         self.previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
@@ -43,11 +46,20 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def agreed(self, pstate: ParallelState) -> bool:
-        """True on every rank if any rank has been asked to stop (a collective)."""
-        flag = torch.tensor([float(self.requested)], device=pstate.device)
+        """True on every rank, at the same call, once any rank had been asked to stop by the
+        call before (a collective: every rank calls it after every step).
+
+        The flag reduced now is read at the next call: by then the device has finished the
+        step the reduce was queued behind, so reading it does not stall the step in flight.
+        """
+        if self._flag is None:
+            self._flag = torch.zeros(1, device=pstate.device)
+        # fill_ is a kernel: unlike a copy from the host, it does not wait for the device.
+        flag = self._flag.clone().fill_(float(self.requested))
         if pstate.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        previous, self._pending = self._pending, flag
+        return previous is not None and bool(previous.item())
 
 
 def mark_preempted(run_dir: Path, step: int, reason: str) -> None:

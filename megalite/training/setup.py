@@ -20,7 +20,7 @@ from megalite.typed_config import ConfigError
 
 
 def check_batch_layout(cfg: Config, world: int) -> None:
-    check_layout(cfg.model, cfg.parallel.tp, world)
+    check_layout(cfg.model, cfg.parallel.tp, world, cfg.parallel.sequence_parallel)
     t = cfg.train
     dp = world // cfg.parallel.tp
     if t.micro_batch_size < 1 or t.global_batch_size < 1:

@@ -1,0 +1,1 @@
+"""Benchmarks: throughput sweeps (`megalite bench`), communication accounting, the scaling model."""

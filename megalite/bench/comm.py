@@ -1,0 +1,105 @@
+"""Count and time every collective of a training step, by process group.
+
+    with CommLog(pstate) as log:
+        train_step(...)
+    log.totals()   # {(op, group): {"calls", "elements", "bytes", "wire_bytes", "seconds"}}
+
+For the length of the block, the torch.distributed collectives that megalite (and DeepSpeed,
+which calls the same functions) uses are wrapped: each call is recorded and made synchronous,
+with the device synchronised before and after, so its wall time is its own. The step under a
+CommLog therefore runs with no communication overlapped: it measures how much there is, not how
+well it hides; time the step without one.
+
+`bytes` is the payload of one rank's call: the reduced tensor of an all-reduce, the gathered
+(full) tensor of an all-gather, the input of a reduce-scatter. `wire_bytes` is what a ring
+algorithm sends per rank for it: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for an
+all-gather or reduce-scatter (n: the group's size).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.state import ParallelState
+
+# name -> (position and keyword of the payload argument, ring traffic in units of (n-1)/n)
+WRAPPED = {"all_reduce": (0, "tensor", 2), "broadcast": (0, "tensor", 1),
+           "all_gather": (0, "tensor_list", 1), "all_gather_into_tensor": (0, "output_tensor", 1),
+           "reduce_scatter": (1, "input_list", 1), "reduce_scatter_tensor": (1, "input", 1)}
+
+
+def _payload(name: str, args, kwargs) -> torch.Tensor | list:
+    position, keyword, _ = WRAPPED[name]
+    return args[position] if len(args) > position else kwargs[keyword]
+
+
+def _numel_and_bytes(payload) -> tuple[int, int]:
+    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+    return (sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors))
+
+
+class CommLog:
+    def __init__(self, pstate: ParallelState):
+        self.ps = pstate
+        self.records: list[dict] = []
+        self._originals: dict = {}
+
+    def group_name(self, group) -> str:
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        if group is self.ps.tp_group:
+            return "tp"
+        if group is self.ps.dp_group:
+            return "dp"
+        return f"tp-sub{dist.get_world_size(group)}"  # GQA's KV-head copies
+
+    def __enter__(self) -> "CommLog":
+        for name in WRAPPED:
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._originals[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name: str, collective):
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            # list all_gather / reduce_scatter: the payload is the list of the n parts
+            numel, nbytes = _numel_and_bytes(_payload(name, args, kwargs))
+            n = dist.get_world_size(group)
+            _sync(self.ps.device)
+            start = time.perf_counter()
+            work = collective(*args, **kwargs)
+            if work is not None:
+                work.wait()
+            _sync(self.ps.device)
+            factor = WRAPPED[name][2] * (n - 1) / n
+            self.records.append({"op": name, "group": self.group_name(group), "elements": numel,
+                                 "bytes": nbytes, "wire_bytes": nbytes * factor,
+                                 "seconds": time.perf_counter() - start})
+            return work
+        return recorded
+
+    def totals(self) -> dict[tuple[str, str], dict[str, float]]:
+        out: dict = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0, "wire_bytes": 0.0,
+                                         "seconds": 0.0})
+        for r in self.records:
+            entry = out[(r["op"], r["group"])]
+            entry["calls"] += 1
+            for key in ("elements", "bytes", "wire_bytes", "seconds"):
+                entry[key] += r[key]
+        return dict(out)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r["seconds"] for r in self.records)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,175 @@
+"""`megalite peer-bench`: megalite against Hugging Face transformers, same process, same run.
+
+    megalite peer-bench --model gpt2-small --seq-len 1024 --micro-batch 16 --out peer.json
+    megalite peer-bench --model llama-1b --seq-len 2048 --micro-batch 4 --compile both --out ...
+
+One device, TP=1. Both models get the same shape (HF's config is written by megalite's own
+exporter: GPT-2 with gelu_pytorch_tanh and no dropout, Llama with its GQA and rotary), SDPA
+attention, the same random token rows, micro-batch, steps, AdamW with the same decay groups
+(fused on CUDA), bf16 autocast on GPU (fp32 on CPU), and the same FLOP count (PaLM, megalite's
+flops_per_token). Warm-up steps are not timed; timed steps end with a device synchronisation.
+megalite steps through its trainer's own `train_step`; HF through `model(input_ids,
+labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are reported separately (`--compile`).
+`--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megalite.bench.report import git_commit
+from megalite.config import load_model_config
+from megalite.data.batches import Batch
+from megalite.hf.convert import exportable_as
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState
+from megalite.run_config import TrainConfig
+from megalite.training.engine import NativeEngine, autocast_for, train_step
+from megalite.training.metrics import flops_per_token, peak_flops
+from megalite.training.optim import build_optimizer
+
+
+def megalite_step(cfg, device, compiled: bool):
+    model = GPT(cfg, ParallelState(device=device), seed=0)
+    engine = NativeEngine(model, TrainConfig(grad_clip=1.0), ParallelState(device=device))
+    if compiled:
+        engine.module = torch.compile(model)
+    autocast = autocast_for(device, "auto")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        n_tokens = torch.tensor(float(ids.numel() - ids.shape[0]), device=device)
+        return train_step(engine, [Batch(ids[:, :-1], ids[:, 1:])], n_tokens, autocast)[0]
+    return step
+
+
+def hf_step(cfg, device, compiled: bool):
+    import transformers
+    name, arch = exportable_as(cfg)
+    hf_config = transformers.AutoConfig.for_model(**arch.config_to_hf(cfg, {}))
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation="sdpa").to(device)
+    optimizer = build_optimizer(model, TrainConfig(), device)
+    forward = torch.compile(model) if compiled else model
+    autocast = autocast_for(device, "auto")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids[:, :-1]  # as long as megalite's rows; HF shifts the labels itself
+        with autocast:
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # megalite clips too
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+SYSTEMS = {"megalite": megalite_step, "hf": hf_step}
+
+
+def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: int,
+            compiled: bool) -> dict:
+    torch.manual_seed(0)
+    step = SYSTEMS[system](cfg, device, compiled)
+    ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device)
+    for _ in range(warmup):
+        step(ids)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = step(ids)
+    loss.item()
+    _sync(device)
+    step_s = (time.perf_counter() - started) / steps
+    tokens_per_s = micro * seq / step_s
+    flops, peak = flops_per_token(cfg, seq), peak_flops(device)
+    return {"system": system, "compile": compiled, "step_s": step_s, "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda" else None,
+            "final_loss": loss.item()}
+
+
+def largest_micro_batch(fits, limit: int = 1024) -> int:
+    """The largest b <= limit with fits(b), given that fits is monotone (doubling, then
+    bisection); 0 if not even 1 fits."""
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _fits(system, cfg, device, seq, compiled):
+    def fits(micro: int) -> bool:
+        try:
+            measure(system, cfg, device, seq, micro, warmup=1, steps=1, compiled=compiled)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+    return fits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megalite peer-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-small", help="a model preset (configs/model/)")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="off")
+    parser.add_argument("--max-batch", action="store_true", help="also find the largest micro-batch (GPU)")
+    parser.add_argument("--out", required=True, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    cfg = load_model_config(args.model)
+    exportable_as(cfg)  # a shape HF can build, or a ConfigError naming why not
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    rows = []
+    for compiled in modes:
+        for system in SYSTEMS:
+            row = measure(system, cfg, device, args.seq_len, args.micro_batch, args.warmup,
+                          args.steps, compiled)
+            if args.max_batch and device.type == "cuda":
+                row["max_micro_batch"] = largest_micro_batch(
+                    _fits(system, cfg, device, args.seq_len, compiled))
+            rows.append(row)
+            print(f"{system:9s} compile={compiled!s:5s} {row['tokens_per_s']:>12,.0f} tokens/s "
+                  f"mfu {row['mfu'] if row['mfu'] is not None else '-'}", flush=True)
+        megalite, hf = rows[-2], rows[-1]
+        megalite["speedup_over_hf"] = megalite["tokens_per_s"] / hf["tokens_per_s"]
+    import transformers
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_commit": git_commit(),
+              "command": "megalite peer-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+              "warmup": args.warmup, "steps": args.steps, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from megalite.cli import run_reporting_errors
+    sys.exit(run_reporting_errors(main, sys.argv[1:]))

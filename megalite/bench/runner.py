@@ -1,0 +1,165 @@
+"""`megalite bench SWEEP.yaml --out DIR`: run a throughput sweep, one torchrun launch per point.
+
+    name: cpu-tiny
+    base: configs/demo.yaml                     # the run config every point starts from
+    overrides: [model=tiny, data.seq_len=64]    # every point
+    grid: {parallel.tp: [1, 2], dp: [1, 2]}     # the cartesian product...
+    points: [{}, {parallel.sequence_parallel: true}]   # ...times each of these
+    warmup_steps: 2
+    steps: 5
+
+Besides run-config keys, a point may set `dp` (DP ranks; devices = tp x dp, default 1) and
+`scaling`: strong (default; the global batch stays as configured) or weak (the global batch
+grows with dp, so each DP rank keeps its share). Every point is checked before anything starts:
+a bad one is recorded as `invalid` with the reason and the sweep goes on, as it does past a point
+that fails (`failed`, or `oom`) or runs past `timeout_s` (`timeout`). Results: DIR/results.csv,
+DIR/results.json (device, torch version, date, git commit, the command) and DIR/*.png; each
+point's log and spec under DIR/points/. Exit status 1 when any point did not finish.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megalite.bench.report import write_report
+from megalite.launch.sweep import expand, short_name
+from megalite.run_config import load_config
+from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.training.setup import check_batch_layout
+from megalite.typed_config import ConfigError, from_dict
+
+BENCH_KEYS = ("dp", "scaling")
+
+
+@dataclass(frozen=True)
+class BenchSweep:
+    name: str
+    base: str
+    overrides: list[str] = field(default_factory=list)
+    grid: dict = field(default_factory=dict)
+    points: list = field(default_factory=list)
+    warmup_steps: int = 2
+    steps: int = 5
+    timeout_s: float = 600.0  # per point
+
+
+@dataclass
+class Point:
+    index: int
+    name: str
+    settings: dict  # the sweep's keys for this point, as written
+    world: int
+    overrides: list[str]
+    error: str = ""  # why it cannot run, found before launching
+
+
+def load_bench(path: Path) -> tuple[BenchSweep, list[Point]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"bench sweep file '{path}' not found")
+    sweep = from_dict(BenchSweep, yaml.safe_load(path.read_text()) or {}, "bench.")
+    if not Path(sweep.base).is_file():
+        raise ConfigError(f"bench.base '{sweep.base}' not found: name a run config (e.g. "
+                          f"configs/demo.yaml)")
+    if sweep.steps < 1 or sweep.warmup_steps < 0:
+        raise ConfigError(f"bench.steps={sweep.steps} must be >= 1 and bench.warmup_steps="
+                          f"{sweep.warmup_steps} >= 0")
+    return sweep, [_point(sweep, i, p) for i, p in enumerate(expand(sweep.name, sweep.grid, sweep.points))]
+
+
+def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
+    dp, scaling = settings.get("dp", 1), settings.get("scaling", "strong")
+    overrides = sweep.overrides + [f"{k}={v}" for k, v in settings.items() if k not in BENCH_KEYS]
+    point = Point(index, f"{index}-{short_name(settings)}", settings, 0, overrides)
+    try:
+        if not isinstance(dp, int) or dp < 1 or scaling not in ("strong", "weak"):
+            raise ConfigError(f"dp={dp!r} must be a positive integer and scaling={scaling!r} "
+                              f"strong or weak")
+        cfg = load_config(sweep.base, overrides)
+        if scaling == "weak":
+            point.overrides.append(f"train.global_batch_size={cfg.train.global_batch_size * dp}")
+            cfg = load_config(sweep.base, point.overrides)
+        point.world = cfg.parallel.tp * dp
+        check_batch_layout(cfg, point.world)
+        check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, point.world)
+    except ConfigError as err:
+        point.error = str(err)
+    return point
+
+
+def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
+    row = {"point": point.name, "settings": point.settings}
+    if point.error:
+        return {**row, "status": "invalid", "error": point.error}
+    directory = out / "points" / point.name
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = directory / "spec.json"
+    spec.write_text(json.dumps({"config": str(Path(sweep.base).resolve()),
+                                "overrides": point.overrides, "warmup": sweep.warmup_steps,
+                                "steps": sweep.steps, "out": str(directory / "result.json")}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={point.world}", "-m", "megalite.bench.point", str(spec)]
+    # One thread per process unless the user says otherwise, also for a single process, so
+    # that points with different process counts compare like with like.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    log = directory / "log.txt"
+    with log.open("w") as f:
+        # Its own session, so a timeout kills torchrun's workers too, not only torchrun.
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=sweep.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {**row, "status": "timeout", "error": f"over bench.timeout_s={sweep.timeout_s}"}
+    if code == 0:
+        return {**row, "status": "ok", **json.loads((directory / "result.json").read_text())}
+    text = log.read_text(errors="replace")
+    status = "oom" if "out of memory" in text.lower() else "failed"
+    return {**row, "status": status, "error": _reason(text) + f" (log: {log})"}
+
+
+def _reason(log_text: str) -> str:
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    for line in lines:
+        if "megalite: error" in line:
+            return line.strip()
+    errors = [line for line in lines if "Error" in line and not line.startswith(" ")]
+    return (errors or lines or ["no output"])[-1].strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megalite bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", help="bench sweep YAML (see configs/bench/)")
+    parser.add_argument("--out", required=True, help="directory for results and plots")
+    args = parser.parse_args(argv)
+    sweep, points = load_bench(Path(args.sweep))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for point in points:
+        row = run_point(sweep, point, out)
+        rows.append(row)
+        shown = (f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_s'] * 1e3:.1f} ms/step"
+                 if row["status"] == "ok" else row["error"])
+        print(f"[{point.index + 1}/{len(points)}] {point.name}: {row['status']}: {shown}", flush=True)
+    command = "megalite bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_report(out, rows, dataclasses.asdict(sweep), command)
+    print(f"wrote {out / 'results.csv'}, {out / 'results.json'} and plots", flush=True)
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    from megalite.cli import run_reporting_errors
+    sys.exit(run_reporting_errors(main, sys.argv[1:]))

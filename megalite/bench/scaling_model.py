@@ -1,0 +1,287 @@
+"""Predicted step time of a TP x DP layout over several nodes, from one efficiency per GPU type.
+
+    megalite scale-model --out benchmarks/scaling_table.md      # checked against published rows
+    megalite scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
+        --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 [--mfu 0.41]
+
+A step of global batch B sequences of length s, on N = t x d GPUs (TP t inside a node, DP d),
+costs the sum of three terms, nothing else:
+
+- compute: the FLOPs the GPUs execute, 6N + 12 L h s per token (PaLM appendix B, the count of
+  megalite.training.metrics.flops_per_token) plus, with full activation recomputation, a second
+  forward of the transformer layers (the LM head is not recomputed: Narayanan et al. 2021, Eq. 3),
+  divided by N x peak x efficiency. The efficiency is the fraction of peak the GPU reaches on
+  these FLOPs alone: measured on one device (--step-time, --mfu), or calibrated on one published
+  row. It is the same at every TP size, although TP makes each GPU's matmuls t times smaller
+  (which lowers it) and the weak-scaled models grow (which raises it).
+- TP communication, never overlapped: per layer and micro-batch, 2 all-reduces forward and 2
+  backward of b x s x h bf16 elements (Narayanan et al. 2021, section 3.2; 2 more with
+  recomputation, which repeats the forward), each moving 2(t-1)/t of its size per GPU at the
+  node's all-reduce bus bandwidth.
+- DP communication: one all-reduce per step of the rank's params / t gradients (2 or 4 bytes
+  each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across nodes,
+  the group's 8/t ranks per node drive 8/t NICs together (NCCL runs one ring per NIC), so at
+  8/t x the per-GPU network bandwidth, capped by the node's bus bandwidth. Reported two ways:
+  after backward (not overlapped), or overlapped with the backward of the last micro-batch (as
+  Megatron's --overlap-grad-reduce and torch DDP do with accumulation): only the excess shows.
+
+Ignored: latency (every message is bandwidth-bound), the embedding and loss all-reduces, the
+optimizer step, data loading, kernel launch gaps, non-matmul FLOPs (norms, softmax, dropout),
+communication slowing the compute it overlaps with, network contention and topology beyond
+the per-GPU NIC rate, and params outside matmuls and the input embedding (position
+embeddings, norms, biases: under 1%). Pipeline parallelism is out of scope.
+
+Against the published rows (benchmarks/scaling_table.md, megalite.bench.scaling_check) every
+row is within ERROR_BOUND = ±15%, the worst -14.8%. The TP rows all come out low (-6% to -15%):
+at a constant efficiency the model's TP communication (4% of the predicted step at t=2, 9% at
+t=4, 13% at t=8) costs throughput one for one, while the published per-GPU rate stays flat
+or rises with model size: the larger models' bigger matmuls run nearer peak than the 1.7B
+calibration row, which a single efficiency cannot capture.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from megalite.bench.scaling_config import Hardware, load_scaling_file
+from megalite.config import ModelConfig
+from megalite.training.metrics import flops_per_token, matmul_params
+from megalite.typed_config import ConfigError
+
+ACTIVATION_BYTES = 2  # bf16 activations in the TP all-reduces
+LAYOUT_ARGS = ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch", "tp", "gpus")
+
+
+@dataclass(frozen=True)
+class Layout:
+    model: ModelConfig  # its max_seq_len is not used: seq_len is
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, all DP ranks together
+    micro_batch: int  # sequences per forward/backward on one DP rank
+    tp: int
+    gpus: int
+    activation_recompute: bool = False
+    grad_bytes: int = 4  # fp32 gradients: Megatron's default with bf16
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward/backward passes per step on each DP rank (gradient accumulation)."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+def check_fits(layout: Layout, hw: Hardware) -> None:
+    """Raise ConfigError, naming the values, for a layout that cannot run on this hardware."""
+    t, n = layout.tp, layout.gpus
+    if t < 1 or n < 1 or layout.micro_batch < 1:
+        raise ConfigError(f"tp={t}, gpus={n} and micro_batch={layout.micro_batch} must be >= 1")
+    if t > hw.gpus_per_node or hw.gpus_per_node % t:
+        raise ConfigError(f"tp={t} does not fit in a node of {hw.gpus_per_node} GPUs ({hw.name}): "
+                          f"TP stays within a node, use a tp that divides {hw.gpus_per_node}")
+    if n % t:
+        raise ConfigError(f"gpus={n} is not divisible by tp={t}: use a multiple of {t} GPUs")
+    if layout.global_batch % (layout.micro_batch * layout.dp):
+        raise ConfigError(f"global_batch={layout.global_batch} is not divisible by micro_batch="
+                          f"{layout.micro_batch} x dp={layout.dp}")
+    if layout.model.n_heads % t or layout.model.hidden % layout.model.n_heads:
+        raise ConfigError(f"heads={layout.model.n_heads} must divide hidden={layout.model.hidden} "
+                          f"and be divisible by tp={t}")
+
+
+def model_flops_per_step(layout: Layout) -> float:
+    """6N + 12 L h s per token: what MFU and Megatron-Core count."""
+    return layout.global_batch * layout.seq_len * flops_per_token(layout.model, layout.seq_len)
+
+
+def executed_flops_per_step(layout: Layout) -> float:
+    """The model FLOPs plus, with recomputation, a second forward (a third of the model FLOPs)
+    of everything but the LM head: 96 B s l h^2 (1 + s/6h + V/16lh), Narayanan et al. Eq. 3."""
+    flops = model_flops_per_step(layout)
+    if layout.activation_recompute:
+        head = 6 * layout.model.vocab_size * layout.model.hidden
+        flops += (flops - layout.global_batch * layout.seq_len * head) / 3
+    return flops
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The gradients the DP all-reduce carries: matmul weights, plus the input embedding when it
+    is not the LM head's weight."""
+    return matmul_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
+
+
+def ring_factor(n: int) -> float:
+    """Bytes a ring all-reduce sends per GPU, per byte reduced, over n GPUs."""
+    return 2 * (n - 1) / n
+
+
+def tp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
+    """Bytes each GPU sends for one layer's TP all-reduces of one micro-batch."""
+    all_reduces = 6 if layout.activation_recompute else 4
+    message = layout.micro_batch * layout.seq_len * layout.model.hidden * ACTIVATION_BYTES
+    return all_reduces * ring_factor(layout.tp) * message
+
+
+def dp_bytes_per_step(layout: Layout) -> float:
+    """Bytes each GPU sends for the step's gradient all-reduce of its params / t."""
+    return ring_factor(layout.dp) * parameter_count(layout.model) / layout.tp * layout.grad_bytes
+
+
+def dp_bandwidth(layout: Layout, hw: Hardware) -> float:
+    """Bus bandwidth (bytes/s) of a DP group's all-reduce: see the module docstring."""
+    if layout.gpus <= hw.gpus_per_node:
+        return hw.intra_node_gbs * 1e9
+    ranks_per_node = min(layout.dp, hw.gpus_per_node // layout.tp)
+    return min(hw.intra_node_gbs, ranks_per_node * hw.inter_node_gbs) * 1e9
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    hardware: Hardware
+    efficiency: float
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    overlap_window_s: float  # backward compute of the last micro-batch
+
+    def step_s(self, overlap: bool) -> float:
+        dp = max(0.0, self.dp_comm_s - self.overlap_window_s) if overlap else self.dp_comm_s
+        return self.compute_s + self.tp_comm_s + dp
+
+    def tokens_per_s(self, overlap: bool) -> float:
+        return self.layout.global_batch * self.layout.seq_len / self.step_s(overlap)
+
+    def tflops_per_gpu(self, overlap: bool, flops: float | None = None) -> float:
+        """Model FLOPs (or the given FLOPs per step) per second per GPU, in TFLOP/s."""
+        flops = model_flops_per_step(self.layout) if flops is None else flops
+        return flops / self.step_s(overlap) / self.layout.gpus / 1e12
+
+    def mfu(self, overlap: bool) -> float:
+        return self.tflops_per_gpu(overlap) / self.hardware.peak_tflops
+
+
+def predict(layout: Layout, hw: Hardware, efficiency: float) -> Prediction:
+    check_fits(layout, hw)
+    executed = executed_flops_per_step(layout)
+    compute = executed / (layout.gpus * hw.peak_tflops * 1e12 * efficiency)
+    tp_bytes = (layout.model.n_layers * layout.micro_batches
+                * tp_bytes_per_layer_per_microbatch(layout))
+    # Backward is 2/3 of the model FLOPs, plus the recomputed forward that runs inside it.
+    backward = (executed - model_flops_per_step(layout) / 3) / executed
+    return Prediction(layout, hw, efficiency, compute,
+                      tp_comm_s=tp_bytes / (hw.intra_node_gbs * 1e9),
+                      dp_comm_s=dp_bytes_per_step(layout) / dp_bandwidth(layout, hw),
+                      overlap_window_s=compute * backward / layout.micro_batches)
+
+
+def calibrate(layout: Layout, hw: Hardware, step_s: float, overlap: bool) -> float:
+    """The efficiency at which `layout` takes `step_s` seconds (the step time falls as the
+    efficiency rises, so bisection finds it)."""
+    if predict(layout, hw, 1.0).step_s(overlap) >= step_s:
+        raise ConfigError(f"a step of {step_s:.4g} s is faster than this layout at 100% of peak "
+                          f"on {hw.name}: check the measured time and the shape")
+    low, high = 1e-6, 1.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predict(layout, hw, mid).step_s(overlap) > step_s else (low, mid)
+    return (low + high) / 2
+
+
+def efficiency_from_single_device(layout: Layout, hw: Hardware, step_s: float,
+                                  sequences: int) -> float:
+    """The efficiency of one GPU that ran `sequences` sequences of this model in `step_s`."""
+    alone = dataclasses.replace(layout, global_batch=sequences, micro_batch=sequences, tp=1, gpus=1)
+    return calibrate(alone, hw, step_s, overlap=False)
+
+
+def main(argv: list[str]) -> int:
+    # megalite.bench.scaling_check builds on this module, so it is imported here, not above.
+    from megalite.bench.scaling_check import check_file, markdown
+
+    args = _parser().parse_args(argv)
+    scaling = load_scaling_file(args.config)
+    checks = check_file(scaling)
+    if args.hardware is None:
+        text = markdown(checks)
+    else:
+        text = _predict_layout(args, scaling.profile(args.hardware), checks)
+    print(text, end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+def _predict_layout(args, hw: Hardware, checks) -> str:
+    missing = [f"--{k.replace('_', '-')}" for k in LAYOUT_ARGS if getattr(args, k) is None]
+    if missing:
+        raise ConfigError(f"--hardware {hw.name} predicts one layout: also give "
+                          f"{' '.join(missing)}")
+    model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
+                        hidden=args.hidden, n_heads=args.heads, tie_embeddings=not args.untied)
+    layout = Layout(model, args.seq_len, args.global_batch, args.micro_batch, args.tp, args.gpus,
+                    args.recompute, args.grad_bytes)
+    check_fits(layout, hw)
+    if args.efficiency is not None:
+        efficiency, how = args.efficiency, "given"
+    elif args.mfu is not None:  # MFU counts model FLOPs; the efficiency, the executed ones too
+        efficiency = args.mfu * executed_flops_per_step(layout) / model_flops_per_step(layout)
+        how = f"from single-device MFU {args.mfu:.3f}"
+    elif args.step_time is not None:
+        efficiency = efficiency_from_single_device(layout, hw, args.step_time, args.step_batch)
+        how = f"from a single-device step of {args.step_batch} sequences in {args.step_time} s"
+    else:
+        calibrated = [c for c in checks if c.source.hardware == hw.name]
+        if not calibrated:
+            raise ConfigError(f"no published row calibrates {hw.name}: give --efficiency, --mfu "
+                              f"or --step-time with --step-batch")
+        efficiency = calibrated[0].efficiency
+        how = f"calibrated on {calibrated[0].source.name}, {calibrated[0].source.calibrate_on}"
+    p = predict(layout, hw, efficiency)
+    lines = [f"{hw.name}: tp={layout.tp} x dp={layout.dp} ({layout.gpus} GPUs), "
+             f"{layout.micro_batches} micro-batches of {layout.micro_batch} per step; "
+             f"efficiency {efficiency:.3f} ({how})",
+             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, DP comm "
+             f"{p.dp_comm_s:.4g} s (overlap window {p.overlap_window_s:.4g} s)",
+             "| DP all-reduce | step time (s) | tokens/s | model TFLOP/s per GPU | MFU |",
+             "|---|---:|---:|---:|---:|"]
+    for overlap in (False, True):
+        lines.append(f"| {'overlapped' if overlap else 'after backward'} | {p.step_s(overlap):.4g} "
+                     f"| {p.tokens_per_s(overlap):,.0f} | {p.tflops_per_gpu(overlap):.1f} "
+                     f"| {p.mfu(overlap):.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megalite scale-model",
+        description="Predict the throughput of TP x DP layouts; without --hardware, check the "
+                    "model against the published rows of the config.")
+    parser.add_argument("--config", default="configs/bench/scaling.yaml")
+    parser.add_argument("--out", help="also write the table to this file")
+    layout = parser.add_argument_group("one layout (all of these with --hardware)")
+    layout.add_argument("--hardware", help="a profile of the config, e.g. H100")
+    for name in LAYOUT_ARGS:
+        layout.add_argument(f"--{name.replace('_', '-')}", type=int)
+    layout.add_argument("--micro-batch", type=int, default=1)
+    layout.add_argument("--untied", action="store_true", help="LM head separate from the embedding")
+    layout.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
+    efficiency = layout.add_mutually_exclusive_group()
+    efficiency.add_argument("--efficiency", type=float, help="fraction of peak on executed FLOPs")
+    efficiency.add_argument("--mfu", type=float, help="measured single-device MFU of this model")
+    efficiency.add_argument("--step-time", type=float,
+                            help="measured single-device step time (s) of --step-batch sequences")
+    layout.add_argument("--step-batch", type=int, default=1)
+    return parser
+
+
+if __name__ == "__main__":
+    from megalite.cli import run_reporting_errors
+    sys.exit(run_reporting_errors(main, sys.argv[1:]))

@@ -1,0 +1,112 @@
+"""`megalite bench`: the shipped CPU sweep writes its results and plots, the collectives it
+counts are the ones the Megatron formulas predict, byte for byte, and a bad or stuck point is
+recorded while the sweep goes on.
+"""
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megalite.bench.report import COLUMNS
+from megalite.bench.runner import main as bench
+from megalite.model import GPT
+from megalite.parallel.sharding import shard_of
+from megalite.parallel.state import ParallelState
+from megalite.run_config import load_config
+
+SWEEP = Path(__file__).parent.parent / "configs" / "bench" / "cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert bench([str(SWEEP), "--out", str(out)]) == 0
+    return out
+
+
+def expected_comm(point: dict) -> dict[tuple[str, str], int]:
+    """Elements each collective moves on one rank in one optimizer step, from the formulas.
+
+    TP (Narayanan et al. 2021, section 3.2), per layer and micro-batch: g after attention and
+    after the MLP (all-reduce forward), f before them (all-reduce backward), each of b·s·h. The
+    vocab-parallel embedding adds an all-reduce of b·s·h forward, the LM head's f one backward,
+    and the vocab-parallel cross-entropy three of b·s (max, target logit, sum of exponentials).
+    The TP-aware gradient norm adds one scalar per step.
+    Sequence parallelism (Korthikanti et al. 2022) turns each of those 4L + 2 all-reduces of
+    b·s·h into a reduce-scatter and an all-gather of the same full tensor, plus one all-gather
+    per column-parallel input in backward (megalite keeps only the sequence shard of those
+    inputs and gathers it again: 2 per layer and the head), and the replicated parameters'
+    gradients (norms, row-parallel biases, positions), computed on a shard of the tokens, are
+    all-reduced per micro-batch. DP: one all-reduce of every gradient this rank holds (its TP
+    slices and the replicated ones).
+    """
+    sweep = yaml.safe_load(SWEEP.read_text())
+    overrides = sweep["overrides"] + [f"{k}={v}" for k, v in point["settings"].items()
+                                      if k not in ("dp", "scaling")]
+    cfg = load_config(sweep["base"], overrides)
+    t, d = point["tp"], point["dp"]
+    b, s, h, L = point["micro_batch_size"], point["seq_len"], cfg.model.hidden, cfg.model.n_layers
+    micro_batches = point["global_batch_size"] // (b * d)
+    params = list(GPT(cfg.model, ParallelState(), seed=0).parameters())
+    replicated = sum(p.numel() for p in params if shard_of(p) is None)
+    comm = {}
+    if t > 1:
+        bsh = micro_batches * (4 * L + 2) * b * s * h
+        loss = micro_batches * 3 * b * s
+        if point["sequence_parallel"]:
+            comm[("reduce_scatter", "tp")] = bsh
+            comm[("all_gather", "tp")] = bsh + micro_batches * (2 * L + 1) * b * s * h
+            comm[("all_reduce", "tp")] = loss + micro_batches * replicated + 1
+        else:
+            comm[("all_reduce", "tp")] = bsh + loss + 1
+    if d > 1:
+        comm[("all_reduce", "dp")] = sum(p.numel() // (t if shard_of(p) else 1) for p in params)
+    return comm
+
+
+def test_cpu_sweep_writes_results_and_plots(results):
+    data = json.loads((results / "results.json").read_text())
+    for key in ("device", "torch", "date", "git_commit", "command"):
+        assert data[key], key
+    assert data["device"].startswith("cpu") and "bench" in data["command"]
+    rows = list(csv.DictReader((results / "results.csv").open()))
+    assert len(rows) == len(data["points"]) == 10
+    assert set(COLUMNS) <= set(rows[0])
+    for row in rows:
+        assert row["status"] == "ok", row
+        for key in ("step_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+                    "peak_memory_gb", "compute_s"):
+            assert float(row[key]) > 0, (row["point"], key)
+        if int(row["devices"]) > 1:
+            assert float(row["comm_bytes"]) > 0 and float(row["comm_s"]) > 0, row["point"]
+    # Sequence parallelism stores less per layer than TP alone, as Korthikanti et al. count.
+    tp2 = {(p["dp"], p["sequence_parallel"]): p for p in data["points"] if p["tp"] == 2}
+    for dp in (1, 2):
+        off, on = tp2[(dp, False)], tp2[(dp, True)]
+        assert on["activation_bytes_per_layer"] < off["activation_bytes_per_layer"], dp
+        assert (on["activation_formula_bytes_per_layer"]
+                < off["activation_formula_bytes_per_layer"]), dp
+    for plot in ("scaling.png", "mfu.png", "memory.png", "step.png"):
+        assert (results / plot).read_bytes()[:4] == b"\x89PNG", plot
+
+
+def test_counted_communication_equals_the_formulas(results):
+    points = json.loads((results / "results.json").read_text())["points"]
+    for point in points:
+        counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
+        assert counted == expected_comm(point), point["point"]
+        for c in point["comm"]:
+            assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
+
+
+def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "bad", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 0.5,
+        "points": [{"parallel.tp": 3}, {"parallel.tp": 1}]}))
+    assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 1
+    rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
+    assert [r["status"] for r in rows] == ["invalid", "timeout"]
+    assert "tp" in rows[0]["error"] and "n_heads" in rows[0]["error"]

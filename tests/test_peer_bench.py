@@ -1,0 +1,41 @@
+"""`megalite peer-bench` on CPU at a tiny shape: megalite and Hugging Face's GPT-2 train the
+same shape in the same process, and the JSON says what was measured, where and how.
+(The speed goal itself needs a GPU: benchmarks/results/.)"""
+import json
+
+import pytest
+
+from megalite.bench.peer import largest_micro_batch, main as peer_bench
+
+pytest.importorskip("transformers")
+
+
+def test_peer_bench_measures_both_systems_on_the_same_run(tmp_path):
+    out = tmp_path / "peer.json"
+    assert peer_bench(["--model", "tiny", "--seq-len", "64", "--micro-batch", "2",
+                       "--warmup", "1", "--steps", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("device", "torch", "transformers", "date", "git_commit", "command"):
+        assert result[key], key
+    assert result["device"] == "cpu" and "--model tiny" in result["command"]
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"megalite", "hf"}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["tflops"] > 0 and row["step_s"] > 0
+        assert row["mfu"] is None  # no CPU peak in the table: no made-up MFU
+        # Both are language models at init on random tokens: about ln(vocab) = 6.9.
+        assert 5.5 < row["final_loss"] < 8.5, row
+    assert rows["megalite"]["speedup_over_hf"] == pytest.approx(
+        rows["megalite"]["tokens_per_s"] / rows["hf"]["tokens_per_s"])
+
+
+@pytest.mark.parametrize("capacity, limit, expected", [(37, 1024, 37), (1, 1024, 1), (0, 1024, 0),
+                                                       (5000, 1024, 1024), (64, 64, 64)])
+def test_largest_micro_batch_search(capacity, limit, expected):
+    tried = []
+
+    def fits(b):
+        tried.append(b)
+        return b <= capacity
+    assert largest_micro_batch(fits, limit) == expected
+    assert len(tried) <= 2 * limit.bit_length() + 1
