@@ -48,6 +48,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each transformer block (the first steps compile)
     checkpoint_every: int = 0  # steps; 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | a checkpoint directory

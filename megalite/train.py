@@ -22,12 +22,11 @@ from megalite.data.batches import BatchOrder, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
-from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.engine import autocast_for, build_engine, train_step
+from megalite.training.engine import autocast_for, build_engine, build_model, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import lr_at
@@ -76,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
           resume_from: Path | None, stop: StopRequest) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
-    # The default generator drives dropout on replicated activations: the same on every TP
-    # rank of a DP group, different between DP groups, which hold different samples.
-    torch.manual_seed(cfg.run.seed + ps.dp_rank)
-    model = GPT(cfg.model, ps, seed=cfg.run.seed)
-    model.activation_checkpointing = t.activation_checkpointing
+    model = build_model(cfg, ps)
     start, tokens_seen = resume(resume_from, model, ps)
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
@@ -115,13 +110,12 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     for step in range(start, t.max_steps):
         lr = lr_at(step, t)
         engine.set_lr(lr)
-        rows = [train_set.collate(r)
-                for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
-        # Counted on the host, before the copy to the device.
-        n_tokens = all_reduce_dp(torch.tensor(float(sum(b.target_tokens for b in rows)),
-                                              device=ps.device), ps)
+        batches = [train_set.collate(r).to(ps.device)
+                   for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
+        # Counted on the device: a tensor made from a host number would wait for it.
+        n_tokens = all_reduce_dp(sum(b.target_count() for b in batches).float(), ps)
         model.train()
-        loss, grad_norm = train_step(engine, [b.to(ps.device) for b in rows], n_tokens, autocast)
+        loss, grad_norm = train_step(engine, batches, n_tokens, autocast)
         tokens += n_tokens
         interval_tokens += n_tokens
 
@@ -213,8 +207,7 @@ def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int,
         batch = val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
         with autocast:
             losses = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels).token_losses
-        total += torch.stack([losses.sum().float(),
-                              torch.tensor(float(batch.target_tokens), device=ps.device)])
+        total += torch.stack([losses.sum().float(), batch.target_count().float()])
     total = all_reduce_dp(total, ps)
     val_loss = (total[0] / total[1]).item()
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow

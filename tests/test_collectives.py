@@ -1,18 +1,15 @@
-"""Collectives per transformer layer, counted: 2 all-reduces forward and 2 backward (TP > 1)."""
+"""Collectives per transformer layer, counted (bench/comm.py's CommLog): 2 all-reduces forward
+and 2 backward (TP > 1)."""
 import collections
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
+from megalite.bench.comm import CommLog
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
-
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "all_to_all", "send", "recv")
-
 
 VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
 
@@ -22,22 +19,13 @@ def count_collectives(config_name: str, tp: int, sequence_parallel: bool = False
     ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel)
     model = GPT(cfg, ps, seed=0)
     ids, mask, labels = padded_batch(cfg, "right")
-    calls: collections.Counter = collections.Counter()
-    phase = ["idle"]
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            group = kwargs.get("group")
-            calls[(phase[0], _name, dist.get_world_size(group))] += 1
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-    phase[0] = "forward"
-    loss = model(ids, labels=labels).token_losses.sum()
-    phase[0] = "backward"
-    loss.backward()
-    return dict(calls)
+    with CommLog(ps) as forward:
+        loss = model(ids, labels=labels).token_losses.sum()
+    with CommLog(ps) as backward:
+        loss.backward()
+    return dict(collections.Counter((phase, r["op"], r["ranks"]) for phase, log in
+                                    (("forward", forward), ("backward", backward))
+                                    for r in log.records))
 
 
 @pytest.mark.parametrize("config_name,tp,world,per_layer_backward_extra", [

@@ -36,7 +36,7 @@ def moments(run_dir, step=STEPS):
     return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "optimizer.safetensors")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zero_trains_like_the_native_engine(tmp_path, cache, native, stage):
     train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
               ["train.engine=deepspeed", f"train.zero_stage={stage}"])

@@ -45,14 +45,6 @@ def check_mappings_at(ps: ParallelState):
     y, gx = forward_backward(M.gather_from_tensor_parallel_region, parts[r], gs[0], group)
     assert_close(y, torch.cat(parts, -1)); assert_close(gx, gs[0].chunk(t, -1)[r])
 
-    shards = [gs[i].chunk(t, 1)[i] for i in range(t)]
-    y, gx = forward_backward(M.scatter_to_sequence_parallel_region, xs[0], shards[r], group)
-    assert_close(y, xs[0].chunk(t, 1)[r]); assert_close(gx, torch.cat(shards, 1))
-
-    parts = [x.chunk(t, 1)[0] for x in xs]
-    y, gx = forward_backward(M.gather_from_sequence_parallel_region, parts[r], gs[r], group)
-    assert_close(y, torch.cat(parts, 1)); assert_close(gx, total(gs).chunk(t, 1)[r])
-
     grads = [g.chunk(t, 1)[0] for g in gs]
     y, gx = forward_backward(M.reduce_scatter_to_sequence_parallel_region, xs[r], grads[r], group)
     assert_close(y, total(xs).chunk(t, 1)[r]); assert_close(gx, torch.cat(grads, 1))
@@ -70,7 +62,6 @@ def test_a_single_rank_group_is_the_identity_without_autograd_node():
     x = torch.randn(2, 3, requires_grad=True)
     for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
                  "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-                 "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
                  "reduce_scatter_to_sequence_parallel_region"):
         assert getattr(M, name)(x, None) is x, name
     assert not dist.is_initialized()

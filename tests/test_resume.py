@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megalite.training.checkpoint import latest_checkpoint
+from tests.harness import run_distributed
 from tests.test_train import STEPS, common, losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +146,6 @@ def check_save_failing_on_one_rank(tmp):
     previous checkpoint stays complete."""
     import errno
 
-    import torch.distributed as dist
 
     import megalite.training.checkpoint as checkpoint
     from megalite.model import GPT
@@ -171,7 +172,6 @@ def check_save_failing_on_one_rank(tmp):
 
 
 def test_a_save_failing_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
-    from tests.harness import run_distributed
     start = time.monotonic()
     (r0, latest0), (r1, latest1) = run_distributed(check_save_failing_on_one_rank, 2, tmp_path,
                                                    timeout=60)
@@ -196,3 +196,18 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, cache)
     assert "at step 3" in done.stdout
     assert_continues_exactly(crashed, whole, 3)
     assert not half.exists()  # the next save removed the half-written directory
+
+
+def check_stop_agreement_lags_one_call() -> list[bool]:
+    from megalite.parallel.state import ParallelState
+    from megalite.training.preemption import StopRequest
+    ps = ParallelState.from_world(1)
+    stop = StopRequest(signals=())
+    seen = [stop.agreed(ps)]
+    if dist.get_rank() == 1:  # the signal reaches one rank only
+        stop.requested = True
+    return seen + [stop.agreed(ps), stop.agreed(ps)]
+
+
+def test_a_stop_request_on_one_rank_is_agreed_by_all_one_call_later():
+    assert run_distributed(check_stop_agreement_lags_one_call, 2) == [[False, False, True]] * 2

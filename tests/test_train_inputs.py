@@ -130,7 +130,7 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
                                    val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
     samples = Samples(data.train, "padded", 96, data.tokenizer.pad_id)
     order = BatchOrder(len(samples), 4, seed=1234)
-    real = [[sum(samples.collate(m).target_tokens for m in order.micro_batches(s, r, 2, 1))
+    real = [[sum(int(samples.collate(m).target_count()) for m in order.micro_batches(s, r, 2, 1))
              for r in range(2)] for s in range(STEPS)]
     assert max(max(r) / max(1, min(r)) for r in real) > 5, real
 

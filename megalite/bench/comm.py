@@ -4,8 +4,9 @@
         train_step(...)
     log.totals()   # {(op, group): {"calls", "elements", "bytes", "wire_bytes", "seconds"}}
 
-For the length of the block, the torch.distributed collectives that megalite (and DeepSpeed,
-which calls the same functions) uses are wrapped: each call is recorded and made synchronous,
+For the length of the block, the torch.distributed collectives that megalite uses are
+wrapped (DeepSpeed binds some of its own, ZeRO's parameter all-gather among them, when it
+starts: with train.engine=deepspeed the counts are partial): each call is recorded and made synchronous,
 with the device synchronised before and after, so its wall time is its own. The step under a
 CommLog therefore runs with no communication overlapped: it measures how much there is, not how
 well it hides; time the step without one.
@@ -72,14 +73,15 @@ class CommLog:
             # list all_gather / reduce_scatter: the payload is the list of the n parts
             numel, nbytes = _numel_and_bytes(_payload(name, args, kwargs))
             n = dist.get_world_size(group)
-            _sync(self.ps.device)
+            synchronize(self.ps.device)
             start = time.perf_counter()
             work = collective(*args, **kwargs)
             if work is not None:
                 work.wait()
-            _sync(self.ps.device)
+            synchronize(self.ps.device)
             factor = WRAPPED[name][2] * (n - 1) / n
-            self.records.append({"op": name, "group": self.group_name(group), "elements": numel,
+            self.records.append({"op": name, "group": self.group_name(group), "ranks": n,
+                                 "elements": numel,
                                  "bytes": nbytes, "wire_bytes": nbytes * factor,
                                  "seconds": time.perf_counter() - start})
             return work
@@ -100,6 +102,7 @@ class CommLog:
         return sum(r["seconds"] for r in self.records)
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU, where every op has finished when it returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -10,12 +10,15 @@ attention, the same random token rows, micro-batch, steps, AdamW with the same d
 flops_per_token). Warm-up steps are not timed; timed steps end with a device synchronisation.
 megalite steps through its trainer's own `train_step`; HF through `model(input_ids,
 labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are reported separately (`--compile`).
-`--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system.
+`--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system;
+`--profile` adds where the time goes (bench/profile.py: top kernels, attention / matmul /
+elementwise / optimizer / communication / idle shares).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -23,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from megalite.bench.comm import synchronize
+from megalite.bench.point import device_name
+from megalite.bench.profile import profile_steps
 from megalite.bench.report import git_commit
 from megalite.config import load_model_config
 from megalite.data.batches import Batch
@@ -37,13 +43,16 @@ from megalite.training.optim import build_optimizer
 
 def megalite_step(cfg, device, compiled: bool):
     model = GPT(cfg, ParallelState(device=device), seed=0)
-    engine = NativeEngine(model, TrainConfig(grad_clip=1.0), ParallelState(device=device))
     if compiled:
-        engine.module = torch.compile(model)
+        model.compile_blocks()  # as train.compile does
+    engine = NativeEngine(model, TrainConfig(grad_clip=1.0), ParallelState(device=device))
     autocast = autocast_for(device, "auto")
+    n_tokens = None
 
     def step(ids: torch.Tensor) -> torch.Tensor:
-        n_tokens = torch.tensor(float(ids.numel() - ids.shape[0]), device=device)
+        nonlocal n_tokens
+        if n_tokens is None:  # made once: a tensor from a host number waits for the device
+            n_tokens = torch.tensor(float(ids.numel() - ids.shape[0]), device=device)
         return train_step(engine, [Batch(ids[:, :-1], ids[:, 1:])], n_tokens, autocast)[0]
     return step
 
@@ -74,28 +83,29 @@ SYSTEMS = {"megalite": megalite_step, "hf": hf_step}
 
 
 def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: int,
-            compiled: bool) -> dict:
+            compiled: bool, profiled: bool = False) -> dict:
     torch.manual_seed(0)
     step = SYSTEMS[system](cfg, device, compiled)
     ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device)
     for _ in range(warmup):
         step(ids)
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     for _ in range(steps):
         loss = step(ids)
     loss.item()
-    _sync(device)
+    synchronize(device)
     step_s = (time.perf_counter() - started) / steps
     tokens_per_s = micro * seq / step_s
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
+    summary = profile_steps(lambda: step(ids), device) if profiled else None
     return {"system": system, "compile": compiled, "step_s": step_s, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30
             if device.type == "cuda" else None,
-            "final_loss": loss.item()}
+            "final_loss": loss.item(), "profile": summary}
 
 
 def largest_micro_batch(fits, limit: int = 1024) -> int:
@@ -119,13 +129,9 @@ def _fits(system, cfg, device, seq, compiled):
         except torch.cuda.OutOfMemoryError:
             return False
         finally:
+            gc.collect()  # a failed attempt's tensors, held by its traceback's frames
             torch.cuda.empty_cache()
     return fits
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", choices=["off", "on", "both"], default="off")
     parser.add_argument("--max-batch", action="store_true", help="also find the largest micro-batch (GPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 3 steps: top kernels, time per class, idle")
     parser.add_argument("--out", required=True, help="JSON file for the results")
     args = parser.parse_args(argv)
     cfg = load_model_config(args.model)
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for compiled in modes:
         for system in SYSTEMS:
             row = measure(system, cfg, device, args.seq_len, args.micro_batch, args.warmup,
-                          args.steps, compiled)
+                          args.steps, compiled, args.profile)
             if args.max_batch and device.type == "cuda":
                 row["max_micro_batch"] = largest_micro_batch(
                     _fits(system, cfg, device, args.seq_len, compiled))
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         megalite, hf = rows[-2], rows[-1]
         megalite["speedup_over_hf"] = megalite["tokens_per_s"] / hf["tokens_per_s"]
     import transformers
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    result = {"device": device_name(device),
               "torch": torch.__version__, "transformers": transformers.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_commit": git_commit(),

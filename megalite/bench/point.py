@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.bench.comm import CommLog
+from megalite.bench.comm import CommLog, synchronize
 from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.engine import autocast_for, build_engine, train_step
+from megalite.training.engine import autocast_for, build_engine, build_model, train_step
 from megalite.training.metrics import flops_per_token, matmul_params, peak_flops
 from megalite.training.setup import check_batch_layout
 
@@ -51,9 +51,7 @@ def main(argv: list[str]) -> int:
 
 def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
     t, seq = cfg.train, cfg.data.seq_len
-    torch.manual_seed(cfg.run.seed + ps.dp_rank)
-    model = GPT(cfg.model, ps, seed=cfg.run.seed)
-    model.activation_checkpointing = t.activation_checkpointing
+    model = build_model(cfg, ps)
     model.train()
     engine = build_engine(model, t, ps)
     engine.set_lr(t.lr)
@@ -71,6 +69,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
 
     for _ in range(warmup):
         step()
+    synchronize(ps.device)
     _barrier(ps)
     if ps.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ps.device)
@@ -85,14 +84,15 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
         started = time.perf_counter()
         step().item()
         instrumented_s = time.perf_counter() - started
-    activations = activation_bytes(cfg, model, batches[0])
+    activations = activation_bytes(cfg, model, batches[0], autocast)
 
     tokens_per_s = t.global_batch_size * seq / step_s
     flops, peak = flops_per_token(cfg.model, seq), peak_flops(ps.device)
     return {
-        "device": _device_name(ps.device), "tp": ps.tp_size, "dp": ps.dp_size,
+        "device": device_name(ps.device), "tp": ps.tp_size, "dp": ps.dp_size,
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
+        "compile": t.compile,
         "precision": "bf16" if isinstance(autocast, torch.autocast) else "fp32",
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "seq_len": seq, "layers": cfg.model.n_layers, "hidden": cfg.model.hidden,
@@ -110,13 +110,14 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
     }
 
 
-def activation_bytes(cfg: Config, model: GPT, batch: Batch) -> dict:
+def activation_bytes(cfg: Config, model: GPT, batch: Batch, autocast) -> dict:
     """What one layer saves for backward on this rank (measured in one forward, at the run's
     precision), next to Korthikanti et al.'s count (16-bit, attention scores not stored, as
     with SDPA); None with activation checkpointing, which hides what a block saves."""
     if model.activation_checkpointing:
         return {"activation_bytes_per_layer": None, "activation_formula_bytes_per_layer": None}
-    measured = saved_bytes_per_block(model, batch.input_ids, labels=batch.labels)
+    with autocast:
+        measured = saved_bytes_per_block(model, batch.input_ids, labels=batch.labels)
     b, s = batch.input_ids.shape
     return {"activation_bytes_per_layer": max(measured),
             "activation_formula_bytes_per_layer": formula_bytes_per_layer(
@@ -144,7 +145,7 @@ def _peak_memory(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux reports KiB
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads per process)"

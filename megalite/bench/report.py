@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 COLUMNS = ["point", "status", "device", "tp", "dp", "devices", "sequence_parallel", "engine",
-           "activation_checkpointing", "precision", "micro_batch_size", "global_batch_size",
+           "activation_checkpointing", "compile", "precision", "micro_batch_size", "global_batch_size",
            "seq_len", "layers", "hidden", "step_s", "tokens_per_s", "tokens_per_s_per_device",
            "tflops_per_device", "mfu", "peak_memory_gb", "memory_kind", "comm_s", "compute_s",
            "comm_bytes", "comm_wire_bytes", "activation_bytes_per_layer",
@@ -114,7 +114,9 @@ def _save(fig, path: Path) -> None:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        # --dirty: results measured with uncommitted changes say so
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
+                              capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -53,11 +53,8 @@ class Source:
     rows: list[PublishedRow]
 
     def row(self, name: str) -> PublishedRow:
-        names = [r.name for r in self.rows]
-        if name not in names:
-            raise ConfigError(f"source '{self.name}': no row named '{name}' (rows: "
-                              f"{', '.join(names)}): set calibrate_on to one of them")
-        return self.rows[names.index(name)]
+        return _named(self.rows, name, f"source '{self.name}': no row named '{name}' (rows: "
+                                       "{names}): set calibrate_on to one of them")
 
 
 @dataclass(frozen=True)
@@ -66,11 +63,16 @@ class ScalingFile:
     sources: list[Source]
 
     def profile(self, name: str) -> Hardware:
-        names = [h.name for h in self.hardware]
-        if name not in names:
-            raise ConfigError(f"hardware '{name}' is not a profile of the scaling config "
-                              f"(profiles: {', '.join(names)}): use one of them or add it")
-        return self.hardware[names.index(name)]
+        return _named(self.hardware, name, f"hardware '{name}' is not a profile of the scaling "
+                                           "config (profiles: {names}): use one of them or add it")
+
+
+def _named(items: list, name: str, missing: str):
+    """The item called `name`, or a ConfigError: `missing` with {names} listing the choices."""
+    names = [item.name for item in items]
+    if name not in names:
+        raise ConfigError(missing.format(names=", ".join(names)))
+    return items[names.index(name)]
 
 
 def load_scaling_file(path: str | Path) -> ScalingFile:

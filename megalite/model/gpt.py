@@ -107,6 +107,12 @@ class GPT(nn.Module):
         self.activation_checkpointing = False
         init_parameters_(self, seed)
 
+    def compile_blocks(self, **options) -> None:
+        """torch.compile each transformer block in place: they hold nearly all the work and share
+        one forward, so the layers reuse one compiled graph; embedding, head and loss stay eager."""
+        for block in self.blocks:
+            block.compile(**options)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> Output:

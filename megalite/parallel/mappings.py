@@ -11,8 +11,6 @@ call Megatron-LM's g "f-bar"):
 | reduce_from_tensor_parallel_region  | all-reduce         | identity          | g (SP paper: f-bar) |
 | scatter_to_tensor_parallel_region   | split last dim     | all-gather last   |       |
 | gather_from_tensor_parallel_region  | all-gather last    | split last dim    |       |
-| scatter_to_sequence_parallel_region | split seq dim      | all-gather seq    |       |
-| gather_from_sequence_parallel_region| all-gather seq     | reduce-scatter    | SP paper: g |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | SP paper: g-bar |
 
 Activations are [batch, seq, hidden], so the sequence dim is 1. A group of None or of size 1
@@ -96,10 +94,6 @@ def _gather_last(x, group):
     return all_gather(x, -1, group)
 
 
-def _split_seq(x, group):
-    return _split(x, SEQ_DIM, group)
-
-
 def _gather_seq(x, group):
     return all_gather(x, SEQ_DIM, group)
 
@@ -117,10 +111,6 @@ scatter_to_tensor_parallel_region = _primitive(
     "scatter_to_tensor_parallel_region",   _split_last,         _gather_last)
 gather_from_tensor_parallel_region = _primitive(
     "gather_from_tensor_parallel_region",  _gather_last,        _split_last)
-scatter_to_sequence_parallel_region = _primitive(
-    "scatter_to_sequence_parallel_region", _split_seq,          _gather_seq)
-gather_from_sequence_parallel_region = _primitive(
-    "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
 reduce_scatter_to_sequence_parallel_region = _primitive(
     "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
 

@@ -96,8 +96,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: M
         (tmp / "rng").mkdir(parents=True)
     _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
 
-    # The gathers are collectives: every rank takes part, whatever happens to its own files,
-    # and only then are failures compared.
+    # The gathers are collectives: every rank takes its part, whatever happens to its own
+    # files, and only then are failures compared.
     gathered = _gather_full_state(model, moments, pstate)
 
     def write_tensors():
@@ -132,9 +132,12 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: M
 def _gather_full_state(model, moments: Moments, pstate):
     weights, full_moments = {}, {}
     for name, p in model.named_parameters():
+        local = moments(p)  # on every rank: it may be a collective over DP (ZeRO)
+        if pstate.dp_rank != 0:  # DP replicas hold the same: one TP group gathers, rank 0 writes
+            continue
         shard = shard_of(p)
         full = gather_full(p.detach(), shard, pstate)
-        gathered = {m: gather_full(t, shard, pstate) for m, t in moments(p).items()}
+        gathered = {m: gather_full(t, shard, pstate) for m, t in local.items()}
         if pstate.is_main:
             weights[name] = full.cpu().contiguous()
             full_moments.update({f"{name}.{m}": t.cpu().contiguous() for m, t in gathered.items()})

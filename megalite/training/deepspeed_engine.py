@@ -26,7 +26,7 @@ from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.checkpoint import MOMENTS
-from megalite.training.engine import load_adam_state
+from megalite.training.engine import AdamEngine
 from megalite.training.grads import clip_grad_norm_
 from megalite.training.optim import build_optimizer
 from megalite.typed_config import ConfigError
@@ -35,7 +35,10 @@ from megalite.typed_config import ConfigError
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
            "gradient_clipping", "gradient_allreduce_op")
 # Would change the arithmetic the parity with the native engine rests on.
-REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_optimization.stage")
+REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_optimization.stage",
+           # megalite reads and writes Adam's state on the device (checkpoints, resume)
+           "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
+           "zero_optimization.cpu_offload")
 
 
 class ModelParallelUnit:
@@ -89,7 +92,8 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, tp: int, world: int 
         if _lookup(train.deepspeed, key) is not None:
             raise ConfigError(f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW "
                               f"from train.*, the schedule is train.lr/warmup_steps, precision is "
-                              f"train.precision, the stage is train.zero_stage): remove it")
+                              f"train.precision, the stage is train.zero_stage; no offload): "
+                              f"remove it")
     deepspeed_config(train, world // tp)
 
 
@@ -111,7 +115,7 @@ def deepspeed_config(train: TrainConfig, dp: int) -> dict:
                                   "stage": train.zero_stage}}
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(AdamEngine):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
         import deepspeed
         for p in model.parameters():
@@ -125,12 +129,12 @@ class DeepSpeedEngine:
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def backward(self, loss: torch.Tensor, last: bool) -> None:
-        # DeepSpeed counts micro-batches through step() calls and reduces at the last one.
+        # DeepSpeed counts micro-batches through step() calls and reduces at the last one:
+        # its count and the loop's must agree, or gradients would go unreduced or unapplied.
+        if self.engine.is_gradient_accumulation_boundary() != last:
+            raise RuntimeError(f"DeepSpeed's gradient accumulation boundary disagrees with the "
+                               f"training loop (last micro-batch: {last})")
         self.engine.backward(loss, scale_wrt_gas=False)
         if not last:
             self.engine.step()
@@ -150,8 +154,7 @@ class DeepSpeedEngine:
 
     def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         if not self.zero:
-            state = self.optimizer.state.get(p, {})
-            return {m: state[m] for m in MOMENTS if m in state}
+            return super().moments(p)
         from deepspeed.utils import safe_get_full_optimizer_state
         # An all-reduce over DP of each rank's part of the partitioned moment: every rank calls.
         full = {m: safe_get_full_optimizer_state(p, m) for m in MOMENTS}
@@ -159,7 +162,7 @@ class DeepSpeedEngine:
 
     def load_moments(self, moments, step: int) -> None:
         if not self.zero:
-            load_adam_state(self.optimizer, moments, step)
+            super().load_moments(moments, step)
             return
         # ZeRO's AdamW steps flat fp32 partitions, one per parameter group; each parameter maps
         # a range of its flattened tensor onto a range of this rank's partition.
@@ -173,8 +176,12 @@ class DeepSpeedEngine:
             for m, full in tensors.items():
                 part = full.flatten().narrow(0, lp.start, lp.numel)
                 state[mapping.param_group_index][m].narrow(0, hp.start, hp.numel).copy_(part)
+        adam = self.optimizer.optimizer
+        on_device = adam.defaults.get("fused") or adam.defaults.get("capturable")  # as torch keeps it
         for flat, tensors in zip(flats, state):
-            self.optimizer.optimizer.state[flat] = {"step": torch.tensor(float(step)), **tensors}
+            adam.state[flat] = {"step": torch.tensor(float(step), dtype=torch.float32,
+                                                     device=flat.device if on_device else "cpu"),
+                                **tensors}
         self.optimizer._hp_optimizer_states_linked = False
 
 

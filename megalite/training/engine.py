@@ -20,22 +20,45 @@ from typing import Iterable
 import torch
 
 from megalite.parallel.state import ParallelState
-from megalite.run_config import TrainConfig
+from megalite.model import GPT
+from megalite.run_config import Config, TrainConfig
 from megalite.training.checkpoint import MOMENTS
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
 from megalite.training.optim import build_optimizer
 
 
-class NativeEngine:
+class AdamEngine:
+    """What both engines share: a torch AdamW (`self.optimizer`, set by the subclass), its
+    learning rate, and its moments read and set per parameter."""
+
+    optimizer: torch.optim.Optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's slice of each Adam moment of p (none before the first step)."""
+        state = self.optimizer.state.get(p, {})
+        return {m: state[m] for m in MOMENTS if m in state}
+
+    def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
+        """Set the Adam state from (parameter, {moment: this rank's slice}) pairs."""
+        # Through load_state_dict, so torch places "step" and the moments as its AdamW variant
+        # (fused or not) expects.
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in moments}
+        self.optimizer.load_state_dict({"state": state,
+                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
+
+
+class NativeEngine(AdamEngine):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
         self.model = self.module = model
         self.cfg, self.pstate = cfg, pstate
         self.optimizer = build_optimizer(model, cfg, pstate.device)
         self.grad_sync = DataParallelGradSync(model, pstate)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         if last:
@@ -51,14 +74,17 @@ class NativeEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """This rank's slice of each Adam moment of p (none before the first step)."""
-        state = self.optimizer.state.get(p, {})
-        return {m: state[m] for m in MOMENTS if m in state}
 
-    def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
-        """Set the Adam state from (parameter, {moment: this rank's slice}) pairs."""
-        load_adam_state(self.optimizer, moments, step)
+def build_model(cfg: Config, pstate: ParallelState) -> GPT:
+    """The model as a training run (or a benchmark of one) uses it."""
+    # The default generator drives dropout on replicated activations: the same on every TP
+    # rank of a DP group, different between DP groups, which hold different samples.
+    torch.manual_seed(cfg.run.seed + pstate.dp_rank)
+    model = GPT(cfg.model, pstate, seed=cfg.run.seed)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        model.compile_blocks()
+    return model
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -85,15 +111,6 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast) -> tuple
         engine.backward(micro_loss, last=i == len(batches) - 1)
         loss += micro_loss.detach()
     return loss, engine.step()
-
-
-def load_adam_state(optimizer: torch.optim.Optimizer, moments, step: int) -> None:
-    # Through load_state_dict, so torch places "step" and the moments as its AdamW variant
-    # (fused or not) expects.
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    index = {id(p): i for i, p in enumerate(params)}
-    state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in moments}
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):

@@ -49,17 +49,28 @@ class StopRequest:
         """True on every rank, at the same call, once any rank had been asked to stop by the
         call before (a collective: every rank calls it after every step).
 
-        The flag reduced now is read at the next call: by then the device has finished the
-        step the reduce was queued behind, so reading it does not stall the step in flight.
+        The flag reduced now is read at the next call. On a GPU it travels back to a pinned
+        host buffer behind the step just queued, and the next call waits for that copy only
+        (an event), not for the step queued after it: the host stays a step ahead.
         """
+        cuda = pstate.device.type == "cuda"
         if self._flag is None:
             self._flag = torch.zeros(1, device=pstate.device)
         # fill_ is a kernel: unlike a copy from the host, it does not wait for the device.
         flag = self._flag.clone().fill_(float(self.requested))
         if pstate.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        previous, self._pending = self._pending, flag
-        return previous is not None and bool(previous.item())
+        host, done = flag, None
+        if cuda:
+            host = torch.empty(1, pin_memory=True).copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        previous, self._pending = self._pending, (host, done)
+        if previous is None:
+            return False
+        if previous[1] is not None:
+            previous[1].synchronize()
+        return bool(previous[0][0])
 
 
 def mark_preempted(run_dir: Path, step: int, reason: str) -> None:
