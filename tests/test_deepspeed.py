@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO as the data-parallel engine (train.engine=deepspeed) is the same training as
-the native engine: per-step losses, gradient norms, final weights and Adam moments, at
-TP=2 x DP=2 with gradient accumulation; a ZeRO run resumes from a native checkpoint; DP
-replicas hold identical parameters; bad DeepSpeed configs fail before any process starts.
+the native engine (conftest.py's TP=2 x DP=2 run): per-step losses, gradient norms, final
+weights and Adam moments, with gradient accumulation; a ZeRO run resumes from a native
+checkpoint; DP replicas hold identical parameters; bad DeepSpeed configs fail before any
+process starts.
 """
 import pytest
 import torch
@@ -13,23 +14,9 @@ from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
-from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
 pytest.importorskip("deepspeed")
-
-LAYOUT = ["parallel.tp=2", "train.micro_batch_size=2"]  # DP=2, 2 micro-batches per step
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data-cache"))
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory, cache):
-    run_dir = tmp_path_factory.mktemp("native")
-    train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])
-    return run_dir
 
 
 def moments(run_dir, step=STEPS):
@@ -37,22 +24,22 @@ def moments(run_dir, step=STEPS):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_trains_like_the_native_engine(tmp_path, cache, native, stage):
+def test_zero_trains_like_the_native_engine(tmp_path, cache, tp2dp2_padded, stage):
     train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
               ["train.engine=deepspeed", f"train.zero_stage={stage}"])
-    assert_same_training(native, tmp_path)
+    assert_same_training(tp2dp2_padded, tmp_path)
     # Its checkpoint holds the whole Adam state, gathered from ZeRO's partitions.
-    expected, saved = moments(native), moments(tmp_path)
+    expected, saved = moments(tp2dp2_padded), moments(tmp_path)
     assert saved.keys() == expected.keys() and len(saved) == 2 * 32
     for name in expected:
         torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_zero2_resumes_from_a_native_checkpoint(tmp_path, cache, native):
+def test_zero2_resumes_from_a_native_checkpoint(tmp_path, cache, tp2dp2_padded):
     train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
               ["train.engine=deepspeed", "train.zero_stage=2",
-               f"train.resume={native / 'checkpoints' / 'step_00000005'}"])
-    whole, resumed = losses(native), losses(tmp_path)
+               f"train.resume={tp2dp2_padded / 'checkpoints' / 'step_00000005'}"])
+    whole, resumed = losses(tp2dp2_padded), losses(tmp_path)
     assert sorted(resumed) == list(range(6, STEPS + 1))
     for step in resumed:
         assert abs(resumed[step] - whole[step]) <= 1e-5, (step, resumed[step], whole[step])

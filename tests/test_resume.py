@@ -18,11 +18,6 @@ from tests.test_train import STEPS, common, losses
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data-cache"))
-
-
 def args(cache, run_dir, *extra) -> list[str]:
     return ["-m", "megalite.train"] + common(cache, run_dir, "packed") + [
         "model.dropout=0.1", "train.checkpoint_every=3", "train.micro_batch_size=4",
