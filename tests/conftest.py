@@ -11,7 +11,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tp2dp2_padded(tmp_path_factory, cache):
     """The TP=2 x DP=2 training run of tests/test_train.py (padded, 2 micro-batches per step),
-    with a checkpoint at step 5: the reference of the trainer and DeepSpeed tests."""
+    with a checkpoint at step 5: the reference of the trainer, DeepSpeed and resharding tests."""
     from tests.test_train import LAYOUT, common, train_run
     run_dir = tmp_path_factory.mktemp("tp2dp2-padded")
     train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])

@@ -13,17 +13,6 @@ from tests.test_train import STEPS, common, losses, train_run
 SAVED_AT = 5
 
 
-@pytest.fixture(scope="module")
-def original(tmp_path_factory):
-    """TP=2 x DP=2 for 10 steps, with a checkpoint at step 5 (kept)."""
-    root = tmp_path_factory.mktemp("reshard")
-    cache = str(root / "cache")
-    run_dir = root / "tp2dp2"
-    train_run(4, common(cache, run_dir, "packed") + [
-        "parallel.tp=2", "train.micro_batch_size=2", f"train.checkpoint_every={SAVED_AT}"])
-    return cache, run_dir
-
-
 def check_logits_at(tp: int, checkpoint_dir: str, config_path: str):
     cfg = load_config(config_path)
     ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
@@ -34,8 +23,10 @@ def check_logits_at(tp: int, checkpoint_dir: str, config_path: str):
 
 
 @pytest.mark.parametrize("tp,world", [(4, 4), (1, 1)])
-def test_tp2dp2_checkpoint_loads_and_continues_at_another_layout(tmp_path, original, tp, world):
-    cache, run_dir = original
+def test_tp2dp2_checkpoint_loads_and_continues_at_another_layout(tmp_path, cache, tp2dp2_padded,
+                                                                 tp, world):
+    """The original: conftest.py's TP=2 x DP=2 run, 10 steps, checkpointed at step 5."""
+    run_dir = tp2dp2_padded
     checkpoint = run_dir / "checkpoints" / f"step_{SAVED_AT:08d}"
     config = str(run_dir / "config.yaml")
     saved = run_distributed(check_logits_at, 2, 2, str(checkpoint), config)[0]
@@ -44,7 +35,7 @@ def test_tp2dp2_checkpoint_loads_and_continues_at_another_layout(tmp_path, origi
     assert_close(here, saved, atol=1e-6, rtol=1e-6)
 
     resumed = tmp_path / f"tp{tp}"
-    train_run(world, common(cache, resumed, "packed") + [
+    train_run(world, common(cache, resumed, "padded") + [
         f"parallel.tp={tp}", "train.micro_batch_size=2", f"train.resume={checkpoint}"])
     expected, got = losses(run_dir), losses(resumed)
     assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
