@@ -120,7 +120,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         interval_tokens += n_tokens
 
         done = step + 1
-        if done % t.log_every == 0 or done == t.max_steps:
+        logged = done % t.log_every == 0 or done == t.max_steps
+        if logged:
             loss_value = all_reduce_dp(loss, ps).item()  # waits for the device
             # Throughput since the last log: the real tokens trained on (padding excluded), all
             # ranks together; MFU divides it by the peak of all devices.
@@ -132,14 +133,13 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             if metrics:
                 metrics.write(record)
             update_bar(bar, record)
-            since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
         evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
         if evaluated:
             evaluate(cfg, model, val_set, ps, done, metrics, autocast)
         saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
         if saved:
             checkpoint(cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
-        if evaluated or saved:  # not training time
+        if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
             since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
         if done != t.max_steps and stop.agreed(ps):
             if not saved:

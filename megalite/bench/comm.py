@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megalite.bench.timing import synchronize
 from megalite.parallel.state import ParallelState
 
 # name -> (position and keyword of the payload argument, ring traffic in units of (n-1)/n)
@@ -100,9 +101,3 @@ class CommLog:
     @property
     def seconds(self) -> float:
         return sum(r["seconds"] for r in self.records)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device (a no-op on CPU, where every op has finished when it returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

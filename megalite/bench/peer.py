@@ -21,14 +21,13 @@ import datetime
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from megalite.bench.comm import synchronize
 from megalite.bench.point import device_name
 from megalite.bench.profile import profile_steps
+from megalite.bench.timing import time_steps
 from megalite.bench.report import git_commit
 from megalite.config import load_model_config
 from megalite.data.batches import Batch
@@ -87,17 +86,7 @@ def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: 
     torch.manual_seed(0)
     step = SYSTEMS[system](cfg, device, compiled)
     ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device)
-    for _ in range(warmup):
-        step(ids)
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = step(ids)
-    loss.item()
-    synchronize(device)
-    step_s = (time.perf_counter() - started) / steps
+    step_s, loss = time_steps(lambda: step(ids), device, warmup, steps)
     tokens_per_s = micro * seq / step_s
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
     summary = profile_steps(lambda: step(ids), device) if profiled else None

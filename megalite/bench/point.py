@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.bench.comm import CommLog, synchronize
+from megalite.bench.comm import CommLog
+from megalite.bench.timing import time_steps
 from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
@@ -67,17 +68,8 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
     def step():
         return train_step(engine, batches, n_tokens, autocast)[0]
 
-    for _ in range(warmup):
-        step()
-    synchronize(ps.device)
-    _barrier(ps)
-    if ps.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ps.device)
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    loss.item()  # waits for the device
-    step_s = _max_over_ranks((time.perf_counter() - started) / steps, ps)
+    step_s, _ = time_steps(step, ps.device, warmup, steps, lambda: _barrier(ps))
+    step_s = _max_over_ranks(step_s, ps)
     peak_bytes = _max_over_ranks(_peak_memory(ps.device), ps)
 
     with CommLog(ps) as log:

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megalite.bench.comm import synchronize
+from megalite.bench.timing import synchronize
 
 CLASSES = [  # first match wins
     ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|gloo|c10d", re.I)),
@@ -39,11 +39,11 @@ def profile_steps(step, device: torch.device, steps: int = 3, top: int = 10) -> 
             step()
         synchronize(device)
         wall_us = (time.perf_counter() - started) * 1e6
-    events = [e for e in prof.key_averages()
-              if (e.device_type.name == "CUDA") == cuda and _self_us(e, cuda) > 0]
     # On CPU, an operator's self time excludes its children, so the sum counts each
     # microsecond once; profiler bookkeeping rows (no aten/kernel name) are left out.
-    events = [e for e in events if cuda or e.key.startswith("aten::") or classify(e.key) != "elementwise"]
+    events = [e for e in prof.key_averages()
+              if (e.device_type.name == "CUDA") == cuda and _self_us(e, cuda) > 0
+              and (cuda or e.key.startswith("aten::") or classify(e.key) != "elementwise")]
     busy = sum(_self_us(e, cuda) for e in events)
     shares: dict[str, float] = {}
     for e in events:

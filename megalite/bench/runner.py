@@ -86,8 +86,9 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
                               f"strong or weak")
         cfg = load_config(sweep.base, overrides)
         if scaling == "weak":
-            point.overrides.append(f"train.global_batch_size={cfg.train.global_batch_size * dp}")
-            cfg = load_config(sweep.base, point.overrides)
+            batch = cfg.train.global_batch_size * dp
+            point.overrides.append(f"train.global_batch_size={batch}")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=batch))
         point.world = cfg.parallel.tp * dp
         check_batch_layout(cfg, point.world)
         check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, point.world)

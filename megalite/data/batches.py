@@ -44,7 +44,6 @@ class Batch:
         return (self.labels != IGNORE_INDEX).sum()
 
 
-
 class Samples:
     def __init__(self, docs: TokenDocs, mode: str, seq_len: int, pad_id: int):
         self.docs, self.mode, self.seq_len, self.pad_id = docs, mode, seq_len, pad_id

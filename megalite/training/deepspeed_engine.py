@@ -128,6 +128,7 @@ class DeepSpeedEngine(AdamEngine):
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0
+        self.state_linked = False
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         # DeepSpeed counts micro-batches through step() calls and reduces at the last one:
@@ -144,11 +145,15 @@ class DeepSpeedEngine(AdamEngine):
         norm = None if self.zero else clip_grad_norm_(self.model, 0.0, self.pstate)
         self.engine.step()
         if self.zero:
-            # DeepSpeed 0.19 links each parameter to its slice of Adam's state right after the
-            # FIRST parameter group's first update, before the other groups have any state, and
-            # never again: link again, or `moments` finds nothing for the no-decay group.
-            self.optimizer._hp_optimizer_states_linked = False
-            self.optimizer._lazy_init_hp_params_optimizer_state()
+            if not self.state_linked:
+                # DeepSpeed 0.19 links each parameter to its slice of Adam's state right after
+                # the FIRST parameter group's first update, before the other groups have any
+                # state, and never again: link once more now that all have it (the state
+                # tensors are updated in place from then on), or `moments` finds nothing for
+                # the no-decay group.
+                self.optimizer._hp_optimizer_states_linked = False
+                self.optimizer._lazy_init_hp_params_optimizer_state()
+                self.state_linked = True
             norm = torch.as_tensor(self.engine.get_global_grad_norm())
         return norm
 
