@@ -64,6 +64,17 @@ class ParallelConfig:
     # sequence, where norms, dropout and residual adds run: activation memory per layer / tp;
     # all-reduces become reduce-scatter + all-gather pairs (README, "Sequence parallelism").
     sequence_parallel: bool = False
+    # DP gradients are all-reduced in buckets of this many MiB (PyTorch DDP's default size), each
+    # started as soon as backward has filled it: few collectives, still overlapped with backward.
+    dp_bucket_mb: float = 25.0
+    # bf16 halves the DP traffic; the summed gradients are then rounded to bf16.
+    dp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def __post_init__(self):
+        if not self.dp_bucket_mb > 0:
+            raise ConfigError(f"parallel.dp_bucket_mb={self.dp_bucket_mb} must be > 0: it is the "
+                              f"size of a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's "
+                              f"default)")
 
 
 def read_preset(name: str) -> dict:

@@ -48,7 +48,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each transformer block (the first steps compile)
+    # Tokens per chunk of the fused LM head + loss, which holds chunk x padded_vocab / tp fp32
+    # logits at a time (and never the whole batch's): lower it if memory is tight.
+    loss_chunk_tokens: int = 4096
+    compile: bool = False  # torch.compile the whole model, embedding to loss (the first steps compile)
     checkpoint_every: int = 0  # steps; 0: only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | never | a checkpoint directory

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megalite.data.batches import BatchOrder, Samples
+from megalite.data.batches import Batch, BatchOrder, Prefetcher, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config, to_dict
-from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
+from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_moments
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import autocast_for, build_engine, build_model, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
@@ -80,7 +80,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
     # After the weights: DeepSpeed copies them into its fp32 partitions.
-    engine = build_engine(model, t, ps)
+    engine = build_engine(model, t, ps, cfg.parallel)
     if resume_from is not None:
         engine.load_moments(read_moments(resume_from, model), start)
     if start >= t.max_steps:
@@ -104,56 +104,66 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     bar = progress_bar(ps, start, t.max_steps)
     # Nothing in a step waits for the device but the logging steps' .item(): the token counts
     # stay on the device and the stop agreement lags a step, so the host queues step N+1
-    # while the device still runs step N.
+    # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
+    # thread meanwhile, and checkpoints are written to disk in another.
     tokens = torch.tensor(float(tokens_seen), dtype=torch.float64, device=ps.device)
     since, interval_tokens = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ps.device)
-    for step in range(start, t.max_steps):
-        lr = lr_at(step, t)
-        engine.set_lr(lr)
-        batches = [train_set.collate(r).to(ps.device)
-                   for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
-        # Counted on the device: a tensor made from a host number would wait for it.
-        n_tokens = all_reduce_dp(sum(b.target_count() for b in batches).float(), ps)
-        model.train()
-        loss, grad_norm = train_step(engine, batches, n_tokens, autocast)
-        tokens += n_tokens
-        interval_tokens += n_tokens
 
-        done = step + 1
-        logged = done % t.log_every == 0 or done == t.max_steps
-        if logged:
-            loss_value = all_reduce_dp(loss, ps).item()  # waits for the device
-            # Throughput since the last log: the real tokens trained on (padding excluded), all
-            # ranks together; MFU divides it by the peak of all devices.
-            tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
-            record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens": int(tokens.item()), "tokens_per_s": tokens_per_s,
-                      "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
-                      "time": time.time()}
-            if metrics:
-                metrics.write(record)
-            update_bar(bar, record)
-        evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
-        if evaluated:
-            evaluate(cfg, model, val_set, ps, done, metrics, autocast)
-        saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
-        if saved:
-            checkpoint(cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
-        if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
-            since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
-        if done != t.max_steps and stop.agreed(ps):
-            if not saved:
-                checkpoint(cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
-            if ps.is_main:
-                bar.close()
-                mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
-                print(f"stopped after step {done} on request; checkpoint saved", flush=True)
-            raise Preempted()
-    if bar is not None:
-        bar.close()
-    checkpoint(cfg, run_dir, t.max_steps, model, engine, ps, data, int(tokens.item()))
-    evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
-    samples(cfg, model, data, ps, run_dir)
+    def host_batches(step: int) -> list[Batch]:
+        batches = [train_set.collate(r)
+                   for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
+        return [b.pinned() for b in batches] if ps.device.type == "cuda" else batches
+
+    with CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps:
+        for step, batches in steps:
+            lr = lr_at(step, t)
+            engine.set_lr(lr)
+            batches = [b.to(ps.device) for b in batches]
+            # Counted on the device: a tensor made from a host number would wait for it.
+            n_tokens = all_reduce_dp(sum(b.target_count() for b in batches).float(), ps)
+            model.train()
+            loss, grad_norm = train_step(engine, batches, n_tokens, autocast)
+            tokens += n_tokens
+            interval_tokens += n_tokens
+
+            done = step + 1
+            logged = done % t.log_every == 0 or done == t.max_steps
+            if logged:
+                loss_value = all_reduce_dp(loss, ps).item()  # waits for the device
+                # Throughput since the last log: the real tokens trained on (padding excluded),
+                # all ranks together; MFU divides it by the peak of all devices.
+                tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
+                record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                          "tokens": int(tokens.item()), "tokens_per_s": tokens_per_s,
+                          "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
+                          "time": time.time()}
+                if metrics:
+                    metrics.write(record)
+                update_bar(bar, record)
+            evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
+            if evaluated:
+                evaluate(cfg, model, val_set, ps, done, metrics, autocast)
+            saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
+            if saved:
+                checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
+            if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
+                since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
+            if done != t.max_steps and stop.agreed(ps):
+                if not saved:
+                    checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
+                writer.finish()  # the requeued run resumes from it: complete on every rank
+                if ps.is_main:
+                    bar.close()
+                    mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
+                    print(f"stopped after step {done} on request; checkpoint saved", flush=True)
+                raise Preempted()
+        if bar is not None:
+            bar.close()
+        checkpoint(writer, cfg, run_dir, t.max_steps, model, engine, ps, data, int(tokens.item()))
+        # Written while the model is evaluated and sampled; complete on every rank before the end.
+        evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
+        samples(cfg, model, data, ps, run_dir)
+        writer.finish()
     if ps.is_main:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
@@ -184,13 +194,14 @@ def resume(path: Path | None, model, ps: ParallelState) -> tuple[int, int]:
     return meta["step"], meta["tokens"]
 
 
-def checkpoint(cfg: Config, run_dir: Path, step: int, model, engine, ps: ParallelState,
-               data: PreparedData, tokens_seen: int) -> None:
+def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, model, engine,
+               ps: ParallelState, data: PreparedData, tokens_seen: int) -> None:
+    """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
     meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
             "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
-    save_checkpoint(run_dir, step, model, engine.moments, rng, meta, ps, cfg.train.keep_checkpoints,
-                    tokenizer=data.directory / "tokenizer.json")
+    writer.save(run_dir, step, model, engine.moments, rng, meta, cfg.train.keep_checkpoints,
+                tokenizer=data.directory / "tokenizer.json")
 
 
 @torch.no_grad()

@@ -26,6 +26,13 @@ def results(tmp_path_factory):
     return out
 
 
+def point_config(point: dict):
+    sweep = yaml.safe_load(SWEEP.read_text())
+    overrides = sweep["overrides"] + [f"{k}={v}" for k, v in point["settings"].items()
+                                      if k not in ("dp", "scaling")]
+    return load_config(sweep["base"], overrides)
+
+
 def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     """Elements each collective moves on one rank in one optimizer step, from the formulas.
 
@@ -36,16 +43,14 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     The TP-aware gradient norm adds one scalar per step.
     Sequence parallelism (Korthikanti et al. 2022) turns each of those 4L + 2 all-reduces of
     b·s·h into a reduce-scatter and an all-gather of the same full tensor, plus one all-gather
-    per column-parallel input in backward (megalite keeps only the sequence shard of those
-    inputs and gathers it again: 2 per layer and the head), and the replicated parameters'
+    per column-parallel input of a block in backward (megalite keeps only the sequence shard of
+    those inputs and gathers it again: 2 per layer; the fused LM head + loss makes its input's
+    gradient in forward and keeps nothing to gather), and the replicated parameters'
     gradients (norms, row-parallel biases, positions), computed on a shard of the tokens, are
-    all-reduced per micro-batch. DP: one all-reduce of every gradient this rank holds (its TP
-    slices and the replicated ones).
+    all-reduced per micro-batch. DP: every gradient this rank holds (its TP slices and the
+    replicated ones) all-reduced once, in buckets (dp_buckets).
     """
-    sweep = yaml.safe_load(SWEEP.read_text())
-    overrides = sweep["overrides"] + [f"{k}={v}" for k, v in point["settings"].items()
-                                      if k not in ("dp", "scaling")]
-    cfg = load_config(sweep["base"], overrides)
+    cfg = point_config(point)
     t, d = point["tp"], point["dp"]
     b, s, h, L = point["micro_batch_size"], point["seq_len"], cfg.model.hidden, cfg.model.n_layers
     micro_batches = point["global_batch_size"] // (b * d)
@@ -57,13 +62,27 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
         loss = micro_batches * 3 * b * s
         if point["sequence_parallel"]:
             comm[("reduce_scatter", "tp")] = bsh
-            comm[("all_gather", "tp")] = bsh + micro_batches * (2 * L + 1) * b * s * h
+            comm[("all_gather", "tp")] = bsh + micro_batches * 2 * L * b * s * h
             comm[("all_reduce", "tp")] = loss + micro_batches * replicated + 1
         else:
             comm[("all_reduce", "tp")] = bsh + loss + 1
     if d > 1:
         comm[("all_reduce", "dp")] = sum(p.numel() // (t if shard_of(p) else 1) for p in params)
     return comm
+
+
+def dp_buckets(point: dict) -> int:
+    """DP all-reduces per step: one per bucket of parallel.dp_bucket_mb MiB, filled with this
+    rank's fp32 gradients in backward (reverse definition) order until the next would pass it."""
+    cfg = point_config(point)
+    cap = cfg.parallel.dp_bucket_mb * 1024 * 1024
+    buckets, used = 0, cap  # full: the first parameter opens a bucket
+    for p in reversed(list(GPT(cfg.model, ParallelState(), seed=0).parameters())):
+        size = 4 * p.numel() // (point["tp"] if shard_of(p) else 1)
+        if used + size > cap:
+            buckets, used = buckets + 1, 0
+        used += size
+    return buckets
 
 
 def test_cpu_sweep_writes_results_and_plots(results):
@@ -76,9 +95,11 @@ def test_cpu_sweep_writes_results_and_plots(results):
     assert set(COLUMNS) <= set(rows[0])
     for row in rows:
         assert row["status"] == "ok", row
+        assert row["batch"] == "packed"  # rows of several documents: the packed attention path
         for key in ("step_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-                    "peak_memory_gb", "compute_s"):
+                    "peak_memory_gb", "compute_s", "head_loss_saved_bytes"):
             assert float(row[key]) > 0, (row["point"], key)
+        assert row["head_loss_peak_bytes"] == ""  # CUDA only
         if int(row["devices"]) > 1:
             assert float(row["comm_bytes"]) > 0 and float(row["comm_s"]) > 0, row["point"]
     # Sequence parallelism stores less per layer than TP alone, as Korthikanti et al. count.
@@ -95,6 +116,8 @@ def test_counted_communication_equals_the_formulas(results):
     for point in points:
         counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
         assert counted == expected_comm(point), point["point"]
+        dp_calls = [c["calls"] for c in point["comm"] if c["group"] == "dp"]
+        assert dp_calls == ([dp_buckets(point)] if point["dp"] > 1 else []), point["point"]
         for c in point["comm"]:
             assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
 

@@ -1,7 +1,10 @@
-"""train.compile: torch.compile of the transformer blocks computes the same loss and gradients
-as eager, at TP=1 and TP=2. The graphs are captured with the aot_eager backend, which traces
-the blocks (dynamo and AOT autograd, as in production) without generating kernels, to keep
-the test fast on CPU; inductor's kernels are measured by the GPU benchmarks."""
+"""train.compile: torch.compile of the whole model (embedding, blocks, final norm, fused head +
+loss) computes the same loss and gradients as eager, at TP=1 and TP=2, and at TP=1 the training
+forward is one graph, without a break, for padded and packed batches. The graphs are captured
+with the aot_eager backend, which traces the model (dynamo and AOT autograd, as in production)
+without generating kernels, to keep the test fast on CPU; inductor's kernels are measured by
+the GPU benchmarks."""
+import pytest
 import torch
 
 from megalite.model import GPT
@@ -10,7 +13,11 @@ from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
 
 
-def check_compiled_blocks_match_eager(tp: int, name: str) -> None:
+def packed_docs(ids: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(ids.shape[1]) // 5).expand_as(ids).contiguous()
+
+
+def check_compiled_model_matches_eager(tp: int, name: str) -> None:
     ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
     cfg = CONFIGS[name]
     ids, mask, labels = padded_batch(cfg, "right")
@@ -20,12 +27,12 @@ def check_compiled_blocks_match_eager(tp: int, name: str) -> None:
     for compiled in (False, True):
         model = GPT(cfg, ps, seed=3)
         if compiled:
-            model.compile_blocks(backend="aot_eager")
-        loss = model(ids, labels=labels).token_losses.sum()
+            model.compile(backend="aot_eager")
+        loss = model(ids, doc_ids=packed_docs(ids), labels=labels, loss_scale=0.1).loss
         loss.backward()
         # Both models have this rank's slices: compare them as they are.
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    # Dynamo did capture graphs (a no-op compile_blocks would pass the comparison below).
+    # Dynamo did capture graphs (a no-op compile would pass the comparison below).
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
@@ -35,9 +42,25 @@ def check_compiled_blocks_match_eager(tp: int, name: str) -> None:
                                    msg=key)
 
 
-def test_compiled_blocks_match_eager_single_process():
-    check_compiled_blocks_match_eager(1, "llama")
+def test_compiled_model_matches_eager_single_process():
+    check_compiled_model_matches_eager(1, "llama")
 
 
-def test_compiled_blocks_match_eager_at_tp2():
-    run_distributed(check_compiled_blocks_match_eager, 2, 2, "gpt2")
+def test_compiled_model_matches_eager_at_tp2():
+    run_distributed(check_compiled_model_matches_eager, 2, 2, "gpt2")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_training_forward_is_one_graph_at_tp1(name, packed):
+    cfg = CONFIGS[name]
+    model = GPT(cfg, ParallelState(), seed=0)
+    ids, _, labels = padded_batch(cfg, "right")
+    docs = packed_docs(ids) if packed else None
+
+    def training_loss(ids, docs, labels):
+        return model(ids, doc_ids=docs, labels=labels, loss_scale=torch.tensor(0.1)).loss
+
+    explained = torch._dynamo.explain(training_loss)(ids, docs, labels)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1

@@ -111,9 +111,10 @@ def test_all_reduces_become_reduce_scatter_and_all_gather_pairs(config_name):
         ("forward", "all_gather", tp): 2 * layers + 1,
         ("forward", "reduce_scatter", tp): 2 * layers + 1,
         ("forward", "all_reduce", tp): 3,
-        # g: the stored shard gathered again, then its gradient reduce-scattered; g-bar's
-        # backward all-gathers.
-        ("backward", "all_gather", tp): 2 * (2 * layers + 1),
+        # g: each block's stored shard gathered again, then its gradient reduce-scattered (the
+        # fused head + loss keeps no shard to gather again: it keeps its gathered input, or in
+        # training nothing); g-bar's backward all-gathers.
+        ("backward", "all_gather", tp): 2 * 2 * layers + 1,
         ("backward", "reduce_scatter", tp): 2 * layers + 1,
         ("backward", "all_reduce", tp): per_layer * layers + once,
     }

@@ -10,6 +10,9 @@ attention, the same random token rows, micro-batch, steps, AdamW with the same d
 flops_per_token). Warm-up steps are not timed; timed steps end with a device synchronisation.
 megalite steps through its trainer's own `train_step`; HF through `model(input_ids,
 labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are reported separately (`--compile`).
+The rows are full-length, one document each: HF's models with SDPA attention take no document
+boundaries, so packed rows would not be the same work for both; `megalite bench` times
+megalite's packed path (`batch: packed`).
 `--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system;
 `--profile` adds where the time goes (bench/profile.py: top kernels, attention / matmul /
 elementwise / optimizer / communication / idle shares).
@@ -87,14 +90,14 @@ def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: 
     step = SYSTEMS[system](cfg, device, compiled)
     ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device)
     step_s, loss = time_steps(lambda: step(ids), device, warmup, steps)
+    # Of the timed steps (time_steps resets the counter before them), before profiling.
+    peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     tokens_per_s = micro * seq / step_s
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
     summary = profile_steps(lambda: step(ids), device) if profiled else None
     return {"system": system, "compile": compiled, "step_s": step_s, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30
-            if device.type == "cuda" else None,
-            "final_loss": loss.item(), "profile": summary}
+            "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}
 
 
 def largest_micro_batch(fits, limit: int = 1024) -> int:

@@ -2,11 +2,14 @@
 
     torchrun --standalone --nproc_per_node W -m megalite.bench.point SPEC.json
 
-SPEC names the run config, its overrides, the warm-up and timed steps and where rank 0 writes
-the result. The step is the trainer's own (`train_step` through the configured engine), on
-random full-length token rows made once, so no data loading or padding is timed. Then one more
-step runs under a CommLog, which counts every collective by process group and times each one
-synchronously: the compute / communication split comes from that step.
+SPEC names the run config, its overrides, the rows (`batch`), the warm-up and timed steps and
+where rank 0 writes the result. The step is the trainer's own (`train_step` through the
+configured engine), on random token rows made once by the trainer's own collate, so no data
+loading is timed: `full` rows are one document each, `packed` rows hold several (doc_ids,
+labels -100 across boundaries), so the packed attention path is timed. Then one more step runs
+under a CommLog, which counts every collective by process group and times each one
+synchronously: the compute / communication split comes from that step; and one more measures
+the memory of the LM head and the loss.
 """
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megalite.bench.comm import CommLog
-from megalite.bench.timing import time_steps
-from megalite.data.batches import Batch
+from megalite.bench.timing import synchronize, time_steps
+from megalite.data.batches import Batch, Samples
+from megalite.data.prepare import TokenDocs
 from megalite.model import GPT
 from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
@@ -41,7 +46,7 @@ def main(argv: list[str]) -> int:
     check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, world)
     ps = init_parallel(cfg.parallel, cfg.model)
     try:
-        result = measure(cfg, ps, spec["warmup"], spec["steps"])
+        result = measure(cfg, ps, spec["warmup"], spec["steps"], spec["batch"])
         if ps.is_main:
             Path(spec["out"]).write_text(json.dumps(result, indent=1))
     finally:
@@ -50,24 +55,23 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
+def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str = "full") -> dict:
     t, seq = cfg.train, cfg.data.seq_len
     model = build_model(cfg, ps)
     model.train()
-    engine = build_engine(model, t, ps)
+    engine = build_engine(model, t, ps, cfg.parallel)
     engine.set_lr(t.lr)
     autocast = autocast_for(ps.device, t.precision)
-    rows = torch.Generator().manual_seed(cfg.run.seed + ps.dp_rank)
-    n_micro = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-    batches = []
-    for _ in range(n_micro):
-        ids = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq + 1), generator=rows)
-        batches.append(Batch(ids[:, :-1], ids[:, 1:]).to(ps.device))
-    n_tokens = torch.tensor(float(t.global_batch_size * seq), device=ps.device)
+    batches = [b.to(ps.device) for b in random_batches(cfg, ps.dp_rank, ps.dp_size, batch)]
+    n_tokens = sum(b.target_count() for b in batches).float()
+    if ps.dp_size > 1:  # the global batch's real targets, as the trainer counts them
+        dist.all_reduce(n_tokens, group=ps.dp_group)
 
     def step():
         return train_step(engine, batches, n_tokens, autocast)[0]
 
+    # The peak is that of the timed steps on CUDA (time_steps resets the counter before
+    # them); on CPU, the process's peak RSS, model building and warm-up included.
     step_s, _ = time_steps(step, ps.device, warmup, steps, lambda: _barrier(ps))
     step_s = _max_over_ranks(step_s, ps)
     peak_bytes = _max_over_ranks(_peak_memory(ps.device), ps)
@@ -77,6 +81,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
         step().item()
         instrumented_s = time.perf_counter() - started
     activations = activation_bytes(cfg, model, batches[0], autocast)
+    head_loss = head_loss_memory(model, step, ps.device)
 
     tokens_per_s = t.global_batch_size * seq / step_s
     flops, peak = flops_per_token(cfg.model, seq), peak_flops(ps.device)
@@ -84,7 +89,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
         "device": device_name(ps.device), "tp": ps.tp_size, "dp": ps.dp_size,
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
-        "compile": t.compile,
+        "compile": t.compile, "batch": batch,
         "precision": "bf16" if isinstance(autocast, torch.autocast) else "fp32",
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "seq_len": seq, "layers": cfg.model.n_layers, "hidden": cfg.model.hidden,
@@ -94,12 +99,33 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int) -> dict:
         "tflops_per_device": tokens_per_s * flops / ps.world_size / 1e12,
         "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
         "peak_memory_gb": peak_bytes / 2**30,
-        "memory_kind": "cuda max allocated" if ps.device.type == "cuda" else "process peak RSS",
+        "memory_kind": ("cuda max allocated, timed steps" if ps.device.type == "cuda"
+                        else "process peak RSS, whole run"),
         "instrumented_step_s": instrumented_s, "comm_s": log.seconds,
         "compute_s": instrumented_s - log.seconds,
-        **activations,
+        **activations, **head_loss,
         "comm": [{"op": op, "group": group, **v} for (op, group), v in sorted(log.totals().items())],
     }
+
+
+def random_batches(cfg: Config, dp_rank: int, dp_size: int, batch: str) -> list[Batch]:
+    """This DP rank's micro-batches of one step: random tokens collated by the trainer's own
+    Samples. full: documents of seq_len + 1 tokens, one per row, no doc_ids. packed: a stream of
+    documents of random lengths (geometric, mean seq_len / 4), cut into rows as in training:
+    several documents per row, the first and last cut by the row's edges."""
+    t, seq = cfg.train, cfg.data.seq_len
+    rows = t.global_batch_size // dp_size
+    rng = np.random.default_rng([cfg.run.seed, dp_rank])
+    if batch == "full":
+        tokens = rng.integers(0, cfg.model.vocab_size, rows * (seq + 1))
+        offsets = np.arange(0, len(tokens) + 1, seq + 1)
+    else:
+        tokens = rng.integers(0, cfg.model.vocab_size, rows * seq + 1)
+        ends = np.cumsum(rng.geometric(min(1.0, 4 / seq), size=len(tokens)))
+        offsets = np.concatenate([[0], ends[ends < len(tokens)], [len(tokens)]])
+    samples = Samples(TokenDocs(tokens, offsets), "padded" if batch == "full" else "packed", seq,
+                      pad_id=0)
+    return [samples.collate(range(i, i + t.micro_batch_size)) for i in range(0, rows, t.micro_batch_size)]
 
 
 def activation_bytes(cfg: Config, model: GPT, batch: Batch, autocast) -> dict:
@@ -115,6 +141,63 @@ def activation_bytes(cfg: Config, model: GPT, batch: Batch, autocast) -> dict:
             "activation_formula_bytes_per_layer": formula_bytes_per_layer(
                 s, b, cfg.model.hidden, cfg.model.n_heads, cfg.parallel.tp,
                 cfg.parallel.sequence_parallel, attention_scores=False)}
+
+
+def head_loss_memory(model: GPT, step, device: torch.device) -> dict:
+    """What the final norm, the LM head and the loss take in one forward and backward, measured
+    on the first micro-batch of a training step `step()`, whatever the model computes after its
+    last block (from the final norm's input on):
+
+    head_loss_saved_bytes  what autograd saves for backward until the forward returns (each
+                           storage once, parameters excluded; under autocast the 16-bit copy
+                           of the head's weight is one of them)
+    head_loss_peak_bytes   CUDA: the peak allocated above what was allocated when the final
+                           norm started, until its input's gradient is complete (saved tensors,
+                           transient logits, their gradients); None on CPU
+
+    The saved-tensor hooks are on only after the last block, so they do not see compiled or
+    recomputed blocks."""
+    cuda = device.type == "cuda"
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    state = {"phase": "before", "baseline": 0, "peak": None}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    counting = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def backward_done(grad):
+        # Once per norm call (one, or one per chunk): the counter only grows, the last read is it.
+        state["peak"] = torch.cuda.max_memory_allocated(device) - state["baseline"]
+
+    def norm_starts(module, args):
+        if state["phase"] == "before":
+            if cuda:
+                state["baseline"] = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            counting.__enter__()
+            state["phase"] = "forward"
+        if state["phase"] == "forward" and cuda:
+            args[0].register_hook(backward_done)
+
+    def forward_ends(module, args, out):
+        if state["phase"] == "forward":
+            counting.__exit__(None, None, None)
+            state["phase"] = "after"
+
+    hooks = [model.norm.register_forward_pre_hook(norm_starts),
+             model.register_forward_hook(forward_ends)]
+    try:
+        step()
+        synchronize(device)
+    finally:
+        for h in hooks:
+            h.remove()
+        forward_ends(None, None, None)  # if the step failed inside the head
+    return {"head_loss_saved_bytes": sum(saved.values()), "head_loss_peak_bytes": state["peak"]}
 
 
 def _barrier(ps: ParallelState) -> None:

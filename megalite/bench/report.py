@@ -4,7 +4,8 @@ scaling.png   tokens/s against devices, one line per setting of everything but d
               ideal (linear from the line's first point) dashed
 mfu.png       MFU per point (achieved TFLOP/s per device where the device has no peak in the
               table, as on CPU)
-memory.png    peak memory per point (CUDA max allocated; on CPU the process's peak RSS)
+memory.png    peak memory per point (CUDA max allocated in the timed steps; on CPU the
+              process's peak RSS over the whole run)
 step.png      the step split into compute and communication (the instrumented step)
 """
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 import torch
 
 COLUMNS = ["point", "status", "device", "tp", "dp", "devices", "sequence_parallel", "engine",
-           "activation_checkpointing", "compile", "precision", "micro_batch_size", "global_batch_size",
-           "seq_len", "layers", "hidden", "step_s", "tokens_per_s", "tokens_per_s_per_device",
-           "tflops_per_device", "mfu", "peak_memory_gb", "memory_kind", "comm_s", "compute_s",
-           "comm_bytes", "comm_wire_bytes", "activation_bytes_per_layer",
-           "activation_formula_bytes_per_layer"]
+           "activation_checkpointing", "compile", "batch", "precision", "micro_batch_size",
+           "global_batch_size", "seq_len", "layers", "hidden", "step_s", "tokens_per_s",
+           "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb", "memory_kind",
+           "comm_s", "compute_s", "comm_bytes", "comm_wire_bytes", "activation_bytes_per_layer",
+           "activation_formula_bytes_per_layer", "head_loss_saved_bytes", "head_loss_peak_bytes"]
 
 
 def flat_row(row: dict) -> dict:

@@ -5,14 +5,18 @@
     overrides: [model=tiny, data.seq_len=64]    # every point
     grid: {parallel.tp: [1, 2], dp: [1, 2]}     # the cartesian product...
     points: [{}, {parallel.sequence_parallel: true}]   # ...times each of these
+    batch: full                                 # or packed
     warmup_steps: 2
     steps: 5
 
-Besides run-config keys, a point may set `dp` (DP ranks; devices = tp x dp, default 1) and
+Besides run-config keys, a point may set `dp` (DP ranks; devices = tp x dp, default 1),
 `scaling`: strong (default; the global batch stays as configured) or weak (the global batch
-grows with dp, so each DP rank keeps its share). Every point is checked before anything starts:
-a bad one is recorded as `invalid` with the reason and the sweep goes on, as it does past a point
-that fails (`failed`, or `oom`) or runs past `timeout_s` (`timeout`). Results: DIR/results.csv,
+grows with dp, so each DP rank keeps its share), and `batch` (the sweep's by default): full
+(random full-length rows, one document each) or packed (rows of several random-length
+documents with their boundaries, as data.mode=packed trains; see bench/point.py). Every point
+is checked before anything starts: a bad one is recorded as `invalid` with the reason and the
+sweep goes on, as it does past a point that fails (`failed`, or `oom`) or runs past
+`timeout_s` (`timeout`). Results: DIR/results.csv,
 DIR/results.json (device, torch version, date, git commit, the command) and DIR/*.png; each
 point's log and spec under DIR/points/. Exit status 1 when any point did not finish.
 """
@@ -27,6 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -37,7 +42,8 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.setup import check_batch_layout
 from megalite.typed_config import ConfigError, from_dict
 
-BENCH_KEYS = ("dp", "scaling")
+BENCH_KEYS = ("dp", "scaling", "batch")
+BATCHES = ("full", "packed")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class BenchSweep:
     overrides: list[str] = field(default_factory=list)
     grid: dict = field(default_factory=dict)
     points: list = field(default_factory=list)
+    batch: Literal["full", "packed"] = "full"  # a point's `batch` overrides it
     warmup_steps: int = 2
     steps: int = 5
     timeout_s: float = 600.0  # per point
@@ -59,6 +66,7 @@ class Point:
     settings: dict  # the sweep's keys for this point, as written
     world: int
     overrides: list[str]
+    batch: str = "full"
     error: str = ""  # why it cannot run, found before launching
 
 
@@ -79,11 +87,14 @@ def load_bench(path: Path) -> tuple[BenchSweep, list[Point]]:
 def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
     dp, scaling = settings.get("dp", 1), settings.get("scaling", "strong")
     overrides = sweep.overrides + [f"{k}={v}" for k, v in settings.items() if k not in BENCH_KEYS]
-    point = Point(index, f"{index}-{short_name(settings)}", settings, 0, overrides)
+    point = Point(index, f"{index}-{short_name(settings)}", settings, 0, overrides,
+                  settings.get("batch", sweep.batch))
     try:
         if not isinstance(dp, int) or dp < 1 or scaling not in ("strong", "weak"):
             raise ConfigError(f"dp={dp!r} must be a positive integer and scaling={scaling!r} "
                               f"strong or weak")
+        if point.batch not in BATCHES:
+            raise ConfigError(f"batch={point.batch!r} must be one of {', '.join(BATCHES)}")
         cfg = load_config(sweep.base, overrides)
         if scaling == "weak":
             batch = cfg.train.global_batch_size * dp
@@ -105,7 +116,8 @@ def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     spec = directory / "spec.json"
     spec.write_text(json.dumps({"config": str(Path(sweep.base).resolve()),
-                                "overrides": point.overrides, "warmup": sweep.warmup_steps,
+                                "overrides": point.overrides, "batch": point.batch,
+                                "warmup": sweep.warmup_steps,
                                 "steps": sweep.steps, "out": str(directory / "result.json")}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={point.world}", "-m", "megalite.bench.point", str(spec)]

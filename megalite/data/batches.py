@@ -10,10 +10,13 @@ The global batch of step k is a pure function of (seed, k): samples k G .. (k+1)
 endless sequence of seeded epoch permutations. DP rank d reads rows [d G/dp, (d+1) G/dp) of it,
 in micro-batches. So the set of samples per step is the same for every layout, any step can be
 read directly (resume mid-epoch needs only the step), and DP ranks read disjoint rows.
+`Prefetcher` reads step k + 1's batches in a thread while the device runs step k.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Callable, Generic, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -32,12 +35,16 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         # From pinned memory the copy is truly asynchronous: the host does not wait for the
         # device to finish what it is running.
-        pin = device.type == "cuda"
+        source = self.pinned() if device.type == "cuda" else self
+        return source._map(lambda t: t.to(device, non_blocking=True))
 
-        def move(t):
-            return None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=True)
-        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
-                     move(self.doc_ids))
+    def pinned(self) -> "Batch":
+        """This batch in page-locked host memory (itself if it is there already)."""
+        return self._map(lambda t: t if t.is_pinned() else t.pin_memory())
+
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                        for f in fields(self)})
 
     def target_count(self) -> torch.Tensor:
         """The real target tokens, as a tensor where the labels are (no host sync)."""
@@ -105,3 +112,39 @@ class BatchOrder:
         per_rank = self.global_batch // dp_size
         mine = self.global_batch_indices(step)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
         return [mine[i: i + micro] for i in range(0, per_rank, micro)]
+
+
+T = TypeVar("T")
+
+
+class Prefetcher(Generic[T]):
+    """Iterates (step, load(step)) over `steps`, computing load(step + 1) in a background thread
+    while the caller works on step: a one-deep prefetch, so collating (and pinning) the next
+    batches overlaps the device's work on this one.
+
+        with Prefetcher(load, range(start, end)) as steps:
+            for step, batches in steps: ...
+
+    `load` must be a pure function of the step (the batch order is): what the loop sees is what
+    it would load itself. An exception in `load` is raised by the iteration, in the caller's
+    thread, at the step it was loading; leaving the `with` (a finished loop, a preemption, an
+    error) waits for the load in flight, a collate of one step, and ends the thread.
+    """
+
+    def __init__(self, load: Callable[[int], T], steps: range):
+        self.load, self.steps = load, steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-prefetch")
+
+    def __enter__(self) -> "Prefetcher[T]":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __iter__(self) -> Iterator[tuple[int, T]]:
+        pending = self._pool.submit(self.load, self.steps[0]) if self.steps else None
+        for i, step in enumerate(self.steps):
+            loaded = pending.result()
+            if i + 1 < len(self.steps):
+                pending = self._pool.submit(self.load, self.steps[i + 1])
+            yield step, loaded

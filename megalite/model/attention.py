@@ -10,6 +10,9 @@ Grouped-query attention: K/V have n_kv_heads heads, each serving n_heads / n_kv_
 consecutive query heads. Ranks hold consecutive query heads, so when n_kv_heads >= tp each
 rank holds the n_kv_heads / tp K/V heads its queries need; when n_kv_heads < tp, tp /
 n_kv_heads consecutive ranks keep a copy of the one K/V head their queries share.
+
+Kernels: SDPA, causal with no mask where that is exact (flash on GPU) or with the layout's dense
+mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/doc_attention.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.model.doc_attention import block_mask_as_dense, flex
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.positions import apply_rotary
@@ -63,16 +67,25 @@ class Attention(nn.Module):
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        # A prompt attends causally; a decoded token, alone, attends every cached token.
-        causal = layout.mask is None and seq > 1
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
+        y = self.attend(q, k, v, layout)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
+                             sequence_parallel)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               layout: SequenceLayout) -> torch.Tensor:
+        gqa = self.kv_heads != self.heads
         dropout = self.dropout if self.training else 0.0
+        if layout.block_mask is not None and dropout == 0:
+            return flex(q, k, v, layout.block_mask, gqa)
+        # FlexAttention has no dropout: with it, packed documents take SDPA and the dense mask,
+        # rebuilt by each layer (a slow path anyway; pretraining runs without attention dropout).
+        mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
+        # A prompt attends causally; a decoded token, alone, attends every cached token.
+        causal = mask is None and q.shape[2] > 1
         # Attention probabilities belong to this rank's heads only: dropped with the per-rank
         # generator, so that ranks do not drop the same pattern in different heads.
         with self.rng.fork() if dropout > 0 else nullcontext():
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=layout.mask, is_causal=causal,
-                dropout_p=dropout, enable_gqa=self.kv_heads != self.heads)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
-                             sequence_parallel)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  dropout_p=dropout, enable_gqa=gqa)

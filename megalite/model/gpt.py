@@ -6,6 +6,8 @@
         x = x + dropout(mlp(norm(x)))              A by columns, B by rows: f ... g
     logits_r = f(norm(x)) E_r^T                    this rank's vocab columns, never gathered
     loss = vocab_parallel_cross_entropy(logits_r, labels)
+                                                   fused with the head, in chunks of tokens:
+                                                   the logits are never whole (head_loss.py)
 
 Sequence parallelism (pstate.sequence_parallel, Korthikanti et al. 2022) keeps x split along
 the sequence, a 1/tp shard of the tokens per rank, wherever it is outside a TP region: the
@@ -31,7 +33,8 @@ What is split how:
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,15 +50,36 @@ from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
-from megalite.parallel.mappings import all_gather
+from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
+from megalite.parallel.mappings import (all_gather, copy_to_tensor_parallel_region,
+                                        gather_from_sequence_parallel_region)
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
-from megalite.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from megalite.parallel.vocab import IGNORE_INDEX, VocabParallelEmbedding
 
 
-class Output(NamedTuple):
-    logits: torch.Tensor  # [batch, seq, padded_vocab / tp]: this rank's vocab columns
-    token_losses: torch.Tensor | None  # [batch, seq], 0 where labels == -100
+class Output:
+    """What a forward returns.
+
+    logits: [batch, seq, padded_vocab / tp], this rank's vocab columns (padding at -inf).
+        Computed when first read, from the weights as they are then, so a training step that
+        only wants the loss never makes them (with TP, every rank must read them: the head's
+        input is gathered under sequence parallelism).
+    token_losses: [batch, seq], 0 where labels == -100 (None without labels); differentiable
+        unless a loss_scale was given.
+    loss: with loss_scale, sum(token_losses) * loss_scale, differentiable.
+    """
+
+    def __init__(self, make_logits: Callable[[], torch.Tensor],
+                 token_losses: torch.Tensor | None = None, loss: torch.Tensor | None = None):
+        self._make_logits, self._logits = make_logits, None
+        self.token_losses, self.loss = token_losses, loss
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._make_logits()
+        return self._logits
 
 
 class Block(nn.Module):
@@ -99,25 +123,25 @@ class GPT(nn.Module):
                      ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
                                           init_std=std))
         # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
-        columns = torch.arange(self.embed.vocab_start, self.embed.vocab_end, device=device)
-        padding = columns >= cfg.vocab_size
-        self.register_buffer("vocab_padding", padding if bool(padding.any()) else None,
-                             persistent=False)
+        # They are the last columns of the last ranks.
+        local_vocab = self.embed.vocab_end - self.embed.vocab_start
+        padded_from = max(0, cfg.vocab_size - self.embed.vocab_start)
+        self.padded_from = padded_from if padded_from < local_vocab else None
         # Recompute each block's activations in backward instead of storing them.
         self.activation_checkpointing = False
+        # Tokens per chunk of the fused head + loss: its logits are chunk x padded_vocab / tp.
+        self.loss_chunk_tokens = 4096
         init_parameters_(self, seed)
-
-    def compile_blocks(self, **options) -> None:
-        """torch.compile each transformer block in place: they hold nearly all the work and share
-        one forward, so the layers reuse one compiled graph; embedding, head and loss stay eager."""
-        for block in self.blocks:
-            block.compile(**options)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> Output:
+                cache: KVCache | None = None,
+                loss_scale: torch.Tensor | float | None = None) -> Output:
         """cache: decode incrementally; then attention_mask, if given, covers the cached tokens
-        and the new ones (left-padded prompts)."""
+        and the new ones (left-padded prompts). loss_scale (with labels): also return
+        loss = sum(token_losses) * loss_scale, whose gradients the head + loss make in forward
+        (training: 1 / the global batch's token count); token_losses are then not
+        differentiable."""
         start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
         if start + seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + seq} exceeds "
@@ -148,18 +172,37 @@ class GPT(nn.Module):
                 x = block(x, layout, rotary, cache, sp)
         if cache is not None:
             cache.offset += seq
-        # Tied or not, the head is the vocab-split matrix E_r applied after f: the tied case has
-        # no module of its own, so both use the weight directly.
-        head = self.embed if self.head is None else self.head
-        logits, = column_parallel_linears(self.norm(x, sp), self.pstate.tp_group, sp,
-                                          (head.weight, None))
-        logits = logits[:, :seq]  # without the padding to shards
-        if self.vocab_padding is not None:
-            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        x = self.norm(x, sp)
+        make_logits = partial(self._logits, x, seq, sp)
         if labels is None:
-            return Output(logits, None)
-        return Output(logits, vocab_parallel_cross_entropy(logits, labels, self.embed.vocab_start,
-                                                           self.pstate.tp_group))
+            return Output(make_logits)
+        # The head's input enters the TP region: f, or sequence parallel the SP paper's g.
+        group = self.pstate.tp_group
+        x = gather_from_sequence_parallel_region(x, group) if sp else copy_to_tensor_parallel_region(x, group)
+        batch, padded_seq = x.shape[:2]
+        labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # the shards' padding
+        x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
+        shard = HeadShard(self.embed.vocab_start, self.padded_from, group, self.loss_chunk_tokens)
+        if loss_scale is None:
+            losses, loss = head_token_losses(x, self.head_weight, labels, shard), None
+        else:
+            loss, losses = head_loss_sum(x, self.head_weight, labels, loss_scale, shard)
+        return Output(make_logits, losses.view(batch, padded_seq)[:, :seq], loss)
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """E_r, this rank's vocab rows of the LM head: tied or not, the head is that matrix
+        applied after f, and the tied case has no module of its own."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def _logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
+        logits, = column_parallel_linears(x, self.pstate.tp_group, sequence_parallel,
+                                          (self.head_weight, None))
+        logits = logits[:, :seq]  # without the padding to shards
+        if self.padded_from is not None:
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= self.padded_from
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
         attention = self.blocks[0].attn

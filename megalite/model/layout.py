@@ -2,19 +2,25 @@
 
 Computed once per forward and shared by every layer. `mask` is None when causal attention alone
 is exact, which lets scaled_dot_product_attention pick its fused kernels (flash on GPU);
-otherwise it is a boolean [batch, 1, seq, seq] mask, True where a query may attend a key.
+otherwise it is a boolean [batch, 1, seq, seq] mask, True where a query may attend a key. Packed
+documents on GPU carry the same rule as a FlexAttention BlockMask instead (model/doc_attention.py).
+Left-padded rows, prompts and KV-cache decoding keep the dense mask: generation, not training.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from megalite.model.doc_attention import block_mask, dense_mask, uses_flex
 
 
 @dataclass
 class SequenceLayout:
     positions: torch.Tensor  # [batch, seq] position of each token within its sequence/document
     mask: torch.Tensor | None
+    block_mask: BlockMask | None = None  # instead of mask: packed documents on GPU
 
 
 def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -39,12 +45,17 @@ def _padded_layout(real: torch.Tensor, start: int) -> SequenceLayout:
 
 
 def _visible(real: torch.Tensor, start: int) -> torch.Tensor:
-    """[batch, n, start + n]: query start + i sees the real keys up to itself, and itself: a
-    padding query with nothing to attend would give a softmax over an empty row (NaN, which
-    would then poison gradients)."""
+    """[batch, n, start + n]: _sees for queries start .. start + n."""
     keys = torch.arange(real.shape[1], device=real.device)
-    queries = keys[start:].unsqueeze(-1)
-    return ((keys <= queries) & real.unsqueeze(1)) | (keys == queries)
+    rows = torch.arange(real.shape[0], device=real.device).view(-1, 1, 1)
+    return _sees(real, rows, keys[start:].unsqueeze(-1), keys)
+
+
+def _sees(real: torch.Tensor, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Query q of row b sees the real keys up to itself, and itself: a padding query with nothing
+    to attend would give a softmax over an empty row (NaN, which would then poison gradients).
+    Elementwise in (b, q, k), so it serves dense masks and FlexAttention's mask_mod alike."""
+    return ((k <= q) & real[b, k]) | (k == q)
 
 
 def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -70,5 +81,11 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     # pads before it share its id.
     starts = (doc_ids != doc_ids.roll(1, dims=-1)) | (index == 0) | (real & ~real.roll(1, dims=-1))
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    same_doc = doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)  # holds on the diagonal too
-    return SequenceLayout(index - first, (_visible(real, 0) & same_doc).unsqueeze(1))
+
+    def document_causal(b, h, q, k):  # FlexAttention's mask_mod signature
+        return (doc_ids[b, q] == doc_ids[b, k]) & _sees(real, b, q, k)
+
+    device = input_ids.device
+    if uses_flex(device):
+        return SequenceLayout(index - first, None, block_mask(document_causal, batch, seq, device))
+    return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))

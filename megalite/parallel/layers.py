@@ -9,7 +9,7 @@ Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) keeps X and Z spli
 sequence between the pairs: the SP paper's g all-gathers X before A (reduce-scatter backward),
 and its g-bar reduce-scatters the partial products after B (all-gather backward): each
 all-reduce becomes a reduce-scatter and an all-gather, the same bytes, plus one all-gather in
-backward (_GatheredLinears). In exchange the norms and dropouts around the pair run on 1/t of
+backward (_GatheredLinear). In exchange the norms and dropouts around the pair run on 1/t of
 the tokens and store 1/t of the activations.
 """
 from __future__ import annotations
@@ -32,21 +32,35 @@ from megalite.parallel.state import ParallelState
 def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
                             *layers: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
     """X A_i + b_i for each (A_i, b_i) of column-parallel layers that read the same X (Q and KV,
-    SwiGLU's gate and up, or one layer): X enters the TP region once for all of them, so
-    backward sums its gradient over the ranks once, not once per layer.
+    SwiGLU's gate and up, or one layer; all with biases or none): X enters the TP region once
+    for all of them, so backward sums its gradient over the ranks once, not once per layer.
+    Their slices are one matmul, X [A_1 A_2 ..]: each rank's output columns are its own, so
+    concatenating the slices it holds changes nothing of the split, and each layer keeps its
+    own parameter (names, init, checkpoints, Hugging Face mapping).
 
     X replicated: through f (identity forward, all-reduce backward). X split along the sequence
     (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
-    backward), storing only this rank's shard for backward (_GatheredLinears).
+    backward), storing only this rank's shard for backward (_GatheredLinear).
     """
+    weight, bias, sizes = _fused(layers)
     if sequence_parallel and group_size(group) > 1:
-        return list(_GatheredLinears.apply(x, group, *(t for layer in layers for t in layer)))
-    x = copy_to_tensor_parallel_region(x, group)
-    return [F.linear(x, weight, bias) for weight, bias in layers]
+        y = _GatheredLinear.apply(x, group, weight, bias)
+    else:
+        y = F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
+    return list(y.split(sizes, dim=-1))
 
 
-class _GatheredLinears(torch.autograd.Function):
-    """Y_i = g(X_r) A_i + b_i with g the all-gather of the sequence shards X_r.
+def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """The layers' weights (and biases) as one matrix: [A_1 A_2 ..], and each one's columns."""
+    weights, biases = zip(*layers)
+    if len(layers) == 1:
+        return weights[0], biases[0], [weights[0].shape[0]]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return torch.cat(weights), bias, [w.shape[0] for w in weights]
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Y = g(X_r) A + b with g the all-gather of the sequence shards X_r.
 
     Autograd would store the gathered g(X_r), a whole [batch, seq, hidden] per layer on every
     rank: the very activation sequence parallelism splits. This stores X_r and gathers it again
@@ -54,32 +68,27 @@ class _GatheredLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, *layers):
-        ctx.group, ctx.input_dtype = group, x.dtype
+    def forward(ctx, x, group, weight, bias):
+        ctx.group, ctx.input_dtype, ctx.has_bias = group, x.dtype, bias is not None
         device = x.device.type
         if torch.is_autocast_enabled(device):
-            # The matmuls read X in the autocast dtype anyway: casting the shard first halves
+            # The matmul reads X in the autocast dtype anyway: casting the shard first halves
             # what is gathered and stored, and gives the same values.
             x = x.to(torch.get_autocast_dtype(device))
-        full = all_gather(x, SEQ_DIM, group)
-        weights, biases = layers[0::2], layers[1::2]
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather(x, SEQ_DIM, group), weight, bias)
 
     @staticmethod
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
         full = all_gather(x, SEQ_DIM, ctx.group)
-        rows = full.reshape(-1, full.shape[-1])
-        # Each layer's input gradient in its own dtype, summed and reduced in X's (fp32 under
-        # autocast), as autograd and f do without sequence parallelism.
-        grad_full = sum(g.matmul(w.to(g.dtype)).to(ctx.input_dtype) for g, w in zip(grads, weights))
-        params = []
-        for g, has_bias in zip(grads, ctx.has_bias):
-            g = g.reshape(-1, g.shape[-1])
-            params += [g.t().matmul(rows.to(g.dtype)), g.sum(0) if has_bias else None]
-        return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, *params)
+        # The input gradient in the matmul's dtype, reduced in X's (fp32 under autocast), as
+        # autograd and f do without sequence parallelism.
+        grad_full = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
+        grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad.t().matmul(full.reshape(-1, full.shape[-1]).to(grad.dtype))
+        return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, grad_weight,
+                grad.sum(0) if ctx.has_bias else None)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -12,11 +12,13 @@ call Megatron-LM's g "f-bar"):
 | scatter_to_tensor_parallel_region   | split last dim     | all-gather last   |       |
 | gather_from_tensor_parallel_region  | all-gather last    | split last dim    |       |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | SP paper: g-bar |
+| gather_from_sequence_parallel_region | all-gather seq   | reduce-scatter    | SP paper: g |
 
 Activations are [batch, seq, hidden], so the sequence dim is 1. A group of None or of size 1
 makes every primitive the identity, with no autograd node and no collective. The model applies
 the SP paper's g fused with the column-parallel matmuls after it (layers.py), so that backward
-keeps the shard rather than the gathered input.
+keeps the shard rather than the gathered input; gather_from_sequence_parallel_region serves the
+LM head + loss, which keeps nothing of its input for backward when training.
 """
 from __future__ import annotations
 
@@ -113,6 +115,8 @@ gather_from_tensor_parallel_region = _primitive(
     "gather_from_tensor_parallel_region",  _gather_last,        _split_last)
 reduce_scatter_to_sequence_parallel_region = _primitive(
     "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
+gather_from_sequence_parallel_region = _primitive(
+    "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
 
 
 def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:

@@ -6,6 +6,8 @@ only those columns of the logits, and the loss is computed without ever gatherin
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,49 +44,78 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_partial_sums(rows, self.tp_group, sequence_parallel)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = log(sum_v exp(z_v)) - z_target, over logits z split by vocab.
+class SoftmaxStats(NamedTuple):
+    """What the vocab-parallel softmax of some tokens leaves behind: per token, the global max
+    logit and the sum over all ranks of exp(z - max), the loss (0 where ignored), and where
+    each label is among this rank's columns."""
 
-    Forward: three all-reduces of [tokens]-sized tensors (max, target logit, sum of exp).
-    Backward: softmax - one_hot, entirely local.
-    """
+    z_max: torch.Tensor
+    sum_exp: torch.Tensor
+    loss: torch.Tensor
+    local: torch.Tensor  # the label's column here (0 where it is not this rank's)
+    mine: torch.Tensor  # the label is one of this rank's columns
+    ignored: torch.Tensor
+
+
+def label_columns(labels: torch.Tensor, vocab_start: int, columns: int) -> tuple:
+    """(the label's column here, 0 where not this rank's; whether it is; whether ignored)."""
+    ignored = labels == IGNORE_INDEX
+    local = labels - vocab_start
+    mine = (local >= 0) & (local < columns) & ~ignored
+    return local.masked_fill(~mine, 0), mine, ignored
+
+
+def softmax_stats_(z: torch.Tensor, labels: torch.Tensor, vocab_start: int, group) -> SoftmaxStats:
+    """loss = log(sum_v exp(z_v)) - z_target over fp32 logits z [tokens, V/t] split by vocab,
+    with three all-reduces of [tokens]-sized tensors (max, target logit, sum of exp). z is
+    overwritten with exp(z - max): the caller owns it, and no second logits-sized buffer is made."""
+    z_max = z.amax(dim=-1)
+    _all_reduce(z_max, dist.ReduceOp.MAX, group)
+    z.sub_(z_max.unsqueeze(-1))
+
+    local, mine, ignored = label_columns(labels, vocab_start, z.shape[-1])
+    z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    _all_reduce(z_target, dist.ReduceOp.SUM, group)
+
+    sum_exp = z.exp_().sum(dim=-1)
+    _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+    loss = (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
+    return SoftmaxStats(z_max, sum_exp, loss, local, mine, ignored)
+
+
+def softmax_grad_(exp: torch.Tensor, stats: SoftmaxStats, grad_loss: torch.Tensor) -> torch.Tensor:
+    """In place: exp(z - max) becomes the gradient of sum(grad_loss * loss) with respect to the
+    logits, (softmax - one_hot) * grad_loss, local to this rank's columns (no communication)."""
+    exp.div_(stats.sum_exp.unsqueeze(-1))
+    exp.scatter_add_(-1, stats.local.unsqueeze(-1), -stats.mine.unsqueeze(-1).to(exp.dtype))
+    return exp.mul_(grad_loss.masked_fill(stats.ignored, 0.0).unsqueeze(-1))
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> None:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses from logits split by vocab: the softmax statistics forward, softmax -
+    one_hot backward, entirely local."""
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, group):
-        logits = logits.float()
-        z_max = logits.max(dim=-1).values
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        z = logits - z_max.unsqueeze(-1)
-
-        ignored = labels == IGNORE_INDEX
-        local = labels - vocab_start
-        mine = (local >= 0) & (local < z.shape[-1]) & ~ignored
-        local = local.masked_fill(~mine, 0)
-        z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-        dist.all_reduce(z_target, group=group)
-
-        exp = z.exp_()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        loss = (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mine, ignored)
-        return loss
+        z = logits.to(torch.float32, copy=True)
+        stats = softmax_stats_(z, labels, vocab_start, group)
+        ctx.stats = stats
+        ctx.save_for_backward(z)
+        return stats.loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local, mine, ignored = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad, None, None, None
+        exp, = ctx.saved_tensors
+        return softmax_grad_(exp, ctx.stats, grad_loss), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
                                  tp_group) -> torch.Tensor:
-    """Per-token losses (0 where labels == -100) from this rank's vocab slice of the logits."""
-    if group_size(tp_group) == 1:
-        return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="none").view_as(labels)
+    """Per-token losses (0 where labels == -100) from this rank's vocab slice of given logits.
+    The model does not hold its logits: it uses the chunked head + loss of head_loss.py."""
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, tp_group)

@@ -11,7 +11,8 @@ depend on the TP x DP layout it was written with; loading reads one tensor at a 
 this rank's slice. Nor does it depend on the engine (native or DeepSpeed ZeRO) that wrote
 it. The directory is written under a hidden temporary name, fsynced, and renamed
 into place only when complete: a crash mid-save leaves the previous checkpoints untouched, and
-`latest_checkpoint` never sees the half-written one.
+`latest_checkpoint` never sees the half-written one. `CheckpointWriter` writes the files in a
+background thread while training continues.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -84,53 +86,130 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
                     keep: int, tokenizer: Path | None = None) -> Path:
-    """`moments(p)`: this rank's slice of each Adam moment of p (the engine's `moments`; it may
-    be a collective, so every rank asks for every parameter in the same order).
-    `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-
-    def start():
-        for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
-            shutil.rmtree(stale)
-        (tmp / "rng").mkdir(parents=True)
-    _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
-
-    # The gathers are collectives: every rank takes its part, whatever happens to its own
-    # files, and only then are failures compared.
-    gathered = _gather_full_state(model, moments, pstate)
-
-    def write_tensors():
-        rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
-        save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
-        _fsync(rng_file)
-        if pstate.is_main:  # DP replicas are identical: one TP group gathered, rank 0 writes
-            for name, tensors in zip(("model", "optimizer"), gathered):
-                save_file(tensors, str(tmp / f"{name}.safetensors"))
-                _fsync(tmp / f"{name}.safetensors")
-    _agree(_attempt(write_tensors), pstate, f"writing checkpoint step {step}")
-
-    def publish():
-        if tokenizer is not None:
-            shutil.copy(tokenizer, tmp / "tokenizer.json")
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-        _fsync(tmp / "meta.json")
-        _fsync(tmp / "rng")
-        _fsync(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
-        # The newest `keep` by step; the run refuses to start below a later checkpoint
-        # (see train.check_run_dir), so the one just written is among them.
-        for old in _step_dirs(root)[:-keep]:
-            shutil.rmtree(old)
-    _agree(_attempt(publish) if pstate.is_main else None, pstate, f"publishing checkpoint step {step}")
-    return final
+    """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
+    with CheckpointWriter(pstate) as writer:
+        path = writer.save(run_dir, step, model, moments, rng_state, meta, keep, tokenizer)
+        writer.finish()
+    return path
 
 
-def _gather_full_state(model, moments: Moments, pstate):
-    weights, full_moments = {}, {}
+class CheckpointWriter:
+    """Saves checkpoints while training goes on: what needs the process group or the device
+    (creating the directory, the gathers over TP, the copy to host memory, each rank's RNG
+    file) runs in the caller's thread, on every rank in the same order; rank 0 writes the
+    tensor files, meta.json and the rename in a background thread.
+
+    Whether every rank succeeded is agreed (a collective) by `finish`, which the next `save`
+    calls first: one save is in flight at most, and a failure is raised on every rank at
+    the latest one save later. Call `finish` before the process exits with its status, so the
+    last checkpoint is complete and agreed. Leaving the `with` waits for the write in flight
+    without agreeing (after an error, other ranks may be gone).
+
+    The host copies (pinned on CUDA, from which the device copies asynchronously) are kept for
+    the next save: on rank 0, the size of the full weights and Adam moments.
+    """
+
+    def __init__(self, pstate: ParallelState):
+        self.pstate = pstate
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
+        self._pending: tuple[Future | None, str] | None = None
+        self._host: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True)
+
+    def save(self, run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
+             rng_state: dict[str, torch.Tensor], meta: dict, keep: int,
+             tokenizer: Path | None = None) -> Path:
+        """Start saving; return the directory the checkpoint will have once written.
+
+        `moments(p)`: this rank's slice of each Adam moment of p (the engine's `moments`; it
+        may be a collective, so every rank asks for every parameter in the same order).
+        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
+        self.finish()
+        pstate = self.pstate
+        root = Path(run_dir) / "checkpoints"
+        final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+        what = f"writing checkpoint step {step}"
+
+        def start():
+            for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
+                shutil.rmtree(stale)
+            (tmp / "rng").mkdir(parents=True)
+        _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
+
+        # Small, and every rank's own: written and agreed here, so that rank 0 can publish
+        # the checkpoint from its thread without asking the other ranks again.
+        def write_rng():
+            rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
+            save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
+            _fsync(rng_file)
+        _agree(_attempt(write_rng), pstate, what)
+
+        # The gathers are collectives: every rank takes its part, here, in the same order.
+        files = {"model": {}, "optimizer": {}}
+        for file, name, tensor in _gather_full_state(model, moments, pstate):
+            files[file][name] = self._to_host(f"{file}/{name}", tensor)
+        copied = None
+        if pstate.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+
+        def write_and_publish():
+            if copied is not None:
+                copied.synchronize()
+            for file, tensors in files.items():
+                save_file(tensors, str(tmp / f"{file}.safetensors"))
+                _fsync(tmp / f"{file}.safetensors")
+            _publish(tmp, final, {**meta, "step": step}, keep, tokenizer)
+        future = self._pool.submit(write_and_publish) if pstate.is_main else None
+        self._pending = (future, what)
+        return final
+
+    def finish(self) -> None:
+        """Wait for the save in flight, if any, and raise CheckpointError on every rank if it
+        failed on one (a collective: every rank calls it at the same point)."""
+        if self._pending is None:
+            return
+        (future, what), self._pending = self._pending, None
+        _agree(None if future is None else future.exception(), self.pstate, what)
+
+    def _to_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of `tensor` that training cannot change (a CPU parameter is updated in
+        place) in a buffer kept from the previous save when it fits."""
+        cuda = tensor.device.type == "cuda"
+        buffer = self._host.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+        return buffer.copy_(tensor, non_blocking=cuda)
+
+
+def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | None) -> None:
+    """meta.json last, everything fsynced, then the rename; older checkpoints pruned only once
+    the new one is in place."""
+    root = final.parent
+    if tokenizer is not None:
+        shutil.copy(tokenizer, tmp / "tokenizer.json")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    _fsync(tmp / "meta.json")
+    _fsync(tmp / "rng")
+    _fsync(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(root)
+    # The newest `keep` by step; the run refuses to start below a later checkpoint
+    # (see train.check_run_dir), so the one just written is among them.
+    for old in _step_dirs(root)[:-keep]:
+        shutil.rmtree(old)
+
+
+def _gather_full_state(model, moments: Moments, pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """("model" | "optimizer", name, full tensor on the device) on rank 0, after every rank
+    took its part in each gather."""
     for name, p in model.named_parameters():
         local = moments(p)  # on every rank: it may be a collective over DP (ZeRO)
         if pstate.dp_rank != 0:  # DP replicas hold the same: one TP group gathers, rank 0 writes
@@ -139,9 +218,9 @@ def _gather_full_state(model, moments: Moments, pstate):
         full = gather_full(p.detach(), shard, pstate)
         gathered = {m: gather_full(t, shard, pstate) for m, t in local.items()}
         if pstate.is_main:
-            weights[name] = full.cpu().contiguous()
-            full_moments.update({f"{name}.{m}": t.cpu().contiguous() for m, t in gathered.items()})
-    return weights, full_moments
+            yield "model", name, full
+            for m, t in gathered.items():
+                yield "optimizer", f"{name}.{m}", t
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module,

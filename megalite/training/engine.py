@@ -7,8 +7,8 @@
     engine.backward(micro_loss, last=...)
     grad_norm = engine.step()               clip, update, zero the gradients
 
-native (the default): the all-reduce overlapped with backward and the TP-aware clipping of
-grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
+native (the default): the bucketed all-reduce overlapped with backward and the TP-aware
+clipping of grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
 (deepspeed_engine.py). Both keep the Adam moments readable whole per parameter (`moments`,
 `load_moments`), so checkpoints stay layout- and engine-independent.
 """
@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from megalite.config import ParallelConfig
 from megalite.parallel.state import ParallelState
 from megalite.model import GPT
 from megalite.run_config import Config, TrainConfig
@@ -54,11 +55,13 @@ class AdamEngine:
 
 
 class NativeEngine(AdamEngine):
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
+                 parallel: ParallelConfig = ParallelConfig()):
         self.model = self.module = model
         self.cfg, self.pstate = cfg, pstate
         self.optimizer = build_optimizer(model, cfg, pstate.device)
-        self.grad_sync = DataParallelGradSync(model, pstate)
+        self.grad_sync = DataParallelGradSync(model, pstate, parallel.dp_bucket_mb,
+                                              parallel.dp_reduce_dtype)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         if last:
@@ -82,8 +85,11 @@ def build_model(cfg: Config, pstate: ParallelState) -> GPT:
     torch.manual_seed(cfg.run.seed + pstate.dp_rank)
     model = GPT(cfg.model, pstate, seed=cfg.run.seed)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.train.compile:
-        model.compile_blocks()
+        # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
+        # at TP=1 (tests/test_compile.py); the TP collectives split it into several.
+        model.compile()
     return model
 
 
@@ -106,15 +112,17 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast) -> tuple
         with autocast:
             # No attention mask: padded batches are right-padded, where causal attention
             # alone is exact at every real position (model/layout.py) and stays fused.
-            out = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels)
-            micro_loss = out.token_losses.sum() / n_tokens
+            micro_loss = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
+                                       loss_scale=1.0 / n_tokens).loss
         engine.backward(micro_loss, last=i == len(batches) - 1)
         loss += micro_loss.detach()
     return loss, engine.step()
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
+                 parallel: ParallelConfig = ParallelConfig()):
+    """`parallel` sets the native engine's DP buckets (DeepSpeed has its own)."""
     if cfg.engine == "deepspeed":
         from megalite.training.deepspeed_engine import DeepSpeedEngine
         return DeepSpeedEngine(model, cfg, pstate)
-    return NativeEngine(model, cfg, pstate)
+    return NativeEngine(model, cfg, pstate, parallel)

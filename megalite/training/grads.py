@@ -1,9 +1,11 @@
-"""Gradients across ranks: DP all-reduce overlapped with backward, and the global norm.
+"""Gradients across ranks: DP all-reduce in buckets overlapped with backward, and the global norm.
 
 DP: every DP rank holds the same parameters and the loss is normalised by the GLOBAL token
-count, so the right gradient is the SUM over DP ranks. Each parameter's all-reduce starts as
-soon as backward has accumulated its gradient on the last micro-batch, while backward carries
-on with earlier layers.
+count, so the right gradient is the SUM over DP ranks. Small collectives are latency-bound, so
+gradients are reduced in buckets (PyTorch DDP's scheme): each bucket is one flat buffer and each
+p.grad a view of its slot, so the reduced sum lands in p.grad with no copy out. On the last
+micro-batch a bucket's all-reduce starts as soon as backward has accumulated all its gradients,
+while backward carries on with earlier layers.
 
 Norm: TP slices of one weight are disjoint parts of it, so their squared norms add up over
 the TP group; replicated parameters are identical on every TP rank and count once; a slice
@@ -12,6 +14,7 @@ held by c copies (GQA's KV heads) counts 1/c per copy.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,19 +23,88 @@ from megalite.parallel.mappings import group_size
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
 
+MIB = 1024 * 1024
+REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradients' own dtype
+
+
+def bucket_params(params: list[torch.nn.Parameter], cap_bytes: float) -> list[list]:
+    """Group params into buckets in the order backward produces their gradients (the reverse of
+    definition order, as DDP assumes): a bucket holds one dtype and takes parameters until the
+    next would pass cap_bytes; a parameter larger than the cap has a bucket to itself."""
+    buckets: list[list] = []
+    filling: dict[torch.dtype, tuple[list, int]] = {}
+    for p in reversed(params):
+        bucket, used = filling.get(p.dtype, (None, 0))
+        size = p.numel() * p.element_size()
+        if bucket is None or used + size > cap_bytes:
+            bucket, used = [], 0
+            buckets.append(bucket)
+        bucket.append(p)
+        filling[p.dtype] = (bucket, used + size)
+    return buckets
+
+
+class Bucket:
+    """Parameters whose gradients one all-reduce sums: a flat buffer, a param-shaped view of it
+    per parameter, and which of them backward has finished on the last micro-batch."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        parts = self.buffer.split([p.numel() for p in params])
+        self.slots = [part.view_as(p) for part, p in zip(parts, params)]
+        self.ready: set[int] = set()
+
+    def adopt(self, index: int) -> None:
+        """Make the gradient of params[index] its slot (zeros if it has none): accumulation then
+        adds into the bucket in place."""
+        p, slot = self.params[index], self.slots[index]
+        if p.grad is None:
+            slot.zero_()
+        elif p.grad.data_ptr() != slot.data_ptr():  # new since zero_grad(set_to_none=True)
+            slot.copy_(p.grad)
+        p.grad = slot
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
 
 class DataParallelGradSync:
-    def __init__(self, model: torch.nn.Module, pstate: ParallelState):
+    """Sums gradients over the DP group: bucket by bucket, from backward's hooks on the last
+    micro-batch; `wait` finishes the step's reduction."""
+
+    def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
+                 reduce_dtype: str = "fp32"):
         self.group = pstate.dp_group
+        self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
+        self.buckets: list[Bucket] = []
+        self.started = 0
         self.pending: list = []
         if group_size(self.group) > 1:
-            for p in model.parameters():
-                p.register_post_accumulate_grad_hook(self._reduce)
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.buckets = [Bucket(b) for b in bucket_params(params, bucket_mb * MIB)]
+            for bucket in self.buckets:
+                for index, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, index))
 
-    def _reduce(self, p: torch.Tensor) -> None:
+    def _on_grad(self, bucket: Bucket, index: int, p: torch.Tensor) -> None:
+        bucket.adopt(index)
         if self.active:
-            self.pending.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
+            bucket.ready.add(index)
+            # In bucket order, not in the order they fill: every rank must issue the same
+            # all-reduces in the same order.
+            while self.started < len(self.buckets) and self.buckets[self.started].full:
+                self._start(self.buckets[self.started])
+
+    def _start(self, bucket: Bucket) -> None:
+        buffer = bucket.buffer
+        payload = buffer if self.reduce_dtype is None else buffer.to(self.reduce_dtype)
+        work = dist.all_reduce(payload, group=self.group, async_op=True)
+        self.pending.append((work, buffer, payload))
+        self.started += 1
 
     @contextmanager
     def last_micro_batch(self):
@@ -44,31 +116,52 @@ class DataParallelGradSync:
             self.active = False
 
     def wait(self) -> None:
-        for handle in self.pending:
-            handle.wait()
+        """Leave every p.grad holding the DP sum of its gradient.
+
+        Buckets backward did not fill (a parameter without a gradient on the last micro-batch)
+        start here, in order, on every rank alike; a missing gradient counts as zeros, so a
+        parameter that no rank used ends with a zero gradient, never one rank's None.
+        """
+        for bucket in self.buckets[self.started:]:
+            for index in range(len(bucket.params)):
+                bucket.adopt(index)
+            self._start(bucket)
+        for work, buffer, payload in self.pending:
+            work.wait()
+            if payload is not buffer:
+                buffer.copy_(payload)
+        for bucket in self.buckets:
+            bucket.ready.clear()
         self.pending.clear()
+        self.started = 0
+
+
+def _sum_of_squares(grads: list, weights: list[float], device) -> torch.Tensor:
+    """sum_i weights[i] * |grads[i]|^2 in fp32, by foreach kernels (no per-gradient copies)."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    norms = torch._foreach_norm(grads, dtype=torch.float32)
+    return torch.stack(torch._foreach_mul(torch._foreach_mul(norms, norms), weights)).sum()
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelState) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm (0: no clipping); return the norm."""
-    device = pstate.device
-    split = torch.zeros((), device=device, dtype=torch.float32)
-    replicated = torch.zeros((), device=device, dtype=torch.float32)
-    grads = []
+    split, weights, replicated = [], [], []
     for p in model.parameters():
         if p.grad is None:
             continue
-        grads.append(p.grad)
-        square = p.grad.float().pow(2).sum()
         shard = shard_of(p)
         if shard is None:
-            replicated += square
+            replicated.append(p.grad)
         else:
-            split += square * shard.count / pstate.tp_size
+            split.append(p.grad)
+            weights.append(shard.count / pstate.tp_size)
+    split_squares = _sum_of_squares(split, weights, pstate.device)
     if group_size(pstate.tp_group) > 1:
-        dist.all_reduce(split, group=pstate.tp_group)
-    norm = (split + replicated).sqrt()
+        dist.all_reduce(split_squares, group=pstate.tp_group)
+    replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
+    norm = (split_squares + replicated_squares).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(split + replicated, scale)
     return norm

@@ -38,7 +38,7 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
                           "or set run.wandb=false")
-    for key in ("max_steps", "keep_checkpoints", "log_every", "eval_batches"):
+    for key in ("max_steps", "keep_checkpoints", "log_every", "eval_batches", "loss_chunk_tokens"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
 

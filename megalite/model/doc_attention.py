@@ -1,0 +1,63 @@
+"""Packed documents on a fused attention kernel: FlexAttention with a document-causal BlockMask.
+
+A dense [batch, 1, seq, seq] mask rules out SDPA's flash kernel (and, for GQA on some builds,
+drops to the fp32 math kernel). FlexAttention takes the rule itself, a `mask_mod(b, h, q, k)`,
+and a BlockMask built from it once per forward: the kernel skips the blocks no query sees and
+evaluates the rule only on the blocks a document boundary crosses.
+
+Where: CUDA only (FLEX_DEVICES). On CPU torch 2.13's flex_attention refuses backward, eager or
+compiled ("FlexAttention does not support backward on CPU"), and would lose anyway: eager it is
+an unfused reference (the tiny model's forward and backward on a packed [4, 128] batch: ~170 ms
+against ~24 ms with the dense mask, plus ~3 s on the first call); compiled, inductor's CPU
+template takes ~25 s per process and fails to lower inside a larger compiled graph. So on CPU
+the same rule is materialised as a dense mask for SDPA, exactly as before FlexAttention.
+
+On GPU both flex_attention and create_block_mask run compiled: uncompiled, flex_attention is
+that unfused reference and create_block_mask materialises the whole [batch, seq, seq] mask.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+FLEX_DEVICES = ("cuda",)
+
+
+def uses_flex(device: torch.device) -> bool:
+    return device.type in FLEX_DEVICES
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """fn compiled once per process, on first use (importing megalite compiles nothing)."""
+    return torch.compile(fn)
+
+
+def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device) -> BlockMask:
+    """The BlockMask of `mask_mod` over [batch, seq, seq], shared by every head. Any seq works:
+    the last block of a length that is not a multiple of the block size (128) is partial."""
+    return _compiled(create_block_mask)(mask_mod, batch, None, seq, seq, device=device)
+
+
+def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """[batch, 1, seq, seq], True where query q may attend key k: the rule evaluated on the
+    whole grid at once (mask_mods are elementwise tensor code, so they broadcast)."""
+    index = torch.arange(seq, device=device)
+    b = torch.arange(batch, device=device).view(-1, 1, 1)
+    return mask_mod(b, 0, index.view(1, -1, 1), index.view(1, 1, -1)).unsqueeze(1)
+
+
+def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
+    """The dense mask of the rule `mask` was built from, for SDPA where flex cannot go."""
+    seq, _ = mask.seq_lengths
+    return dense_mask(mask.mask_mod, mask.kv_num_blocks.shape[0], seq, mask.kv_num_blocks.device)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
+         enable_gqa: bool) -> torch.Tensor:
+    return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=enable_gqa)

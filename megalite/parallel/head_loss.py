@@ -1,0 +1,151 @@
+"""The LM head and the vocab-parallel cross-entropy, fused and in chunks of tokens.
+
+Logits z = X E_r^T for this rank's vocab rows E_r are the largest activation of the model
+(tokens x V/t, 50k-128k columns): held whole in fp32 with their softmax and gradient, they
+cost more memory than the rest of a small model's step. Here they exist one chunk of tokens at
+a time: each chunk's logits are made, turned into the softmax statistics of vocab.py (max,
+target logit, sum of exp: three all-reduces over TP of [chunk]-sized tensors, so the whole
+batch moves the same elements as the unchunked loss), and dropped.
+
+Two ways to get the gradients, both without logits-sized storage between forward and backward:
+
+- head_loss_sum (training): the caller gives the weight of each token's loss in the total
+  (1 / the global token count), so d total / d logits = (softmax - one_hot) * weight is known
+  in forward: each chunk's gradients of X and of E_r are made right there from the chunk's
+  logits, as in Liger-Kernel's fused linear cross-entropy. Backward only scales them. The head's
+  matmul FLOPs are those of the unfused head (forward, dX, dE): nothing is recomputed.
+- head_token_losses (evaluation, and any caller that weights tokens its own way): per-token
+  losses, differentiable for any weights; backward recomputes each chunk's logits from X and
+  E_r (one more head matmul) and the saved max and sum of exp.
+
+Vocab padding (columns past the real vocabulary, on the last ranks) is set to -inf in each
+chunk in place: no mass, no gradient, no copy. The matmuls run in the autocast dtype when
+autocast is on (as F.linear would), the softmax in fp32.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from megalite.parallel.vocab import SoftmaxStats, label_columns, softmax_grad_, softmax_stats_
+
+
+class HeadShard:
+    """This rank's vocab rows of the head: where they start, where padding starts among them
+    (None: no padding here), and how many tokens one chunk holds."""
+
+    def __init__(self, vocab_start: int, padded_from: int | None, group, chunk_tokens: int):
+        self.vocab_start, self.padded_from = vocab_start, padded_from
+        self.group, self.chunk_tokens = group, chunk_tokens
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the tokens x [n, hidden], padding at -inf; x and weight already in
+        the matmul dtype."""
+        z = torch.mm(x, weight.t()).float()
+        if self.padded_from is not None:
+            z[:, self.padded_from:] = float("-inf")
+        return z
+
+    def chunks(self, n: int) -> Iterator[slice]:
+        return (slice(i, min(i + self.chunk_tokens, n)) for i in range(0, n, self.chunk_tokens))
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _add_chunk_grads(grad_z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     grad_x: torch.Tensor, grad_w: torch.Tensor) -> None:
+    """dX = dZ E_r into grad_x (the chunk's rows), dE_r += dZ^T X into the fp32 grad_w."""
+    grad_z = grad_z.to(weight.dtype)
+    grad_x.copy_(torch.mm(grad_z, weight))
+    if grad_w.dtype == weight.dtype:
+        grad_w.addmm_(grad_z.t(), x)
+    else:
+        grad_w.add_(torch.mm(grad_z.t(), x))
+
+
+class _HeadLossSum(torch.autograd.Function):
+    """sum_t weight_t loss_t, with every gradient made in forward; also the per-token losses
+    (not differentiable: the gradient already assumes `weights`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, weights, shard: HeadShard):
+        dtype = _matmul_dtype(x)
+        w = weight.to(dtype)
+        losses = torch.empty(x.shape[0], device=x.device)
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if needs_grad else None
+        grad_w = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
+        for rows in shard.chunks(x.shape[0]):
+            xc = x[rows].to(dtype)
+            z = shard.logits(xc, w)
+            stats = softmax_stats_(z, labels[rows], shard.vocab_start, shard.group)
+            losses[rows] = stats.loss
+            if needs_grad:
+                _add_chunk_grads(softmax_grad_(z, stats, weights[rows]), xc, w, grad_x[rows], grad_w)
+            del z
+        if needs_grad:
+            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+        ctx.mark_non_differentiable(losses)
+        return (losses * weights).sum(), losses
+
+    @staticmethod
+    def backward(ctx, grad_total, _):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_total, grad_w * grad_total, None, None, None
+
+
+class _HeadTokenLosses(torch.autograd.Function):
+    """Per-token losses; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, shard: HeadShard):
+        dtype = _matmul_dtype(x)
+        w = weight.to(dtype)
+        n = x.shape[0]
+        z_max, sum_exp, losses = (torch.empty(n, device=x.device) for _ in range(3))
+        for rows in shard.chunks(n):
+            stats = softmax_stats_(shard.logits(x[rows].to(dtype), w), labels[rows],
+                                   shard.vocab_start, shard.group)
+            z_max[rows], sum_exp[rows], losses[rows] = stats.z_max, stats.sum_exp, stats.loss
+        ctx.shard, ctx.dtype = shard, dtype
+        ctx.save_for_backward(x, weight, labels, z_max, sum_exp)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, weight, labels, z_max, sum_exp = ctx.saved_tensors
+        shard = ctx.shard
+        w = weight.to(ctx.dtype)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, device=weight.device)
+        for rows in shard.chunks(x.shape[0]):
+            xc = x[rows].to(ctx.dtype)
+            z = shard.logits(xc, w)
+            z.sub_(z_max[rows].unsqueeze(-1)).exp_()
+            stats = _stats_for_backward(z_max[rows], sum_exp[rows], labels[rows], shard, z.shape[-1])
+            _add_chunk_grads(softmax_grad_(z, stats, grad_loss[rows]), xc, w, grad_x[rows], grad_w)
+            del z
+        return grad_x, grad_w.to(weight.dtype), None, None
+
+
+def _stats_for_backward(z_max, sum_exp, labels, shard: HeadShard, columns: int) -> SoftmaxStats:
+    """The statistics softmax_grad_ reads, from the saved max and sum of exp: no collective."""
+    return SoftmaxStats(z_max, sum_exp, None, *label_columns(labels, shard.vocab_start, columns))
+
+
+def head_loss_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, shard: HeadShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_t weights_t loss_t, per-token losses) for tokens x [n, hidden] (already through f),
+    head rows weight [V/t, hidden], labels [n] (-100: ignored); weights [n] or a scalar."""
+    weights = torch.as_tensor(weights, device=x.device, dtype=torch.float32).expand(x.shape[0])
+    return _HeadLossSum.apply(x, weight, labels, weights, shard)
+
+
+def head_token_losses(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      shard: HeadShard) -> torch.Tensor:
+    """Per-token losses [n] (0 where ignored), differentiable with any weights."""
+    return _HeadTokenLosses.apply(x, weight, labels, shard)

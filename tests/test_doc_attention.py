@@ -1,0 +1,193 @@
+"""Packed documents through FlexAttention (model/doc_attention.py) give the dense-mask model.
+
+- the rule: the dense mask the layout builds is the document-causal rule written out here
+  independently, on packed rows with pads sharing a document's id, a fully padded row, no
+  attention mask (the trainer's path) and the sequence-parallel padding (document -1);
+- exact: the flex path gives the dense path's logits, per-token losses and every gradient, fp32
+  to 1e-5, for both test configs (GPT-2 style; Llama style with GQA), with and without an
+  attention mask: at TP=1 at an odd length and one past FlexAttention's 128-token block, at
+  TP=2 with and without sequence parallelism (the odd length padded to shards). TP=4 adds no
+  attention case (one head per rank: no GQA) and would cost ~40 s of eager flex on 2 cores;
+- dropout on attention probabilities, which flex_attention lacks, falls back to the dense path
+  bit for bit; right-padded batches stay on SDPA's mask-free causal path.
+
+On CPU torch 2.13's flex_attention refuses backward at its entry, though its eager
+implementation (the reference its GPU kernel is tested against) has one: `flex_on_cpu` lifts
+that check and runs it eagerly (compiled it would cost ~25 s per process). On a GPU the shipped
+path, compiled, is checked against the dense one as well.
+"""
+import dataclasses
+import warnings
+from contextlib import contextmanager, nullcontext
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+from torch.testing import assert_close
+
+from megalite.model import GPT, doc_attention
+from megalite.model.layout import sequence_layout
+from megalite.parallel.state import ParallelState
+from tests.harness import run_distributed
+from tests.models import CONFIGS, PAD_ID, padded_batch
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+# An odd length (sequence parallelism pads it to shards), and one past the 128-token block.
+LENGTHS = (13, 130)
+
+
+@contextmanager
+def flex_on_cpu():
+    """Layouts and attention take the flex path on CPU; yields the functions it compiled (run
+    eagerly here), to show that it ran."""
+    used = []
+    with mock.patch.object(doc_attention, "FLEX_DEVICES", ("cuda", "cpu")), \
+            mock.patch.object(doc_attention, "_compiled", lambda fn: used.append(fn) or fn), \
+            mock.patch.object(torch_flex, "_validate_device", lambda *tensors: None), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        yield used
+
+
+def config(name: str, seq: int, **overrides):
+    # A multiple of 32: sequence parallelism needs one of tp.
+    return dataclasses.replace(CONFIGS[name], max_seq_len=32 * -(-seq // 32), **overrides)
+
+
+def packed_batch(vocab_size: int, seq: int, seed: int = 0) -> tuple:
+    """ids, attention mask, doc ids, labels of 4 packed rows: documents cut at random places
+    (so they cross rows); row 2 ends in pads that share its last document's id, row 3 starts
+    with pads sharing its first document's id and ends in pads of their own."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (4, seq), generator=generator)
+    starts = torch.rand(4, seq, generator=generator) < 0.25
+    starts[:, 0] = True
+    docs = starts.long().cumsum(-1)
+    mask = torch.ones(4, seq, dtype=torch.long)
+    mask[2, -3:] = 0
+    docs[2, -3:] = docs[2, -4]
+    mask[3, :2] = 0
+    docs[3, :3] = docs[3, 2]
+    mask[3, -4:] = 0
+    docs[3, -4:] = docs[3, -5] + 1
+    ids[mask == 0] = PAD_ID
+    follows = (docs[:, 1:] == docs[:, :-1]) & mask[:, 1:].bool() & mask[:, :-1].bool()
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:].masked_fill(~follows, -100)
+    return ids, mask, docs, labels
+
+
+def reference_mask(mask: torch.Tensor | None, docs: torch.Tensor) -> torch.Tensor:
+    """Query q sees key k when k is a real token of q's document at or before q; every query
+    sees itself (else a pad query's softmax row would be empty: NaN)."""
+    seq = docs.shape[1]
+    real = torch.ones_like(docs, dtype=torch.bool) if mask is None else mask.bool()
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    same_doc = docs[:, :, None] == docs[:, None, :]
+    return ((causal & same_doc & real[:, None, :]) | torch.eye(seq, dtype=torch.bool)).unsqueeze(1)
+
+
+@pytest.mark.parametrize("seq", LENGTHS)
+def test_the_dense_mask_is_the_document_causal_rule(seq):
+    ids, mask, docs, _ = packed_batch(100, seq)
+    mask[1] = 0  # a fully padded row
+    # Sequence parallelism's padding to shards: a pad token with a document (-1) of its own.
+    sp = [torch.nn.functional.pad(t, (0, 1), value=v) for t, v in ((ids, 0), (mask, 0), (docs, -1))]
+    for ids_, mask_, docs_ in [(ids, mask, docs), (ids, None, docs), sp, (sp[0], None, sp[2])]:
+        layout = sequence_layout(ids_, mask_, docs_)
+        assert layout.block_mask is None
+        assert torch.equal(layout.mask, reference_mask(mask_, docs_))
+
+
+def test_packed_rows_carry_a_block_mask_where_flex_runs_and_right_padding_no_mask():
+    ids, mask, docs, _ = packed_batch(100, 13)
+    right_ids, right_mask, _ = padded_batch(CONFIGS["gpt2"], "right")
+    with flex_on_cpu():
+        packed = sequence_layout(ids, mask, docs)
+        assert packed.mask is None and packed.block_mask is not None
+        assert packed.block_mask.seq_lengths == (13, 13)
+        for layout in (sequence_layout(right_ids, right_mask), sequence_layout(right_ids)):
+            assert layout.mask is None and layout.block_mask is None
+
+
+def unmasked(batch: tuple) -> tuple:
+    """The batch as the trainer passes packed rows: doc ids, no attention mask."""
+    ids, _, docs, labels = batch
+    return ids, None, docs, labels
+
+
+def run(model: GPT, batch: tuple) -> tuple:
+    """Logits, per-token losses and gradients of one forward and backward."""
+    ids, mask, docs, labels = batch
+    out = model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+    out.token_losses.sum().backward()
+    return out.logits.detach(), out.token_losses.detach(), {
+        name: p.grad for name, p in model.named_parameters()}
+
+
+def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False, seed: int = 3):
+    """`exact`: bit for bit, for the dropout fallback, which runs the dense path itself."""
+    results = []
+    for flex in (False, True):
+        with flex_on_cpu() if flex else nullcontext() as used:
+            torch.manual_seed(seed)  # dropout: the same masks both times
+            results.append(run(GPT(cfg, ps, seed=seed), batch))
+        if flex:
+            assert (torch_flex.flex_attention in used) == (not exact)
+    (logits, losses, grads), (flex_logits, flex_losses, flex_grads) = results
+    assert torch.isfinite(logits).any(-1).all()
+    tol = dict(atol=0, rtol=0) if exact else TOL
+    assert_close(flex_logits, logits, **tol)
+    assert_close(flex_losses, losses, **tol)
+    for name, grad in grads.items():
+        assert_close(flex_grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+# Each config at each length, with and without an attention mask: eager flex costs ~0.3 s of
+# CPU per forward and backward, too much for every combination.
+@pytest.mark.parametrize("config_name, seq, masked", [
+    ("gpt2", 13, True), ("gpt2", 130, False), ("llama", 13, False), ("llama", 130, True)])
+def test_flex_equals_dense_single_process(config_name, seq, masked):
+    cfg = config(config_name, seq)
+    batch = packed_batch(cfg.vocab_size, seq)
+    flex_equals_dense(cfg, ParallelState(), batch if masked else unmasked(batch))
+
+
+def test_attention_dropout_falls_back_to_the_dense_path_exactly():
+    cfg = config("llama", 13, dropout=0.2)
+    flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
+
+
+def check_flex_equals_dense_at_tp2():
+    """Both configs in one launch (each costs seconds): heads split; sequence parallelism, the
+    length 13 padded to 14 inside the model (the trainer's unmasked rows: the pad is a real
+    token of document -1); attention dropout, each rank dropping with its own generator."""
+    for name in sorted(CONFIGS):
+        cfg = config(name, 13)
+        batch = packed_batch(cfg.vocab_size, 13)
+        flex_equals_dense(cfg, ParallelState.from_world(2), batch)
+        flex_equals_dense(cfg, ParallelState.from_world(2, sequence_parallel=True), unmasked(batch))
+        flex_equals_dense(dataclasses.replace(cfg, dropout=0.2), ParallelState.from_world(2),
+                          batch, exact=True)
+
+
+def test_flex_equals_dense_tensor_and_sequence_parallel():
+    run_distributed(check_flex_equals_dense_at_tp2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_compiled_flex_on_gpu_equals_dense(config_name):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = config(config_name, 130)
+    batch = [t.cuda() for t in packed_batch(cfg.vocab_size, 130)]
+    ps = ParallelState(device=torch.device("cuda"))
+    flex = run(GPT(cfg, ps, seed=3), batch)
+    with mock.patch.object(doc_attention, "FLEX_DEVICES", ()):
+        dense = run(GPT(cfg, ps, seed=3), batch)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    for got, expected in zip(flex[:2], dense[:2]):
+        assert_close(got, expected, **tol)
+    for name, grad in dense[2].items():
+        assert_close(flex[2][name], grad, **tol, msg=lambda m: f"{name}: {m}")
