@@ -46,7 +46,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    # auto: bf16 autocast on GPU, fp32 on CPU. bf16: autocast over fp32 weights. pure_bf16
+    # (engine=native): bf16 weights and activations, fp32 masters, Adam and gradient sums.
+    precision: Literal["auto", "fp32", "bf16", "pure_bf16"] = "auto"
     activation_checkpointing: bool = False
     # Tokens per chunk of the fused LM head + loss, which holds chunk x padded_vocab / tp fp32
     # logits at a time (and never the whole batch's): lower it if memory is tight.

@@ -201,7 +201,7 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
     meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
             "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
     writer.save(run_dir, step, model, engine.moments, rng, meta, cfg.train.keep_checkpoints,
-                tokenizer=data.directory / "tokenizer.json")
+                tokenizer=data.directory / "tokenizer.json", weight=engine.master)
 
 
 @torch.no_grad()

@@ -90,7 +90,8 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
         "compile": t.compile, "batch": batch,
-        "precision": "bf16" if isinstance(autocast, torch.autocast) else "fp32",
+        "precision": t.precision if t.precision != "auto" else
+                     ("bf16" if isinstance(autocast, torch.autocast) else "fp32"),
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "seq_len": seq, "layers": cfg.model.n_layers, "hidden": cfg.model.hidden,
         "matmul_params": matmul_params(cfg.model), "flops_per_token": flops,

@@ -204,10 +204,11 @@ class GPT(nn.Module):
             logits = logits.masked_fill(padding, float("-inf"))
         return logits
 
-    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """dtype: the keys' and values' (default: the parameters', as the projections make them)."""
         attention = self.blocks[0].attn
         return KVCache(self.cfg.n_layers, batch, attention.kv_heads, max_len, attention.head_dim,
-                       self.pstate.device, dtype)
+                       self.pstate.device, dtype or self.head_weight.dtype)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocab columns of `logits` (a collective over TP), the padding stripped."""

@@ -36,6 +36,7 @@ from megalite.typed_config import ConfigError
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 Moments = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
+Weight = Callable[[torch.nn.Parameter], torch.Tensor]
 
 
 class CheckpointError(RuntimeError):
@@ -85,10 +86,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
-                    keep: int, tokenizer: Path | None = None) -> Path:
+                    keep: int, tokenizer: Path | None = None, weight: Weight = lambda p: p) -> Path:
     """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
     with CheckpointWriter(pstate) as writer:
-        path = writer.save(run_dir, step, model, moments, rng_state, meta, keep, tokenizer)
+        path = writer.save(run_dir, step, model, moments, rng_state, meta, keep, tokenizer, weight)
         writer.finish()
     return path
 
@@ -123,12 +124,14 @@ class CheckpointWriter:
 
     def save(self, run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
              rng_state: dict[str, torch.Tensor], meta: dict, keep: int,
-             tokenizer: Path | None = None) -> Path:
+             tokenizer: Path | None = None, weight: Weight = lambda p: p) -> Path:
         """Start saving; return the directory the checkpoint will have once written.
 
         `moments(p)`: this rank's slice of each Adam moment of p (the engine's `moments`; it
         may be a collective, so every rank asks for every parameter in the same order).
-        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
+        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained.
+        `weight(p)`: the value saved for p (the engine's `master`: the fp32 master weight of a
+        bf16 parameter under train.precision=pure_bf16, else p itself)."""
         self.finish()
         pstate = self.pstate
         root = Path(run_dir) / "checkpoints"
@@ -151,7 +154,7 @@ class CheckpointWriter:
 
         # The gathers are collectives: every rank takes its part, here, in the same order.
         files = {"model": {}, "optimizer": {}}
-        for file, name, tensor in _gather_full_state(model, moments, pstate):
+        for file, name, tensor in _gather_full_state(model, moments, weight, pstate):
             files[file][name] = self._to_host(f"{file}/{name}", tensor)
         copied = None
         if pstate.device.type == "cuda":
@@ -207,7 +210,8 @@ def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | No
         shutil.rmtree(old)
 
 
-def _gather_full_state(model, moments: Moments, pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _gather_full_state(model, moments: Moments, weight: Weight,
+                       pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
     """("model" | "optimizer", name, full tensor on the device) on rank 0, after every rank
     took its part in each gather."""
     for name, p in model.named_parameters():
@@ -215,7 +219,7 @@ def _gather_full_state(model, moments: Moments, pstate) -> Iterator[tuple[str, s
         if pstate.dp_rank != 0:  # DP replicas hold the same: one TP group gathers, rank 0 writes
             continue
         shard = shard_of(p)
-        full = gather_full(p.detach(), shard, pstate)
+        full = gather_full(weight(p).detach(), shard, pstate)
         gathered = {m: gather_full(t, shard, pstate) for m, t in local.items()}
         if pstate.is_main:
             yield "model", name, full

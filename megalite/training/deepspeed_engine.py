@@ -75,6 +75,10 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, tp: int, world: int 
     """Every way engine=deepspeed can be misconfigured, before any process group exists."""
     if train.engine != "deepspeed":
         return
+    if train.precision == "pure_bf16":
+        raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
+                          "masters live in its own engine): set train.engine=native, or use "
+                          "train.precision=bf16 with train.engine=deepspeed")
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
                           "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "

@@ -11,6 +11,9 @@ native (the default): the bucketed all-reduce overlapped with backward and the T
 clipping of grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
 (deepspeed_engine.py). Both keep the Adam moments readable whole per parameter (`moments`,
 `load_moments`), so checkpoints stay layout- and engine-independent.
+
+train.precision=pure_bf16 (native only): the engine keeps fp32 masters of the then bf16 model
+(mixed_precision.py); `master(p)` is the fp32 weight a checkpoint saves for model parameter p.
 """
 from __future__ import annotations
 
@@ -25,14 +28,20 @@ from megalite.model import GPT
 from megalite.run_config import Config, TrainConfig
 from megalite.training.checkpoint import MOMENTS
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
+from megalite.training.mixed_precision import MasterWeights
 from megalite.training.optim import build_optimizer
 
 
 class AdamEngine:
     """What both engines share: a torch AdamW (`self.optimizer`, set by the subclass), its
-    learning rate, and its moments read and set per parameter."""
+    learning rate, and its moments read and set per model parameter."""
 
     optimizer: torch.optim.Optimizer
+
+    def master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The tensor the optimizer steps for model parameter p (and its full-precision weight):
+        p itself, but for pure_bf16's fp32 master."""
+        return p
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -40,7 +49,7 @@ class AdamEngine:
 
     def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         """This rank's slice of each Adam moment of p (none before the first step)."""
-        state = self.optimizer.state.get(p, {})
+        state = self.optimizer.state.get(self.master(p), {})
         return {m: state[m] for m in MOMENTS if m in state}
 
     def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
@@ -49,7 +58,8 @@ class AdamEngine:
         # (fused or not) expects.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(params)}
-        state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in moments}
+        state = {index[id(self.master(p))]: {"step": torch.tensor(float(step)), **tensors}
+                 for p, tensors in moments}
         self.optimizer.load_state_dict({"state": state,
                                         "param_groups": self.optimizer.state_dict()["param_groups"]})
 
@@ -59,9 +69,20 @@ class NativeEngine(AdamEngine):
                  parallel: ParallelConfig = ParallelConfig()):
         self.model = self.module = model
         self.cfg, self.pstate = cfg, pstate
-        self.optimizer = build_optimizer(model, cfg, pstate.device)
-        self.grad_sync = DataParallelGradSync(model, pstate, parallel.dp_bucket_mb,
-                                              parallel.dp_reduce_dtype)
+        # Built after the weights are loaded (train.py), so the masters take the checkpoint's
+        # fp32 values, not their bf16 rounding.
+        self.masters = MasterWeights(model) if cfg.precision == "pure_bf16" else None
+        # What the optimizer steps, the DP sync sums and the clipping scales.
+        self.trained = model if self.masters is None else self.masters
+        self.optimizer = build_optimizer(self.trained, cfg, pstate.device)
+        self.grad_sync = DataParallelGradSync(self.trained, pstate, parallel.dp_bucket_mb,
+                                              parallel.dp_reduce_dtype,
+                                              hooks=self.masters is None)
+        if self.masters is not None:
+            self.masters.accumulate_grads(then=self.grad_sync.grad_ready)
+
+    def master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        return p if self.masters is None else self.masters.master(p)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         if last:
@@ -72,9 +93,12 @@ class NativeEngine(AdamEngine):
 
     def step(self) -> torch.Tensor:
         self.grad_sync.wait()
-        norm = clip_grad_norm_(self.model, self.cfg.grad_clip, self.pstate)
+        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # The masters' gradients are kept fp32 buffers (the DP buckets' slots): zeroed in place.
+        self.optimizer.zero_grad(set_to_none=self.masters is None)
+        if self.masters is not None:
+            self.masters.copy_to_model()
         return norm
 
 
@@ -94,7 +118,8 @@ def build_model(cfg: Config, pstate: ParallelState) -> GPT:
 
 
 def autocast_for(device: torch.device, precision: str):
-    """bf16 autocast for precision=bf16, or auto on a GPU; otherwise fp32 (no context)."""
+    """bf16 autocast for precision=bf16, or auto on a GPU; otherwise no context: fp32, or
+    pure_bf16, whose parameters are bf16 already."""
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 

@@ -14,7 +14,6 @@ held by c copies (GQA's KV heads) counts 1/c per copy.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -73,14 +72,19 @@ class Bucket:
 
 class DataParallelGradSync:
     """Sums gradients over the DP group: bucket by bucket, from backward's hooks on the last
-    micro-batch; `wait` finishes the step's reduction."""
+    micro-batch; `wait` finishes the step's reduction.
+
+    hooks=False: backward does not fill these gradients (pure_bf16's fp32 masters), so the
+    caller calls `grad_ready(p)` once it has accumulated each p.grad.
+    """
 
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
-                 reduce_dtype: str = "fp32"):
+                 reduce_dtype: str = "fp32", hooks: bool = True):
         self.group = pstate.dp_group
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
         self.buckets: list[Bucket] = []
+        self.slot_of: dict[int, tuple[Bucket, int]] = {}
         self.started = 0
         self.pending: list = []
         if group_size(self.group) > 1:
@@ -88,9 +92,16 @@ class DataParallelGradSync:
             self.buckets = [Bucket(b) for b in bucket_params(params, bucket_mb * MIB)]
             for bucket in self.buckets:
                 for index, p in enumerate(bucket.params):
-                    p.register_post_accumulate_grad_hook(partial(self._on_grad, bucket, index))
+                    self.slot_of[id(p)] = (bucket, index)
+                    if hooks:
+                        p.register_post_accumulate_grad_hook(self.grad_ready)
 
-    def _on_grad(self, bucket: Bucket, index: int, p: torch.Tensor) -> None:
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """p.grad holds this micro-batch's gradient: make it p's slot, and on the last
+        micro-batch start the buckets that are now full."""
+        if id(p) not in self.slot_of:  # DP=1: nothing to reduce
+            return
+        bucket, index = self.slot_of[id(p)]
         bucket.adopt(index)
         if self.active:
             bucket.ready.add(index)

@@ -1,0 +1,68 @@
+"""train.precision=pure_bf16, Megatron's mixed precision: bf16 weights and activations, fp32
+wherever numbers accumulate.
+
+The model's parameters are bf16, so forward and backward run in bf16 without autocast. Each
+parameter has an fp32 master copy: the optimizer steps the masters (its Adam moments are fp32
+too) and checkpoints save them. Each bf16 gradient is added into its master's fp32 gradient as
+soon as backward has accumulated it, then freed, so micro-batches accumulate in fp32 and the DP
+all-reduce and the clipping norm see fp32 sums. After each step the model takes the masters
+rounded to bf16.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megalite.parallel.sharding import mark_sharded, shard_of
+
+
+class MasterWeights(nn.Module):
+    """fp32 masters of a model's parameters, copied from its weights as they are now (fp32),
+    after which the model's parameters are cast to bf16 in place.
+
+    A module whose parameters carry the model's TP shards, so the optimizer, the DP sync and the
+    clipping take it as they take the model. Each master's gradient is a kept fp32 buffer (zero
+    it in place, never set it to None): backward's hooks add into it.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model_params = list(model.parameters())
+        self.params = nn.ParameterList()
+        for p in self.model_params:
+            master = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+            shard = shard_of(p)
+            if shard is not None:
+                mark_sharded(master, shard.dim, shard.index, shard.count)
+            master.grad = torch.zeros_like(master)
+            self.params.append(master)
+            # Parameters only: buffers such as the rotary frequencies stay fp32.
+            p.data = p.data.to(torch.bfloat16)
+        self.by_model_param = {id(p): m for p, m in zip(self.model_params, self.params)}
+
+    def master(self, p: torch.Tensor) -> nn.Parameter:
+        """The fp32 master of model parameter p."""
+        return self.by_model_param[id(p)]
+
+    def accumulate_grads(self, then: Callable[[nn.Parameter], None]) -> None:
+        """From now on, as soon as backward has accumulated a model parameter's gradient, add it
+        into its master's gradient, free it, and call then(master)."""
+        for p, master in zip(self.model_params, self.params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(partial(_accumulate, master, then))
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Set the model's parameters to the masters rounded to bf16 (to nearest even)."""
+        for p, master in zip(self.model_params, self.params):
+            p.copy_(master)
+
+
+def _accumulate(master: nn.Parameter, then: Callable[[nn.Parameter], None],
+                p: torch.Tensor) -> None:
+    master.grad.add_(p.grad)
+    p.grad = None
+    then(master)

@@ -1,0 +1,191 @@
+"""train.precision=pure_bf16 (training/mixed_precision.py): bf16 model, fp32 masters, Adam and
+gradient sums.
+
+Over a few optimizer steps, single-process and at TP2xDP2 with 2 accumulation micro-batches, the
+loss follows bf16 autocast's to bf16 tolerance; the model's parameters are bf16, the masters,
+their gradients and Adam's moments fp32; micro-batch gradients are summed in fp32; after each
+step the model holds the masters rounded to bf16, exactly. At TP1xDP2 the synced master
+gradients are the per-rank ones summed. DeepSpeed refuses the mode before launch. Through the
+trainer, checkpoints hold the fp32 masters and resume exactly.
+"""
+import dataclasses
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from megalite.config import ModelConfig
+from megalite.data.batches import Batch
+from megalite.model import GPT
+from megalite.parallel.state import ParallelState
+from megalite.run_config import TrainConfig
+from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.training.engine import NativeEngine, autocast_for, train_step
+from megalite.training.mixed_precision import MasterWeights
+from megalite.typed_config import ConfigError
+from tests.harness import run_distributed
+from tests.models import CONFIGS, padded_batch
+
+# The global batch: 2 micro-batches of 2 rows per DP rank at DP2.
+LENGTHS = (12, 7, 3, 10, 5, 9, 11, 4)
+STEPS = 3
+# The loss is ~4.6 (log of the vocabulary). pure_bf16 differs from autocast by rounding the
+# weights and every activation between ops to bf16 (unit roundoff 2^-9 each) where autocast
+# keeps them fp32; over 3 steps that moves the mean token loss by ~3e-3 here (0.07%), while a
+# real bug (an unsynced or unscaled gradient, a skipped update) moves it by more than 0.1.
+LOSS_TOLERANCE = 0.01
+
+
+def config(name: str) -> ModelConfig:
+    return dataclasses.replace(CONFIGS[name], dropout=0.0)  # no dropout: the runs are comparable
+
+
+def micro_batches(cfg: ModelConfig, ps: ParallelState) -> tuple[list[Batch], torch.Tensor]:
+    """This DP rank's 2 micro-batches of the global batch, and the global batch's token count."""
+    ids, _, labels = padded_batch(cfg, "right", LENGTHS)
+    per_rank = len(LENGTHS) // ps.dp_size
+    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
+    batches = [Batch(x, y) for x, y in zip(ids[rows].chunk(2), labels[rows].chunk(2))]
+    return batches, (labels != -100).sum().float()
+
+
+def train(name: str, ps: ParallelState, precision: str) -> tuple[list[float], NativeEngine]:
+    """The global loss of each of STEPS optimizer steps on the same batch, and the engine."""
+    cfg = config(name)
+    engine = NativeEngine(GPT(cfg, ps, seed=0), TrainConfig(precision=precision), ps)
+    autocast = autocast_for(ps.device, precision)
+    losses = []
+    for _ in range(STEPS):
+        engine.set_lr(1e-2)
+        batches, n_tokens = micro_batches(cfg, ps)
+        loss, _ = train_step(engine, batches, n_tokens, autocast)
+        if ps.dp_size > 1:
+            dist.all_reduce(loss, group=ps.dp_group)
+        losses.append(loss.item())
+        check_model_is_the_rounded_masters(engine)
+    return losses, engine
+
+
+def check_model_is_the_rounded_masters(engine: NativeEngine) -> None:
+    for p in engine.model.parameters():
+        master = engine.master(p)
+        if engine.masters is None:
+            assert master is p
+            continue
+        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert p.grad is None and master.grad.dtype == torch.float32
+        assert torch.equal(p.detach(), master.detach().bfloat16())
+        assert all(m.dtype == torch.float32 for m in engine.moments(p).values())
+        assert engine.moments(p)
+
+
+def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:
+    fp32, _ = train(name, ps, "fp32")
+    autocast, _ = train(name, ps, "bf16")
+    pure, _ = train(name, ps, "pure_bf16")
+    assert fp32[-1] < fp32[0] and pure[-1] < pure[0]  # it trains
+    assert_close(torch.tensor(pure), torch.tensor(autocast), atol=LOSS_TOLERANCE, rtol=0)
+    assert_close(torch.tensor(pure), torch.tensor(fp32), atol=LOSS_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_pure_bf16_trains_like_autocast_single_process(name):
+    check_losses_follow_autocast(name, ParallelState())
+
+
+def test_pure_bf16_trains_like_autocast_at_tp2xdp2():
+    run_distributed(check_tp2xdp2, 4)
+
+
+def check_tp2xdp2() -> None:
+    check_losses_follow_autocast("llama", ParallelState.from_world(2))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_micro_batch_gradients_are_summed_in_fp32(name):
+    """The masters' gradient after 2 micro-batches is the fp32 sum of each one's bf16 gradient,
+    exactly, and the gradient of one micro-batch of both to bf16 rounding."""
+    cfg, ps = config(name), ParallelState()
+    engine = NativeEngine(GPT(cfg, ps, seed=0), TrainConfig(precision="pure_bf16"), ps)
+    model, params = engine.model, list(engine.model.parameters())
+    batches, n_tokens = micro_batches(cfg, ps)
+
+    def bf16_grads(batch: Batch) -> list[torch.Tensor]:
+        loss = model(batch.input_ids, labels=batch.labels).token_losses.sum() / n_tokens
+        return torch.autograd.grad(loss, params)
+
+    each = [bf16_grads(b) for b in batches]
+    both = bf16_grads(Batch(torch.cat([b.input_ids for b in batches]),
+                            torch.cat([b.labels for b in batches])))
+    for i, batch in enumerate(batches):
+        loss = model(batch.input_ids, labels=batch.labels).token_losses.sum() / n_tokens
+        engine.backward(loss, last=i == 1)
+    bf16_sums_differ = False
+    for p, g0, g1, g in zip(params, *each, both):
+        main = engine.master(p).grad
+        assert g0.dtype == torch.bfloat16 and main.dtype == torch.float32 and p.grad is None
+        assert torch.equal(main, g0.float() + g1.float())
+        bf16_sums_differ |= not torch.equal(main, (g0 + g1).float())
+        # Both are bf16 backward passes, whose roundings (2^-9 relative each) differ with the
+        # batch shape: equal as a whole to a few bf16 roundings, not element by element.
+        assert (main - g.float()).norm() <= 2**-6 * main.norm(), p.shape
+    assert bf16_sums_differ  # so the check above tells fp32 from bf16 accumulation
+    engine.step()
+    check_model_is_the_rounded_masters(engine)
+
+
+def check_dp_sync_sums_master_gradients() -> None:
+    ps = ParallelState.from_world(1)
+    cfg = config("llama")
+    engine = NativeEngine(GPT(cfg, ps, seed=0), TrainConfig(precision="pure_bf16"), ps)
+    # The same model and masters without the DP sync: this rank's gradients alone.
+    alone = GPT(cfg, ps, seed=0)
+    masters = MasterWeights(alone)
+    masters.accumulate_grads(then=lambda master: None)
+    batches, n_tokens = micro_batches(cfg, ps)
+    for i, batch in enumerate(batches):
+        for model, backward in ((engine.model, lambda loss: engine.backward(loss, last=i == 1)),
+                                (alone, torch.Tensor.backward)):
+            backward(model(batch.input_ids, labels=batch.labels, loss_scale=1.0 / n_tokens).loss)
+    engine.grad_sync.wait()
+    for p, q in zip(engine.model.parameters(), alone.parameters()):
+        expected = masters.master(q).grad.clone()
+        dist.all_reduce(expected, group=ps.dp_group)
+        assert torch.equal(engine.master(p).grad, expected)
+        assert not torch.equal(engine.master(p).grad, masters.master(q).grad)
+
+
+def test_dp_sync_sums_the_master_gradients_at_tp1xdp2():
+    run_distributed(check_dp_sync_sums_master_gradients, 2)
+
+
+def test_deepspeed_refuses_pure_bf16_before_launch():
+    train_cfg = TrainConfig(engine="deepspeed", precision="pure_bf16", global_batch_size=16,
+                            micro_batch_size=4)
+    with pytest.raises(ConfigError, match="train.precision=pure_bf16 needs train.engine=native"):
+        check_deepspeed(train_cfg, ModelConfig(), 2, 4)
+
+
+def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
+    """Through megalite.train: the checkpoint holds the fp32 master weights (not the bf16
+    model), a run resumed from it continues with the uninterrupted run's losses, and sampling
+    (bf16 KV cache) works at the end."""
+    from tests.test_train import common, losses, train_run
+    run = common(cache, tmp_path / "a", "packed") + ["train.precision=pure_bf16", "train.max_steps=6",
+                                                      "train.checkpoint_every=3"]
+    train_run(1, run)
+    step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
+    weights = load_file(step3 / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    # Masters that were only ever rounded bf16 would fit in bf16 exactly.
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in weights.values())
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step3, tmp_path / "b" / "checkpoints" / step3.name)
+    train_run(1, [arg.replace(str(tmp_path / "a"), str(tmp_path / "b")) for arg in run])
+    resumed = losses(tmp_path / "b")
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {s: v for s, v in losses(tmp_path / "a").items() if s > 3}
+    assert (tmp_path / "b" / "samples.txt").read_text()
