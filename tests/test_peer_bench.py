@@ -44,3 +44,37 @@ def test_largest_micro_batch_search(capacity, limit, expected):
         return b <= capacity
     assert largest_micro_batch(fits, limit) == expected
     assert len(tried) <= 2 * limit.bit_length() + 1
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama"])
+def test_hf_gets_the_same_packed_rows_as_megalite(preset):
+    """What peer-bench --batch packed gives HF (a 4D document mask, positions per document,
+    shifted labels) makes HF compute megalite's logits and loss on the same weights."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from megalite.bench.peer import hf_inputs, rows_of
+    from megalite.config import load_model_config
+    from megalite.hf.convert import exportable_as
+    from megalite.model import GPT
+    from megalite.parallel.state import ParallelState
+    cfg = load_model_config("tiny", vocab_size=300, max_seq_len=64)
+    if preset == "llama":
+        cfg = dataclasses.replace(cfg, n_kv_heads=2, activation="swiglu", norm="rmsnorm",
+                                  position="rotary", bias=False, tie_embeddings=False, ffn_hidden=96)
+    model = GPT(cfg, ParallelState(), seed=0)
+    _, arch = exportable_as(cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**arch.config_to_hf(cfg, {})), attn_implementation="sdpa")
+    hf.load_state_dict(arch.weights_to_hf({n: p.detach() for n, p in model.named_parameters()}, cfg),
+                       strict=False)
+    rows = rows_of(cfg, 48, 3, "packed", torch.device("cpu"))
+    assert rows.doc_ids is not None and len(rows.doc_ids[0].unique()) > 2
+    ours = model(rows.input_ids, doc_ids=rows.doc_ids, labels=rows.labels)
+    theirs = hf(**hf_inputs(rows))
+    torch.testing.assert_close(theirs.logits, ours.logits[..., :cfg.vocab_size], atol=1e-5, rtol=1e-5)
+    # HF has no label for the last position (it shifts); the rest is megalite's mean loss.
+    kept = rows.labels[:, :-1] != -100
+    torch.testing.assert_close(theirs.loss, ours.token_losses[:, :-1][kept].mean(), atol=1e-5, rtol=1e-5)

@@ -10,9 +10,10 @@ attention, the same random token rows, micro-batch, steps, AdamW with the same d
 flops_per_token). Warm-up steps are not timed; timed steps end with a device synchronisation.
 megalite steps through its trainer's own `train_step`; HF through `model(input_ids,
 labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are reported separately (`--compile`).
-The rows are full-length, one document each: HF's models with SDPA attention take no document
-boundaries, so packed rows would not be the same work for both; `megalite bench` times
-megalite's packed path (`batch: packed`).
+`--batch full` (default): one document per row. `--batch packed`: rows of several documents
+(bench/point.py's random_batches), megalite given their doc ids (FlexAttention on GPU, a dense
+mask on CPU), HF the same document-causal rule as a 4D boolean mask with per-document
+position_ids, which gives megalite's logits exactly (tests/test_peer_bench.py): the same work.
 `--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system;
 `--profile` adds where the time goes (bench/profile.py: top kernels, attention / matmul /
 elementwise / optimizer / communication / idle shares).
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megalite.bench.point import device_name
+from megalite.bench.point import device_name, random_batches
 from megalite.bench.profile import profile_steps
 from megalite.bench.timing import time_steps
 from megalite.bench.report import git_commit
@@ -36,8 +37,9 @@ from megalite.config import load_model_config
 from megalite.data.batches import Batch
 from megalite.hf.convert import exportable_as
 from megalite.model import GPT
+from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
-from megalite.run_config import TrainConfig
+from megalite.run_config import Config, DataConfig, TrainConfig
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.metrics import flops_per_token, peak_flops
 from megalite.training.optim import build_optimizer
@@ -46,16 +48,12 @@ from megalite.training.optim import build_optimizer
 def megalite_step(cfg, device, compiled: bool):
     model = GPT(cfg, ParallelState(device=device), seed=0)
     if compiled:
-        model.compile_blocks()  # as train.compile does
+        model.compile()  # as train.compile does
     engine = NativeEngine(model, TrainConfig(grad_clip=1.0), ParallelState(device=device))
     autocast = autocast_for(device, "auto")
-    n_tokens = None
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        nonlocal n_tokens
-        if n_tokens is None:  # made once: a tensor from a host number waits for the device
-            n_tokens = torch.tensor(float(ids.numel() - ids.shape[0]), device=device)
-        return train_step(engine, [Batch(ids[:, :-1], ids[:, 1:])], n_tokens, autocast)[0]
+    def step(batch: Batch) -> torch.Tensor:
+        return train_step(engine, [batch], batch.target_count().float(), autocast)[0]
     return step
 
 
@@ -69,10 +67,13 @@ def hf_step(cfg, device, compiled: bool):
     forward = torch.compile(model) if compiled else model
     autocast = autocast_for(device, "auto")
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        ids = ids[:, :-1]  # as long as megalite's rows; HF shifts the labels itself
+    inputs = {}
+
+    def step(batch: Batch) -> torch.Tensor:
+        if not inputs:  # made once: the rows do not change between steps
+            inputs.update(hf_inputs(batch))
         with autocast:
-            loss = forward(input_ids=ids, labels=ids).loss
+            loss = forward(**inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # megalite clips too
         optimizer.step()
@@ -81,21 +82,41 @@ def hf_step(cfg, device, compiled: bool):
     return step
 
 
+def hf_inputs(batch: Batch) -> dict:
+    """HF's arguments for megalite's rows: packed documents as the dense document-causal mask
+    (built on the CPU, where megalite's layout makes it dense) with positions restarting per
+    document; labels moved one position right, since HF shifts them itself."""
+    layout = sequence_layout(*(None if t is None else t.cpu() for t in
+                               (batch.input_ids, None, batch.doc_ids)))
+    device = batch.input_ids.device
+    return {"input_ids": batch.input_ids,
+            "attention_mask": None if layout.mask is None else layout.mask.to(device),
+            "position_ids": layout.positions.to(device),
+            "labels": torch.nn.functional.pad(batch.labels[:, :-1], (1, 0), value=-100)}
+
+
 SYSTEMS = {"megalite": megalite_step, "hf": hf_step}
 
 
+def rows_of(cfg, seq: int, micro: int, batch: str, device) -> Batch:
+    """One micro-batch of random rows, `full` or `packed`, as megalite bench makes them."""
+    run = Config(model=cfg, data=DataConfig(seq_len=seq),
+                 train=TrainConfig(micro_batch_size=micro, global_batch_size=micro))
+    return random_batches(run, 0, 1, batch)[0].to(device)
+
+
 def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: int,
-            compiled: bool, profiled: bool = False) -> dict:
+            compiled: bool, profiled: bool = False, batch: str = "full") -> dict:
     torch.manual_seed(0)
     step = SYSTEMS[system](cfg, device, compiled)
-    ids = torch.randint(0, cfg.vocab_size, (micro, seq + 1), device=device)
-    step_s, loss = time_steps(lambda: step(ids), device, warmup, steps)
+    rows = rows_of(cfg, seq, micro, batch, device)
+    step_s, loss = time_steps(lambda: step(rows), device, warmup, steps)
     # Of the timed steps (time_steps resets the counter before them), before profiling.
     peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    tokens_per_s = micro * seq / step_s
+    tokens_per_s = micro * seq / step_s  # every position is a real token, packed or not
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
-    summary = profile_steps(lambda: step(ids), device) if profiled else None
-    return {"system": system, "compile": compiled, "step_s": step_s, "tokens_per_s": tokens_per_s,
+    summary = profile_steps(lambda: step(rows), device) if profiled else None
+    return {"system": system, "compile": compiled, "batch": batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}
 
@@ -113,10 +134,11 @@ def largest_micro_batch(fits, limit: int = 1024) -> int:
     return low
 
 
-def _fits(system, cfg, device, seq, compiled):
+def _fits(system, cfg, device, seq, compiled, batch):
     def fits(micro: int) -> bool:
         try:
-            measure(system, cfg, device, seq, micro, warmup=1, steps=1, compiled=compiled)
+            measure(system, cfg, device, seq, micro, warmup=1, steps=1, compiled=compiled,
+                    batch=batch)
             return True
         except torch.cuda.OutOfMemoryError:
             return False
@@ -135,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", choices=["off", "on", "both"], default="off")
+    parser.add_argument("--batch", choices=["full", "packed"], default="full",
+                        help="one document per row, or several with their boundaries")
     parser.add_argument("--max-batch", action="store_true", help="also find the largest micro-batch (GPU)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 3 steps: top kernels, time per class, idle")
@@ -148,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     for compiled in modes:
         for system in SYSTEMS:
             row = measure(system, cfg, device, args.seq_len, args.micro_batch, args.warmup,
-                          args.steps, compiled, args.profile)
+                          args.steps, compiled, args.profile, args.batch)
             if args.max_batch and device.type == "cuda":
                 row["max_micro_batch"] = largest_micro_batch(
-                    _fits(system, cfg, device, args.seq_len, compiled))
+                    _fits(system, cfg, device, args.seq_len, compiled, args.batch))
             rows.append(row)
             print(f"{system:9s} compile={compiled!s:5s} {row['tokens_per_s']:>12,.0f} tokens/s "
                   f"mfu {row['mfu'] if row['mfu'] is not None else '-'}", flush=True)
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_commit": git_commit(),
               "command": "megalite peer-bench " + " ".join(sys.argv[1:] if argv is None else argv),
-              "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+              "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "batch": args.batch,
               "warmup": args.warmup, "steps": args.steps, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
