@@ -8,6 +8,7 @@ from typing import Literal, Optional
 
 import yaml
 
+from megalite.pipeline.stages import pipeline_problems
 from megalite.typed_config import ConfigError, from_dict
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
@@ -69,6 +70,13 @@ class ParallelConfig:
     dp_bucket_mb: float = 25.0
     # bf16 halves the DP traffic; the summed gradients are then rounded to bf16.
     dp_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Pipeline stages (Narayanan et al. 2021): world = tp x pp x dp. The schedule orders each
+    # rank's micro-batch forwards and backwards (pipeline/schedules.py); interleaved gives each
+    # rank `virtual_stages` model chunks. pp_layers: layers per virtual stage (default: even).
+    pp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = 1
+    pp_layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         if not self.dp_bucket_mb > 0:
@@ -96,17 +104,25 @@ def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
 
 
 def check_layout(model: ModelConfig | None, tp: int, world_size: int,
-                 sequence_parallel: bool = False) -> None:
-    """Raise ONE ConfigError listing every way `model` cannot run at this TP and world size.
+                 sequence_parallel: bool = False, pipeline: ParallelConfig | None = None,
+                 micro_batches: int | None = None) -> None:
+    """Raise ONE ConfigError listing every way `model` cannot run at this TP and world size
+    (and pipeline layout: `pipeline`'s pp keys, with `micro_batches` per step if known).
 
     Runs before any collective, so a bad config fails on every rank with the same message
     instead of deadlocking the ranks that did not fail.
     """
+    pp = 1 if pipeline is None else pipeline.pp
     problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
-    if tp >= 1 and world_size % tp:
-        problems.append(f"world size {world_size} is not divisible by parallel.tp={tp}: use "
-                        f"parallel.tp among {_divisors(world_size)} or launch a multiple of "
-                        f"{tp} processes")
+    if tp >= 1 and pp >= 1 and world_size % (tp * pp):
+        what = f"parallel.tp={tp}" if pp == 1 else f"parallel.tp x parallel.pp = {tp} x {pp}"
+        problems.append(f"world size {world_size} is not divisible by {what}: use "
+                        f"parallel.tp among {_divisors(world_size // pp or 1)} or launch a "
+                        f"multiple of {tp * pp} processes")
+    if pipeline is not None:
+        n_layers = None if model is None else model.n_layers
+        problems += pipeline_problems(n_layers, pp, pipeline.virtual_stages, pipeline.pp_layers,
+                                      pipeline.pp_schedule, micro_batches)
     if model is not None:
         bad_values = _model_value_problems(model)
         problems += bad_values

@@ -23,8 +23,10 @@ from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.state import ParallelState, init_parallel
+from megalite.pipeline.runner import forward_pipelined
 from megalite.run_config import Config, load_config, to_dict
-from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_moments
+from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
+                                          read_moments)
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import autocast_for, build_engine, build_model, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
@@ -122,14 +124,14 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             # Counted on the device: a tensor made from a host number would wait for it.
             n_tokens = all_reduce_dp(sum(b.target_count() for b in batches).float(), ps)
             model.train()
-            loss, grad_norm = train_step(engine, batches, n_tokens, autocast)
+            loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
             tokens += n_tokens
             interval_tokens += n_tokens
 
             done = step + 1
             logged = done % t.log_every == 0 or done == t.max_steps
             if logged:
-                loss_value = all_reduce_dp(loss, ps).item()  # waits for the device
+                loss_value = all_reduce_dp_pp(loss, ps).item()  # waits for the device
                 # Throughput since the last log: the real tokens trained on (padding excluded),
                 # all ranks together; MFU divides it by the peak of all devices.
                 tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
@@ -180,6 +182,15 @@ def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
+def all_reduce_dp_pp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The sum over DP ranks and pipeline stages: a loss, which only the last stage computes,
+    on every rank (so every rank and metrics.jsonl see the real value)."""
+    x = all_reduce_dp(x, ps)
+    if ps.pp_size > 1:
+        dist.all_reduce(x, group=ps.pp_group)
+    return x
+
+
 def resume(path: Path | None, model, ps: ParallelState) -> tuple[int, int]:
     """(step, tokens seen) to start from: (0, 0), or the checkpoint's, its weights and RNG
     state loaded (the optimizer's are loaded once the engine exists)."""
@@ -198,7 +209,7 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
                ps: ParallelState, data: PreparedData, tokens_seen: int) -> None:
     """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-    meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size}, "config": to_dict(cfg),
+    meta = {"layout": layout_of(ps), "config": to_dict(cfg),
             "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
     writer.save(run_dir, step, model, engine.moments, rng, meta, cfg.train.keep_checkpoints,
                 tokenizer=data.directory / "tokenizer.json", weight=engine.master)
@@ -214,12 +225,20 @@ def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int,
     model.eval()
     mine = np.array_split(np.arange(count), ps.dp_size)[ps.dp_rank]
     total = torch.zeros(2, device=ps.device)
-    for start in range(0, len(mine), cfg.train.micro_batch_size):
-        batch = val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
-        with autocast:
-            losses = model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels).token_losses
-        total += torch.stack([losses.sum().float(), batch.target_count().float()])
-    total = all_reduce_dp(total, ps)
+    batches = [val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
+               for start in range(0, len(mine), cfg.train.micro_batch_size)]
+
+    def add(micro: int, out) -> None:
+        total.add_(torch.stack([out.token_losses.sum().float(),
+                                batches[micro].target_count().float()]))
+
+    if ps.pp_size > 1:
+        forward_pipelined(model, batches, autocast, add)
+    else:
+        for i, batch in enumerate(batches):
+            with autocast:
+                add(i, model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels))
+    total = all_reduce_dp_pp(total, ps)
     val_loss = (total[0] / total[1]).item()
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow
     if metrics:
@@ -229,6 +248,11 @@ def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int,
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
     s, tok = cfg.sample, data.tokenizer
+    if ps.pp_size > 1:
+        if ps.is_main:
+            print("samples: generation runs without pipeline stages; sample from the final "
+                  "checkpoint: megalite generate --ckpt DIR --prompt TEXT", flush=True)
+        return
     lines = []
     for i, prompt in enumerate(s.prompts):
         # No bos: training documents start bare (and follow an eos in packed rows).

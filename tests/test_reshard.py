@@ -34,10 +34,14 @@ def test_tp2dp2_checkpoint_loads_and_continues_at_another_layout(tmp_path, cache
             else run_distributed(check_logits_at, world, tp, str(checkpoint), config)[0])
     assert_close(here, saved, atol=1e-6, rtol=1e-6)
 
-    resumed = tmp_path / f"tp{tp}"
+    resume_and_compare(cache, run_dir, checkpoint, tmp_path / f"tp{tp}", world, tp)
+
+
+def resume_and_compare(cache, original, checkpoint, resumed, world: int, tp: int) -> None:
+    """Train from `checkpoint` at TP=tp on `world` processes: the original run's next losses."""
     train_run(world, common(cache, resumed, "padded") + [
         f"parallel.tp={tp}", "train.micro_batch_size=2", f"train.resume={checkpoint}"])
-    expected, got = losses(run_dir), losses(resumed)
+    expected, got = losses(original), losses(resumed)
     assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
     for step in got:
-        assert abs(got[step] - expected[step]) <= 1e-5, (step, got[step], expected[step])
+        assert abs(got[step] - expected[step]) <= 1e-5, (tp, step, got[step], expected[step])

@@ -110,8 +110,10 @@ def test_one_bad_byte_marks_only_its_own_document(tmp_path):
 def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-         "megalite.train", *small_args(tmp_path, "/no/such/corpus.txt", "train.global_batch_size=4")],
+        # Polled every 2 s (not 0.1 s), torchrun lets the second rank print its error before it
+        # stops the group for the first rank's exit.
+        [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "2",
+         "--nproc_per_node", "2", "-m", "megalite.train", *small_args(tmp_path, "/no/such/corpus.txt", "train.global_batch_size=4")],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0, done.stdout + done.stderr
     assert (done.stdout + done.stderr).count("data.path '/no/such/corpus.txt' does not exist") >= 2

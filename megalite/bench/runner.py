@@ -100,6 +100,9 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
             batch = cfg.train.global_batch_size * dp
             point.overrides.append(f"train.global_batch_size={batch}")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=batch))
+        if cfg.parallel.pp > 1:
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp}: bench points with pipeline stages "
+                              f"are not built yet; bench at parallel.pp=1")
         point.world = cfg.parallel.tp * dp
         check_batch_layout(cfg, point.world)
         check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, point.world)

@@ -30,6 +30,12 @@ What is split how:
 | mlp.down              | input (ffn)                 | all-reduce forward (g)     |
 | head (or tied embed)  | vocab rows                  | f: all-reduce backward     |
 | norms, positions, row-parallel biases | replicated  | none; SP: grads all-reduced |
+
+Pipeline parallelism (pstate.pp_size > 1) builds only this rank's model chunks
+(pipeline/stages.py): its blocks keep their global layer numbers, so parameter names, init and
+checkpoints are those of the whole model. The first virtual stage embeds, the last holds the
+final norm and the head; with tied embeddings the last stage holds its own copy of the
+embedding, identical at init (drawn by name), whose gradient is summed with the first stage's.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ from megalite.parallel.mappings import (all_gather, copy_to_tensor_parallel_regi
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import IGNORE_INDEX, VocabParallelEmbedding
+from megalite.pipeline.stages import chunks_of
 
 
 class Output:
@@ -68,12 +75,14 @@ class Output:
     token_losses: [batch, seq], 0 where labels == -100 (None without labels); differentiable
         unless a loss_scale was given.
     loss: with loss_scale, sum(token_losses) * loss_scale, differentiable.
+    hidden: a model chunk's output for the next pipeline stage (and nothing else then).
     """
 
-    def __init__(self, make_logits: Callable[[], torch.Tensor],
-                 token_losses: torch.Tensor | None = None, loss: torch.Tensor | None = None):
+    def __init__(self, make_logits: Callable[[], torch.Tensor] | None = None,
+                 token_losses: torch.Tensor | None = None, loss: torch.Tensor | None = None,
+                 hidden: torch.Tensor | None = None):
         self._make_logits, self._logits = make_logits, None
-        self.token_losses, self.loss = token_losses, loss
+        self.token_losses, self.loss, self.hidden = token_losses, loss, hidden
 
     @property
     def logits(self) -> torch.Tensor:
@@ -104,28 +113,46 @@ class Block(nn.Module):
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
 
 
+class Layers(nn.ModuleDict):
+    """This rank's blocks, named by global layer number; iterated in layer order."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, layer: int) -> Block:
+        return super().__getitem__(str(layer))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0):
         super().__init__()
-        check_layout(cfg, pstate.tp_size, pstate.world_size, pstate.sequence_parallel)
+        check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.dp_size, pstate.sequence_parallel)
         self.cfg, self.pstate = cfg, pstate
         # At tp=1 there is nothing to split: the same model, on the default generator.
         self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
         self.rng = TensorParallelRNG(seed, pstate)
+        self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
+                                pstate.virtual_stages, pstate.pp_layers)
+        embeds, ends = any(c.is_first for c in self.chunks), any(c.is_last for c in self.chunks)
         device, std = pstate.device, cfg.init_std
-        self.embed = VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=std)
+        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=std)
+                      if embeds or (ends and cfg.tie_embeddings) else None)
+        if self.embed is not None and not embeds:
+            self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
         self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
-                          if cfg.position == "learned" else None)
+                          if cfg.position == "learned" and embeds else None)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device) if cfg.position == "rotary" else None
-        self.blocks = nn.ModuleList(Block(cfg, pstate, self.rng, i) for i in range(cfg.n_layers))
-        self.norm = Norm(cfg, pstate)
-        self.head = (None if cfg.tie_embeddings else
-                     ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
-                                          init_std=std))
+        self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
+                              for chunk in self.chunks for i in chunk.layers})
+        self.norm = Norm(cfg, pstate) if ends else None
+        self.head = (ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
+                                          init_std=std)
+                     if ends and not cfg.tie_embeddings else None)
         # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
         # They are the last columns of the last ranks.
-        local_vocab = self.embed.vocab_end - self.embed.vocab_start
-        padded_from = max(0, cfg.vocab_size - self.embed.vocab_start)
+        local_vocab = cfg.padded_vocab // pstate.tp_size
+        self.vocab_start = pstate.tp_rank * local_vocab
+        padded_from = max(0, cfg.vocab_size - self.vocab_start)
         self.padded_from = padded_from if padded_from < local_vocab else None
         # Recompute each block's activations in backward instead of storing them.
         self.activation_checkpointing = False
@@ -136,12 +163,18 @@ class GPT(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: KVCache | None = None,
-                loss_scale: torch.Tensor | float | None = None) -> Output:
+                loss_scale: torch.Tensor | float | None = None,
+                chunk: int = 0, hidden: torch.Tensor | None = None) -> Output:
         """cache: decode incrementally; then attention_mask, if given, covers the cached tokens
         and the new ones (left-padded prompts). loss_scale (with labels): also return
         loss = sum(token_losses) * loss_scale, whose gradients the head + loss make in forward
         (training: 1 / the global batch's token count); token_losses are then not
-        differentiable."""
+        differentiable.
+
+        Pipelined: run this rank's model chunk `chunk` on the batch; `hidden` is the previous
+        stage's output (unless the chunk embeds), and the Output has only `hidden` unless the
+        chunk ends the model."""
+        stage = self.chunks[chunk]
         start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
         if start + seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + seq} exceeds "
@@ -156,20 +189,16 @@ class GPT(nn.Module):
             layout = sequence_layout(input_ids, attention_mask, doc_ids)
         else:
             layout = cached_layout(input_ids, attention_mask, start)
-        x = self.embed(input_ids, sp)
-        if self.positions is not None:
-            positions = layout.positions
-            if sp:
-                positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
-            x = x + self.positions(positions, sp)
+        x = self._embed(input_ids, layout, sp) if stage.is_first else hidden
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
-        x = self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
-        for block in self.blocks:
+        for block in (self.blocks[i] for i in stage.layers):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, layout, rotary, sequence_parallel=sp, use_reentrant=False,
                                context_fn=self.rng.recompute_contexts)
             else:
                 x = block(x, layout, rotary, cache, sp)
+        if not stage.is_last:
+            return Output(hidden=x)
         if cache is not None:
             cache.offset += seq
         x = self.norm(x, sp)
@@ -182,12 +211,21 @@ class GPT(nn.Module):
         batch, padded_seq = x.shape[:2]
         labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # the shards' padding
         x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
-        shard = HeadShard(self.embed.vocab_start, self.padded_from, group, self.loss_chunk_tokens)
+        shard = HeadShard(self.vocab_start, self.padded_from, group, self.loss_chunk_tokens)
         if loss_scale is None:
             losses, loss = head_token_losses(x, self.head_weight, labels, shard), None
         else:
             loss, losses = head_loss_sum(x, self.head_weight, labels, loss_scale, shard)
         return Output(make_logits, losses.view(batch, padded_seq)[:, :seq], loss)
+
+    def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
+        x = self.embed(input_ids, sp)
+        if self.positions is not None:
+            positions = layout.positions
+            if sp:
+                positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
+            x = x + self.positions(positions, sp)
+        return self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
 
     @property
     def head_weight(self) -> nn.Parameter:
@@ -206,7 +244,7 @@ class GPT(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""
-        attention = self.blocks[0].attn
+        attention = next(iter(self.blocks)).attn
         return KVCache(self.cfg.n_layers, batch, attention.kv_heads, max_len, attention.head_dim,
                        self.pstate.device, dtype or self.head_weight.dtype)
 

@@ -1,7 +1,8 @@
-"""Who is who in a TP x DP layout: ranks, sizes and process groups, in one explicit object.
+"""Who is who in a TP x PP x DP layout: ranks, sizes and process groups, in one explicit object.
 
-Global rank = dp_rank * tp + tp_rank: TP groups are blocks of consecutive ranks, so with one
-process per GPU a TP group stays inside a node (NVLink) and only DP traffic crosses nodes.
+Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: TP groups are blocks of consecutive
+ranks, so with one process per GPU a TP group stays inside a node (NVLink); pipeline neighbours
+are the next block, and DP groups span the rest.
 `sequence_parallel` says how activations are laid out over the TP group between its parallel
 regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
@@ -29,15 +30,27 @@ class ParallelState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: timedelta = timedelta(minutes=10)
     sequence_parallel: bool = False
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    # The first and last stage's ranks of this rank's pipeline, when it has more than one
+    # stage: tied embeddings sum their two copies' gradients over it.
+    embedding_group: dist.ProcessGroup | None = None
+    virtual_stages: int = 1
+    pp_layers: tuple[int, ...] | None = None
     _tp_subgroups: dict = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
-        return self.dp_rank * self.tp_size + self.tp_rank
+        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp_size
+        return self.dp_size * self.pp_size * self.tp_size
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP and DP rank."""
+        return (self.dp_rank * self.pp_size + pp_rank % self.pp_size) * self.tp_size + self.tp_rank
 
     @property
     def is_main(self) -> bool:
@@ -45,30 +58,47 @@ class ParallelState:
 
     @classmethod
     def from_world(cls, tp: int, timeout: timedelta = timedelta(minutes=10),
-                   device: torch.device | None = None,
-                   sequence_parallel: bool = False) -> "ParallelState":
-        """Build the TP and DP groups of an initialised torch.distributed world.
+                   device: torch.device | None = None, sequence_parallel: bool = False,
+                   pipeline: ParallelConfig | None = None) -> "ParallelState":
+        """Build the TP, DP and (pipeline's pp > 1) PP groups of an initialised torch.distributed
+        world.
 
         Every rank creates every group, in the same order, as new_group requires.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
-        check_layout(None, tp, world)
-        dp = world // tp
-        tp_group = dp_group = None
-        for d in range(dp):
-            group = dist.new_group(list(range(d * tp, (d + 1) * tp)), timeout=timeout)
-            if rank // tp == d:
-                tp_group = group
-        for t in range(tp):
-            group = dist.new_group(list(range(t, world, tp)), timeout=timeout)
-            if rank % tp == t:
-                dp_group = group
+        check_layout(None, tp, world, pipeline=pipeline)
+        pp = 1 if pipeline is None else pipeline.pp
+        dp = world // (tp * pp)
+        dp_rank, pp_rank, tp_rank = rank // (tp * pp), rank // tp % pp, rank % tp
+
+        def groups(members: list[list[int]]):
+            """Create one group per list; return the one holding this rank."""
+            mine = None
+            for ranks in members:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine = group
+            return mine
+
+        def at(d: int, s: int, t: int) -> int:
+            return (d * pp + s) * tp + t
+
+        tp_group = groups([list(range(b * tp, (b + 1) * tp)) for b in range(dp * pp)])
+        dp_group = groups([[at(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)])
+        pp_group = embedding_group = None
+        if pp > 1:
+            pipes = [[at(d, s, t) for s in range(pp)] for d in range(dp) for t in range(tp)]
+            pp_group = groups(pipes)
+            embedding_group = groups([[pipe[0], pipe[-1]] for pipe in pipes])
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        return cls(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp,
+        return cls(tp_size=tp, tp_rank=tp_rank, dp_size=dp, dp_rank=dp_rank,
                    tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
+                   pp_group=pp_group, embedding_group=embedding_group,
+                   virtual_stages=1 if pipeline is None else pipeline.virtual_stages,
+                   pp_layers=None if pipeline is None else pipeline.pp_layers)
 
     def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks of this TP group that contains this rank.
@@ -99,7 +129,7 @@ def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) ->
     BEFORE init_process_group, so a bad config fails on every rank without a collective.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(model, parallel.tp, world, parallel.sequence_parallel)
+    check_layout(model, parallel.tp, world, parallel.sequence_parallel, parallel)
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
@@ -117,4 +147,5 @@ def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) ->
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 device_id=device if use_cuda else None)
-    return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel)
+    return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel,
+                                    parallel)

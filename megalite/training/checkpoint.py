@@ -212,19 +212,66 @@ def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | No
 
 def _gather_full_state(model, moments: Moments, weight: Weight,
                        pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """("model" | "optimizer", name, full tensor on the device) on rank 0, after every rank
-    took its part in each gather."""
+    """("model" | "optimizer", name, full tensor) on rank 0, after every rank took its part in
+    each gather. Pipeline stages hold different parameters: each stage's first rank streams its
+    full tensors to rank 0, stage after stage."""
+    stage = _gather_stage(model, moments, weight, pstate)
+    if pstate.pp_size == 1 or pstate.pp_rank == 0:
+        yield from stage
+    streams = pstate.dp_rank == 0 and pstate.tp_rank == 0
+    if pstate.pp_rank > 0 and streams:
+        for item in stage:
+            _send_item(item, 0, pstate)
+        _send_item(None, 0, pstate)
+    elif pstate.pp_rank > 0:
+        for _ in stage:  # the TP gathers
+            pass
+    if pstate.is_main:
+        for s in range(1, pstate.pp_size):
+            while (item := _recv_item(pstate.stage_rank(s), pstate)) is not None:
+                yield item
+
+
+def _send_item(item, peer: int, pstate) -> None:
+    """(file, name, tensor) to `peer`: a header, then the tensor; None ends the stream."""
+    header = None if item is None else (item[0], item[1], tuple(item[2].shape), item[2].dtype)
+    dist.send_object_list([header], peer, device=pstate.device)
+    if item is not None:
+        dist.send(item[2].contiguous(), peer)
+
+
+def _recv_item(peer: int, pstate):
+    header = [None]
+    dist.recv_object_list(header, peer, device=pstate.device)
+    if header[0] is None:
+        return None
+    file, name, shape, dtype = header[0]
+    tensor = torch.empty(shape, dtype=dtype, device=pstate.device)
+    dist.recv(tensor, peer)
+    return file, name, tensor
+
+
+def _gather_stage(model, moments: Moments, weight: Weight,
+                  pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """This stage's full tensors, on its rank of TP rank 0 and DP rank 0."""
     for name, p in model.named_parameters():
         local = moments(p)  # on every rank: it may be a collective over DP (ZeRO)
-        if pstate.dp_rank != 0:  # DP replicas hold the same: one TP group gathers, rank 0 writes
+        if pstate.dp_rank != 0 or getattr(p, "pipeline_copy", False):
+            # DP replicas hold the same: one TP group gathers; a tied embedding's copy on the
+            # last stage equals the first stage's.
             continue
         shard = shard_of(p)
         full = gather_full(weight(p).detach(), shard, pstate)
         gathered = {m: gather_full(t, shard, pstate) for m, t in local.items()}
-        if pstate.is_main:
+        if pstate.tp_rank == 0:
             yield "model", name, full
             for m, t in gathered.items():
                 yield "optimizer", f"{name}.{m}", t
+
+
+def layout_of(pstate: ParallelState) -> dict[str, int]:
+    """The layout a checkpoint records: its RNG files are only reloaded at the same one."""
+    return {"tp": pstate.tp_size, "dp": pstate.dp_size, "pp": pstate.pp_size}
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module,
@@ -239,7 +286,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         load_full_weights(f, model, str(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
-    same_layout = meta.get("layout") == {"tp": pstate.tp_size, "dp": pstate.dp_size}
+    same_layout = meta.get("layout") == layout_of(pstate)
     rng = None
     if same_layout and rng_file.is_file():
         with safe_open(str(rng_file), framework="pt") as f:

@@ -4,7 +4,7 @@
 
     engine.set_lr(lr)
     engine.module(...)                      the model's forward, once per micro-batch
-    engine.backward(micro_loss, last=...)
+    engine.backward(micro_loss, last=...)   (pipelined: the schedule's order, pipeline/)
     grad_norm = engine.step()               clip, update, zero the gradients
 
 native (the default): the bucketed all-reduce overlapped with backward and the TP-aware
@@ -27,7 +27,8 @@ from megalite.parallel.state import ParallelState
 from megalite.model import GPT
 from megalite.run_config import Config, TrainConfig
 from megalite.training.checkpoint import MOMENTS
-from megalite.training.grads import DataParallelGradSync, clip_grad_norm_
+from megalite.pipeline.runner import train_pipelined
+from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
 from megalite.training.mixed_precision import MasterWeights
 from megalite.training.optim import build_optimizer
 
@@ -84,15 +85,14 @@ class NativeEngine(AdamEngine):
     def master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
         return p if self.masters is None else self.masters.master(p)
 
-    def backward(self, loss: torch.Tensor, last: bool) -> None:
-        if last:
-            with self.grad_sync.last_micro_batch():
-                loss.backward()
-        else:
-            loss.backward()
+    def backward(self, loss: torch.Tensor, last: bool, grad: torch.Tensor | None = None) -> None:
+        """grad: the gradient of `loss` when it is a pipeline stage's output, not the loss."""
+        with self.grad_sync.last_micro_batch() if last else nullcontext():
+            torch.autograd.backward(loss, grad)
 
     def step(self) -> torch.Tensor:
         self.grad_sync.wait()
+        sum_embedding_copies(self.model, self.master, self.pstate)
         norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate)
         self.optimizer.step()
         # The masters' gradients are kept fp32 buffers (the DP buckets' slots): zeroed in place.
@@ -124,14 +124,18 @@ def autocast_for(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
+               pp_schedule: str = "1f1b") -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this DP rank's micro-batches: (loss, gradient norm).
 
     The loss is the mean over every real target token of the GLOBAL batch (`n_tokens`, all
     micro-batches of all DP ranks): each micro-batch's token-loss sum is divided by that count,
     so the sum over micro-batches and DP ranks is the same number for any layout. The returned
-    loss is this rank's part of it.
+    loss is this rank's part of it (zero off the last pipeline stage).
     """
+    if engine.pstate.pp_size > 1:
+        loss = train_pipelined(engine, batches, n_tokens, autocast, pp_schedule)
+        return loss, engine.step()
     loss = torch.zeros((), device=n_tokens.device)
     for i, batch in enumerate(batches):
         with autocast:

@@ -155,11 +155,25 @@ def _sum_of_squares(grads: list, weights: list[float], device) -> torch.Tensor:
     return torch.stack(torch._foreach_mul(torch._foreach_mul(norms, norms), weights)).sum()
 
 
+def sum_embedding_copies(model: torch.nn.Module, master, pstate: ParallelState) -> None:
+    """Tied embeddings over pipeline stages: the first stage's embedding and the last stage's
+    copy (its LM head) each got part of the gradient; both take the sum, so they stay equal
+    (Megatron's embedding group). `master(p)`: the tensor whose .grad the optimizer reads."""
+    if pstate.embedding_group is not None and model.cfg.tie_embeddings and model.embed is not None:
+        dist.all_reduce(master(model.embed.weight).grad, group=pstate.embedding_group)
+
+
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelState) -> torch.Tensor:
-    """Scale gradients so their global norm is at most max_norm (0: no clipping); return the norm."""
-    split, weights, replicated = [], [], []
+    """Scale gradients so their global norm is at most max_norm (0: no clipping); return the norm.
+
+    Pipeline stages hold disjoint parameters: their squares add up over the PP group, but for
+    the last stage's copy of a tied embedding (`pipeline_copy`), which the first stage counts."""
+    split, weights, replicated, copies = [], [], [], []
     for p in model.parameters():
         if p.grad is None:
+            continue
+        if getattr(p, "pipeline_copy", False):
+            copies.append(p.grad)  # clipped with the rest, counted by the first stage
             continue
         shard = shard_of(p)
         if shard is None:
@@ -171,8 +185,11 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelSta
     if group_size(pstate.tp_group) > 1:
         dist.all_reduce(split_squares, group=pstate.tp_group)
     replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
-    norm = (split_squares + replicated_squares).sqrt()
+    squares = split_squares + replicated_squares
+    if group_size(pstate.pp_group) > 1:
+        dist.all_reduce(squares, group=pstate.pp_group)
+    norm = squares.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(split + replicated, scale)
+        torch._foreach_mul_(split + replicated + copies, scale)
     return norm

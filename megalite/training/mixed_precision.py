@@ -37,6 +37,7 @@ class MasterWeights(nn.Module):
             shard = shard_of(p)
             if shard is not None:
                 mark_sharded(master, shard.dim, shard.index, shard.count)
+            master.pipeline_copy = getattr(p, "pipeline_copy", False)
             master.grad = torch.zeros_like(master)
             self.params.append(master)
             # Parameters only: buffers such as the rotary frequencies stay fp32.

@@ -20,18 +20,24 @@ from megalite.typed_config import ConfigError
 
 
 def check_batch_layout(cfg: Config, world: int) -> None:
-    check_layout(cfg.model, cfg.parallel.tp, world, cfg.parallel.sequence_parallel)
-    t = cfg.train
-    dp = world // cfg.parallel.tp
+    p, t = cfg.parallel, cfg.train
+    dp = max(1, world // max(1, p.tp * p.pp))  # if that does not divide, check_layout says so
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
+    check_layout(cfg.model, p.tp, world, p.sequence_parallel, p, micro_batches)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
                           f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    split = f"tp {p.tp}" if p.pp == 1 else f"(tp x pp) {p.tp * p.pp}"
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / tp "
-            f"{cfg.parallel.tp}): use a global batch that is a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / {split}): "
+            f"use a global batch that is a multiple of "
             f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
+    if p.pp > 1 and t.engine != "native":
+        raise ConfigError(f"parallel.pp={p.pp} runs on train.engine=native only (DeepSpeed ZeRO "
+                          f"with pipeline stages is not built yet): set train.engine=native or "
+                          f"parallel.pp=1")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stages, schedules, point-to-point exchange, the pipelined step."""

@@ -1,0 +1,101 @@
+"""Pipeline schedules complete, hold what they promise, and bad pipeline configs are refused
+before any process group exists."""
+import pytest
+
+from megalite.pipeline.schedules import Action, dependencies, schedule
+from megalite.pipeline.stages import chunks_of
+from megalite.run_config import load_config
+from megalite.training.setup import check_batch_layout
+from megalite.typed_config import ConfigError
+
+
+def play(name: str, pp: int, virtual: int, m: int) -> int:
+    """Run every rank's action list, one action per rank per tick when its messages are there;
+    return the ticks taken. Fails if no rank can move (a deadlock)."""
+    lists = [schedule(name, pp, r, virtual, m) for r in range(pp)]
+    done: set[tuple[int, Action]] = set()
+    position, ticks = [0] * pp, 0
+    while any(position[r] < len(lists[r]) for r in range(pp)):
+        ready = [r for r in range(pp) if position[r] < len(lists[r]) and
+                 all(d in done for d in dependencies(lists[r][position[r]], r, pp, virtual))]
+        assert ready, f"{name} p={pp} v={virtual} m={m}: deadlock at {position}"
+        for r in ready:
+            done.add((r, lists[r][position[r]]))
+            position[r] += 1
+        ticks += 1
+    return ticks
+
+
+@pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1),
+                                          ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 4), (4, 8)])
+def test_every_schedule_completes_each_action_once(name, virtual, pp, m):
+    play(name, pp, virtual, m)
+    for r in range(pp):
+        actions = schedule(name, pp, r, virtual, m)
+        want = {(k, c, i) for k in "FB" for c in range(virtual) for i in range(m)}
+        assert sorted((a.kind, a.chunk, a.micro) for a in actions) == sorted(want)
+        for a in actions:
+            if a.kind == "B":
+                assert actions.index(Action("F", a.chunk, a.micro)) < actions.index(a)
+
+
+def in_flight(actions: list[Action]) -> int:
+    """The most forwards whose backward has not run yet: the activations a rank holds."""
+    held = most = 0
+    for a in actions:
+        held += 1 if a.kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8)])
+def test_1f1b_holds_at_most_pp_micro_batches_where_gpipe_holds_all(pp, m):
+    for r in range(pp):
+        assert in_flight(schedule("1f1b", pp, r, 1, m)) == pp - r
+        assert in_flight(schedule("gpipe", pp, r, 1, m)) == m
+
+
+def test_interleaving_shrinks_the_bubble():
+    """In ticks of one chunk's forward or backward, the ideal step is 2 v m; the bubble adds
+    about 2 (p - 1) ticks with v chunks of 1/v the work, i.e. (p - 1) / (v m) of the step."""
+    pp, m = 4, 8
+    plain = play("1f1b", pp, 1, m) - 2 * m
+    interleaved = play("interleaved", pp, 2, m) - 2 * 2 * m
+    assert plain == 2 * (pp - 1)
+    # Twice the ticks of half the size: the same count of idle ticks is half the time.
+    assert interleaved <= 2 * plain
+
+
+def test_stages_split_layers_and_ends():
+    chunks = [chunks_of(8, 4, r, 2) for r in range(4)]
+    assert [c.layers for c in chunks[0]] == [range(0, 1), range(4, 5)]
+    assert chunks[0][0].is_first and chunks[3][1].is_last
+    assert not any(c.is_last for c in chunks[0]) and not any(c.is_first for c in chunks[3])
+    assert [c.layers for c in chunks_of(5, 2, 1, 1, (2, 3))] == [range(2, 5)]
+
+
+BAD = {
+    "parallel.pp=3": "is not divisible by parallel.tp x parallel.pp",
+    "parallel.pp=2 model.n_layers=3": "does not split evenly",
+    "parallel.pp=2 parallel.virtual_stages=2": "needs parallel.pp_schedule=interleaved",
+    "parallel.pp=2 parallel.pp_schedule=interleaved": "needs parallel.virtual_stages >= 2",
+    "parallel.pp=2 train.micro_batch_size=3 train.global_batch_size=6": "multiple of parallel.pp=2",
+    "parallel.pp=2 parallel.pp_layers=[1,2]": "parallel.pp_layers=[1, 2]",
+    "parallel.pp=2 train.engine=deepspeed": "train.engine=native only",
+}
+
+
+@pytest.mark.parametrize("overrides", sorted(BAD))
+def test_bad_pipeline_configs_are_refused_before_launch(overrides):
+    cfg = load_config("configs/demo.yaml", ["parallel.tp=1", *overrides.split()])
+    with pytest.raises(ConfigError, match=BAD[overrides].replace("[", r"\[").replace("]", r"\]")):
+        check_batch_layout(cfg, 4)
+
+
+def test_good_pipeline_configs_pass():
+    for overrides in (["parallel.tp=2", "parallel.pp=2"],
+                      ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"],
+                      ["parallel.tp=1", "parallel.pp=4", "parallel.pp_schedule=gpipe"],
+                      ["parallel.tp=1", "parallel.pp=2", "parallel.pp_layers=[1,3]"]):
+        check_batch_layout(load_config("configs/demo.yaml", overrides), 4)
