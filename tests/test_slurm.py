@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from megalite.launch.slurm import main as slurm_main
+from megalite.launch.sweep import load_sweep
 from megalite.typed_config import ConfigError
 from tests import slurm_cluster
 from tests.test_train import common, losses
@@ -44,12 +45,24 @@ def write_sweep(tmp: Path, grid: dict, overrides=(), **slurm) -> Path:
     ({"parallel.tp": [2]}, {"procs_per_node": 3}, r"world size 3 is not divisible by parallel\.tp=2"),
     ({}, {}, r"has nothing to run: give a non-empty grid"),
     ({"train.lr": []}, {}, r"grid keys \['train\.lr'\] have no values"),
+    ({"parallel.pp": [2]}, {"procs_per_node": 3},
+     r"not divisible by parallel\.tp x parallel\.pp = 1 x 2"),
+    ({"parallel.pp": [4]}, {"procs_per_node": 4}, r"model\.n_layers=2 does not split evenly"),
 ])
 def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, message):
     sweep = write_sweep(tmp_path, grid, **slurm)
     with pytest.raises(ConfigError, match=message):
         slurm_main([str(sweep), "--dry-run"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_over_pipeline_layouts_resolves(tmp_path):
+    """parallel.pp and its schedule are sweep keys like any other, checked per point."""
+    grid = {"parallel.pp": [1, 2], "parallel.pp_schedule": ["gpipe", "1f1b"]}
+    sweep = write_sweep(tmp_path, grid, procs_per_node=2)
+    _, runs = load_sweep(sweep)
+    assert [(r.config.parallel.pp, r.config.parallel.pp_schedule) for r in runs] == [
+        (1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "1f1b")]
 
 
 def test_missing_base_config_is_named(tmp_path):

@@ -1,16 +1,15 @@
 """Activations forward and gradients backward between neighbouring pipeline stages.
 
 A message is one tensor from one rank to its pipeline neighbour, named by a tag that says what
-it is (kind, destination chunk, micro-batch), so no two messages of a step between two ranks can
-be confused. Between two actions the runner posts, as one group, the send the last action made
-and the receive the next one needs (Megatron's send_forward_recv_backward and kin):
+it is (kind, destination chunk, micro-batch). The runner posts the messages of each exchange of
+schedules.plan at once:
 
-- gloo: separate isend / irecv. Sends are never waited for until the end of the step, so a rank
-  blocks only on a receive whose sender, by the schedule (schedules.dependencies), is not
-  itself waiting on this rank: no deadlock. batch_isend_irecv is avoided: it has hung on gloo
-  (pytorch #132644).
-- NCCL: the group goes through batch_isend_irecv, so a send and a receive between the same two
-  ranks run as one NCCL group rather than one after the other on their shared stream.
+- gloo: separate isend / irecv, matched by tag. A rank blocks only on a receive, right before
+  the action that needs it, and sends are waited for at the end of the step.
+  batch_isend_irecv is avoided: it has hung on gloo (pytorch #132644).
+- NCCL: one batch_isend_irecv per exchange, so its sends and receives run as one NCCL group.
+  NCCL ignores tags and runs a rank's groups in order: the plan puts both ends of every
+  message in the same tick's exchange, so each group can complete.
 """
 from __future__ import annotations
 
@@ -35,24 +34,19 @@ class PipeComm:
         self.batched = dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end
 
-    def exchange(self, send: Message | None, recv: Message | None) -> "Received":
-        """Post `send` and `recv`; the returned handle waits for the received tensor."""
-        if send is not None:
+    def exchange(self, sends: list[Message], recvs: list[Message]) -> list["Received"]:
+        """Post `sends` and `recvs`; one handle per receive waits for its tensor."""
+        for send in sends:
             send.tensor = send.tensor.contiguous()
-        buffer = None
-        if recv is not None:
-            buffer = torch.empty(recv.shape, dtype=recv.dtype, device=self.device)
+        buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
         if self.batched:
-            ops = ([dist.P2POp(dist.isend, send.tensor, send.peer)] if send else []) + \
-                  ([dist.P2POp(dist.irecv, buffer, recv.peer)] if recv else [])
+            ops = [dist.P2POp(dist.isend, s.tensor, s.peer) for s in sends] + \
+                  [dist.P2POp(dist.irecv, b, r.peer) for b, r in zip(buffers, recvs)]
             works = dist.batch_isend_irecv(ops) if ops else []
-            if send is not None:
-                self.sends.append((works[0], send.tensor))
-            return Received(buffer, works[-1] if recv is not None else None)
-        if send is not None:
-            self.sends.append((dist.isend(send.tensor, send.peer, tag=send.tag), send.tensor))
-        work = dist.irecv(buffer, recv.peer, tag=recv.tag) if recv is not None else None
-        return Received(buffer, work)
+            self.sends += [(w, s.tensor) for w, s in zip(works, sends)]
+            return [Received(b, w) for b, w in zip(buffers, works[len(sends):])]
+        self.sends += [(dist.isend(s.tensor, s.peer, tag=s.tag), s.tensor) for s in sends]
+        return [Received(b, dist.irecv(b, r.peer, tag=r.tag)) for b, r in zip(buffers, recvs)]
 
     def finish(self) -> None:
         """Wait until every send of the step has left (its tensor may then be freed)."""
@@ -62,10 +56,11 @@ class PipeComm:
 
 
 class Received:
-    def __init__(self, buffer: torch.Tensor | None, work):
+    """A posted receive: `wait` returns its tensor once it has arrived."""
+
+    def __init__(self, buffer: torch.Tensor, work):
         self.buffer, self.work = buffer, work
 
-    def wait(self) -> torch.Tensor | None:
-        if self.work is not None:
-            self.work.wait()
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
         return self.buffer

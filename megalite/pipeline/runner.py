@@ -13,12 +13,7 @@ from typing import Callable
 import torch
 
 from megalite.pipeline.p2p import Message, PipeComm
-from megalite.pipeline.schedules import Action, gpipe, schedule
-
-
-def _tag(kind: str, chunk: int, micro: int, virtual: int) -> int:
-    """Unique per message of a step between two ranks: what it is and where it goes."""
-    return (micro * virtual + chunk) * 2 + (kind == "B")
+from megalite.pipeline.schedules import Action, Exchange, message_in, message_out, plan
 
 
 class PipelineRun:
@@ -28,11 +23,7 @@ class PipelineRun:
         self.model, self.batches, self.autocast = model, batches, autocast
         ps = model.pstate
         self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
-        self.last_stage = self.pp * self.virtual - 1
         self.comm = PipeComm(ps)
-
-    def _stage(self, a: Action) -> int:
-        return a.chunk * self.pp + self.ps.pp_rank
 
     def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
         ids, ps = self.batches[micro].input_ids, self.ps
@@ -42,35 +33,29 @@ class PipelineRun:
         dtype = next(self.model.parameters()).dtype
         return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
 
-    def incoming(self, a: Action | None) -> Message | None:
-        """What `a` must receive before it runs: the previous stage's activation (F) or the
-        next stage's gradient (B); None at either end of the model."""
-        if a is None:
-            return None
-        stage = self._stage(a)
-        if (a.kind == "F" and stage == 0) or (a.kind == "B" and stage == self.last_stage):
-            return None
-        peer = self.ps.pp_rank - 1 if a.kind == "F" else self.ps.pp_rank + 1
+    def incoming(self, a: Action) -> Message:
+        """The buffer for what `a` receives before it runs (schedules.message_in)."""
+        peer, tag = message_in(a, self.ps.pp_rank, self.pp, self.virtual)
         shape, dtype = self._hidden(a.micro)
-        return Message(self.ps.stage_rank(peer), _tag(a.kind, a.chunk, a.micro, self.virtual),
-                       shape=shape, dtype=dtype)
+        return Message(self.ps.stage_rank(peer), tag, shape=shape, dtype=dtype)
 
-    def outgoing(self, a: Action, tensor: torch.Tensor | None) -> Message | None:
-        stage = self._stage(a)
-        if tensor is None:
-            return None
-        target = stage + 1 if a.kind == "F" else stage - 1
-        peer = self.ps.pp_rank + (1 if a.kind == "F" else -1)
-        return Message(self.ps.stage_rank(peer),
-                       _tag(a.kind, target // self.pp, a.micro, self.virtual), tensor=tensor)
+    def outgoing(self, a: Action, tensor: torch.Tensor) -> Message:
+        """`tensor`, what `a` made for a neighbour, addressed (schedules.message_out)."""
+        peer, tag = message_out(a, self.ps.pp_rank, self.pp, self.virtual)
+        return Message(self.ps.stage_rank(peer), tag, tensor=tensor)
 
-    def run(self, actions: list[Action], step) -> None:
-        """`step(action, received)` carries out one action and returns the tensor it sends."""
-        pending = self.comm.exchange(None, self.incoming(actions[0]) if actions else None)
-        for k, a in enumerate(actions):
-            sent = step(a, pending.wait())
-            following = actions[k + 1] if k + 1 < len(actions) else None
-            pending = self.comm.exchange(self.outgoing(a, sent), self.incoming(following))
+    def run(self, steps: tuple, step) -> None:
+        """Carry out a plan (schedules.plan): `step(action, received)` runs one action and
+        returns the tensor it sends, if any."""
+        received, made = {}, {}
+        for item in steps:
+            if isinstance(item, Exchange):
+                handles = self.comm.exchange([self.outgoing(a, made.pop(a)) for a in item.sends],
+                                             [self.incoming(a) for a in item.recvs])
+                received.update(zip(item.recvs, handles))
+            else:
+                handle = received.pop(item, None)
+                made[item] = step(item, None if handle is None else handle.wait())
         self.comm.finish()
 
     def _forward(self, a: Action, hidden: torch.Tensor | None, **kwargs):
@@ -88,7 +73,8 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     model = engine.model
     run = PipelineRun(model, batches, autocast)
     ps = model.pstate
-    actions = schedule(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
+    steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
+    actions = [a for a in steps if isinstance(a, Action)]
     last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind == "B"}
     position = {a: k for k, a in enumerate(actions)}
     inputs, outputs = {}, {}
@@ -113,7 +99,7 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
                         grad=None if out.dim() == 0 else received)
         return None if x is None else x.grad
 
-    run.run(actions, step)
+    run.run(steps, step)
     return loss
 
 
@@ -130,4 +116,6 @@ def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, ob
         consume(a.micro, out)
         return None
 
-    run.run([a for a in gpipe(model.pstate.virtual_stages, len(batches)) if a.kind == "F"], step)
+    ps = model.pstate
+    run.run(plan("gpipe", ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches),
+                 forward_only=True), step)

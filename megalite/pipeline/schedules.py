@@ -11,11 +11,14 @@ chunks per rank (Narayanan et al. 2021):
 | interleaved | 1f1b over v chunks, chunk order changing every p   | (p-1)/(v m)   | <= ~2p+vp |
 |             | micro-batches (m a multiple of p)                  |               |           |
 
-`dependencies` states what each action waits for, and tests/test_pipeline_schedules.py plays
-every rank's list against them to show that each schedule completes (no rank waits forever).
+`message_in` and `message_out` route each action's activation or gradient: from and to which
+pipeline rank, under which tag. tests/test_pipeline_schedules.py plays every rank's list
+against them to show that each schedule completes (no rank waits forever), also when, as on
+NCCL, each group of messages between two actions must be matched as a whole, in order.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -68,15 +71,96 @@ def interleaved(pp: int, rank: int, virtual: int, m: int) -> list[Action]:
     return actions + [action("B", k) for k in range(total - warmup, total)]
 
 
-def dependencies(a: Action, rank: int, pp: int, virtual: int) -> list[tuple[int, Action]]:
-    """The (rank, action) pairs whose messages `a` on `rank` needs: the previous virtual
-    stage's forward (for F), the next one's backward (for B); the loss needs this stage's F."""
+def tag(kind: str, chunk: int, micro: int, virtual: int) -> int:
+    """Unique per message of a step between two ranks: its kind, the chunk it goes to, and the
+    micro-batch."""
+    return (micro * virtual + chunk) * 2 + (kind == "B")
+
+
+def message_in(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, int] | None:
+    """(pipeline rank, tag) of what `a` receives before it runs: the previous virtual stage's
+    activation (F) or the next one's gradient (B); None at either end of the model."""
+    stage = a.chunk * pp + rank
+    if (a.kind == "F" and stage == 0) or (a.kind == "B" and stage == pp * virtual - 1):
+        return None
+    return (rank + (-1 if a.kind == "F" else 1)) % pp, tag(a.kind, a.chunk, a.micro, virtual)
+
+
+def message_out(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, int] | None:
+    """(pipeline rank, tag) of what `a` sends once it ran: its output to the next virtual
+    stage (F) or its input's gradient to the previous one (B); None at either end."""
+    stage = a.chunk * pp + rank
+    target = stage + (1 if a.kind == "F" else -1)
+    if not 0 <= target < pp * virtual:
+        return None
+    return target % pp, tag(a.kind, target // pp, a.micro, virtual)
+
+
+def producer(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, Action] | None:
+    """The (rank, action) whose message `a` receives (message_in), if any."""
     stage = a.chunk * pp + rank
     if a.kind == "F":
-        if stage == 0:
-            return []
-        return [((rank - 1) % pp, Action("F", (stage - 1) // pp, a.micro))]
-    here = [(rank, Action("F", a.chunk, a.micro))]
+        return None if stage == 0 else ((rank - 1) % pp, Action("F", (stage - 1) // pp, a.micro))
     if stage == pp * virtual - 1:
-        return here
-    return here + [((rank + 1) % pp, Action("B", (stage + 1) // pp, a.micro))]
+        return None
+    return (rank + 1) % pp, Action("B", (stage + 1) // pp, a.micro)
+
+
+def dependencies(a: Action, rank: int, pp: int, virtual: int) -> list[tuple[int, Action]]:
+    """The (rank, action) pairs `a` on `rank` waits for: its message's producer, and for a
+    backward this rank's forward of the same chunk and micro-batch."""
+    source = producer(a, rank, pp, virtual)
+    own = [(rank, Action("F", a.chunk, a.micro))] if a.kind == "B" else []
+    return own + ([source] if source else [])
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Messages a rank posts at once: the outputs of `sends` and the inputs of `recvs`."""
+
+    sends: tuple[Action, ...]
+    recvs: tuple[Action, ...]
+
+
+@functools.cache
+def plan(name: str, pp: int, rank: int, virtual: int, m: int,
+         forward_only: bool = False) -> tuple[Action | Exchange, ...]:
+    """This rank's actions in the schedule's order, with the exchanges that move their messages.
+
+    All ranks are played in lock-step ticks: in each tick a rank runs its next action if what it
+    waits for ran in an earlier tick. A message made in tick t is sent and received in the
+    exchange right after tick t, on both ranks. So every rank posts its exchanges in tick order
+    and both ends of every message are in the same tick's exchange: NCCL, which runs a rank's
+    groups one after the other and completes a send only with its receive, can always finish
+    them (tests/test_pipeline_schedules.py); gloo matches them by tag anyway.
+    """
+    lists = [schedule(name, pp, r, virtual, m) for r in range(pp)]
+    if forward_only:
+        lists = [[a for a in actions if a.kind == "F"] for actions in lists]
+    tick_of: dict[tuple[int, Action], int] = {}
+    position, tick = [0] * pp, 0
+    while any(position[r] < len(lists[r]) for r in range(pp)):
+        ready = [r for r in range(pp) if position[r] < len(lists[r]) and
+                 all(d in tick_of for d in dependencies(lists[r][position[r]], r, pp, virtual))]
+        if not ready:
+            raise RuntimeError(f"pipeline schedule {name} (pp={pp}, v={virtual}, m={m}) "
+                               f"deadlocks at {position}")
+        for r in ready:
+            tick_of[r, lists[r][position[r]]] = tick
+            position[r] += 1
+        tick += 1
+    mine = {tick_of[rank, a]: a for a in lists[rank]}
+    arriving: dict[int, list[Action]] = {}
+    for a in lists[rank]:
+        source = producer(a, rank, pp, virtual)
+        if source is not None:
+            arriving.setdefault(tick_of[source], []).append(a)
+    steps: list[Action | Exchange] = []
+    for t in range(-1, tick):
+        if t in mine:
+            steps.append(mine[t])
+        sends = (mine[t],) if t in mine and message_out(mine[t], rank, pp, virtual) else ()
+        recvs = tuple(arriving.get(t, ()))
+        if sends or recvs:
+            steps.append(Exchange(sends, recvs))
+    return tuple(steps)
