@@ -122,6 +122,26 @@ def test_counted_communication_equals_the_formulas(results):
             assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
 
 
+def test_a_pipeline_point_reports_its_schedule_bubble_and_pipeline_collectives(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "pp", "base": str(SWEEP.parent.parent / "demo.yaml"), "batch": "packed",
+        "overrides": ["model.vocab_size=4096", "data.seq_len=64", "train.global_batch_size=8",
+                      "train.micro_batch_size=2", "parallel.tp=1"],
+        "points": [{"parallel.pp": 2, "parallel.pp_schedule": "interleaved",
+                    "parallel.virtual_stages": 2}], "warmup_steps": 1, "steps": 1}))
+    assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    point, = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
+    assert point["status"] == "ok" and point["devices"] == point["pp"] == 2
+    assert point["pp_schedule"] == "interleaved"
+    assert point["pipeline_bubble"] == (2 - 1) / (2 * 4)  # (p - 1) / (v m), m = 8 / 2
+    comm = {(c["op"], c["group"]): c for c in point["comm"]}
+    # The gradient norm's sum of squares over the stages; the tied embedding's two copies.
+    assert comm["all_reduce", "pp"]["elements"] == 1
+    assert comm["all_reduce", "embedding"]["elements"] == 4096 * 64
+    assert point["head_loss_saved_bytes"] > 0  # measured on the last stage
+
+
 def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({

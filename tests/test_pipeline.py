@@ -66,8 +66,9 @@ def model_config(name: str):
     return CONFIGS[name].__class__(**{**vars(CONFIGS[name]), "n_layers": LAYERS})
 
 
-def engine_for(cfg, ps: ParallelState) -> tuple[GPT, NativeEngine]:
+def engine_for(cfg, ps: ParallelState, recompute: bool = False) -> tuple[GPT, NativeEngine]:
     model = GPT(cfg, ps, seed=7)
+    model.activation_checkpointing = recompute
     return model, NativeEngine(model, TrainConfig(precision="fp32", grad_clip=1.0), ps)
 
 
@@ -92,14 +93,14 @@ def reference(name: str, packed: bool) -> dict:
 
 
 def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp: bool,
-                   packed: bool, ref: dict) -> None:
+                   recompute: bool, packed: bool, ref: dict) -> None:
     cfg = model_config(name)
     layout = ParallelConfig(tp=tp, pp=pp, pp_schedule=schedule, virtual_stages=virtual,
                             sequence_parallel=sp)
     ps = ParallelState.from_world(tp, sequence_parallel=sp, pipeline=layout)
 
     # One step: logits on the last stage and every gradient on every stage.
-    model, engine = engine_for(cfg, ps)
+    model, engine = engine_for(cfg, ps, recompute)
     batch = global_batch(cfg, 0, packed)
     n_tokens = batch.target_count().float()
     mine = micro_batches(batch, ps)
@@ -119,7 +120,7 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp:
                      **TOL, msg=lambda m: f"{pname}: {m}")
 
     # Eight optimizer steps from a fresh start: the same losses.
-    model, engine = engine_for(cfg, ps)
+    model, engine = engine_for(cfg, ps, recompute)
     for step, (ref_loss, ref_norm) in enumerate(ref["steps"]):
         batch = global_batch(cfg, step, packed)
         engine.set_lr(3e-3)
@@ -134,23 +135,23 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp:
 
 
 LAYOUTS = {
-    # name: (world, tp, pp, schedule, virtual stages, sequence parallel)
-    "tp2xpp2-1f1b": (4, 2, 2, "1f1b", 1, False),
-    "pp4-interleaved-v2": (4, 1, 4, "interleaved", 2, False),
-    "pp2xdp2-1f1b": (4, 1, 2, "1f1b", 1, False),
-    "tp2xpp2-sp": (4, 2, 2, "1f1b", 1, True),
-    "pp2-gpipe": (2, 1, 2, "gpipe", 1, False),
+    # name: (world, tp, pp, schedule, virtual stages, sequence parallel, activation recompute)
+    "tp2xpp2-1f1b": (4, 2, 2, "1f1b", 1, False, False),
+    "pp4-interleaved-v2": (4, 1, 4, "interleaved", 2, False, False),
+    "pp2xdp2-1f1b-recompute": (4, 1, 2, "1f1b", 1, False, True),
+    "tp2xpp2-sp": (4, 2, 2, "1f1b", 1, True, False),
+    "pp2-gpipe": (2, 1, 2, "gpipe", 1, False, False),
 }
 
 
 # GPT-2 (tied embeddings) on packed rows, Llama (untied, GQA) on padded ones.
-CASES = [("tp2xpp2-1f1b", "gpt2"), ("pp4-interleaved-v2", "gpt2"), ("pp2xdp2-1f1b", "llama"),
+CASES = [("tp2xpp2-1f1b", "gpt2"), ("pp4-interleaved-v2", "gpt2"), ("pp2xdp2-1f1b-recompute", "llama"),
          ("tp2xpp2-sp", "llama"), ("pp2-gpipe", "gpt2")]
 
 
 @pytest.mark.parametrize("layout,name", CASES, ids=[f"{l}-{n}" for l, n in CASES])
 def test_pipelined_run_equals_single_process(layout, name):
     packed = name == "gpt2"
-    world, tp, pp, schedule, virtual, sp = LAYOUTS[layout]
-    run_distributed(check_pipeline, world, name, tp, pp, schedule, virtual, sp, packed,
+    world, tp, pp, schedule, virtual, sp, recompute = LAYOUTS[layout]
+    run_distributed(check_pipeline, world, name, tp, pp, schedule, virtual, sp, recompute, packed,
                     reference(name, packed))

@@ -11,6 +11,9 @@ with the device synchronised before and after, so its wall time is its own. The 
 CommLog therefore runs with no communication overlapped: it measures how much there is, not how
 well it hides; time the step without one.
 
+Pipeline stages' point-to-point messages are not collectives and are not counted (made
+synchronous one by one, they could wait on each other).
+
 `bytes` is the payload of one rank's call: the reduced tensor of an all-reduce, the gathered
 (full) tensor of an all-gather, the input of a reduce-scatter. `wire_bytes` is what a ring
 algorithm sends per rank for it: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for an
@@ -56,6 +59,10 @@ class CommLog:
             return "tp"
         if group is self.ps.dp_group:
             return "dp"
+        if group is self.ps.pp_group:
+            return "pp"
+        if group is self.ps.embedding_group:
+            return "embedding"  # tied embeddings' first and last pipeline stage
         return f"tp-sub{dist.get_world_size(group)}"  # GQA's KV-head copies
 
     def __enter__(self) -> "CommLog":

@@ -68,7 +68,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         dist.all_reduce(n_tokens, group=ps.dp_group)
 
     def step():
-        return train_step(engine, batches, n_tokens, autocast)[0]
+        return train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)[0]
 
     # The peak is that of the timed steps on CUDA (time_steps resets the counter before
     # them); on CPU, the process's peak RSS, model building and warm-up included.
@@ -82,12 +82,16 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         instrumented_s = time.perf_counter() - started
     activations = activation_bytes(cfg, model, batches[0], autocast)
     head_loss = head_loss_memory(model, step, ps.device)
+    if ps.pp_size > 1:  # measured where the head is, on the last stage (None elsewhere: -1)
+        head_loss = {k: _max_over_ranks(-1 if v is None else v, ps) for k, v in head_loss.items()}
+        head_loss = {k: None if v < 0 else int(v) for k, v in head_loss.items()}
 
     tokens_per_s = t.global_batch_size * seq / step_s
     flops, peak = flops_per_token(cfg.model, seq), peak_flops(ps.device)
     return {
-        "device": device_name(ps.device), "tp": ps.tp_size, "dp": ps.dp_size,
+        "device": device_name(ps.device), "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
+        **pipeline_fields(cfg, ps),
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
         "compile": t.compile, "batch": batch,
         "precision": t.precision if t.precision != "auto" else
@@ -107,6 +111,18 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         **activations, **head_loss,
         "comm": [{"op": op, "group": group, **v} for (op, group), v in sorted(log.totals().items())],
     }
+
+
+def pipeline_fields(cfg: Config, ps: ParallelState) -> dict:
+    """The schedule, and its bubble as Narayanan et al. 2021 count it: the idle fraction of an
+    ideal step, (p - 1) / (v m) with m micro-batches per DP rank (v = 1 but interleaved); a
+    formula, not a measurement."""
+    p, t = cfg.parallel, cfg.train
+    m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+    if p.pp == 1:
+        return {"pp_schedule": None, "virtual_stages": None, "pipeline_bubble": None}
+    return {"pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages,
+            "pipeline_bubble": (p.pp - 1) / (p.virtual_stages * m)}
 
 
 def random_batches(cfg: Config, dp_rank: int, dp_size: int, batch: str) -> list[Batch]:
@@ -133,7 +149,8 @@ def activation_bytes(cfg: Config, model: GPT, batch: Batch, autocast) -> dict:
     """What one layer saves for backward on this rank (measured in one forward, at the run's
     precision), next to Korthikanti et al.'s count (16-bit, attention scores not stored, as
     with SDPA); None with activation checkpointing, which hides what a block saves."""
-    if model.activation_checkpointing:
+    if model.activation_checkpointing or model.pstate.pp_size > 1:
+        # Checkpointing hides what a block saves; a stage's forward alone needs its input.
         return {"activation_bytes_per_layer": None, "activation_formula_bytes_per_layer": None}
     with autocast:
         measured = saved_bytes_per_block(model, batch.input_ids, labels=batch.labels)
@@ -189,6 +206,9 @@ def head_loss_memory(model: GPT, step, device: torch.device) -> dict:
             counting.__exit__(None, None, None)
             state["phase"] = "after"
 
+    if model.norm is None:  # a pipeline stage without the head still takes part in the step
+        step()
+        return {"head_loss_saved_bytes": None, "head_loss_peak_bytes": None}
     hooks = [model.norm.register_forward_pre_hook(norm_starts),
              model.register_forward_hook(forward_ends)]
     try:
