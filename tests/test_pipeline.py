@@ -7,6 +7,7 @@ batch; each rank then runs its own part of the layout: its DP rows, its stages' 
 slices.
 """
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from torch.testing import assert_close
 from megalite.config import ParallelConfig
 from megalite.data.batches import Batch
 from megalite.model import GPT
-from megalite.parallel.sharding import gather_full
+from megalite.parallel.sharding import gather_full, local_slice
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined, train_pipelined
 from megalite.run_config import TrainConfig
+from megalite.training.checkpoint import load_checkpoint, save_checkpoint
 from megalite.training.engine import NativeEngine, train_step
 from megalite.training.grads import sum_embedding_copies
 from tests.harness import run_distributed
@@ -155,3 +157,24 @@ def test_pipelined_run_equals_single_process(layout, name):
     world, tp, pp, schedule, virtual, sp, recompute = LAYOUTS[layout]
     run_distributed(check_pipeline, world, name, tp, pp, schedule, virtual, sp, recompute, packed,
                     reference(name, packed))
+
+
+def check_checkpoint_across_pipelines(directory: str) -> None:
+    """Saved at PP4 (interleaved, v=2: each rank holds two chunks), loaded at PP2 x DP2 and at
+    TP2 x PP2: every parameter is the single process's."""
+    cfg = model_config("gpt2")
+    saved = ParallelConfig(pp=4, pp_schedule="interleaved", virtual_stages=2)
+    ps = ParallelState.from_world(1, pipeline=saved)
+    model, engine = engine_for(cfg, ps)
+    save_checkpoint(Path(directory), 1, model, engine.moments, {}, {"layout": {}}, ps, keep=1)
+    whole = dict(GPT(cfg, ParallelState(), seed=7).named_parameters())
+    for tp in (1, 2):
+        ps = ParallelState.from_world(tp, pipeline=ParallelConfig(tp=tp, pp=2))
+        model = GPT(cfg, ps, seed=99)
+        load_checkpoint(Path(directory) / "checkpoints" / "step_00000001", model, ps)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, local_slice(whole[name].detach(), p)), (tp, name)
+
+
+def test_a_pp4_checkpoint_loads_at_pp2xdp2_and_tp2xpp2(tmp_path):
+    run_distributed(check_checkpoint_across_pipelines, 4, str(tmp_path))
