@@ -1,15 +1,18 @@
 """The scaling model (megalite/bench/scaling_model.py): one published row recomputed by hand
-from configs/bench/scaling.yaml, every row of the shipped table within the stated bound, and
-layouts that cannot run refused with the value named."""
+from configs/bench/scaling.yaml, the pipeline bubble and point-to-point terms recomputed by hand,
+every row of the shipped table within the stated bound, and layouts that cannot run refused
+with the value named."""
 from pathlib import Path
 
 import pytest
 
 from megalite.bench.scaling_check import ERROR_BOUND, check_file, layout_of, markdown
 from megalite.bench.scaling_config import load_scaling_file
-from megalite.bench.scaling_model import (dp_bytes_per_step, efficiency_from_single_device,
-                                          executed_flops_per_step, main, model_flops_per_step,
+from megalite.bench.scaling_model import (Layout, bubble_fraction, dp_bytes_per_step,
+                                          efficiency_from_single_device, executed_flops_per_step,
+                                          main, model_flops_per_step, p2p_bytes_per_step, predict,
                                           tp_bytes_per_layer_per_microbatch)
+from megalite.config import ModelConfig
 from megalite.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +26,14 @@ def scaling():
 
 def narayanan(scaling):
     return next(s for s in scaling.sources if s.name.startswith("Narayanan"))
+
+
+def checked_row(scaling, source_name, row_name):
+    check = next(c for c in check_file(scaling) if c.source.name == source_name)
+    return check, next(r for r in check.rows if r.row.name == row_name)
+
+
+PIPELINED = "Narayanan et al. 2021, Table 1 (p>1)"
 
 
 def megatron_flops(B, s, l, h, V, recompute):
@@ -76,12 +87,55 @@ def test_every_row_of_the_shipped_table_is_within_the_bound(scaling):
     assert (ROOT / "benchmarks" / "scaling_table.md").read_text() == markdown(checks), \
         "stale table: run megalite scale-model --out benchmarks/scaling_table.md"
     rows = [(c, r) for c in checks for r in c.rows]
-    assert [r.row.name for _, r in rows] == ["1.7B", "3.6B", "7.5B", "18.4B", "1.7B"]
+    assert [r.row.name for _, r in rows] == ["1.7B", "3.6B", "7.5B", "18.4B", "39.1B", "76.1B",
+                                             "145.6B", "310.1B", "529.6B", "1008.0B", "1.7B"]
     for check, r in rows:
         for overlap in (False, True):
             assert abs(r.error(overlap)) <= ERROR_BOUND, (check.source.name, r.row.name, overlap)
         if r.calibration:  # reproduced exactly the way the published runs reduced gradients
             assert r.error(check.source.dp_overlap) == pytest.approx(0, abs=1e-9)
+
+
+def test_the_pipeline_bubble_is_p_minus_1_over_v_m_of_compute_and_tp(scaling):
+    check, row = checked_row(scaling, PIPELINED, "76.1B")
+    peak, intra = 312e12, 230e9
+    # t=8, p=4, v=3 on 1024 GPUs: d=32, so m = 1792 / (2 x 32) = 28 micro-batches of b=2.
+    l, h, t, p, v, d, B, b, m = 60, 10240, 8, 4, 3, 32, 1792, 2, 28
+    layout = row.layout
+    assert (layout.tp, layout.pp, layout.virtual_stages, layout.dp, layout.micro_batches) == \
+        (t, p, v, d, m)
+    assert bubble_fraction(layout) == pytest.approx((p - 1) / (v * m), rel=1e-12)
+
+    compute = megatron_flops(B, 2048, l, h, 51200, True) / (t * p * d * peak * check.efficiency)
+    # Each GPU all-reduces for its stage's l/p layers only: 6 all-reduces of b s h bf16 each.
+    tp = l / p * m * 6 * (2 * 7 / 8) * b * 2048 * h * 2 / intra
+    assert row.prediction.compute_s == pytest.approx(compute, rel=1e-9)
+    assert row.prediction.tp_comm_s == pytest.approx(tp, rel=1e-12)
+    assert row.prediction.bubble_s == pytest.approx((compute + tp) * 3 / 84, rel=1e-9)
+
+    _, trillion = checked_row(scaling, PIPELINED, "1008.0B")  # 1F1B: p=64, m=3072/6, v=1
+    assert bubble_fraction(trillion.layout) == pytest.approx(63 / 512, rel=1e-12)
+    for c in check_file(scaling):
+        for r in c.rows:
+            if r.layout.pp == 1:
+                assert r.prediction.bubble_s == r.prediction.p2p_comm_s == 0
+
+
+def test_the_pipeline_p2p_is_its_bytes_over_the_nic_or_nvlink(scaling):
+    _, row = checked_row(scaling, PIPELINED, "529.6B")
+    # t=8, p=35, v=3, b=1, m=2520/9=280: per micro-batch and chunk, an activation forward and a
+    # gradient backward of b s h bf16, 1/t of it per rank, on the rank's 22.5 GB/s NIC.
+    per_gpu = 2 * 3 * 280 * (1 * 2048 * 20480 * 2) / 8
+    assert p2p_bytes_per_step(row.layout) == pytest.approx(per_gpu, rel=1e-12)
+    assert row.prediction.p2p_comm_s == pytest.approx(per_gpu / 22.5e9, rel=1e-12)
+
+    # t=2 x p=4 fills one 8-GPU node: the stages talk over NVLink.
+    model = ModelConfig(vocab_size=1024, max_seq_len=512, n_layers=8, hidden=256, n_heads=4)
+    one_node = Layout(model, 512, global_batch=16, micro_batch=2, tp=2, gpus=8, pp=4)
+    per_gpu = 2 * 1 * 8 * (2 * 512 * 256 * 2) / 2
+    assert p2p_bytes_per_step(one_node) == pytest.approx(per_gpu, rel=1e-12)
+    prediction = predict(one_node, scaling.profile("A100"), 0.5)
+    assert prediction.p2p_comm_s == pytest.approx(per_gpu / 230e9, rel=1e-12)
 
 
 def test_a_single_device_step_time_gives_the_efficiency(scaling):
@@ -112,6 +166,33 @@ def test_a_layout_prints_step_time_tokens_tflops_and_mfu(capsys):
 def test_a_layout_that_cannot_run_names_the_value(hardware, tp, gpus, message):
     with pytest.raises(ConfigError, match=message):
         main(["--config", str(CONFIG), "--hardware", hardware, *LAYOUT, "--tp", tp, "--gpus", gpus])
+
+
+def test_a_pipeline_layout_prints_its_bubble_and_p2p(capsys):
+    assert main(["--config", str(CONFIG), "--hardware", "H100", *LAYOUT, "--tp", "2",
+                 "--gpus", "64", "--pp", "4", "--virtual-stages", "2", "--mfu", "0.4"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2 x pp=4 x dp=8 (64 GPUs), 32 micro-batches of 2 per step" in out
+    assert "pipeline bubble" in out and "P2P comm" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "16"], r"layers=24 is not divisible by pp=16 x virtual_stages=1 = 16"),
+    (["--pp", "4", "--virtual-stages", "4"],
+     r"layers=24 is not divisible by pp=4 x virtual_stages=4 = 16"),
+    (["--pp", "3"], r"gpus=64 is not divisible by tp=2 x pp=3 = 6"),
+    (["--pp", "0"], r"pp=0, virtual_stages=1, .* must be >= 1"),
+    (["--virtual-stages", "2"], r"virtual_stages=2 interleaves pipeline stages: it needs pp > 1"),
+    (["--pp", "4", "--global-batch", "8"],
+     r"global_batch=8 is less than micro_batch=2 x dp=8: .* at least 16"),
+    (["--pp", "4", "--virtual-stages", "2", "--global-batch", "48"],
+     r"virtual_stages=2 \(interleaved 1F1B\) needs .* = 3, to be a multiple of pp=4: use a "
+     r"global_batch that is a multiple of 64"),
+])
+def test_a_pipeline_that_cannot_run_names_the_value(args, message):
+    with pytest.raises(ConfigError, match=message):
+        main(["--config", str(CONFIG), "--hardware", "H100", *LAYOUT, "--tp", "2", "--gpus", "64",
+              *args])
 
 
 def test_a_published_row_on_an_unknown_hardware_fails_at_load(tmp_path):

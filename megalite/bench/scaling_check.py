@@ -51,7 +51,7 @@ def layout_of(source: Source, row: PublishedRow) -> Layout:
                         n_layers=row.layers, hidden=row.hidden, n_heads=row.heads,
                         tie_embeddings=source.tie_embeddings)
     return Layout(model, source.seq_len, row.global_batch, row.micro_batch, row.tp, row.gpus,
-                  source.activation_recompute, source.grad_bytes)
+                  source.activation_recompute, source.grad_bytes, row.pp, row.virtual_stages)
 
 
 def published_flops_per_step(layout: Layout) -> float:
@@ -85,9 +85,11 @@ def markdown(checks: list[SourceCheck]) -> str:
              "`megalite/bench/scaling_model.py`. Per-GPU TFLOP/s are counted as each source "
              "counts them. Each source's efficiency (fraction of peak on the executed FLOPs) "
              "is calibrated on its `calibration` row; the other rows are predictions. The "
-             "model's step time is compute + TP communication + DP communication (all of it "
-             "after backward; overlapped, only what the last micro-batch's backward does not "
-             "hide).", "",
+             "model's step time is compute + TP communication + pipeline bubble + pipeline "
+             "point-to-point (P2P) + DP communication (all of it after backward; overlapped, "
+             "only what the last micro-batch's backward does not hide). Each DP rank runs m "
+             "micro-batches of b sequences; v is the model chunks per pipeline stage "
+             "(interleaved 1F1B when v > 1).", "",
              f"Bound: every row within ±{ERROR_BOUND:.0%}. Worst: {worst.error(overlap):+.1%} "
              f"({source.name}, {worst.row.name}, DP "
              f"{'overlapped' if overlap else 'after backward'}).",
@@ -100,16 +102,19 @@ def markdown(checks: list[SourceCheck]) -> str:
                   f"published runs {'overlap' if s.dp_overlap else 'do not overlap'} the DP "
                   f"all-reduce. Efficiency calibrated on {s.calibrate_on}: "
                   f"**{check.efficiency:.3f}**.", "",
-                  "| model | t x d (GPUs) | global batch | role | compute / TP / DP (s) "
+                  "| model | t x p x d (GPUs) | global batch | b x m | v | role "
+                  "| compute / TP / bubble / P2P / DP (s) "
                   "| published | predicted, DP after backward | error "
                   "| predicted, DP overlapped | error |",
-                  "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
         for r in check.rows:
-            p = r.prediction
+            p, lay = r.prediction, r.layout
             role = "calibration" if r.calibration else "prediction"
-            lines.append(f"| {r.row.name} | {r.layout.tp} x {r.layout.dp} ({r.layout.gpus}) "
-                         f"| {r.row.global_batch} | {role} "
-                         f"| {p.compute_s:.2f} / {p.tp_comm_s:.2f} / {p.dp_comm_s:.2f} "
+            lines.append(f"| {r.row.name} | {lay.tp} x {lay.pp} x {lay.dp} ({lay.gpus}) "
+                         f"| {r.row.global_batch} | {lay.micro_batch} x {lay.micro_batches} "
+                         f"| {lay.virtual_stages} | {role} "
+                         f"| {p.compute_s:.2f} / {p.tp_comm_s:.2f} / {p.bubble_s:.2f} "
+                         f"/ {p.p2p_comm_s:.2f} / {p.dp_comm_s:.2f} "
                          f"| {r.row.tflops_per_gpu:g} | {r.predicted(False):.1f} "
                          f"| {r.error(False):+.1%} | {r.predicted(True):.1f} "
                          f"| {r.error(True):+.1%} |")

@@ -35,6 +35,8 @@ class PublishedRow:
     global_batch: int  # sequences per optimizer step, all DP ranks together
     micro_batch: int  # sequences per forward/backward on one DP rank
     tflops_per_gpu: float  # as published, counted the source's way (see Source)
+    pp: int = 1  # pipeline stages
+    virtual_stages: int = 1  # model chunks per stage: interleaved 1F1B when > 1
 
 
 @dataclass(frozen=True)

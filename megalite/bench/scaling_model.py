@@ -1,11 +1,14 @@
-"""Predicted step time of a TP x DP layout over several nodes, from one efficiency per GPU type.
+"""Predicted step time of a TP x PP x DP layout across nodes, from one efficiency per GPU type.
 
     megalite scale-model --out benchmarks/scaling_table.md      # checked against published rows
     megalite scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
-        --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 [--mfu 0.41]
+        --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 \\
+        [--pp 2 [--virtual-stages 2]] [--mfu 0.41]
 
-A step of global batch B sequences of length s, on N = t x d GPUs (TP t inside a node, DP d),
-costs the sum of three terms, nothing else:
+A step of global batch B sequences of length s, on N = t x p x d GPUs (TP t inside a node, p
+pipeline stages of L/p layers each, DP d), each DP rank running m = B / (b d) micro-batches of
+b sequences, costs the sum of five terms, nothing else. Ranks are ordered as megalite orders
+them (TP blocks of consecutive ranks, then stages, then DP replicas).
 
 - compute: the FLOPs the GPUs execute, 6N + 12 L h s per token (PaLM appendix B, the count of
   megalite.training.metrics.flops_per_token) plus, with full activation recomputation, a second
@@ -14,29 +17,49 @@ costs the sum of three terms, nothing else:
   these FLOPs alone: measured on one device (--step-time, --mfu), or calibrated on one published
   row. It is the same at every TP size, although TP makes each GPU's matmuls t times smaller
   (which lowers it) and the weak-scaled models grow (which raises it).
-- TP communication, never overlapped: per layer and micro-batch, 2 all-reduces forward and 2
-  backward of b x s x h bf16 elements (Narayanan et al. 2021, section 3.2; 2 more with
-  recomputation, which repeats the forward), each moving 2(t-1)/t of its size per GPU at the
-  node's all-reduce bus bandwidth.
-- DP communication: one all-reduce per step of the rank's params / t gradients (2 or 4 bytes
-  each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across nodes,
-  the group's 8/t ranks per node drive 8/t NICs together (NCCL runs one ring per NIC), so at
-  8/t x the per-GPU network bandwidth, capped by the node's bus bandwidth. Reported two ways:
-  after backward (not overlapped), or overlapped with the backward of the last micro-batch (as
-  Megatron's --overlap-grad-reduce and torch DDP do with accumulation): only the excess shows.
+- TP communication, never overlapped: per layer of the GPU's stage and micro-batch, 2
+  all-reduces forward and 2 backward of b x s x h bf16 elements (Narayanan et al. 2021, section
+  3.2; 2 more with recomputation, which repeats the forward), each moving 2(t-1)/t of its size
+  per GPU at the node's all-reduce bus bandwidth.
+- pipeline bubble (p > 1): the schedule's fill and drain, (p-1)/(v m) of the compute and TP
+  time (Narayanan et al. 2021, section 2.2: (p-1)/m for 1F1B, divided by the v model chunks per
+  stage of the interleaved schedule).
+- pipeline point-to-point (p > 1), never overlapped: per micro-batch and model chunk, each GPU
+  sends its stage's output activation forward and its input gradient backward, b x s x h bf16
+  elements each, split over the stage's t ranks (Megatron's scatter/gather: each rank sends
+  1/t on its own NIC, and the receivers all-gather it). Within a node at the node's bus
+  bandwidth; once a pipeline (t x p consecutive ranks) spans nodes, its slowest boundary, which
+  paces every stage, crosses nodes: at the per-GPU network bandwidth. With t=8 on 8-GPU nodes
+  every boundary crosses nodes.
+- DP communication: one all-reduce per step of the rank's params / (t p) gradients (2 or 4
+  bytes each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across
+  nodes, the group's 8/(t p) ranks per node (at least 1) drive as many NICs together (NCCL runs
+  one ring per NIC), so at that many times the per-GPU network bandwidth, capped by the node's
+  bus bandwidth. Reported two ways: after backward (not overlapped), or overlapped with the
+  backward of the last micro-batch (as Megatron's --overlap-grad-reduce and torch DDP do with
+  accumulation): only the excess shows.
 
 Ignored: latency (every message is bandwidth-bound), the embedding and loss all-reduces, the
 optimizer step, data loading, kernel launch gaps, non-matmul FLOPs (norms, softmax, dropout),
 communication slowing the compute it overlaps with, network contention and topology beyond
 the per-GPU NIC rate, and params outside matmuls and the input embedding (position
-embeddings, norms, biases: under 1%). Pipeline parallelism is out of scope.
+embeddings, norms, biases: under 1%). With pipelines: the uneven stages (the first also holds
+the embedding, the last the LM head, and their DP all-reduces carry them), the end stages
+sending fewer messages, and the NVLink all-gather after a scattered send (about 2/3 of the
+send's time at t=8 on A100, under 1% of any step of the shipped table).
 
 Against the published rows (benchmarks/scaling_table.md, megalite.bench.scaling_check) every
 row is within ERROR_BOUND = ±15%, the worst -14.8%. The TP rows all come out low (-6% to -15%):
 at a constant efficiency the model's TP communication (4% of the predicted step at t=2, 9% at
 t=4, 13% at t=8) costs throughput one for one, while the published per-GPU rate stays flat
 or rises with model size: the larger models' bigger matmuls run nearer peak than the 1.7B
-calibration row, which a single efficiency cannot capture.
+calibration row, which a single efficiency cannot capture. The pipeline rows (Table 1, p > 1,
+a second source) are calibrated on their own smallest row, 39.1B (t=8, p=2), at efficiency
+0.572 against the 1.7B row's 0.444, and then lie within -8.1% to +8.1%; at the 1.7B row's
+efficiency they would come out 15% to 28% low (DP after backward), the same limit as the TP
+rows. The worst, 1008.0B (-8.1%), is the only one without interleaving past p=2: its bubble,
+63/512 of its compute and TP time, is 11% of the predicted step, which the published rate
+(163, as for the interleaved 529.6B row) does not show.
 """
 from __future__ import annotations
 
@@ -65,10 +88,12 @@ class Layout:
     gpus: int
     activation_recompute: bool = False
     grad_bytes: int = 4  # fp32 gradients: Megatron's default with bf16
+    pp: int = 1
+    virtual_stages: int = 1  # model chunks per pipeline stage: interleaved 1F1B when > 1
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // (self.tp * self.pp)
 
     @property
     def micro_batches(self) -> int:
@@ -78,17 +103,35 @@ class Layout:
 
 def check_fits(layout: Layout, hw: Hardware) -> None:
     """Raise ConfigError, naming the values, for a layout that cannot run on this hardware."""
-    t, n = layout.tp, layout.gpus
-    if t < 1 or n < 1 or layout.micro_batch < 1:
-        raise ConfigError(f"tp={t}, gpus={n} and micro_batch={layout.micro_batch} must be >= 1")
+    t, p, v, n = layout.tp, layout.pp, layout.virtual_stages, layout.gpus
+    b, batch, layers = layout.micro_batch, layout.global_batch, layout.model.n_layers
+    if min(t, p, v, n, b, batch) < 1:
+        raise ConfigError(f"tp={t}, pp={p}, virtual_stages={v}, gpus={n}, micro_batch={b} and "
+                          f"global_batch={batch} must be >= 1")
     if t > hw.gpus_per_node or hw.gpus_per_node % t:
         raise ConfigError(f"tp={t} does not fit in a node of {hw.gpus_per_node} GPUs ({hw.name}): "
                           f"TP stays within a node, use a tp that divides {hw.gpus_per_node}")
-    if n % t:
-        raise ConfigError(f"gpus={n} is not divisible by tp={t}: use a multiple of {t} GPUs")
-    if layout.global_batch % (layout.micro_batch * layout.dp):
-        raise ConfigError(f"global_batch={layout.global_batch} is not divisible by micro_batch="
-                          f"{layout.micro_batch} x dp={layout.dp}")
+    if n % (t * p):
+        raise ConfigError(f"gpus={n} is not divisible by tp={t} x pp={p} = {t * p}: use a "
+                          f"multiple of {t * p} GPUs")
+    if layers % (p * v):
+        raise ConfigError(f"layers={layers} is not divisible by pp={p} x virtual_stages={v} = "
+                          f"{p * v}: every model chunk needs as many layers, use a multiple of "
+                          f"{p * v} layers or another pp or virtual_stages")
+    if v > 1 and p == 1:
+        raise ConfigError(f"virtual_stages={v} interleaves pipeline stages: it needs pp > 1")
+    if batch < b * layout.dp:
+        raise ConfigError(f"global_batch={batch} is less than micro_batch={b} x dp={layout.dp}: "
+                          f"every DP rank needs a micro-batch per step, use a global_batch of at "
+                          f"least {b * layout.dp}")
+    if batch % (b * layout.dp):
+        raise ConfigError(f"global_batch={batch} is not divisible by micro_batch="
+                          f"{b} x dp={layout.dp}")
+    if v > 1 and layout.micro_batches % p:
+        raise ConfigError(f"virtual_stages={v} (interleaved 1F1B) needs the micro-batches per "
+                          f"step, global_batch / (micro_batch x dp) = {layout.micro_batches}, to "
+                          f"be a multiple of pp={p}: use a global_batch that is a multiple of "
+                          f"{b * layout.dp * p}, or virtual_stages=1")
     if layout.model.n_heads % t or layout.model.hidden % layout.model.n_heads:
         raise ConfigError(f"heads={layout.model.n_heads} must divide hidden={layout.model.hidden} "
                           f"and be divisible by tp={t}")
@@ -127,16 +170,40 @@ def tp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     return all_reduces * ring_factor(layout.tp) * message
 
 
+def bubble_fraction(layout: Layout) -> float:
+    """Pipeline idle time over the ideal time: (p-1)/(v m) (Narayanan et al. 2021, section 2.2)."""
+    return (layout.pp - 1) / (layout.virtual_stages * layout.micro_batches)
+
+
+def p2p_bytes_per_step(layout: Layout) -> float:
+    """Bytes each GPU sends to its neighbour stages in a step: per micro-batch and model chunk, a
+    b x s x h bf16 activation forward and its gradient backward, of which each of the stage's t
+    ranks sends 1/t (Megatron's scatter/gather; the receivers all-gather it)."""
+    if layout.pp == 1:
+        return 0.0
+    message = layout.micro_batch * layout.seq_len * layout.model.hidden * ACTIVATION_BYTES
+    return 2 * layout.virtual_stages * layout.micro_batches * message / layout.tp
+
+
+def p2p_bandwidth(layout: Layout, hw: Hardware) -> float:
+    """Bytes/s of a stage-to-stage send: a pipeline is t x p consecutive ranks, so past one node
+    its slowest boundary, which paces every stage, crosses nodes on each rank's own NIC."""
+    if layout.tp * layout.pp <= hw.gpus_per_node:
+        return hw.intra_node_gbs * 1e9
+    return hw.inter_node_gbs * 1e9
+
+
 def dp_bytes_per_step(layout: Layout) -> float:
-    """Bytes each GPU sends for the step's gradient all-reduce of its params / t."""
-    return ring_factor(layout.dp) * parameter_count(layout.model) / layout.tp * layout.grad_bytes
+    """Bytes each GPU sends for the step's gradient all-reduce of its params / (t p)."""
+    return (ring_factor(layout.dp) * parameter_count(layout.model) / (layout.tp * layout.pp)
+            * layout.grad_bytes)
 
 
 def dp_bandwidth(layout: Layout, hw: Hardware) -> float:
     """Bus bandwidth (bytes/s) of a DP group's all-reduce: see the module docstring."""
     if layout.gpus <= hw.gpus_per_node:
         return hw.intra_node_gbs * 1e9
-    ranks_per_node = min(layout.dp, hw.gpus_per_node // layout.tp)
+    ranks_per_node = min(layout.dp, max(1, hw.gpus_per_node // (layout.tp * layout.pp)))
     return min(hw.intra_node_gbs, ranks_per_node * hw.inter_node_gbs) * 1e9
 
 
@@ -147,12 +214,14 @@ class Prediction:
     efficiency: float
     compute_s: float
     tp_comm_s: float
+    bubble_s: float  # pipeline fill and drain: (compute + TP comm) x (p-1)/(v m)
+    p2p_comm_s: float
     dp_comm_s: float
     overlap_window_s: float  # backward compute of the last micro-batch
 
     def step_s(self, overlap: bool) -> float:
         dp = max(0.0, self.dp_comm_s - self.overlap_window_s) if overlap else self.dp_comm_s
-        return self.compute_s + self.tp_comm_s + dp
+        return self.compute_s + self.tp_comm_s + self.bubble_s + self.p2p_comm_s + dp
 
     def tokens_per_s(self, overlap: bool) -> float:
         return self.layout.global_batch * self.layout.seq_len / self.step_s(overlap)
@@ -170,12 +239,15 @@ def predict(layout: Layout, hw: Hardware, efficiency: float) -> Prediction:
     check_fits(layout, hw)
     executed = executed_flops_per_step(layout)
     compute = executed / (layout.gpus * hw.peak_tflops * 1e12 * efficiency)
-    tp_bytes = (layout.model.n_layers * layout.micro_batches
+    # Each GPU runs the all-reduces of its own stage's layers only.
+    tp_bytes = (layout.model.n_layers // layout.pp * layout.micro_batches
                 * tp_bytes_per_layer_per_microbatch(layout))
+    tp_comm = tp_bytes / (hw.intra_node_gbs * 1e9)
     # Backward is 2/3 of the model FLOPs, plus the recomputed forward that runs inside it.
     backward = (executed - model_flops_per_step(layout) / 3) / executed
-    return Prediction(layout, hw, efficiency, compute,
-                      tp_comm_s=tp_bytes / (hw.intra_node_gbs * 1e9),
+    return Prediction(layout, hw, efficiency, compute, tp_comm_s=tp_comm,
+                      bubble_s=(compute + tp_comm) * bubble_fraction(layout),
+                      p2p_comm_s=p2p_bytes_per_step(layout) / p2p_bandwidth(layout, hw),
                       dp_comm_s=dp_bytes_per_step(layout) / dp_bandwidth(layout, hw),
                       overlap_window_s=compute * backward / layout.micro_batches)
 
@@ -196,7 +268,8 @@ def calibrate(layout: Layout, hw: Hardware, step_s: float, overlap: bool) -> flo
 def efficiency_from_single_device(layout: Layout, hw: Hardware, step_s: float,
                                   sequences: int) -> float:
     """The efficiency of one GPU that ran `sequences` sequences of this model in `step_s`."""
-    alone = dataclasses.replace(layout, global_batch=sequences, micro_batch=sequences, tp=1, gpus=1)
+    alone = dataclasses.replace(layout, global_batch=sequences, micro_batch=sequences, tp=1, gpus=1,
+                                pp=1, virtual_stages=1)
     return calibrate(alone, hw, step_s, overlap=False)
 
 
@@ -226,7 +299,7 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
                         hidden=args.hidden, n_heads=args.heads, tie_embeddings=not args.untied)
     layout = Layout(model, args.seq_len, args.global_batch, args.micro_batch, args.tp, args.gpus,
-                    args.recompute, args.grad_bytes)
+                    args.recompute, args.grad_bytes, args.pp, args.virtual_stages)
     check_fits(layout, hw)
     if args.efficiency is not None:
         efficiency, how = args.efficiency, "given"
@@ -244,11 +317,13 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
         efficiency = calibrated[0].efficiency
         how = f"calibrated on {calibrated[0].source.name}, {calibrated[0].source.calibrate_on}"
     p = predict(layout, hw, efficiency)
-    lines = [f"{hw.name}: tp={layout.tp} x dp={layout.dp} ({layout.gpus} GPUs), "
-             f"{layout.micro_batches} micro-batches of {layout.micro_batch} per step; "
+    lines = [f"{hw.name}: tp={layout.tp} x pp={layout.pp} x dp={layout.dp} ({layout.gpus} GPUs), "
+             f"{layout.micro_batches} micro-batches of {layout.micro_batch} per step, "
+             f"{layout.virtual_stages} model chunk(s) per stage; "
              f"efficiency {efficiency:.3f} ({how})",
-             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, DP comm "
-             f"{p.dp_comm_s:.4g} s (overlap window {p.overlap_window_s:.4g} s)",
+             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, pipeline bubble "
+             f"{p.bubble_s:.4g} s, P2P comm {p.p2p_comm_s:.4g} s, DP comm {p.dp_comm_s:.4g} s "
+             f"(overlap window {p.overlap_window_s:.4g} s)",
              "| DP all-reduce | step time (s) | tokens/s | model TFLOP/s per GPU | MFU |",
              "|---|---:|---:|---:|---:|"]
     for overlap in (False, True):
@@ -261,7 +336,7 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megalite scale-model",
-        description="Predict the throughput of TP x DP layouts; without --hardware, check the "
+        description="Predict the throughput of TP x PP x DP layouts; without --hardware, check the "
                     "model against the published rows of the config.")
     parser.add_argument("--config", default="configs/bench/scaling.yaml")
     parser.add_argument("--out", help="also write the table to this file")
@@ -270,6 +345,9 @@ def _parser() -> argparse.ArgumentParser:
     for name in LAYOUT_ARGS:
         layout.add_argument(f"--{name.replace('_', '-')}", type=int)
     layout.add_argument("--micro-batch", type=int, default=1)
+    layout.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    layout.add_argument("--virtual-stages", type=int, default=1,
+                        help="model chunks per pipeline stage (interleaved 1F1B when > 1)")
     layout.add_argument("--untied", action="store_true", help="LM head separate from the embedding")
     layout.add_argument("--recompute", action="store_true", help="full activation recomputation")
     layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
