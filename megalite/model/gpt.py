@@ -86,6 +86,9 @@ class Output:
 
     @property
     def logits(self) -> torch.Tensor:
+        if self._make_logits is None:
+            raise ValueError("this model chunk does not end the model: only the last pipeline "
+                             "stage's output has logits")
         if self._logits is None:
             self._logits = self._make_logits()
         return self._logits
