@@ -232,12 +232,7 @@ def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int,
         total.add_(torch.stack([out.token_losses.sum().float(),
                                 batches[micro].target_count().float()]))
 
-    if ps.pp_size > 1:
-        forward_pipelined(model, batches, autocast, add)
-    else:
-        for i, batch in enumerate(batches):
-            with autocast:
-                add(i, model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels))
+    forward_pipelined(model, batches, autocast, add)  # at pp=1: each micro-batch in turn
     total = all_reduce_dp_pp(total, ps)
     val_loss = (total[0] / total[1]).item()
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow

@@ -42,7 +42,7 @@ class ParallelState:
 
     @property
     def rank(self) -> int:
-        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
+        return self.stage_rank(self.pp_rank)
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,8 @@ class Message:
 class PipeComm:
     def __init__(self, pstate: ParallelState):
         self.device = pstate.device
-        self.batched = dist.get_backend() == "nccl"
+        # No process group at all in a single process, which never exchanges anything.
+        self.batched = dist.is_initialized() and dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end
 
     def exchange(self, sends: list[Message], recvs: list[Message]) -> list["Received"]:
