@@ -57,7 +57,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0,
     LOCAL_RANK, WORLD_SIZE) instead of an initialised process group: `fn` initialises it.
     """
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} if torchrun_env else None
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, daemon=True,
@@ -74,6 +74,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0,
                 if p.is_alive():
                     p.kill()
                     p.join()
+
+
+def _context():
+    """Ranks forked from a server that has imported torch and megalite once for the session:
+    a fresh interpreter per rank (spawn) would import them again each time, seconds per rank on
+    two cores. The server has run no torch op, so no thread pool is forked with it."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megalite.train", "tests.harness"])
+    return ctx
 
 
 def _collect(procs, results, timeout: float) -> list:
