@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = with_pretrained(cfg)
     check_batch_layout(cfg, world)
-    check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp,
+    check_deepspeed(cfg.train, cfg.model, cfg.parallel,
                     world if "WORLD_SIZE" in os.environ else None)
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)

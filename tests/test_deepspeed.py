@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
@@ -49,7 +49,6 @@ def check_replicas_stay_identical(stage: int) -> None:
     """ZeRO-`stage` at TP2 x DP2, each DP rank on its own data: after 3 steps every DP replica
     holds the same parameters, and they moved."""
     from megalite.model import GPT
-    from megalite.config import ParallelConfig
     from megalite.parallel.state import init_parallel
     from megalite.training.engine import build_engine
     ps = init_parallel(ParallelConfig(tp=2))  # from torchrun's environment, as DeepSpeed wants
@@ -74,14 +73,34 @@ def test_zero2_dp_replicas_hold_identical_parameters():
     run_distributed(check_replicas_stay_identical, 4, 2, torchrun_env=True)
 
 
-@pytest.mark.parametrize("model, train, world, message", [
-    (ModelConfig(n_heads=4, n_kv_heads=1), {}, 4, "n_kv_heads=1 < parallel.tp=2"),
-    (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, 4, "train_batch_size=32 disagrees"),
-    (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, 4, "train.deepspeed.optimizer"),
-    (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, 4, "zero_optimization.stage"),
-    (ModelConfig(), {}, None, "runs under torchrun"),
+TP2 = ParallelConfig(tp=2)
+
+
+@pytest.mark.parametrize("model, train, parallel, world, message", [
+    (ModelConfig(n_heads=4, n_kv_heads=1), {}, TP2, 4, "n_kv_heads=1 < parallel.tp=2"),
+    (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, TP2, 4, "train_batch_size=32 disagrees"),
+    (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, TP2, 4, "train.deepspeed.optimizer"),
+    (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, TP2, 4, "zero_optimization.stage"),
+    (ModelConfig(), {}, TP2, None, "runs under torchrun"),
+    (ModelConfig(), {"zero_stage": 2}, ParallelConfig(pp=2), 4,
+     "train.zero_stage=2 with parallel.pp=2: ZeRO-2 reduces"),
+    (ModelConfig(), {"zero_stage": 0}, ParallelConfig(pp=2), 4,
+     "train.zero_stage=0 with parallel.pp=2: stage 0 is plain data parallelism"),
 ])
-def test_bad_deepspeed_configs_are_refused_before_any_collective(model, train, world, message):
+def test_bad_deepspeed_configs_are_refused_before_any_collective(model, train, parallel, world, message):
     cfg = TrainConfig(engine="deepspeed", global_batch_size=16, micro_batch_size=4, **train)
     with pytest.raises(ConfigError, match=message):
-        check_deepspeed(cfg, model, 2, world)
+        check_deepspeed(cfg, model, parallel, world)
+
+
+def test_zero1_with_pipeline_stages_trains_like_the_native_engine(tmp_path, cache, tp2dp2_padded):
+    """PP2 x DP2: ZeRO-1 partitions each stage's Adam state over its DP group, and the tied
+    embedding's two copies (first and last stage) sum their gradients before the DP reduction."""
+    train_run(4, common(cache, tmp_path, "padded") +
+              ["parallel.tp=1", "parallel.pp=2", "train.micro_batch_size=2",
+               "train.engine=deepspeed", "train.zero_stage=1"])
+    assert_same_training(tp2dp2_padded, tmp_path)
+    expected, saved = moments(tp2dp2_padded), moments(tmp_path)
+    assert saved.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -157,7 +157,6 @@ BAD = {
     "parallel.pp=2 parallel.pp_schedule=interleaved": "needs parallel.virtual_stages >= 2",
     "parallel.pp=2 train.micro_batch_size=3 train.global_batch_size=6": "multiple of parallel.pp=2",
     "parallel.pp=2 parallel.pp_layers=[1,2]": "parallel.pp_layers=[1, 2]",
-    "parallel.pp=2 train.engine=deepspeed": "train.engine=native only",
 }
 
 

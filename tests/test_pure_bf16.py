@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
 from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
@@ -166,7 +166,7 @@ def test_deepspeed_refuses_pure_bf16_before_launch():
     train_cfg = TrainConfig(engine="deepspeed", precision="pure_bf16", global_batch_size=16,
                             micro_batch_size=4)
     with pytest.raises(ConfigError, match="train.precision=pure_bf16 needs train.engine=native"):
-        check_deepspeed(train_cfg, ModelConfig(), 2, 4)
+        check_deepspeed(train_cfg, ModelConfig(), ParallelConfig(tp=2), 4)
 
 
 def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(spec["config"], spec["overrides"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_batch_layout(cfg, world)
-    check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, world)
+    check_deepspeed(cfg.train, cfg.model, cfg.parallel, world)
     ps = init_parallel(cfg.parallel, cfg.model)
     try:
         result = measure(cfg, ps, spec["warmup"], spec["steps"], spec["batch"])

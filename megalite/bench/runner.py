@@ -102,7 +102,7 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=batch))
         point.world = cfg.parallel.tp * cfg.parallel.pp * dp
         check_batch_layout(cfg, point.world)
-        check_deepspeed(cfg.train, cfg.model, cfg.parallel.tp, point.world)
+        check_deepspeed(cfg.train, cfg.model, cfg.parallel, point.world)
     except ConfigError as err:
         point.error = str(err)
     return point

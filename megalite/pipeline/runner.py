@@ -19,8 +19,10 @@ from megalite.pipeline.schedules import Action, Exchange, message_in, message_ou
 class PipelineRun:
     """Carries out one rank's action list for a step (training) or a forward pass (eval)."""
 
-    def __init__(self, model, batches: list, autocast):
+    def __init__(self, model, batches: list, autocast, module=None):
+        """module: what runs the model's forward (the engine's wrapper of it, if any)."""
         self.model, self.batches, self.autocast = model, batches, autocast
+        self.module = model if module is None else module
         ps = model.pstate
         self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
         self.comm = PipeComm(ps)
@@ -61,7 +63,7 @@ class PipelineRun:
     def _forward(self, a: Action, hidden: torch.Tensor | None, **kwargs):
         batch = self.batches[a.micro]
         with self.autocast:
-            return self.model(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
+            return self.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
                               chunk=a.chunk, hidden=hidden, **kwargs)
 
 
@@ -71,7 +73,7 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     sum of the micro-batch losses on the last stage (zero on the others). The DP gradient sync
     of each chunk starts on its last backward."""
     model = engine.model
-    run = PipelineRun(model, batches, autocast)
+    run = PipelineRun(model, batches, autocast, engine.module)
     ps = model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
     actions = [a for a in steps if isinstance(a, Action)]

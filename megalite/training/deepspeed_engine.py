@@ -14,20 +14,27 @@ engine, to float rounding:
   per copy, so that layout is refused (check_deepspeed).
 - Checkpoints keep megalite's format: Adam's moments are read and written whole per parameter
   through ZeRO's parameter-to-partition map, so a run can resume on either engine.
+
+With pipeline stages (ZeRO-1 only, as DeepSpeed's own pipeline engine allows), the `mpu`'s
+model-parallel group is the TP x PP ranks of a DP replica and its tensor-parallel group the TP
+ranks, as in DeepSpeed's PipelineParallelGrid; a stage's output is backpropagated as the scalar
+sum(output * incoming gradient), whose gradient is the same; and the step, not the last
+backward, reduces over DP, after the tied embedding's two copies have summed their gradients.
 """
 from __future__ import annotations
 
 import importlib.util
 
 import torch
+import torch.distributed as dist
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.checkpoint import MOMENTS
 from megalite.training.engine import AdamEngine
-from megalite.training.grads import clip_grad_norm_
+from megalite.training.grads import clip_grad_norm_, sum_embedding_copies
 from megalite.training.optim import build_optimizer
 from megalite.typed_config import ConfigError
 
@@ -42,19 +49,37 @@ REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_opt
 
 
 class ModelParallelUnit:
-    """megalite's layout under the names DeepSpeed asks Megatron's `mpu` for."""
+    """megalite's layout under the names DeepSpeed asks Megatron's `mpu` for: tensor-parallel is
+    the TP group; model-parallel is all model parallelism of a DP replica (TP x PP), which
+    DeepSpeed sums gradient norms over."""
 
     def __init__(self, pstate: ParallelState):
         self.ps = pstate
+        self.model_group = pstate.tp_group
+        if pstate.pp_size > 1:
+            size = pstate.tp_size * pstate.pp_size  # a DP replica's ranks are consecutive
+            for first in range(0, pstate.world_size, size):
+                group = dist.new_group(list(range(first, first + size)), timeout=pstate.timeout)
+                if first <= pstate.rank < first + size:
+                    self.model_group = group
 
-    def get_model_parallel_rank(self) -> int:
+    def get_tensor_model_parallel_rank(self) -> int:
         return self.ps.tp_rank
 
-    def get_model_parallel_world_size(self) -> int:
+    def get_tensor_model_parallel_world_size(self) -> int:
         return self.ps.tp_size
 
-    def get_model_parallel_group(self):
+    def get_tensor_model_parallel_group(self):
         return self.ps.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ps.pp_rank * self.ps.tp_size + self.ps.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ps.pp_size * self.ps.tp_size
+
+    def get_model_parallel_group(self):
+        return self.model_group
 
     def get_data_parallel_rank(self) -> int:
         return self.ps.dp_rank
@@ -65,16 +90,21 @@ class ModelParallelUnit:
     def get_data_parallel_group(self):
         return self.ps.dp_group
 
-    # Megatron-core's names for the same three; DeepSpeed prefers them when present.
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
 
-
-def check_deepspeed(train: TrainConfig, model: ModelConfig, tp: int, world: int | None) -> None:
+def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
+                    world: int | None) -> None:
     """Every way engine=deepspeed can be misconfigured, before any process group exists."""
     if train.engine != "deepspeed":
         return
+    tp, pp = parallel.tp, parallel.pp
+    if pp > 1 and train.zero_stage != 1:
+        why = ("ZeRO-2 reduces each backward's gradients as they come, before the tied "
+               "embedding's copies on the first and last stage can be summed, and DeepSpeed's "
+               "own pipeline engine refuses it too" if train.zero_stage == 2 else
+               "stage 0 is plain data parallelism, which train.engine=native does (DeepSpeed's "
+               "stage-0 clipping would count the pipeline's replicated weights wrongly)")
+        raise ConfigError(f"train.zero_stage={train.zero_stage} with parallel.pp={pp}: {why}; "
+                          f"use train.zero_stage=1, or train.engine=native")
     if train.precision == "pure_bf16":
         raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
                           "masters live in its own engine): set train.engine=native, or use "
@@ -98,7 +128,7 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, tp: int, world: int 
                               f"from train.*, the schedule is train.lr/warmup_steps, precision is "
                               f"train.precision, the stage is train.zero_stage; no offload): "
                               f"remove it")
-    deepspeed_config(train, world // tp)
+    deepspeed_config(train, world // (tp * pp))
 
 
 def deepspeed_config(train: TrainConfig, dp: int) -> dict:
@@ -125,6 +155,8 @@ class DeepSpeedEngine(AdamEngine):
         for p in model.parameters():
             if shard_of(p) is not None:
                 p.tensor_model_parallel = True
+            if getattr(p, "pipeline_copy", False):
+                p.ds_pipe_replicated = True  # ZeRO's norm counts the first stage's weight only
         deepspeed.init_distributed(dist_backend="nccl" if pstate.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=build_optimizer(model, cfg, pstate.device),
@@ -132,19 +164,25 @@ class DeepSpeedEngine(AdamEngine):
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0
+        # ZeRO-2 reduces every backward's gradients as they come (into partitions), and
+        # stages 0 and 1 reduce at the step, from the whole gradients.
+        self.reduces_in_backward = cfg.zero_stage >= 2
         self.state_linked = False
 
-    def backward(self, loss: torch.Tensor, last: bool) -> None:
-        # DeepSpeed counts micro-batches through step() calls and reduces at the last one:
-        # its count and the loop's must agree, or gradients would go unreduced or unapplied.
-        if self.engine.is_gradient_accumulation_boundary() != last:
-            raise RuntimeError(f"DeepSpeed's gradient accumulation boundary disagrees with the "
-                               f"training loop (last micro-batch: {last})")
+    def backward(self, loss: torch.Tensor, last: bool, grad: torch.Tensor | None = None) -> None:
+        """grad: the gradient of `loss` when it is a pipeline stage's output, not the loss."""
+        if grad is not None:
+            loss = (loss * grad).sum()
+        # The step's last backward is the accumulation boundary for ZeRO-2 (it reduces there
+        # too); the others reduce in step(), so no backward is one for them.
+        self.engine.set_gradient_accumulation_boundary(last and self.reduces_in_backward)
         self.engine.backward(loss, scale_wrt_gas=False)
-        if not last:
-            self.engine.step()
 
     def step(self) -> torch.Tensor:
+        if not self.reduces_in_backward:
+            sum_embedding_copies(self.model, self.master, self.pstate)
+            self.engine.set_gradient_accumulation_boundary(True)
+            self.engine.allreduce_gradients()
         # Stage 0 keeps no norm to report: take it from the reduced gradients before the update.
         norm = None if self.zero else clip_grad_norm_(self.model, 0.0, self.pstate)
         self.engine.step()

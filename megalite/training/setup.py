@@ -34,10 +34,6 @@ def check_batch_layout(cfg: Config, world: int) -> None:
             f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / {split}): "
             f"use a global batch that is a multiple of "
             f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
-    if p.pp > 1 and t.engine != "native":
-        raise ConfigError(f"parallel.pp={p.pp} runs on train.engine=native only (DeepSpeed ZeRO "
-                          f"with pipeline stages is not built yet): set train.engine=native or "
-                          f"parallel.pp=1")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
