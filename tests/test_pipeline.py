@@ -68,8 +68,8 @@ def model_config(name: str):
     return CONFIGS[name].__class__(**{**vars(CONFIGS[name]), "n_layers": LAYERS})
 
 
-def engine_for(cfg, ps: ParallelState, recompute: bool = False) -> tuple[GPT, NativeEngine]:
-    model = GPT(cfg, ps, seed=7)
+def engine_for(cfg, ps: ParallelState, recompute: bool = False, seed: int = 7) -> tuple[GPT, NativeEngine]:
+    model = GPT(cfg, ps, seed=seed)
     model.activation_checkpointing = recompute
     return model, NativeEngine(model, TrainConfig(precision="fp32", grad_clip=1.0), ps)
 
@@ -160,21 +160,23 @@ def test_pipelined_run_equals_single_process(layout, name):
 
 
 def check_checkpoint_across_pipelines(directory: str) -> None:
-    """Saved at PP4 (interleaved, v=2: each rank holds two chunks), loaded at PP2 x DP2 and at
-    TP2 x PP2: every parameter is the single process's."""
+    """Saved at PP4 (interleaved, v=2: each rank holds two chunks) and loaded at PP2 x DP2, then
+    saved at TP2 x PP2 and loaded at PP4: every parameter is the single process's each time."""
     cfg = model_config("gpt2")
-    saved = ParallelConfig(pp=4, pp_schedule="interleaved", virtual_stages=2)
-    ps = ParallelState.from_world(1, pipeline=saved)
-    model, engine = engine_for(cfg, ps)
-    save_checkpoint(Path(directory), 1, model, engine.moments, {}, {"layout": {}}, ps, keep=1)
     whole = dict(GPT(cfg, ParallelState(), seed=7).named_parameters())
-    for tp in (1, 2):
-        ps = ParallelState.from_world(tp, pipeline=ParallelConfig(tp=tp, pp=2))
-        model = GPT(cfg, ps, seed=99)
-        load_checkpoint(Path(directory) / "checkpoints" / "step_00000001", model, ps)
+    pp4 = ParallelConfig(pp=4, pp_schedule="interleaved", virtual_stages=2)
+    # Each layout loads what the one before it saved over weights of another seed; the first
+    # starts from the same seed.
+    layouts = [(1, pp4), (1, ParallelConfig(pp=2)), (2, ParallelConfig(tp=2, pp=2)), (1, pp4)]
+    for step, (tp, parallel) in enumerate(layouts):
+        ps = ParallelState.from_world(tp, pipeline=parallel)
+        model, engine = engine_for(cfg, ps, seed=7 if step == 0 else 99)
+        if step:
+            load_checkpoint(Path(directory) / "checkpoints" / f"step_{step:08d}", model, ps)
         for name, p in model.named_parameters():
-            assert torch.equal(p, local_slice(whole[name].detach(), p)), (tp, name)
+            assert torch.equal(p, local_slice(whole[name].detach(), p)), (tp, parallel, name)
+        save_checkpoint(Path(directory), step + 1, model, engine.moments, {}, {"layout": {}}, ps, keep=1)
 
 
-def test_a_pp4_checkpoint_loads_at_pp2xdp2_and_tp2xpp2(tmp_path):
+def test_checkpoints_load_across_pipeline_layouts(tmp_path):
     run_distributed(check_checkpoint_across_pipelines, 4, str(tmp_path))
