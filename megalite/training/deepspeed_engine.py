@@ -15,7 +15,7 @@ engine, to float rounding:
 - Checkpoints keep megalite's format: Adam's moments are read and written whole per parameter
   through ZeRO's parameter-to-partition map, so a run can resume on either engine.
 
-With pipeline stages (ZeRO-1 only, as DeepSpeed's own pipeline engine allows), the `mpu`'s
+With pipeline stages (ZeRO-1; ZeRO-2 only with untied embeddings), the `mpu`'s
 model-parallel group is the TP x PP ranks of a DP replica and its tensor-parallel group the TP
 ranks, as in DeepSpeed's PipelineParallelGrid; a stage's output is backpropagated as the scalar
 sum(output * incoming gradient), whose gradient is the same; and the step, not the last
@@ -97,18 +97,17 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
     if train.engine != "deepspeed":
         return
     tp, pp = parallel.tp, parallel.pp
-    if pp > 1 and train.zero_stage != 1:
-        why = ("ZeRO-2 reduces each backward's gradients as they come, before the tied "
-               "embedding's copies on the first and last stage can be summed, and DeepSpeed's "
-               "own pipeline engine refuses it too" if train.zero_stage == 2 else
-               "stage 0 is plain data parallelism, which train.engine=native does (DeepSpeed's "
-               "stage-0 clipping would count the pipeline's replicated weights wrongly)")
-        raise ConfigError(f"train.zero_stage={train.zero_stage} with parallel.pp={pp}: {why}; "
-                          f"use train.zero_stage=1, or train.engine=native")
-    if train.precision == "pure_bf16":
-        raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
-                          "masters live in its own engine): set train.engine=native, or use "
-                          "train.precision=bf16 with train.engine=deepspeed")
+    if pp > 1 and train.zero_stage == 0:
+        raise ConfigError(f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
+                          f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
+                          f"clipping would count the other stages' replicated weights wrongly): "
+                          f"use train.engine=native, or train.zero_stage=1")
+    if pp > 1 and train.zero_stage == 2 and model.tie_embeddings:
+        raise ConfigError(f"train.zero_stage=2 with parallel.pp={pp} and model.tie_embeddings=true: "
+                          f"ZeRO-2 reduces each backward's gradients as they come, before the "
+                          f"tied embedding's copies on the first and last stage can be summed "
+                          f"(DeepSpeed's own pipeline engine refuses ZeRO-2 altogether): use "
+                          f"train.zero_stage=1, untied embeddings, or train.engine=native")
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
                           "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "
@@ -167,18 +166,23 @@ class DeepSpeedEngine(AdamEngine):
         # ZeRO-2 reduces every backward's gradients as they come (into partitions), and
         # stages 0 and 1 reduce at the step, from the whole gradients.
         self.reduces_in_backward = cfg.zero_stage >= 2
+        # A pipeline rank's step ends with the last backward of its last model chunk to finish.
+        self.chunks, self.chunks_done = len(model.chunks), 0
         self.state_linked = False
 
     def backward(self, loss: torch.Tensor, last: bool, grad: torch.Tensor | None = None) -> None:
         """grad: the gradient of `loss` when it is a pipeline stage's output, not the loss."""
         if grad is not None:
             loss = (loss * grad).sum()
+        self.chunks_done += last
         # The step's last backward is the accumulation boundary for ZeRO-2 (it reduces there
         # too); the others reduce in step(), so no backward is one for them.
-        self.engine.set_gradient_accumulation_boundary(last and self.reduces_in_backward)
+        self.engine.set_gradient_accumulation_boundary(self.reduces_in_backward and
+                                                       self.chunks_done == self.chunks)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> torch.Tensor:
+        self.chunks_done = 0
         if not self.reduces_in_backward:
             sum_embedding_copies(self.model, self.master, self.pstate)
             self.engine.set_gradient_accumulation_boundary(True)
