@@ -140,6 +140,12 @@ def test_a_pipeline_point_reports_its_schedule_bubble_and_pipeline_collectives(t
     assert comm["all_reduce", "pp"]["elements"] == 1
     assert comm["all_reduce", "embedding"]["elements"] == 4096 * 64
     assert point["head_loss_saved_bytes"] > 0  # measured on the last stage
+    # Rank 0 holds virtual stages 0 and 2 of 4: it receives the activations of stage 2's m
+    # micro-batches and the gradients of both of its stages' outputs, 3m tensors of b·s·h.
+    assert comm["recv", "pp"]["calls"] == 3 * 4
+    assert comm["recv", "pp"]["elements"] == 3 * 4 * 2 * 64 * 64
+    assert 0 < point["pipeline_wait_s"] < point["instrumented_step_s"]
+    assert 0 < point["pipeline_bubble_measured"] < 1
 
 
 def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):

@@ -11,8 +11,10 @@ with the device synchronised before and after, so its wall time is its own. The 
 CommLog therefore runs with no communication overlapped: it measures how much there is, not how
 well it hides; time the step without one.
 
-Pipeline stages' point-to-point messages are not collectives and are not counted (made
-synchronous one by one, they could wait on each other).
+Pipeline stages' point-to-point messages are posted as usual (made synchronous one by one,
+they could wait on each other); each receive is recorded when its action waits for it (op
+`recv`, group `pp`), timed with the device synchronised before and after: the time a stage sits
+waiting for its neighbour, the pipeline bubble plus the transfer.
 
 `bytes` is the payload of one rank's call: the reduced tensor of an all-reduce, the gathered
 (full) tensor of an all-gather, the input of a reduce-scatter. `wire_bytes` is what a ring
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from megalite.bench.timing import synchronize
 from megalite.parallel.state import ParallelState
+from megalite.pipeline.p2p import Received
 
 # name -> (position and keyword of the payload argument, ring traffic in units of (n-1)/n)
 WRAPPED = {"all_reduce": (0, "tensor", 2), "broadcast": (0, "tensor", 1),
@@ -69,11 +72,31 @@ class CommLog:
         for name in WRAPPED:
             self._originals[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self._originals[name]))
+        self._originals["recv"] = Received.wait
+        Received.wait = self._wrap_receive(Received.wait)
         return self
 
     def __exit__(self, *exc) -> None:
+        Received.wait = self._originals.pop("recv")
         for name, original in self._originals.items():
             setattr(dist, name, original)
+
+    def _timed(self, call):
+        """call()'s result and its wall time, the device synchronised before and after."""
+        synchronize(self.ps.device)
+        start = time.perf_counter()
+        result = call()
+        synchronize(self.ps.device)
+        return result, time.perf_counter() - start
+
+    def _wrap_receive(self, wait):
+        def recorded(received: Received) -> torch.Tensor:
+            tensor, seconds = self._timed(lambda: wait(received))
+            nbytes = tensor.numel() * tensor.element_size()
+            self.records.append({"op": "recv", "group": "pp", "ranks": 2, "elements": tensor.numel(),
+                                 "bytes": nbytes, "wire_bytes": nbytes, "seconds": seconds})
+            return tensor
+        return recorded
 
     def _wrap(self, name: str, collective):
         def recorded(*args, **kwargs):
@@ -81,17 +104,19 @@ class CommLog:
             # list all_gather / reduce_scatter: the payload is the list of the n parts
             numel, nbytes = _numel_and_bytes(_payload(name, args, kwargs))
             n = dist.get_world_size(group)
-            synchronize(self.ps.device)
-            start = time.perf_counter()
-            work = collective(*args, **kwargs)
-            if work is not None:
-                work.wait()
-            synchronize(self.ps.device)
+
+            def call():
+                work = collective(*args, **kwargs)
+                if work is not None:
+                    work.wait()
+                return work
+
+            work, seconds = self._timed(call)
             factor = WRAPPED[name][2] * (n - 1) / n
             self.records.append({"op": name, "group": self.group_name(group), "ranks": n,
                                  "elements": numel,
                                  "bytes": nbytes, "wire_bytes": nbytes * factor,
-                                 "seconds": time.perf_counter() - start})
+                                 "seconds": seconds})
             return work
         return recorded
 
@@ -108,3 +133,8 @@ class CommLog:
     @property
     def seconds(self) -> float:
         return sum(r["seconds"] for r in self.records)
+
+    @property
+    def receive_seconds(self) -> float:
+        """The time spent waiting for pipeline neighbours."""
+        return sum(r["seconds"] for r in self.records if r["op"] == "recv")

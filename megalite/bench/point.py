@@ -106,6 +106,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         "peak_memory_gb": peak_bytes / 2**30,
         "memory_kind": ("cuda max allocated, timed steps" if ps.device.type == "cuda"
                         else "process peak RSS, whole run"),
+        **measured_bubble(log, instrumented_s, ps),
         "instrumented_step_s": instrumented_s, "comm_s": log.seconds,
         "compute_s": instrumented_s - log.seconds,
         **activations, **head_loss,
@@ -123,6 +124,19 @@ def pipeline_fields(cfg: Config, ps: ParallelState) -> dict:
         return {"pp_schedule": None, "virtual_stages": None, "pipeline_bubble": None}
     return {"pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages,
             "pipeline_bubble": (p.pp - 1) / (p.virtual_stages * m)}
+
+
+def measured_bubble(log: CommLog, instrumented_s: float, ps: ParallelState) -> dict:
+    """The pipeline's idle time as measured in the instrumented step: each rank's time waiting
+    for its neighbours' activations and gradients (transfers included) as a fraction of that
+    step, averaged over ranks. On CPU the processes share the cores, so a rank waits while
+    another computes on its core as well."""
+    if ps.pp_size == 1:
+        return {"pipeline_wait_s": None, "pipeline_bubble_measured": None}
+    fraction = torch.tensor(log.receive_seconds / instrumented_s, dtype=torch.float64, device=ps.device)
+    dist.all_reduce(fraction)
+    return {"pipeline_wait_s": log.receive_seconds,
+            "pipeline_bubble_measured": fraction.item() / ps.world_size}
 
 
 def random_batches(cfg: Config, dp_rank: int, dp_size: int, batch: str) -> list[Batch]:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 COLUMNS = ["point", "status", "device", "tp", "pp", "dp", "devices", "sequence_parallel",
-           "pp_schedule", "virtual_stages", "pipeline_bubble", "engine",
+           "pp_schedule", "virtual_stages", "pipeline_bubble", "pipeline_bubble_measured",
+           "pipeline_wait_s", "engine",
            "activation_checkpointing", "compile", "batch", "precision", "micro_batch_size",
            "global_batch_size", "seq_len", "layers", "hidden", "step_s", "tokens_per_s",
            "tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb", "memory_kind",
