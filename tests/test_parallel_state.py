@@ -17,7 +17,7 @@ def check_layout_from_torchrun_env():
     me = torch.tensor([ps.rank])
     return (ps.rank, ps.tp_rank, ps.dp_rank, ps.world_size,
             all_gather(me, 0, ps.tp_group).tolist(), all_gather(me, 0, ps.dp_group).tolist(),
-            all_gather(me, 0, ps.tp_subgroup(1) or ps.tp_group).tolist())
+            all_gather(me, 0, ps.block_group(1) or ps.tp_group).tolist())
 
 
 def test_tp_groups_are_consecutive_ranks_and_dp_groups_stride_by_tp():

@@ -127,9 +127,10 @@ def pipeline_fields(cfg: Config, ps: ParallelState) -> dict:
 
 
 def measured_bubble(log: CommLog, instrumented_s: float, ps: ParallelState) -> dict:
-    """The pipeline's idle time as measured in the instrumented step: each rank's time waiting
-    for its neighbours' activations and gradients (transfers included) as a fraction of that
-    step, averaged over ranks. On CPU the processes share the cores, so a rank waits while
+    """The pipeline's idle time as measured in the instrumented step: `pipeline_wait_s`, this
+    rank's time waiting for its neighbours' activations and gradients (transfers included; the
+    result written is rank 0's), and `pipeline_bubble_measured`, that wait as a fraction of the
+    step, averaged over all ranks. On CPU the processes share the cores, so a rank waits while
     another computes on its core as well."""
     if ps.pp_size == 1:
         return {"pipeline_wait_s": None, "pipeline_bubble_measured": None}

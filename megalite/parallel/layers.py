@@ -115,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
                              "copies, the gathered output would repeat columns")
         index = pstate.tp_rank // copies
         self.tp_group = pstate.tp_group
-        self.replica_group = pstate.tp_subgroup(copies)
+        self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
         self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),

@@ -38,7 +38,7 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None = None
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
-    _tp_subgroups: dict = field(default_factory=dict, repr=False)
+    _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
@@ -100,25 +100,28 @@ class ParallelState:
                    virtual_stages=1 if pipeline is None else pipeline.virtual_stages,
                    pp_layers=None if pipeline is None else pipeline.pp_layers)
 
-    def tp_subgroup(self, size: int) -> dist.ProcessGroup | None:
-        """The group of `size` consecutive ranks of this TP group that contains this rank.
+    def block_group(self, size: int) -> dist.ProcessGroup | None:
+        """The group of `size` consecutive ranks that contains this rank (size dividing the TP
+        size, or a multiple of it).
 
-        GQA with fewer KV heads than TP ranks gives such a block of ranks the same KV head;
-        their weight gradients are summed over this group. Created on first use; every rank
-        builds the model identically, so every rank asks for the same sizes in the same order.
+        GQA with fewer KV heads than TP ranks gives such a block of a TP group the same KV
+        head, and sums their weight gradients over it; DeepSpeed's model-parallel group is the
+        block of a DP replica's tp x pp ranks. Created on first use, by every rank: every rank
+        builds the model and the engine identically, so every rank asks for the same sizes in
+        the same order.
         """
         if size == 1:
             return None
         if size == self.tp_size:
             return self.tp_group
-        if size not in self._tp_subgroups:
+        if size not in self._blocks:
             mine = None
             for first in range(0, self.world_size, size):
                 group = dist.new_group(list(range(first, first + size)), timeout=self.timeout)
                 if first <= self.rank < first + size:
                     mine = group
-            self._tp_subgroups[size] = mine
-        return self._tp_subgroups[size]
+            self._blocks[size] = mine
+        return self._blocks[size]
 
 
 def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) -> ParallelState:

@@ -41,11 +41,13 @@ class PipeComm:
             send.tensor = send.tensor.contiguous()
         buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
         if self.batched:
-            ops = [dist.P2POp(dist.isend, s.tensor, s.peer) for s in sends] + \
-                  [dist.P2POp(dist.irecv, b, r.peer) for b, r in zip(buffers, recvs)]
-            works = dist.batch_isend_irecv(ops) if ops else []
-            self.sends += [(w, s.tensor) for w, s in zip(works, sends)]
-            return [Received(b, w) for b, w in zip(buffers, works[len(sends):])]
+            ops = [dist.P2POp(dist.isend, s.tensor, s.peer, tag=s.tag) for s in sends] + \
+                  [dist.P2POp(dist.irecv, b, r.peer, tag=r.tag) for b, r in zip(buffers, recvs)]
+            # NCCL runs the exchange as one group, and torch returns one work for all of it:
+            # each receive, and the sends, wait for that group.
+            group = Together(dist.batch_isend_irecv(ops) if ops else [])
+            self.sends += [(group, s.tensor) for s in sends]
+            return [Received(b, group) for b in buffers]
         self.sends += [(dist.isend(s.tensor, s.peer, tag=s.tag), s.tensor) for s in sends]
         return [Received(b, dist.irecv(b, r.peer, tag=r.tag)) for b, r in zip(buffers, recvs)]
 
@@ -65,3 +67,15 @@ class Received:
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.buffer
+
+
+class Together:
+    """The works of one batched exchange, waited for as one, once (each receive and send of the
+    exchange asks; a work is not waited for twice)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        while self.works:
+            self.works.pop(0).wait()

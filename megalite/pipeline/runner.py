@@ -70,8 +70,8 @@ class PipelineRun:
 def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
                     schedule_name: str) -> torch.Tensor:
     """Forwards and backwards of this rank's micro-batches in the schedule's order; returns the
-    sum of the micro-batch losses on the last stage (zero on the others). The DP gradient sync
-    of each chunk starts on its last backward."""
+    sum of the micro-batch losses on the last stage (zero on the others). `last` tells the engine
+    a chunk's last backward (where the native engine starts that chunk's DP buckets)."""
     model = engine.model
     run = PipelineRun(model, batches, autocast, engine.module)
     ps = model.pstate

@@ -15,18 +15,21 @@ engine, to float rounding:
 - Checkpoints keep megalite's format: Adam's moments are read and written whole per parameter
   through ZeRO's parameter-to-partition map, so a run can resume on either engine.
 
-With pipeline stages (ZeRO-1; ZeRO-2 only with untied embeddings), the `mpu`'s
-model-parallel group is the TP x PP ranks of a DP replica and its tensor-parallel group the TP
-ranks, as in DeepSpeed's PipelineParallelGrid; a stage's output is backpropagated as the scalar
-sum(output * incoming gradient), whose gradient is the same; and the step, not the last
-backward, reduces over DP, after the tied embedding's two copies have summed their gradients.
+How gradients cross DP (DeepSpeedEngine): ZeRO-2 without pipeline stages reduces them during
+each backward, as they come; ZeRO-1, and ZeRO-2 with pipeline stages, run the step's backwards
+in DeepSpeed's `coalesce_grad_reduction` block, which leaves them local until one reduction pass
+at the step; stage 0 all-reduces at the step. With pipeline stages the `mpu`'s model-parallel
+group is the TP x PP ranks of a DP replica and its tensor-parallel group the TP ranks, as in
+DeepSpeed's PipelineParallelGrid; a stage's output is backpropagated as the scalar
+sum(output * incoming gradient), whose gradient is the same; and the tied embedding's two copies
+sum their gradients before the reduction pass (the last stage's is `ds_pipe_replicated`, so
+ZeRO's norm counts it once).
 """
 from __future__ import annotations
 
 import importlib.util
 
 import torch
-import torch.distributed as dist
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.parallel.sharding import shard_of
@@ -55,13 +58,7 @@ class ModelParallelUnit:
 
     def __init__(self, pstate: ParallelState):
         self.ps = pstate
-        self.model_group = pstate.tp_group
-        if pstate.pp_size > 1:
-            size = pstate.tp_size * pstate.pp_size  # a DP replica's ranks are consecutive
-            for first in range(0, pstate.world_size, size):
-                group = dist.new_group(list(range(first, first + size)), timeout=pstate.timeout)
-                if first <= pstate.rank < first + size:
-                    self.model_group = group
+        self.model_group = pstate.block_group(pstate.tp_size * pstate.pp_size)
 
     def get_tensor_model_parallel_rank(self) -> int:
         return self.ps.tp_rank
@@ -97,17 +94,15 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
     if train.engine != "deepspeed":
         return
     tp, pp = parallel.tp, parallel.pp
+    if train.precision == "pure_bf16":
+        raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
+                          "masters live in its own engine): set train.engine=native, or use "
+                          "train.precision=bf16 with train.engine=deepspeed")
     if pp > 1 and train.zero_stage == 0:
         raise ConfigError(f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
                           f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
                           f"clipping would count the other stages' replicated weights wrongly): "
                           f"use train.engine=native, or train.zero_stage=1")
-    if pp > 1 and train.zero_stage == 2 and model.tie_embeddings:
-        raise ConfigError(f"train.zero_stage=2 with parallel.pp={pp} and model.tie_embeddings=true: "
-                          f"ZeRO-2 reduces each backward's gradients as they come, before the "
-                          f"tied embedding's copies on the first and last stage can be summed "
-                          f"(DeepSpeed's own pipeline engine refuses ZeRO-2 altogether): use "
-                          f"train.zero_stage=1, untied embeddings, or train.engine=native")
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
                           "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "
@@ -163,29 +158,35 @@ class DeepSpeedEngine(AdamEngine):
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0
-        # ZeRO-2 reduces every backward's gradients as they come (into partitions), and
-        # stages 0 and 1 reduce at the step, from the whole gradients.
-        self.reduces_in_backward = cfg.zero_stage >= 2
-        # A pipeline rank's step ends with the last backward of its last model chunk to finish.
-        self.chunks, self.chunks_done = len(model.chunks), 0
+        # How gradients cross DP. ZeRO-2 without pipeline stages: reduced as they come in each
+        # backward (its gradient-memory saving), the step's last backward being the
+        # accumulation boundary. ZeRO-1, and ZeRO-2 with stages: DeepSpeed's
+        # coalesce_grad_reduction, whose backwards leave the gradients local and whose exit
+        # reduces them in one pass, after the tied embedding's copies have summed theirs.
+        # Stage 0: all-reduced at the step, at the boundary set there.
+        self.coalesced = self.zero and not (cfg.zero_stage == 2 and pstate.pp_size == 1)
+        self.coalescing = None  # the open coalesce_grad_reduction block of this step
         self.state_linked = False
 
     def backward(self, loss: torch.Tensor, last: bool, grad: torch.Tensor | None = None) -> None:
         """grad: the gradient of `loss` when it is a pipeline stage's output, not the loss."""
         if grad is not None:
-            loss = (loss * grad).sum()
-        self.chunks_done += last
-        # The step's last backward is the accumulation boundary for ZeRO-2 (it reduces there
-        # too); the others reduce in step(), so no backward is one for them.
-        self.engine.set_gradient_accumulation_boundary(self.reduces_in_backward and
-                                                       self.chunks_done == self.chunks)
+            loss = (loss * grad).sum()  # its gradient with respect to the output is `grad`
+        if self.coalesced and self.coalescing is None:
+            self.engine.set_gradient_accumulation_boundary(False)
+            self.coalescing = self.engine.coalesce_grad_reduction()
+            self.coalescing.__enter__()
+        if not self.coalesced:
+            self.engine.set_gradient_accumulation_boundary(last and self.zero)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> torch.Tensor:
-        self.chunks_done = 0
-        if not self.reduces_in_backward:
-            sum_embedding_copies(self.model, self.master, self.pstate)
-            self.engine.set_gradient_accumulation_boundary(True)
+        sum_embedding_copies(self.model, self.master, self.pstate)
+        if self.coalesced:
+            self.coalescing.__exit__(None, None, None)
+            self.coalescing = None
+        self.engine.set_gradient_accumulation_boundary(True)
+        if not self.zero:
             self.engine.allreduce_gradients()
         # Stage 0 keeps no norm to report: take it from the reduced gradients before the update.
         norm = None if self.zero else clip_grad_norm_(self.model, 0.0, self.pstate)
