@@ -79,7 +79,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0,
 def _context():
     """Ranks forked from a server that has imported torch and megalite once for the session:
     a fresh interpreter per rank (spawn) would import them again each time, seconds per rank on
-    two cores. The server has run no torch op, so no thread pool is forked with it."""
+    two cores. The server has run no torch op, so no thread pool is forked with it. It starts
+    at the first call, with that moment's environment, working directory and sys.path, which
+    every later rank gets: pass what a rank needs as arguments (or torchrun_env), not through
+    os.environ set by the test."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "megalite.train", "tests.harness"])
     return ctx
