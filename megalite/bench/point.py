@@ -129,15 +129,16 @@ def pipeline_fields(cfg: Config, ps: ParallelState) -> dict:
 def measured_bubble(log: CommLog, instrumented_s: float, ps: ParallelState) -> dict:
     """The pipeline's idle time as measured in the instrumented step: `pipeline_wait_s`, this
     rank's time waiting for its neighbours' activations and gradients (transfers included; the
-    result written is rank 0's), and `pipeline_bubble_measured`, that wait as a fraction of the
-    step, averaged over all ranks. On CPU the processes share the cores, so a rank waits while
+    result written is rank 0's), and `pipeline_bubble_measured`, that wait over the rest of the
+    step (Narayanan et al.'s bubble time over ideal time, which (p-1)/(v m) predicts),
+    averaged over all ranks. On CPU the processes share the cores, so a rank waits while
     another computes on its core as well."""
     if ps.pp_size == 1:
         return {"pipeline_wait_s": None, "pipeline_bubble_measured": None}
-    fraction = torch.tensor(log.receive_seconds / instrumented_s, dtype=torch.float64, device=ps.device)
-    dist.all_reduce(fraction)
-    return {"pipeline_wait_s": log.receive_seconds,
-            "pipeline_bubble_measured": fraction.item() / ps.world_size}
+    wait = log.receive_seconds
+    ratio = torch.tensor(wait / (instrumented_s - wait), dtype=torch.float64, device=ps.device)
+    dist.all_reduce(ratio)
+    return {"pipeline_wait_s": wait, "pipeline_bubble_measured": ratio.item() / ps.world_size}
 
 
 def random_batches(cfg: Config, dp_rank: int, dp_size: int, batch: str) -> list[Batch]:

@@ -84,7 +84,20 @@ def plot(out: Path, rows: list[dict], device: str) -> None:
     _bars(plt, names, [[r["peak_memory_gb"] for r in rows]], [rows[0]["memory_kind"]],
           "peak memory (GiB)", out / "memory.png", device)
     _bars(plt, names, [[r["compute_s"] * 1e3 for r in rows], [r["comm_s"] * 1e3 for r in rows]],
-          ["compute", "communication"], "instrumented step (ms)", out / "step.png", device)
+          ["compute", "communication (pipelined: with the waits for neighbours)"],
+          "instrumented step (ms)", out / "step.png", device)
+    piped = [r for r in rows if r.get("pp", 1) > 1]
+    if piped:
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(piped)), 4))
+        x = range(len(piped))
+        ax.plot(x, [r["pipeline_bubble"] for r in piped], "o", label="(p-1)/(v m), the schedule's")
+        ax.plot(x, [r["pipeline_bubble_measured"] for r in piped], "s",
+                label="measured: waits / rest of the step")
+        ax.set_xticks(list(x), [r["point"] for r in piped], rotation=60, fontsize=7)
+        ax.set(ylabel="pipeline bubble (idle / compute time)", title=device)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+        _save(fig, out / "bubble.png")
 
 
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
