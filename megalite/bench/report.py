@@ -94,7 +94,7 @@ def plot(out: Path, rows: list[dict], device: str) -> None:
         ax.plot(x, [r["pipeline_bubble_measured"] for r in piped], "s",
                 label="measured: waits / rest of the step")
         ax.set_xticks(list(x), [r["point"] for r in piped], rotation=60, fontsize=7)
-        ax.set(ylabel="pipeline bubble (idle / compute time)", title=device)
+        ax.set(ylabel="bubble: idle / compute time", title=device)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
         _save(fig, out / "bubble.png")
