@@ -1,16 +1,18 @@
 """`megalite bench`: the shipped CPU sweep writes its results and plots, the collectives it
 counts are the ones the Megatron formulas predict, byte for byte, and a bad or stuck point is
-recorded while the sweep goes on.
+recorded while the sweep goes on, and a crashed one names the rank that crashed and why.
 """
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megalite.bench.report import COLUMNS
-from megalite.bench.runner import load_bench, main as bench
+from megalite.bench.runner import _reason, load_bench, main as bench
 from megalite.model import GPT
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
@@ -22,8 +24,18 @@ SWEEP = Path(__file__).parent.parent / "configs" / "bench" / "cpu.yaml"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert bench([str(SWEEP), "--out", str(out)]) == 0
+    code = bench([str(SWEEP), "--out", str(out)])
+    failed = [p for p in json.loads((out / "results.json").read_text())["points"]
+              if p["status"] != "ok"]
+    # A failed point's log lives in a temporary folder: CI shows only this message.
+    assert code == 0 and not failed, "\n".join(
+        f"{p['point']}: {p['error']}\n" + _log_tail(out / "points" / p["point"] / "log.txt")
+        for p in failed)
     return out
+
+
+def _log_tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
 
 def point_config(point: dict):
@@ -158,6 +170,25 @@ def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
     assert [r["status"] for r in rows] == ["invalid", "timeout"]
     assert "tp" in rows[0]["error"] and "n_heads" in rows[0]["error"]
+
+
+CRASHES = {"raises": "raise RuntimeError('rank 1 gave up')",
+           "segfaults": "os.kill(os.getpid(), signal.SIGSEGV)"}
+
+
+@pytest.mark.parametrize("how", CRASHES)
+def test_a_crashed_point_is_reported_by_its_rank_and_cause(tmp_path, how):
+    script = tmp_path / "crash.py"
+    script.write_text("import os, signal\nimport torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      f"if dist.get_rank() == 1:\n    {CRASHES[how]}\ndist.barrier()\n")
+    log = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", str(script)], capture_output=True, text=True)
+    assert log.returncode != 0
+    reason = _reason(log.stdout + log.stderr)
+    # Rank 0 fails too ("connection closed by peer"); the cause is rank 1's.
+    assert reason.startswith("rank 1 exited with ")
+    assert reason.endswith("RuntimeError: rank 1 gave up") if how == "raises" else "SIGSEGV" in reason
 
 
 # scaling.yaml holds the scaling model's inputs, not a sweep.

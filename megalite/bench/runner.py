@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,12 +144,29 @@ def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
 
 
 def _reason(log_text: str) -> str:
-    lines = [line for line in log_text.splitlines() if line.strip()]
+    """Why a point failed, from its torchrun log: megalite's own error if a rank printed one,
+    else the rank torchrun names as the root cause, its exit code (a crash leaves only a
+    signal) and the exception it raised (the others' are mostly 'connection closed by peer')."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
     for line in lines:
         if "megalite: error" in line:
-            return line.strip()
-    errors = [line for line in lines if "Error" in line and not line.startswith(" ")]
-    return (errors or lines or ["no output"])[-1].strip()
+            return line
+    cause = lines[next((i for i, line in enumerate(lines) if line.startswith("Root Cause")),
+                       len(lines)):]
+    rank = next((line.split(":", 1)[1].split()[0] for line in cause if line.startswith("rank ")),
+                None)
+    exit_code = next((" ".join(line.split(":", 1)[1].split()) for line in cause
+                      if line.startswith("exitcode ")), None)
+    if rank is None or exit_code is None:
+        errors = [line for line in lines if "Error" in line]
+        return (errors or lines or ["no output"])[-1]
+    raised = [line.split(":", 1)[1].strip() for line in lines if line.startswith(f"[rank{rank}]:")
+              and _EXCEPTION.match(line.split(":", 1)[1].strip())]
+    return f"rank {rank} exited with {exit_code}" + (f": {raised[-1]}" if raised else "")
+
+
+# The last line of a Python traceback: "SomeError: message" or "pkg.mod.SomeError: message".
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
 def main(argv: list[str] | None = None) -> int:
