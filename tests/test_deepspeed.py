@@ -81,6 +81,8 @@ TP2 = ParallelConfig(tp=2)
     (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, TP2, 4, "train_batch_size=32 disagrees"),
     (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, TP2, 4, "train.deepspeed.optimizer"),
     (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, TP2, 4, "zero_optimization.stage"),
+    (ModelConfig(), {"zero_stage": 0, "deepspeed": {"data_types": {"grad_accum_dtype": "bf16"}}},
+     TP2, 4, "train.deepspeed.data_types.grad_accum_dtype"),
     (ModelConfig(), {}, TP2, None, "runs under torchrun"),
     (ModelConfig(), {"precision": "pure_bf16"}, TP2, 4, "pure_bf16 needs train.engine=native"),
     (ModelConfig(), {"zero_stage": 0}, ParallelConfig(pp=2), 4,

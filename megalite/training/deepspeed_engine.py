@@ -44,8 +44,11 @@ from megalite.typed_config import ConfigError
 # Set by megalite from train.*; a passthrough value for one of them must agree.
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
            "gradient_clipping", "gradient_allreduce_op")
-# Would change the arithmetic the parity with the native engine rests on.
+# Would change the arithmetic the parity with the native engine rests on. (DeepSpeed sees fp32
+# weights, so ZeRO ignores data_types.grad_accum_dtype and stage 0 fails on any value but fp32,
+# only once the processes are up.)
 REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_optimization.stage",
+           "data_types.grad_accum_dtype",
            # megalite reads and writes Adam's state on the device (checkpoints, resume)
            "zero_optimization.offload_optimizer", "zero_optimization.offload_param",
            "zero_optimization.cpu_offload")
