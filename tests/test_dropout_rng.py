@@ -1,12 +1,14 @@
-"""Dropout under TP: identical masks on replicated activations, distinct inside split regions."""
+"""Dropout under TP: identical masks on replicated activations, distinct inside split regions;
+under PP, each stage its own masks."""
 import dataclasses
 
 import torch
 import torch.distributed as dist
 
+from megalite.config import ParallelConfig
 from megalite.model import GPT
 from megalite.parallel.mappings import all_gather
-from megalite.parallel.random import TensorParallelRNG
+from megalite.parallel.random import TensorParallelRNG, seed_replicated_dropout
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
@@ -86,3 +88,28 @@ def check_activation_checkpointing_replays_dropout():
 
 def test_activation_checkpointing_recomputes_the_same_dropout_masks():
     run_distributed(check_activation_checkpointing_replays_dropout, 2)
+
+
+def check_stages_draw_their_own_masks():
+    ps = ParallelState.from_world(2, pipeline=ParallelConfig(tp=2, pp=2))
+    seed_replicated_dropout(3, ps)
+    rng = TensorParallelRNG(seed=3, pstate=ps)
+    replicated = torch.rand(8)
+    with rng.fork():
+        split = torch.rand(8)
+    # Ranks 0 and 1 are stage 0's TP pair, ranks 2 and 3 stage 1's.
+    draws = {}
+    for name, x in (("replicated", replicated), ("split", split)):
+        draws[name] = [torch.empty_like(x) for _ in range(4)]
+        dist.all_gather(draws[name], x)
+    rep, spl = draws["replicated"], draws["split"]
+    assert torch.equal(rep[0], rep[1]) and torch.equal(rep[2], rep[3])
+    assert not torch.equal(rep[0], rep[2])
+    assert all(not torch.equal(spl[i], spl[j]) for i in range(4) for j in range(i))
+    # The first stage draws what a run without stages draws.
+    torch.manual_seed(3)
+    assert torch.equal(rep[0], torch.rand(8))
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks():
+    run_distributed(check_stages_draw_their_own_masks, 4)

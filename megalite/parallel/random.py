@@ -1,13 +1,16 @@
-"""Dropout randomness under tensor parallelism (Megatron-LM's `random.py`).
+"""Dropout randomness under tensor and pipeline parallelism (Megatron-LM's `random.py`).
 
 Replicated activations (the residual stream, embeddings) must be dropped identically on every
-TP rank, or the replicas diverge: they use the default generator, which the caller seeds the
-same on all TP ranks. Activations split across TP ranks (attention probabilities of each rank's
-own heads; with sequence parallelism, the residual stream and embeddings too, each rank holding
-a shard of the tokens) must be dropped independently, or every rank would drop the same pattern
-in different heads or tokens: they use a tracked state seeded with seed + offset + tp_rank,
-swapped in with `fork()`. Activation recomputation replays both (`recompute_contexts`), and
-checkpoints save and restore both (`get_state` / `set_state`).
+TP rank, or the replicas diverge: they use the default generator, which
+`seed_replicated_dropout` seeds the same on all TP ranks. Activations split across TP ranks
+(attention probabilities of each rank's own heads; with sequence parallelism, the residual
+stream and embeddings too, each rank holding a shard of the tokens) must be dropped
+independently, or every rank would drop the same pattern in different heads or tokens: they use
+a tracked state seeded with seed + offset + tp_rank, swapped in with `fork()`. Pipeline stages
+hold different layers, so both streams are offset by the stage too, as Megatron seeds each
+stage its own way: with one seed, stage 1's first layer would drop the same pattern as stage
+0's first layer on every micro-batch. Activation recomputation replays both
+(`recompute_contexts`), and checkpoints save and restore both (`get_state` / `set_state`).
 """
 from __future__ import annotations
 
@@ -32,13 +35,20 @@ def _set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def seed_replicated_dropout(seed: int, pstate: ParallelState) -> None:
+    """Seeds the default generator for dropout on replicated activations: the same on the TP
+    ranks of a stage, its own for every DP replica (which holds other samples) and stage."""
+    torch.manual_seed(seed + pstate.pp_rank * pstate.dp_size + pstate.dp_rank)
+
+
 class TensorParallelRNG:
     """The generator state used inside TP-split regions, distinct per TP rank."""
 
     def __init__(self, seed: int, pstate: ParallelState):
         self.device = pstate.device
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed + _TP_SEED_OFFSET + pstate.tp_rank)
+        generator.manual_seed(seed + _TP_SEED_OFFSET + pstate.pp_rank * pstate.tp_size
+                              + pstate.tp_rank)
         self.state = generator.get_state()
 
     @contextmanager

@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from megalite.config import ParallelConfig
+from megalite.parallel.random import seed_replicated_dropout
 from megalite.parallel.state import ParallelState
 from megalite.model import GPT
 from megalite.run_config import Config, TrainConfig
@@ -104,9 +105,7 @@ class NativeEngine(AdamEngine):
 
 def build_model(cfg: Config, pstate: ParallelState) -> GPT:
     """The model as a training run (or a benchmark of one) uses it."""
-    # The default generator drives dropout on replicated activations: the same on every TP
-    # rank of a DP group, different between DP groups, which hold different samples.
-    torch.manual_seed(cfg.run.seed + pstate.dp_rank)
+    seed_replicated_dropout(cfg.run.seed, pstate)
     model = GPT(cfg.model, pstate, seed=cfg.run.seed)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
