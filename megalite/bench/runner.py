@@ -123,8 +123,10 @@ def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={point.world}", "-m", "megalite.bench.point", str(spec)]
     # One thread per process unless the user says otherwise, also for a single process, so
-    # that points with different process counts compare like with like.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # that points with different process counts compare like with like. A rank that crashes
+    # prints its threads' Python stacks into the log (faulthandler).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONFAULTHANDLER": "1"}
     log = directory / "log.txt"
     with log.open("w") as f:
         # Its own session, so a timeout kills torchrun's workers too, not only torchrun.
