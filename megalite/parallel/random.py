@@ -42,7 +42,7 @@ def seed_replicated_dropout(seed: int, pstate: ParallelState) -> None:
 
 
 class TensorParallelRNG:
-    """The generator state used inside TP-split regions, distinct per TP rank."""
+    """The generator state used inside TP-split regions, distinct per TP rank and stage."""
 
     def __init__(self, seed: int, pstate: ParallelState):
         self.device = pstate.device
