@@ -2,22 +2,29 @@
 
 Prompts are left-padded into one batch. Every TP rank gathers the full logits and draws from a
 generator seeded the same everywhere, so all ranks pick the same tokens and feed the same input.
+With pipeline stages, each new token's forward runs through the stages in turn (each stage
+caches its own layers' keys and values); the last stage picks the tokens and broadcasts them to
+the others.
 
-    megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] ...
+    megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] [--pp N] ...
 """
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
+from megalite.data.batches import Batch
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf.convert import checkpoint_model_config
 from megalite.model import GPT
-from megalite.parallel.state import init_parallel
+from megalite.model.kv_cache import KVCache
+from megalite.parallel.state import ParallelState, init_parallel
+from megalite.pipeline.runner import forward_pipelined
 from megalite.training.checkpoint import load_checkpoint
 
 
@@ -47,8 +54,10 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
     done = [False] * len(prompts)
     step_ids = ids
     for _ in range(room):
-        logits = model(step_ids if use_cache else ids, attention_mask=mask, cache=cache).logits[:, -1]
-        tokens = pick(model.full_logits(logits).float().cpu(), temperature, top_k, top_p, generator)
+        logits = last_logits(model, step_ids if use_cache else ids, mask, cache)
+        tokens = (None if logits is None else
+                  pick(logits.float().cpu(), temperature, top_k, top_p, generator))
+        tokens = from_last_stage(tokens, len(prompts), model.pstate)
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 new[row].append(token)
@@ -60,6 +69,28 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
         mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     model.train(was_training)
     return new
+
+
+def last_logits(model: GPT, ids: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None) -> torch.Tensor | None:
+    """The logits of each row's last position, every vocab column; None off the last stage."""
+    if model.pstate.pp_size == 1:
+        return model.full_logits(model(ids, attention_mask=mask, cache=cache).logits[:, -1])
+    found = []
+    forward_pipelined(model, [Batch(ids, labels=None)], nullcontext(),
+                      lambda _, out: found.append(model.full_logits(out.logits[:, -1])),
+                      attention_mask=mask, cache=cache)
+    return found[0] if found else None
+
+
+def from_last_stage(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.Tensor:
+    """The tokens the last pipeline stage picked, on every stage."""
+    if ps.pp_size == 1:
+        return tokens
+    buffer = torch.empty(rows, dtype=torch.long) if tokens is None else tokens
+    buffer = buffer.to(ps.device)  # NCCL broadcasts device tensors
+    dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
+    return buffer.cpu()
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -85,6 +116,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--prompt", action="append", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -93,7 +125,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = checkpoint_model_config(Path(args.ckpt))
     tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")
-    ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
+    ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp), cfg)
     try:
         model = GPT(cfg, ps)
         load_checkpoint(Path(args.ckpt), model, ps)

@@ -243,11 +243,6 @@ def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int,
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
     s, tok = cfg.sample, data.tokenizer
-    if ps.pp_size > 1:
-        if ps.is_main:
-            print("samples: generation runs without pipeline stages; sample from the final "
-                  "checkpoint: megalite generate --ckpt DIR --prompt TEXT", flush=True)
-        return
     lines = []
     for i, prompt in enumerate(s.prompts):
         # No bos: training documents start bare (and follow an eos in packed rows).

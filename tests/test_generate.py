@@ -1,6 +1,11 @@
-"""Generation: the KV cache changes nothing, nor does TP, nor batching with left padding."""
+"""Generation: the KV cache changes nothing, nor does TP, nor pipeline stages, nor batching
+with left padding."""
+import dataclasses
+
+import pytest
 import torch
 
+from megalite.config import ParallelConfig
 from megalite.generate import generate, pick
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
@@ -10,11 +15,14 @@ from tests.models import CONFIGS, PAD_ID
 PROMPTS = [[7, 3, 9, 1], [4, 4], [11, 2, 8, 6, 5, 13]]
 
 
-def check_cache_and_batching(tp: int, sequence_parallel: bool = False):
-    ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel) if tp > 1 else ParallelState()
+def check_cache_and_batching(tp: int, sequence_parallel: bool = False,
+                             pipeline: ParallelConfig | None = None, n_layers: int = 2):
+    distributed = tp > 1 or pipeline is not None
+    ps = (ParallelState.from_world(tp, sequence_parallel=sequence_parallel, pipeline=pipeline)
+          if distributed else ParallelState())
     results = []
     for cfg in CONFIGS.values():
-        model = GPT(cfg, ps, seed=3)
+        model = GPT(dataclasses.replace(cfg, n_layers=n_layers), ps, seed=3)
         for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.9, 5, 0.9)):
             kw = dict(pad_id=PAD_ID, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
             cached = generate(model, PROMPTS[:1], 12, **kw)
@@ -38,6 +46,19 @@ def test_generation_at_tp2_equals_tp1():
     assert run_distributed(check_cache_and_batching, 2, 2) == [single, single]
 
 
+# With sequence parallelism, the prompt's forward without a cache runs on sequence shards, the
+# cached decoding steps on whole (one-token) sequences: the stages must agree on which.
+@pytest.mark.parametrize("tp, sp, pipeline", [
+    (1, False, ParallelConfig(pp=4)),
+    (1, False, ParallelConfig(pp=2, pp_schedule="interleaved", virtual_stages=2)),
+    (2, True, ParallelConfig(tp=2, pp=2, sequence_parallel=True)),
+], ids=["pp4", "pp2-interleaved-v2", "tp2xpp2-sp"])
+def test_generation_with_pipeline_stages_equals_one_process(tp, sp, pipeline):
+    single = check_cache_and_batching(1, n_layers=4)
+    world = tp * pipeline.pp
+    assert run_distributed(check_cache_and_batching, world, tp, sp, pipeline, 4) == [single] * world
+
+
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0]]).log_softmax(-1).repeat(200, 1)
     g = torch.Generator().manual_seed(0)
@@ -49,7 +70,6 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
 
 
 def test_each_row_stops_at_its_own_eos_and_bad_prompts_are_refused():
-    import pytest
     model = GPT(CONFIGS["gpt2"], ParallelState(), seed=3)
     free = generate(model, PROMPTS, 8, pad_id=PAD_ID)
     eos = free[0][2]  # make the first row's third new token the end of its document

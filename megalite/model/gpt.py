@@ -200,10 +200,10 @@ class GPT(nn.Module):
                                context_fn=self.rng.recompute_contexts)
             else:
                 x = block(x, layout, rotary, cache, sp)
+        if cache is not None and chunk == len(self.chunks) - 1:
+            cache.offset += seq  # every chunk of this rank has written at the same offset
         if not stage.is_last:
             return Output(hidden=x)
-        if cache is not None:
-            cache.offset += seq
         x = self.norm(x, sp)
         make_logits = partial(self._logits, x, seq, sp)
         if labels is None:
@@ -249,7 +249,7 @@ class GPT(nn.Module):
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""
         attention = next(iter(self.blocks)).attn
         return KVCache(self.cfg.n_layers, batch, attention.kv_heads, max_len, attention.head_dim,
-                       self.pstate.device, dtype or self.head_weight.dtype)
+                       self.pstate.device, dtype or next(attention.parameters()).dtype)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocab columns of `logits` (a collective over TP), the padding stripped."""

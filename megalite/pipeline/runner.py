@@ -17,12 +17,16 @@ from megalite.pipeline.schedules import Action, Exchange, message_in, message_ou
 
 
 class PipelineRun:
-    """Carries out one rank's action list for a step (training) or a forward pass (eval)."""
+    """Carries out one rank's action list for a step (training) or a forward pass (eval,
+    generation)."""
 
-    def __init__(self, model, batches: list, autocast, module=None):
-        """module: what runs the model's forward (the engine's wrapper of it, if any)."""
+    def __init__(self, model, batches: list, autocast, module=None, **forward_kwargs):
+        """module: what runs the model's forward (the engine's wrapper of it, if any);
+        forward_kwargs: what every forward takes besides the batch (generation: the attention
+        mask and the KV cache)."""
         self.model, self.batches, self.autocast = model, batches, autocast
         self.module = model if module is None else module
+        self.forward_kwargs = forward_kwargs
         ps = model.pstate
         self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
         self.comm = PipeComm(ps)
@@ -30,7 +34,7 @@ class PipelineRun:
     def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
         ids, ps = self.batches[micro].input_ids, self.ps
         seq = ids.shape[1]
-        if self.model.sequence_parallel:
+        if self.model.sequence_parallel and self.forward_kwargs.get("cache") is None:
             seq = -(-seq // ps.tp_size)  # this rank's shard of the sequence padded to shards
         dtype = next(self.model.parameters()).dtype
         return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
@@ -64,7 +68,7 @@ class PipelineRun:
         batch = self.batches[a.micro]
         with self.autocast:
             return self.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
-                              chunk=a.chunk, hidden=hidden, **kwargs)
+                               chunk=a.chunk, hidden=hidden, **self.forward_kwargs, **kwargs)
 
 
 def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
@@ -106,10 +110,11 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
 
 
 @torch.no_grad()
-def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, object], None]) -> None:
-    """The forward passes of a step, without backward (eval): on the last stage,
+def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, object], None],
+                      **forward_kwargs) -> None:
+    """The forward passes of a step, without backward (eval, generation): on the last stage,
     `consume(micro_batch, Output)` takes each micro-batch's output there."""
-    run = PipelineRun(model, batches, autocast)
+    run = PipelineRun(model, batches, autocast, **forward_kwargs)
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         out = run._forward(a, received)
