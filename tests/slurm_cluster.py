@@ -47,7 +47,6 @@ def available() -> bool:
     return os.geteuid() == 0 and all(shutil.which(t) for t in ("munged", "slurmctld", "slurmd", "sbatch"))
 
 
-
 @contextmanager
 def slurm_cluster(directory: Path):
     """Yields the environment (SLURM_CONF) under which sbatch, squeue and scontrol reach it."""
@@ -74,6 +73,15 @@ def slurm_cluster(directory: Path):
             raise RuntimeError(f"slurm did not come up: {(directory / 'slurmctld.log').read_text()[-2000:]}")
         yield env
     finally:
+        # A run writes its end before its job step has told the controller: stopped now, that
+        # step's slurmstepd would stay behind, retrying a controller that is gone.
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True)
+            if queue.returncode != 0 or not queue.stdout.strip():
+                break
+            time.sleep(0.5)
         pid_files = [directory / "slurmd.pid", directory / "slurmctld.pid"]
         if started_munge:
             pid_files.append(Path("/run/munge/munged.pid"))
