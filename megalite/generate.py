@@ -73,9 +73,8 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
 
 def last_logits(model: GPT, ids: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None) -> torch.Tensor | None:
-    """The logits of each row's last position, every vocab column; None off the last stage."""
-    if model.pstate.pp_size == 1:
-        return model.full_logits(model(ids, attention_mask=mask, cache=cache).logits[:, -1])
+    """The logits of each row's last position, every vocab column; None off the last stage.
+    (Without stages, the pipelined forward is the model's forward.)"""
     found = []
     forward_pipelined(model, [Batch(ids, labels=None)], nullcontext(),
                       lambda _, out: found.append(model.full_logits(out.logits[:, -1])),

@@ -183,8 +183,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {start + seq} exceeds "
                              f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
-        # Decoding appends a token or a few to the cache: nothing to split.
-        sp = self.sequence_parallel and cache is None
+        sp = self.splits_sequence(cache)
         if sp:
             input_ids, attention_mask, doc_ids = pad_to_shards(
                 self.pstate.tp_size, input_ids, attention_mask, doc_ids)
@@ -220,6 +219,11 @@ class GPT(nn.Module):
         else:
             loss, losses = head_loss_sum(x, self.head_weight, labels, loss_scale, shard)
         return Output(make_logits, losses.view(batch, padded_seq)[:, :seq], loss)
+
+    def splits_sequence(self, cache: KVCache | None) -> bool:
+        """Whether a forward runs on sequence shards: sequence parallel, but not when decoding,
+        which appends a token or a few to the cache (nothing to split)."""
+        return self.sequence_parallel and cache is None
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)

@@ -34,7 +34,7 @@ class PipelineRun:
     def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
         ids, ps = self.batches[micro].input_ids, self.ps
         seq = ids.shape[1]
-        if self.model.sequence_parallel and self.forward_kwargs.get("cache") is None:
+        if self.model.splits_sequence(self.forward_kwargs.get("cache")):
             seq = -(-seq // ps.tp_size)  # this rank's shard of the sequence padded to shards
         dtype = next(self.model.parameters()).dtype
         return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
