@@ -21,13 +21,24 @@ from megalite.typed_config import ConfigError, from_dict
 
 @dataclass(frozen=True)
 class DataConfig:
-    # "embedded": the Python documentation prose shipped with megalite; else a .txt file
-    # (documents separated by two blank lines), a .jsonl file ({"text": ...} per
-    # line) or a directory of .txt files (one document each).
+    # "embedded" (the Python documentation prose shipped with megalite); raw files (.jsonl,
+    # .jsonl.gz, .jsonl.zst, .parquet, .txt), a directory or a glob of them, prepared into
+    # cache_dir on first use; a directory from `megalite prepare-data`; a Megatron-LM .bin/.idx
+    # prefix; or a glob of prepared directories or prefixes.
     path: str = "embedded"
-    # "bpe": a byte-level BPE trained on the training split and cached; else a tokenizer.json.
+    # [[weight, path], ...] (Megatron's --data-path 0.7 A 0.3 B): each step's samples come from
+    # the paths in proportion to the weights. Replaces `path` when given.
+    blend: list = field(default_factory=list)
+    # Validation documents from this path; empty: val_fraction of each source's documents.
+    val_path: str = ""
+    # "bpe": a byte-level BPE trained on the first bpe_sample_mb of the documents and cached;
+    # else a tokenizer.json (required with Megatron data, which does not name its tokenizer).
     tokenizer: str = "bpe"
     bpe_vocab_size: int = 4096
+    bpe_sample_mb: float = 100.0
+    text_key: str = "text"  # the JSON field / parquet column holding a document
+    strict: bool = False  # a record that is not JSON or lacks text_key: an error, not counted
+    workers: int = 0  # tokenizing processes when raw files are prepared (0: in the rank itself)
     seq_len: int = 128
     mode: Literal["padded", "packed"] = "packed"
     val_fraction: float = 0.02

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megalite.data.batches import Batch, BatchOrder, Prefetcher, Samples
+from megalite.data.batches import Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
@@ -55,12 +55,15 @@ def main(argv: list[str] | None = None) -> int:
                     world if "WORLD_SIZE" in os.environ else None)
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
-    train_set = Samples(data.train, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
-    if len(train_set) < cfg.train.global_batch_size:
-        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
-                          f"{len(train_set)} training samples of data.path={cfg.data.path} "
-                          f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
-                          f"a smaller global batch or more data")
+    train_set = sample_sets(data.train, cfg, data)
+    # One source must fill a global batch; in a blend each source must have a sample to give.
+    least = cfg.train.global_batch_size if len(data.train) == 1 else 1
+    for source, n in zip(data.train, train_set.sizes):
+        if n < least:
+            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
+                              f"{n} training samples of data path {source.name} "
+                              f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
+                              f"a smaller global batch or more data")
     resume_from = find_resume(cfg, data)
     with StopRequest() as stop:
         pstate = init_parallel(cfg.parallel, cfg.model)
@@ -78,7 +81,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
           resume_from: Path | None, stop: StopRequest) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps)
-    start, tokens_seen = resume(resume_from, model, ps)
+    start, tokens_seen, source_tokens = resume(resume_from, model, ps, len(data.train))
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
     # After the weights: DeepSpeed copies them into its fp32 partitions.
@@ -98,8 +101,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if ps.is_main:
         wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
         metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
-    val_set = Samples(data.val, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
-    order = BatchOrder(len(train_set), t.global_batch_size, cfg.run.seed)
+    val_set = sample_sets(data.val, cfg, data)
+    order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
     autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
@@ -109,6 +112,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
     # thread meanwhile, and checkpoints are written to disk in another.
     tokens = torch.tensor(float(tokens_seen), dtype=torch.float64, device=ps.device)
+    per_source = torch.tensor(source_tokens, dtype=torch.float64, device=ps.device)
     since, interval_tokens = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ps.device)
 
     def host_batches(step: int) -> list[Batch]:
@@ -122,7 +126,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]
             # Counted on the device: a tensor made from a host number would wait for it.
-            n_tokens = all_reduce_dp(sum(b.target_count() for b in batches).float(), ps)
+            counts = all_reduce_dp(sum(b.target_count_per_source(len(data.train)) for b in batches), ps)
+            n_tokens = counts.sum()
+            per_source += counts
             model.train()
             loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
             tokens += n_tokens
@@ -136,7 +142,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 # all ranks together; MFU divides it by the peak of all devices.
                 tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
                 record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens": int(tokens.item()), "tokens_per_s": tokens_per_s,
+                          "tokens": int(tokens.item()), **tokens_by_source(data, per_source),
+                          "tokens_per_s": tokens_per_s,
                           "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
                           "time": time.time()}
                 if metrics:
@@ -147,12 +154,12 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 evaluate(cfg, model, val_set, ps, done, metrics, autocast)
             saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
             if saved:
-                checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
+                checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, tokens, per_source)
             if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
                 since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
             if done != t.max_steps and stop.agreed(ps):
                 if not saved:
-                    checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, int(tokens.item()))
+                    checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, tokens, per_source)
                 writer.finish()  # the requeued run resumes from it: complete on every rank
                 if ps.is_main:
                     bar.close()
@@ -161,7 +168,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 raise Preempted()
         if bar is not None:
             bar.close()
-        checkpoint(writer, cfg, run_dir, t.max_steps, model, engine, ps, data, int(tokens.item()))
+        checkpoint(writer, cfg, run_dir, t.max_steps, model, engine, ps, data, tokens, per_source)
         # Written while the model is evaluated and sampled; complete on every rank before the end.
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
         samples(cfg, model, data, ps, run_dir)
@@ -191,39 +198,53 @@ def all_reduce_dp_pp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
-def resume(path: Path | None, model, ps: ParallelState) -> tuple[int, int]:
-    """(step, tokens seen) to start from: (0, 0), or the checkpoint's, its weights and RNG
-    state loaded (the optimizer's are loaded once the engine exists)."""
+def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
+    return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
+                    for s in sources], [s.weight for s in sources])
+
+
+def tokens_by_source(data: PreparedData, per_source: torch.Tensor) -> dict:
+    """A blend's tokens so far from each source (metrics.jsonl), by the path given."""
+    if len(data.train) == 1:
+        return {}
+    return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, per_source.tolist())}}
+
+
+def resume(path: Path | None, model, ps: ParallelState, n_sources: int) -> tuple[int, int, list]:
+    """(step, tokens seen, tokens seen per source) to start from: zeros, or the checkpoint's,
+    its weights and RNG state loaded (the optimizer's are loaded once the engine exists)."""
     if path is None:
-        return 0, 0
+        return 0, 0, [0.0] * n_sources
     meta, rng = load_checkpoint(path, model, ps)
     if rng is not None:
         torch.set_rng_state(rng.pop("cpu"))
         model.rng.set_state(rng)
     if ps.is_main:
         print(f"resumed from {path} at step {meta['step']}", flush=True)
-    return meta["step"], meta["tokens"]
+    return meta["step"], meta["tokens"], meta.get("tokens_per_source", [0.0] * n_sources)
 
 
 def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, model, engine,
-               ps: ParallelState, data: PreparedData, tokens_seen: int) -> None:
+               ps: ParallelState, data: PreparedData, tokens: torch.Tensor,
+               per_source: torch.Tensor) -> None:
     """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-    meta = {"layout": layout_of(ps), "config": to_dict(cfg),
-            "tokens": tokens_seen, "data_cache_key": data.meta["cache_key"]}
+    meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(tokens.item()),
+            "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"]}
     writer.save(run_dir, step, model, engine.moments, rng, meta, cfg.train.keep_checkpoints,
-                tokenizer=data.directory / "tokenizer.json", weight=engine.master)
+                tokenizer=data.tokenizer_path, weight=engine.master)
 
 
 @torch.no_grad()
-def evaluate(cfg: Config, model, val_set: Samples, ps: ParallelState, step: int, metrics, autocast) -> None:
+def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
     """Mean loss over the first eval_batches x global_batch_size validation samples (or all of
-    them), each counted once; DP ranks take disjoint parts, in micro-batches as in training."""
-    count = min(len(val_set), cfg.train.eval_batches * cfg.train.global_batch_size)
+    them), in order, blended as in training; DP ranks take disjoint parts, in micro-batches."""
+    count = min(sum(val_set.sizes), cfg.train.eval_batches * cfg.train.global_batch_size)
     if count == 0:
         return
     model.eval()
-    mine = np.array_split(np.arange(count), ps.dp_size)[ps.dp_rank]
+    picks = BatchOrder(val_set.sizes, val_set.weights, count, 0, shuffle=False).global_batch_picks(0)
+    mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
     total = torch.zeros(2, device=ps.device)
     batches = [val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
                for start in range(0, len(mine), cfg.train.micro_batch_size)]
@@ -256,17 +277,23 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
         print(f"samples (temperature {s.temperature}, top-k {s.top_k}):\n{text}", flush=True)
 
 
-def report_data(data: PreparedData, train_set: Samples) -> None:
+def report_data(data: PreparedData, train_set: Mixture) -> None:
     m = data.meta
     notes = [f"{m['train_documents']} training documents ({m['train_tokens']} tokens), "
              f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)"]
-    if m["skipped_empty_documents"]:
-        notes.append(f"{m['skipped_empty_documents']} empty documents skipped")
-    if m["documents_with_invalid_utf8"]:
-        notes.append(f"{m['documents_with_invalid_utf8']} documents had bytes that are not "
-                     f"UTF-8 (replaced with U+FFFD)")
-    if train_set.truncated:
-        notes.append(f"{train_set.truncated} documents longer than data.seq_len were truncated")
+    if len(data.train) > 1:
+        notes.append("blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train))
+    if m["empty"]:
+        notes.append(f"{m['empty']} empty documents skipped")
+    if m["not_json"] + m["no_text"]:
+        notes.append(f"{m['not_json']} records not JSON and {m['no_text']} without text skipped "
+                     f"(listed in the prepared data's meta.json)")
+    if m["invalid_utf8"]:
+        notes.append(f"{m['invalid_utf8']} documents had bytes that are not UTF-8 (replaced "
+                     f"with U+FFFD)")
+    truncated = sum(p.truncated() for p in train_set.parts)
+    if truncated:
+        notes.append(f"{truncated} documents longer than data.seq_len were truncated")
     print("data: " + "; ".join(notes), flush=True)
 
 

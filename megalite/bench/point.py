@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megalite.bench.comm import CommLog
 from megalite.bench.timing import synchronize, time_steps
 from megalite.data.batches import Batch, Samples
-from megalite.data.prepare import TokenDocs
+from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.model import GPT
 from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
@@ -156,7 +156,7 @@ def random_batches(cfg: Config, dp_rank: int, dp_size: int, batch: str) -> list[
         tokens = rng.integers(0, cfg.model.vocab_size, rows * seq + 1)
         ends = np.cumsum(rng.geometric(min(1.0, 4 / seq), size=len(tokens)))
         offsets = np.concatenate([[0], ends[ends < len(tokens)], [len(tokens)]])
-    samples = Samples(TokenDocs(tokens, offsets), "padded" if batch == "full" else "packed", seq,
+    samples = Samples(DocSet.whole(TokenStore([ArrayShard(tokens, offsets)])), "padded" if batch == "full" else "packed", seq,
                       pad_id=0)
     return [samples.collate(range(i, i + t.micro_batch_size)) for i in range(0, rows, t.micro_batch_size)]
 

@@ -21,7 +21,8 @@ from typing import Callable, Generic, Iterator, TypeVar
 import numpy as np
 import torch
 
-from megalite.data.prepare import TokenDocs
+from megalite.data.blend import assign
+from megalite.data.docs import DocSet
 from megalite.parallel.vocab import IGNORE_INDEX
 
 
@@ -31,6 +32,7 @@ class Batch:
     labels: torch.Tensor
     attention_mask: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
+    source: torch.Tensor | None = None  # each row's source in a blend
 
     def to(self, device: torch.device) -> "Batch":
         # From pinned memory the copy is truly asynchronous: the host does not wait for the
@@ -50,30 +52,49 @@ class Batch:
         """The real target tokens, as a tensor where the labels are (no host sync)."""
         return (self.labels != IGNORE_INDEX).sum()
 
+    def target_count_per_source(self, n_sources: int) -> torch.Tensor:
+        """The real target tokens of each source's rows (float: summed over ranks as is)."""
+        per_row = (self.labels != IGNORE_INDEX).sum(dim=1).float()
+        source = self.source if self.source is not None else torch.zeros_like(per_row, dtype=torch.long)
+        return torch.zeros(n_sources, device=per_row.device).index_add_(0, source, per_row)
+
 
 class Samples:
-    def __init__(self, docs: TokenDocs, mode: str, seq_len: int, pad_id: int):
+    """The samples of one document set: padded (one per document) or packed (stream windows)."""
+
+    def __init__(self, docs: DocSet, mode: str, seq_len: int, pad_id: int):
         self.docs, self.mode, self.seq_len, self.pad_id = docs, mode, seq_len, pad_id
-        lengths = np.diff(docs.offsets)
-        if mode == "padded":
-            # Every stored document ends with eos, so even a one-token document has a target.
-            self.truncated = int((lengths > seq_len + 1).sum())
-            self.count = len(docs)
-        else:
-            self.truncated = 0
-            self.count = max(0, (len(docs.tokens) - 1) // seq_len)
+        self.count = len(docs) if mode == "padded" else max(0, (docs.n_tokens - 1) // seq_len)
 
     def __len__(self) -> int:
         return self.count
 
-    def collate(self, indices) -> Batch:
-        return self._padded(indices) if self.mode == "padded" else self._packed(indices)
+    def truncated(self) -> int:
+        """Documents longer than a padded sample (none are cut in packed mode)."""
+        if self.mode != "padded":
+            return 0
+        step = 1 << 20  # documents at a time: bounded memory on any corpus
+        return sum(int((self.docs.lengths(np.arange(i, min(i + step, self.count))) > self.seq_len + 1).sum())
+                   for i in range(0, self.count, step))
 
-    def _padded(self, indices) -> Batch:
-        rows = [self.docs.tokens[self.docs.offsets[i]: self.docs.offsets[i + 1]][: self.seq_len + 1]
-                for i in indices]
+    def rows(self, indices) -> list:
+        """padded: each document's first seq_len + 1 tokens (every stored document ends with
+        eos, so even a one-token document has a target). packed: (tokens, documents) of
+        stream[k T : k T + T + 1] for each sample k."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.mode == "padded":
+            return self.docs.documents(indices, self.seq_len + 1)
+        tokens, docs = self.docs.window(indices * self.seq_len, self.seq_len + 1)
+        return list(zip(tokens, docs))
+
+    def collate(self, indices) -> Batch:
+        return collate(self.mode, self.rows(indices), self.pad_id)
+
+
+def collate(mode: str, rows: list, pad_id: int) -> Batch:
+    if mode == "padded":
         width = max(len(r) for r in rows) - 1
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for row, tokens in enumerate(rows):
@@ -81,36 +102,75 @@ class Samples:
             n = len(tokens) - 1
             ids[row, :n], labels[row, :n], mask[row, :n] = tokens[:-1], tokens[1:], 1
         return Batch(ids, labels, attention_mask=mask)
+    tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
+    docs = torch.from_numpy(np.stack([d for _, d in rows]))
+    labels = tokens[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)
+    return Batch(tokens[:, :-1], labels, doc_ids=docs[:, :-1])
 
-    def _packed(self, indices) -> Batch:
-        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
-        window = starts[:, None] + np.arange(self.seq_len + 1)
-        tokens = torch.from_numpy(self.docs.tokens[window].astype(np.int64))
-        docs = torch.from_numpy(np.searchsorted(self.docs.offsets, window, side="right") - 1)
-        labels = tokens[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)
-        return Batch(tokens[:, :-1], labels, doc_ids=docs[:, :-1])
+
+class Mixture:
+    """Samples of several sources (a blend): a pick is (source, sample of that source); the
+    batch's rows say their source, so each step can count the tokens it took from each."""
+
+    def __init__(self, parts: list[Samples], weights: list[float]):
+        self.parts, self.weights = parts, weights
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(p) for p in self.parts]
+
+    def collate(self, picks: np.ndarray) -> Batch:
+        picks = np.asarray(picks, dtype=np.int64).reshape(-1, 2)
+        rows: list = [None] * len(picks)
+        for s in np.unique(picks[:, 0]):
+            where = np.flatnonzero(picks[:, 0] == s)
+            for i, row in zip(where, self.parts[s].rows(picks[where, 1])):
+                rows[i] = row
+        first = self.parts[0]
+        batch = collate(first.mode, rows, first.pad_id)
+        batch.source = torch.from_numpy(picks[:, 0].copy())
+        return batch
 
 
 class BatchOrder:
-    """Which samples form the global batch of each step, and which rows each DP rank reads."""
+    """Which samples form the global batch of each step, and which rows each DP rank reads.
 
-    def __init__(self, n_samples: int, global_batch: int, seed: int, shuffle: bool = True):
-        self.n, self.global_batch, self.seed, self.shuffle = n_samples, global_batch, seed, shuffle
-        self._epochs: dict[int, np.ndarray] = {}
+    Global sample position p goes to a source by `blend.assign` (exact proportions, a pure
+    function of p), as that source's q-th sample; the source reads its samples in seeded
+    epoch permutations. One source: p is its p-th sample (p // n the epoch, p % n the place).
+    """
 
-    def _epoch(self, epoch: int) -> np.ndarray:
-        if epoch not in self._epochs:
-            self._epochs = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)
-                            if self.shuffle else np.arange(self.n)}
-        return self._epochs[epoch]
+    def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int,
+                 shuffle: bool = True):
+        self.sizes, self.weights = sizes, weights
+        self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
+        self._epochs: dict[int, tuple[int, np.ndarray]] = {}
 
-    def global_batch_indices(self, step: int) -> np.ndarray:
-        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
-        return np.array([self._epoch(int(p // self.n))[p % self.n] for p in positions])
+    def _epoch(self, source: int, epoch: int) -> np.ndarray:
+        cached = self._epochs.get(source)
+        if cached is None or cached[0] != epoch:
+            n = self.sizes[source]
+            order = (np.random.default_rng([self.seed, epoch, source]).permutation(n)
+                     if self.shuffle else np.arange(n))
+            self._epochs[source] = cached = (epoch, order)
+        return cached[1]
+
+    def picks(self, positions: np.ndarray) -> np.ndarray:
+        """(source, sample) for each global sample position."""
+        source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
+        out = np.empty((len(source), 2), dtype=np.int64)
+        out[:, 0] = source
+        for i in range(len(source)):
+            n = self.sizes[source[i]]
+            out[i, 1] = self._epoch(int(source[i]), int(q[i] // n))[q[i] % n]
+        return out
+
+    def global_batch_picks(self, step: int) -> np.ndarray:
+        return self.picks(np.arange(step * self.global_batch, (step + 1) * self.global_batch))
 
     def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro: int) -> list[np.ndarray]:
         per_rank = self.global_batch // dp_size
-        mine = self.global_batch_indices(step)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        mine = self.global_batch_picks(step)[dp_rank * per_rank: (dp_rank + 1) * per_rank]
         return [mine[i: i + micro] for i in range(0, per_rank, micro)]
 
 

@@ -1,0 +1,116 @@
+"""Documents of token ids, read in place from one or more shards.
+
+`TokenStore` joins shards end to end: document and token numbers run on across shard
+boundaries, so the same documents give the same store however they were sharded (one Megatron
+file, or many megalite shards). `DocSet` is a subset of a store's documents, as sorted ranges
+(the training split, the held-out split): it reads documents by number, or windows of its own
+token stream (its documents joined, each followed by eos) for packed rows. Nothing here loops
+over documents in Python: every lookup is a vectorised search over the shards' indexes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megalite.data.indexed import IndexedShard
+
+
+@dataclass
+class ArrayShard:
+    """Documents held in memory (benchmarks, tests): `offsets[d]` is where document d starts."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def starts(self, docs: np.ndarray) -> np.ndarray:
+        return self.offsets[np.asarray(docs, dtype=np.int64)]
+
+    def doc_of(self, positions: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, positions, side="right") - 1
+
+
+class TokenStore:
+    def __init__(self, shards: list[IndexedShard | ArrayShard]):
+        self.shards = shards
+        self.doc_base = np.concatenate([[0], np.cumsum([len(s) for s in shards])]).astype(np.int64)
+        token_counts = [int(s.starts(np.array([len(s)]))[0]) for s in shards]
+        self.token_base = np.concatenate([[0], np.cumsum(token_counts)]).astype(np.int64)
+
+    @property
+    def n_docs(self) -> int:
+        return int(self.doc_base[-1])
+
+    def starts(self, docs: np.ndarray) -> np.ndarray:
+        """Global first token of each global document (n_docs: the end of the store)."""
+        docs = np.asarray(docs, dtype=np.int64)
+        shard = np.clip(np.searchsorted(self.doc_base, docs, side="right") - 1, 0, len(self.shards) - 1)
+        out = np.empty(docs.shape, dtype=np.int64)
+        for s in np.unique(shard):
+            here = shard == s
+            out[here] = self.token_base[s] + self.shards[s].starts(docs[here] - self.doc_base[s])
+        return out
+
+    def read(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token id, global document) at each global token position."""
+        positions = np.asarray(positions, dtype=np.int64)
+        shard = np.searchsorted(self.token_base, positions, side="right") - 1
+        tokens = np.empty(positions.shape, dtype=np.int64)
+        docs = np.empty(positions.shape, dtype=np.int64)
+        for s in np.unique(shard):
+            here = shard == s
+            local = positions[here] - self.token_base[s]
+            tokens[here] = self.shards[s].tokens[local]
+            docs[here] = self.doc_base[s] + self.shards[s].doc_of(local)
+        return tokens, docs
+
+
+class DocSet:
+    """Documents [first[k], end[k]) of `store`, for each range k in order."""
+
+    def __init__(self, store: TokenStore, first: np.ndarray, end: np.ndarray):
+        keep = end > first
+        self.store, self.first, self.end = store, first[keep], end[keep]
+        self.doc_base = np.concatenate([[0], np.cumsum(self.end - self.first)]).astype(np.int64)
+        self.tok_first, self.tok_end = store.starts(self.first), store.starts(self.end)
+        self.token_base = np.concatenate([[0], np.cumsum(self.tok_end - self.tok_first)]).astype(np.int64)
+
+    @classmethod
+    def whole(cls, store: TokenStore) -> "DocSet":
+        return cls(store, np.array([0]), np.array([store.n_docs]))
+
+    def __len__(self) -> int:
+        return int(self.doc_base[-1])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_base[-1])
+
+    def _global_docs(self, docs: np.ndarray) -> np.ndarray:
+        docs = np.asarray(docs, dtype=np.int64)
+        k = np.searchsorted(self.doc_base, docs, side="right") - 1
+        return self.first[k] + docs - self.doc_base[k]
+
+    def lengths(self, docs: np.ndarray) -> np.ndarray:
+        g = self._global_docs(docs)
+        return self.store.starts(g + 1) - self.store.starts(g)
+
+    def documents(self, docs, limit: int) -> list[np.ndarray]:
+        """The first `limit` tokens of each document in `docs`."""
+        g = self._global_docs(docs)
+        starts = self.store.starts(g)
+        ends = np.minimum(self.store.starts(g + 1), starts + limit)
+        width = int((ends - starts).max()) if len(g) else 0
+        window = np.minimum(starts[:, None] + np.arange(width), np.maximum(ends - 1, starts)[:, None])
+        tokens, _ = self.store.read(window)
+        return [row[: e - s] for row, s, e in zip(tokens, starts, ends)]
+
+    def window(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of `length` tokens of this set's stream from each start: (tokens, document),
+        documents numbered by the store, so a change of number is a document boundary."""
+        stream = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
+        k = np.searchsorted(self.token_base, stream, side="right") - 1
+        return self.store.read(self.tok_first[k] + stream - self.token_base[k])
