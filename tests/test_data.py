@@ -37,8 +37,8 @@ def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
                                    cache_dir=str(tmp_path / "cache")))
     assert (data.tokenizer.bos_id, data.tokenizer.eos_id, data.tokenizer.pad_id) == (0, 1, 2)
     assert data.tokenizer.vocab_size == Tokenizer.from_file(str(tok)).get_vocab_size()
-    doc = data.train.tokens[data.train.offsets[0]: data.train.offsets[1]]
-    assert doc[-1] == 1  # every document ends with eos
+    docs = data.train[0].docs
+    assert all(d[-1] == 1 for d in docs.documents(np.arange(len(docs)), 10**6))  # each ends with eos
 
 
 def test_user_tokenizer_without_padding_token_is_refused(tmp_path):
@@ -53,7 +53,8 @@ def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
     first = prepare_data(cfg)
     assert len(list((tmp_path / "cache").iterdir())) == 2  # the cache and its lock
     again = prepare_data(cfg)
-    assert np.array_equal(first.train.tokens, again.train.tokens)
+    assert np.array_equal(first.train[0].docs.window([0], first.train[0].docs.n_tokens)[0],
+                          again.train[0].docs.window([0], again.train[0].docs.n_tokens)[0])
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "something else entirely"}) * 1 + "\n"
                                       + json.dumps({"text": "and more"}) + "\n")
     prepare_data(cfg)
@@ -64,14 +65,14 @@ def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
 def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_path, mode):
     data = prepare_data(DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300,
                                    cache_dir=str(tmp_path / "cache"), val_fraction=0.0))
-    samples = Samples(data.train, mode, 16, data.tokenizer.pad_id)
-    order = BatchOrder(len(samples), 8, seed=3)
+    samples = Samples(data.train[0].docs, mode, 16, data.tokenizer.pad_id)
+    order = BatchOrder([len(samples)], [1.0], 8, seed=3)
     for step in (0, 5, 40):  # 40 is several epochs in
-        everyone = sorted(np.concatenate(order.micro_batches(step, 0, 1, 8)).tolist())
-        split = [np.concatenate(order.micro_batches(step, r, 4, 1)).tolist() for r in range(4)]
+        everyone = sorted(np.concatenate(order.micro_batches(step, 0, 1, 8))[:, 1].tolist())
+        split = [np.concatenate(order.micro_batches(step, r, 4, 1))[:, 1].tolist() for r in range(4)]
         assert sorted(sum(split, [])) == everyone
         assert not set(split[0]) & set(split[1])
-    batch = samples.collate(order.micro_batches(0, 0, 1, 8)[0])
+    batch = samples.collate(order.micro_batches(0, 0, 1, 8)[0][:, 1])
     if mode == "padded":
         assert bool((batch.input_ids[batch.attention_mask == 0] == data.tokenizer.pad_id).all())
 

@@ -1,6 +1,7 @@
 """Hugging Face interop, checked against transformers itself (CPU, fp32)."""
 import dataclasses
 import json
+from itertools import islice
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
-from megalite.data.corpus import read_corpus  # noqa: E402
+from megalite.data.sources import EMBEDDED, documents  # noqa: E402
 from megalite.data.tokenizer import train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
@@ -114,7 +115,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
-    big = train_bpe(read_corpus("embedded").documents[:300], 400)
+    big = train_bpe(list(islice(documents(EMBEDDED), 300)), 400)
     big.save(str(tmp_path / "hf" / "tokenizer.json"))
     with pytest.raises(ConfigError, match=r"tokenizer of .* has 400 tokens but the model's vocabulary has 320 rows"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -228,6 +229,6 @@ def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file)
     assert all(torch.equal(final[k], imported[k]) for k in final)
 
     big = tmp_path / "big.json"
-    train_bpe(read_corpus("embedded").documents[:300], 400).save(str(big))
+    train_bpe(list(islice(documents(EMBEDDED), 300)), 400).save(str(big))
     with pytest.raises(ConfigError, match="has 400 tokens but the model's vocabulary has 320 rows"):
         main(argv + [f"data.tokenizer={big}", "parallel.tp=1"])

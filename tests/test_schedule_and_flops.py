@@ -37,7 +37,7 @@ def test_packed_labels_never_cross_a_document_boundary(tmp_path):
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n" for i in range(20)))
     data = prepare_data(DataConfig(path=str(path), bpe_vocab_size=300, val_fraction=0.0,
                                    cache_dir=str(tmp_path / "cache")))
-    samples = Samples(data.train, "packed", 16, data.tokenizer.pad_id)
+    samples = Samples(data.train[0].docs, "packed", 16, data.tokenizer.pad_id)
     batch = samples.collate(range(len(samples)))
     eos = data.tokenizer.eos_id
     # Every document ends with eos, and what follows an eos starts another document: exactly

@@ -33,7 +33,7 @@ PROSE = ("Tensor parallelism splits each weight matrix across devices, so that e
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["data.path=/no/such/corpus.txt"], r"data\.path '/no/such/corpus\.txt' does not exist"),
+    (["data.path=/no/such/corpus.txt"], r"data path '/no/such/corpus\.txt' does not exist"),
     (["train.global_batch_size=3"], r"train\.global_batch_size=3 is not a multiple of train\.micro_batch_size=2 x DP=1"),
     (["train.global_batch_size=4096", "train.micro_batch_size=8"], r"train\.global_batch_size=4096 exceeds the \d+ training samples"),
     (["data.seq_len=4096"], r"data\.seq_len=4096 exceeds model\.max_seq_len=128"),
@@ -56,15 +56,15 @@ def test_signal_handlers_are_restored_after_a_run(tmp_path):
 
 def test_empty_corpus_is_an_error(tmp_path):
     corpus = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
-    with pytest.raises(ConfigError, match=r"holds no text \(3 empty documents\)"):
+    with pytest.raises(ConfigError, match=r"holds no text \(3 records, 3 empty, 0 without text\)"):
         main(small_args(tmp_path, corpus))
 
 
-def test_malformed_jsonl_names_the_line(tmp_path):
+def test_malformed_jsonl_under_strict_names_the_line(tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: expected a JSON object with a 'text' field"):
-        main(small_args(tmp_path, corpus))
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: no string field 'text'; fix or drop it"):
+        main(small_args(tmp_path, corpus, "data.strict=true"))
 
 
 def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, capsys):
@@ -100,11 +100,15 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
 
 
 def test_one_bad_byte_marks_only_its_own_document(tmp_path):
-    from megalite.data.corpus import read_corpus
+    from megalite.data.sources import parse, read_chunks
     path = tmp_path / "three.txt"
     path.write_bytes(b"first document\n\n\ncaf\xe9 second\n\n\nthird document")
-    corpus = read_corpus(str(path))
-    assert len(corpus.documents) == 3 and corpus.replaced_bytes_docs == 1
+    texts, counts = [], []
+    for chunk in read_chunks(path, 0, "text"):
+        got, c = parse(chunk, "text", False, str(path))
+        texts += got
+        counts.append(c.invalid_utf8)
+    assert texts == ["first document", "caf\ufffd second", "third document"] and sum(counts) == 1
 
 
 def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
@@ -116,7 +120,7 @@ def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
          "--nproc_per_node", "2", "-m", "megalite.train", *small_args(tmp_path, "/no/such/corpus.txt", "train.global_batch_size=4")],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0, done.stdout + done.stderr
-    assert (done.stdout + done.stderr).count("data.path '/no/such/corpus.txt' does not exist") >= 2
+    assert (done.stdout + done.stderr).count("data path '/no/such/corpus.txt' does not exist") >= 2
     assert time.monotonic() - start < 90
 
 
@@ -130,9 +134,9 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
         "train.global_batch_size=4", "train.micro_batch_size=1"]
     data = prepare_data(DataConfig(path=str(corpus), bpe_vocab_size=512, seq_len=96,
                                    val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
-    samples = Samples(data.train, "padded", 96, data.tokenizer.pad_id)
-    order = BatchOrder(len(samples), 4, seed=1234)
-    real = [[sum(int(samples.collate(m).target_count()) for m in order.micro_batches(s, r, 2, 1))
+    samples = Samples(data.train[0].docs, "padded", 96, data.tokenizer.pad_id)
+    order = BatchOrder([len(samples)], [1.0], 4, seed=1234)
+    real = [[sum(int(samples.collate(m[:, 1]).target_count()) for m in order.micro_batches(s, r, 2, 1))
              for r in range(2)] for s in range(STEPS)]
     assert max(max(r) / max(1, min(r)) for r in real) > 5, real
 
