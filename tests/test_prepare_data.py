@@ -1,0 +1,216 @@
+"""`megalite prepare-data`: every input format, any worker count, bad input counted, shards
+that survive a kill, and documents that decode back to the input text."""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from megalite.data.docs import DocSet, TokenStore
+from megalite.data.indexed import IndexedShard
+from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare import held_out
+from megalite.data.sources import expand_inputs
+from megalite.data.tokenizer import load_tokenizer, train_bpe
+from megalite.typed_config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [f"Document {i}: caf\u00e9, tensors \u2014 and {'gradients ' * (i % 7)}\n  indented\n" for i in range(120)]
+
+
+def tokenizer(tmp_path, vocab=400) -> Path:
+    path = tmp_path / f"tok{vocab}.json"
+    if not path.is_file():
+        train_bpe(TEXTS, vocab).save(str(path))
+    return path
+
+
+def write_inputs(root: Path) -> dict[str, list[str]]:
+    """The same kind of text in every format megalite reads; returns each file's documents."""
+    root.mkdir(parents=True, exist_ok=True)
+    parts = {name: TEXTS[i * 30:(i + 1) * 30] for i, name in
+             enumerate(["a.jsonl.gz", "b.jsonl.zst", "c.parquet", "d.txt"])}
+    lines = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(parts["a.jsonl.gz"]))
+    (root / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in parts["b.jsonl.zst"])
+    (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    table = pa.table({"id": [str(i) for i in range(30)], "text": parts["c.parquet"],
+                      "language": ["en"] * 30})
+    pq.write_table(table, root / "c.parquet", row_group_size=7)
+    # .txt documents are separated by two blank lines (their own edge newlines are dropped).
+    parts["d.txt"] = [t.strip("\n") for t in parts["d.txt"]]
+    (root / "d.txt").write_text("\n\n\n".join(parts["d.txt"]))
+    return parts
+
+
+def decoded(out: Path, info) -> list[list[str]]:
+    meta = json.loads((out / "meta.json").read_text())
+    result = []
+    for shard in meta["shards"]:
+        docs = DocSet.whole(TokenStore([IndexedShard(out / shard["name"])]))
+        rows = docs.documents(np.arange(len(docs)), 10**9)
+        assert all(r[-1] == info.eos_id for r in rows)
+        result.append([info.decode(r[:-1].tolist()) for r in rows])
+    return result
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_format_decodes_back_to_its_input_text(tmp_path, workers):
+    parts = write_inputs(tmp_path / "in")
+    out = tmp_path / "out"
+    meta = prepare_directory(expand_inputs([str(tmp_path / "in")]), out,
+                             PrepareSettings(tokenizer=str(tokenizer(tmp_path)), workers=workers,
+                                             progress=False))
+    info = load_tokenizer(out / "tokenizer.json")
+    assert decoded(out, info) == list(parts.values())
+    assert [s["documents"] for s in meta["shards"]] == [30] * 4
+    assert meta["documents"] == 120 and meta["tokens"] == sum(s["tokens"] for s in meta["shards"])
+
+
+def test_shards_are_the_same_for_any_worker_count_and_chunking(tmp_path, monkeypatch):
+    write_inputs(tmp_path / "in")
+    files = expand_inputs([str(tmp_path / "in")])
+    tok = str(tokenizer(tmp_path))
+    prepare_directory(files, tmp_path / "w0", PrepareSettings(tokenizer=tok, progress=False))
+    monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 300)  # many chunks per file
+    prepare_directory(files, tmp_path / "w2", PrepareSettings(tokenizer=tok, workers=2, progress=False))
+    for f in sorted((tmp_path / "w0").glob("*.[bi][id]?")):
+        assert f.read_bytes() == (tmp_path / "w2" / f.name).read_bytes(), f.name
+
+
+def test_bad_records_are_counted_by_file_and_line_and_nothing_is_lost(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine one"}\n'
+                    b'this is not json\n'
+                    b'{"txt": "wrong key"}\n'
+                    b'\n'
+                    b'{"text": "   "}\n'
+                    b'{"text": 17}\n'
+                    b'["a list"]\n'
+                    + json.dumps({"text": "caf\udce9"}, ensure_ascii=False).encode("utf-8", "surrogateescape")
+                    + b'\n{"text": "fine two"}\n')
+    meta = prepare_directory([bad], tmp_path / "out",
+                             PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    (shard,) = meta["shards"]
+    assert (shard["records"], shard["documents"], shard["empty"], shard["not_json"],
+            shard["no_text"], shard["invalid_utf8"]) == (9, 3, 2, 1, 3, 1)
+    assert shard["records"] == shard["documents"] + shard["empty"] + shard["not_json"] + shard["no_text"]
+    assert shard["bad"] == ["line 2: not JSON (Expecting value)", "line 3: no string field 'text'",
+                            "line 6: no string field 'text'", "line 7: no string field 'text'"]
+    info = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert decoded(tmp_path / "out", info) == [["fine one", "caf\ufffd", "fine two"]]
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not JSON \(Expecting value\); fix or drop it"):
+        prepare_directory([bad], tmp_path / "strict",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path)), strict=True, progress=False))
+
+
+def test_parquet_without_the_text_column_names_its_columns(tmp_path):
+    pq.write_table(pa.table({"id": ["1"], "content": ["hello"]}), tmp_path / "x.parquet")
+    with pytest.raises(ConfigError, match=r"'.*x\.parquet' has no column 'text' \(its columns: id, "
+                                          r"content\): name the text column with --text-key"):
+        prepare_directory([tmp_path / "x.parquet"], tmp_path / "out",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    meta = prepare_directory([tmp_path / "x.parquet"], tmp_path / "out",
+                             PrepareSettings(tokenizer=str(tokenizer(tmp_path)), text_key="content",
+                                             progress=False))
+    assert meta["documents"] == 1
+
+
+def big_vocabulary_tokenizer(path: Path, size: int = 70_000) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<|eos|>": 0, "<|bos|>": 1, "<|pad|>": 2, **{f"w{i}": i + 3 for i in range(size - 3)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_a_vocabulary_the_dtype_cannot_hold_is_refused(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": "w1 w69000"}\n')
+    tok = str(big_vocabulary_tokenizer(tmp_path / "big.json"))
+    with pytest.raises(ConfigError, match=r"stores token ids as uint16 \(at most 65535\), but the "
+                                          r"tokenizer has 70000 tokens"):
+        prepare_directory([tmp_path / "x.jsonl"], tmp_path / "out",
+                          PrepareSettings(tokenizer=tok, dtype="uint16", progress=False))
+    meta = prepare_directory([tmp_path / "x.jsonl"], tmp_path / "auto",
+                             PrepareSettings(tokenizer=tok, progress=False))
+    assert meta["dtype"] == "int32"
+    (row,) = decoded_ids(tmp_path / "auto")
+    assert row.tolist() == [4, 69003, 0]
+
+
+def decoded_ids(out: Path) -> list[np.ndarray]:
+    shard = IndexedShard(out / json.loads((out / "meta.json").read_text())["shards"][0]["name"])
+    docs = DocSet.whole(TokenStore([shard]))
+    return docs.documents(np.arange(len(docs)), 10**9)
+
+
+def test_an_output_directory_of_another_tokenizer_is_refused(tmp_path):
+    write_inputs(tmp_path / "in")
+    files = expand_inputs([str(tmp_path / "in" / "a.jsonl.gz")])
+    prepare_directory(files, tmp_path / "out", PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    with pytest.raises(ConfigError, match=r"output directory '.*out' holds data of another tokenizer"):
+        prepare_directory(files, tmp_path / "out",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path, 350)), progress=False))
+
+
+def test_a_killed_run_leaves_no_half_shard_and_a_rerun_prepares_only_what_is_missing(tmp_path):
+    write_inputs(tmp_path / "in")
+    (tmp_path / "in" / "e.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    files = expand_inputs([str(tmp_path / "in")])
+    tok = str(tokenizer(tmp_path))
+    out = tmp_path / "out"
+    # A strict run dies at e.jsonl's second line, after the first shards are whole.
+    with pytest.raises(ConfigError, match=r"e\.jsonl:2"):
+        prepare_directory(files, out, PrepareSettings(tokenizer=tok, strict=True, workers=2, progress=False))
+    done = sorted(p.name for p in out.glob("*.json") if p.name != "tokenizer.json")
+    assert done == [f"0000{i}-{f.name}.json" for i, f in enumerate(files[:4])]
+    assert not (out / "meta.json").exists()
+    assert not list(out.glob("00004-*.bin")) and not list(out.glob("00004-*.idx"))
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("0000[0-3]-*")}
+    meta = prepare_directory(files, out, PrepareSettings(tokenizer=tok, workers=2, progress=False))
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("0000[0-3]-*")} == before
+    assert meta["documents"] == 121 and meta["not_json"] == 1
+    assert not list(out.glob(".*tmp"))
+
+
+def test_held_out_documents_are_spread_by_number_and_independent_of_sharding(tmp_path):
+    tok = str(tokenizer(tmp_path))
+    whole, halves = tmp_path / "whole.jsonl", [tmp_path / "h1.jsonl", tmp_path / "h2.jsonl"]
+    whole.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    halves[0].write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:50]))
+    halves[1].write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[50:]))
+    prepare_directory([whole], tmp_path / "one", PrepareSettings(tokenizer=tok, progress=False))
+    prepare_directory(halves, tmp_path / "two", PrepareSettings(tokenizer=tok, progress=False))
+    one, two = (TokenStore([IndexedShard(p.with_suffix("")) for p in sorted((tmp_path / d).glob("0*.idx"))])
+                for d in ("one", "two"))
+    assert len(two.shards) == 2
+    (train_a, val_a), (train_b, val_b) = held_out(one, 0.1), held_out(two, 0.1)
+    assert (len(train_a), len(val_a)) == (108, 12)
+    assert np.array_equal(val_a.first, np.arange(12) * 10 + 5)
+    for a, b in ((train_a, train_b), (val_a, val_b)):
+        assert a.n_tokens == b.n_tokens
+        assert np.array_equal(a.window([0], a.n_tokens)[0], b.window([0], b.n_tokens)[0])
+
+
+def test_the_command_prepares_globs_and_files_then_trains_on_the_directory(tmp_path):
+    write_inputs(tmp_path / "in")
+    out = tmp_path / "prep"
+    done = subprocess.run([sys.executable, "-m", "megalite", "prepare-data", "--input",
+                           str(tmp_path / "in" / "*.jsonl.*"), str(tmp_path / "in" / "c.parquet"),
+                           "--bpe-vocab-size", "300", "--out", str(out), "--workers", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["documents"] == 90
+    assert "prepare" in done.stderr and "tok/s" in done.stderr  # the progress bar
+    from tests.test_train import common, train_run
+    run = tmp_path / "run"
+    train_run(1, common(str(tmp_path / "cache"), run, "packed") + [
+        f"data.path={out}", "train.max_steps=2", "train.micro_batch_size=8"])
+    assert (run / "checkpoints" / "step_00000002" / "meta.json").is_file()
