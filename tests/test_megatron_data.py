@@ -1,0 +1,110 @@
+"""Megatron-LM's indexed format, both directions, against megatron-core's own reader and writer:
+our shards load in its IndexedDataset, its files train here, and the same documents written by
+either give the same training, step for step."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+
+from megalite.data.docs import DocSet, TokenStore  # noqa: E402
+from megalite.data.indexed import IndexedShard  # noqa: E402
+from megalite.data.pipeline import PrepareSettings, prepare_directory  # noqa: E402
+from megalite.data.prepare import prepare_data  # noqa: E402
+from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
+from megalite.run_config import DataConfig  # noqa: E402
+from megalite.typed_config import ConfigError  # noqa: E402
+from tests.test_train import common, losses, train_run  # noqa: E402
+
+TEXTS = [f"Shard test {i}. " + "Pipelines split layers; tensors split matrices. " * (1 + i % 5)
+         for i in range(160)]
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    """The same documents prepared by megalite (two files, so two shards) and by megatron-core's
+    builder (one file, with eos appended as preprocess_data.py --append-eod does)."""
+    tok = tmp_path / "tok.json"
+    train_bpe(TEXTS, 400).save(str(tok))
+    for i in range(2):
+        (tmp_path / f"part{i}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in TEXTS[i * 80:(i + 1) * 80]))
+    ours = tmp_path / "ours"
+    prepare_directory([tmp_path / "part0.jsonl", tmp_path / "part1.jsonl"], ours,
+                      PrepareSettings(tokenizer=str(tok), progress=False))
+    info = load_tokenizer(tok)
+    theirs = tmp_path / "theirs_text_document"
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{theirs}.bin", dtype=np.uint16)
+    for text in TEXTS:
+        ids = info.encode(text) + [info.eos_id]
+        builder.add_document(np.array(ids), [len(ids)])
+    builder.finalize(f"{theirs}.idx")
+    return tok, ours, theirs, info
+
+
+def test_megatron_reads_our_shards(prepared):
+    tok, ours, _, info = prepared
+    meta = json.loads((ours / "meta.json").read_text())
+    documents = iter(TEXTS)
+    for shard in meta["shards"]:
+        data = indexed_dataset.IndexedDataset(str(ours / shard["name"]))
+        assert len(data) == shard["documents"] == 80
+        assert data.index.dtype == np.uint16
+        assert np.array_equal(data.document_indices, np.arange(81))
+        for i in range(len(data)):
+            assert data[i].tolist() == info.encode(next(documents)) + [info.eos_id]
+
+
+def test_we_read_megatron_files_as_megatron_does(prepared):
+    _, _, theirs, _ = prepared
+    data = indexed_dataset.IndexedDataset(str(theirs))
+    docs = DocSet.whole(TokenStore([IndexedShard(theirs)]))
+    assert len(docs) == len(data)
+    ours = docs.documents(np.arange(len(docs)), 10**9)
+    assert all(np.array_equal(ours[i], data[i]) for i in range(len(data)))
+
+
+def test_megatron_sentence_split_documents_read_whole(tmp_path):
+    """Megatron data with several sequences (sentences) per document: a document is all of them."""
+    prefix = tmp_path / "split"
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    builder.add_document(np.array([5, 6, 7, 8, 0]), [2, 3])
+    builder.add_document(np.array([9, 0]), [2])
+    builder.add_document(np.array([1, 2, 3, 0]), [1, 1, 2])
+    builder.finalize(f"{prefix}.idx")
+    docs = DocSet.whole(TokenStore([IndexedShard(prefix)]))
+    assert [d.tolist() for d in docs.documents(np.arange(3), 100)] == [[5, 6, 7, 8, 0], [9, 0], [1, 2, 3, 0]]
+    tokens, doc = docs.window([0], 11)
+    assert tokens.tolist() == [[5, 6, 7, 8, 0, 9, 0, 1, 2, 3, 0]]
+    assert doc.tolist() == [[0] * 5 + [1] * 2 + [2] * 4]
+
+
+def test_megatron_data_needs_its_tokenizer_and_one_that_fits_its_dtype(prepared, tmp_path):
+    _, _, theirs, _ = prepared
+    with pytest.raises(ConfigError, match=r"is Megatron indexed data, which does not say its "
+                                          r"tokenizer: give data.tokenizer="):
+        prepare_data(DataConfig(path=str(theirs), cache_dir=str(tmp_path / "cache")))
+    small = tmp_path / "bytes"
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{small}.bin", dtype=np.uint8)
+    builder.add_document(np.array([3, 4, 0]), [3])
+    builder.finalize(f"{small}.idx")
+    with pytest.raises(ConfigError, match=r"stores token ids as uint8 \(at most 255\), but the "
+                                          r"tokenizer has 400 tokens"):
+        prepare_data(DataConfig(path=str(small), tokenizer=str(prepared[0]),
+                                cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_megatron_written_and_megalite_written_data_train_the_same(prepared, tmp_path, mode):
+    tok, ours, theirs, _ = prepared
+    base = common(str(tmp_path / "cache"), None, mode)[:-1] + [f"data.tokenizer={tok}",
+                                                              "train.micro_batch_size=8"]
+    train_run(1, base + [f"data.path={ours}", f"run.dir={tmp_path / 'a'}"])
+    train_run(1, base + [f"data.path={theirs}", f"run.dir={tmp_path / 'b'}"])
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(la) == 10 and la == lb
+    assert losses(tmp_path / "a", "val_loss") == losses(tmp_path / "b", "val_loss")
