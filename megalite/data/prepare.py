@@ -220,7 +220,9 @@ def _one_tokenizer(stores: list[_Store], paths: list[str], cfg: DataConfig) -> P
     if len(found) > 1:
         names = "; ".join(f"'{p}' ({t})" for t, p in found.values())
         raise ConfigError(f"the data was made with different tokenizers: {names}: train on data "
-                          f"of one tokenizer (prepare the others again with it)")
+                          f"of one tokenizer (prepare the others again with it; with "
+                          f"data.tokenizer=bpe each raw source trains its own BPE, so give "
+                          f"data.tokenizer=a tokenizer.json)")
     return next(iter(found.values()))[0]
 
 

@@ -1,0 +1,108 @@
+"""Blends (data.blend): sources in proportion to their weights, any layout the same model, and
+resume exact after a kill."""
+import json
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from megalite.data.batches import BatchOrder, Mixture, Samples
+from megalite.data.blend import assign
+from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare import prepare_data
+from megalite.data.sources import EMBEDDED
+from megalite.run_config import DataConfig
+from megalite.training.checkpoint import latest_checkpoint
+from megalite.typed_config import ConfigError
+from tests.test_resume import ROOT, assert_continues_exactly, kill_every_process_of, run
+from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.25], [0.05, 0.9, 0.05], [1.0]])
+def test_every_prefix_of_the_stream_holds_each_source_in_proportion(weights):
+    n = 20_000
+    source, index = assign(np.arange(n), weights)
+    for s, w in enumerate(weights):
+        taken = np.cumsum(source == s)
+        assert np.abs(taken - w * np.arange(1, n + 1)).max() <= 2, (s, w)
+        # A source's samples are taken in order, each once: 0, 1, 2, ...
+        assert np.array_equal(index[source == s], np.arange(taken[-1]))
+    some = np.array([17, 4000, 19_999, 5])  # a pure function of the position
+    assert [a.tolist() for a in assign(some, weights)] == [source[some].tolist(), index[some].tolist()]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Two prepared directories of one tokenizer: the embedded corpus, and other prose."""
+    root = tmp_path_factory.mktemp("blend")
+    prepare_directory([EMBEDDED], root / "a", PrepareSettings(bpe_vocab_size=512, progress=False))
+    (root / "b.jsonl").write_text("".join(
+        json.dumps({"text": f"Note {i}: the pipeline sends activations forward and gradients "
+                            f"back, {'stage by stage ' * (1 + i % 9)}"}) + "\n" for i in range(3000)))
+    prepare_directory([root / "b.jsonl"], root / "b",
+                      PrepareSettings(tokenizer=str(root / "a" / "tokenizer.json"), progress=False))
+    return root / "a", root / "b"
+
+
+def blend_args(sources) -> str:
+    return f"data.blend=[[0.7, {sources[0]}], [0.3, {sources[1]}]]"
+
+
+def test_a_blend_consumes_tokens_in_proportion_over_200_steps(sources, tmp_path):
+    data = prepare_data(DataConfig(blend=[[0.7, str(sources[0])], [0.3, str(sources[1])]],
+                                   cache_dir=str(tmp_path / "cache")))
+    mixture = Mixture([Samples(s.docs, "packed", 128, data.tokenizer.pad_id) for s in data.train],
+                      [s.weight for s in data.train])
+    order = BatchOrder(mixture.sizes, mixture.weights, 16, seed=1234)
+    tokens = sum(mixture.collate(order.global_batch_picks(step)).target_count_per_source(2)
+                 for step in range(200)).numpy()
+    share = tokens / tokens.sum()
+    assert abs(share[0] - 0.7) <= 0.02 * 0.7 and abs(share[1] - 0.3) <= 0.02 * 0.3, share
+
+
+def test_a_blend_trains_the_same_model_at_tp2_dp2_and_reports_tokens_per_source(sources, tmp_path):
+    base = common(str(tmp_path / "cache"), None, "packed")[:-1] + [blend_args(sources)]
+    train_run(1, base + ["parallel.tp=1", "train.micro_batch_size=8", f"run.dir={tmp_path / 'one'}"])
+    train_run(4, base + ["parallel.tp=2", "train.micro_batch_size=2", f"run.dir={tmp_path / 'tp2dp2'}"])
+    assert_same_training(tmp_path / "one", tmp_path / "tp2dp2")
+    per_source = [losses(tmp_path / d, "tokens_per_source")[STEPS] for d in ("one", "tp2dp2")]
+    assert per_source[0] == per_source[1]
+    assert sum(per_source[0].values()) == losses(tmp_path / "one", "tokens")[STEPS]
+    assert list(per_source[0]) == [str(s) for s in sources]
+    assert per_source[0][str(sources[0])] > per_source[0][str(sources[1])] > 0
+
+
+def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
+    def args(run_dir, *extra):
+        return ["-m", "megalite.train"] + common(str(tmp_path / "cache"), run_dir, "packed") + [
+            blend_args(sources), "model.dropout=0.1", "train.checkpoint_every=3",
+            "train.micro_batch_size=8", "train.eval_every=2", *extra]
+
+    import sys
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run([sys.executable] + args(whole))
+    proc = subprocess.Popen([sys.executable] + args(killed), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while latest_checkpoint(killed) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kill_every_process_of(killed)
+    proc.wait()
+    resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
+    assert resumed_from < STEPS, "the run finished before it could be killed"
+    run([sys.executable] + args(killed, "train.resume=auto"))
+    assert_continues_exactly(killed, whole, resumed_from)
+    expected, got = losses(whole, "tokens_per_source"), losses(killed, "tokens_per_source")
+    assert all(got[s] == expected[s] for s in expected if s > resumed_from)
+
+
+def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
+    for name in ("x", "y"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"text": f"{name} text " * 50}) + "\n")
+    with pytest.raises(ConfigError, match=r"the data was made with different tokenizers.*give "
+                                          r"data\.tokenizer"):
+        prepare_data(DataConfig(blend=[[1, str(tmp_path / "x.jsonl")], [1, str(tmp_path / "y.jsonl")]],
+                                bpe_vocab_size=300, cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(ConfigError, match=r"data\.blend\[1\]=\[0, 'y'\]: each entry is \[weight, path\]"):
+        prepare_data(DataConfig(blend=[[1, "x"], [0, "y"]], cache_dir=str(tmp_path / "cache")))
