@@ -101,7 +101,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if ps.is_main:
         wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
         metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
-    val_set = sample_sets(data.val, cfg, data)
+    val_set = sample_sets(data.val, cfg, data).nonempty()
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
     autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)

@@ -119,6 +119,11 @@ class Mixture:
     def sizes(self) -> list[int]:
         return [len(p) for p in self.parts]
 
+    def nonempty(self) -> "Mixture":
+        """The sources that have samples (a small held-out set may have none at seq_len)."""
+        keep = [i for i, n in enumerate(self.sizes) if n]
+        return Mixture([self.parts[i] for i in keep], [self.weights[i] for i in keep])
+
     def collate(self, picks: np.ndarray) -> Batch:
         picks = np.asarray(picks, dtype=np.int64).reshape(-1, 2)
         rows: list = [None] * len(picks)

@@ -57,7 +57,7 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
     dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
     check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
     names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
-    todo = [i for i, (f, name) in enumerate(zip(files, names)) if not _shard_done(out, name, f)]
+    todo = [i for i, (f, name) in enumerate(zip(files, names)) if not _shard_done(out, name, f, dtype)]
     shards = {}
     if todo:
         shards = _run(files, names, todo, out, info, dtype, settings)
@@ -111,14 +111,15 @@ def _sample(files: list[Path], settings: PrepareSettings, budget: int) -> Iterat
         yield text
 
 
-def _shard_done(out: Path, name: str, source: Path) -> bool:
+def _shard_done(out: Path, name: str, source: Path, dtype: np.dtype) -> bool:
+    """Whether an earlier run wrote this file's whole shard, from the file as it is now."""
     marker = out / f"{name}.json"
     if not marker.is_file():
         return False
     record = json.loads(marker.read_text())
     stat = source.stat()
-    return record["source"] == str(source) and record["bytes"] == stat.st_size \
-        and record["mtime_ns"] == stat.st_mtime_ns
+    return (record["source"], record["bytes"], record["mtime_ns"], record["dtype"]) == \
+        (str(source), stat.st_size, stat.st_mtime_ns, dtype.name)
 
 
 class _Inline:
@@ -148,7 +149,8 @@ def _encode(chunk: Chunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
     """(tokens, document lengths, counts) of one chunk: each document's ids, then eos."""
     texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name)
     info: TokenizerInfo = _worker["info"]
-    ids = [e.ids for e in info.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    # The fast variant skips character offsets, which a shard never needs.
+    ids = [e.ids for e in info.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     lengths = np.fromiter((len(d) + 1 for d in ids), dtype=np.int32, count=len(ids))
     eos = [info.eos_id]
     tokens = np.fromiter(chain.from_iterable(chain.from_iterable((d, eos) for d in ids)),
@@ -172,7 +174,8 @@ class _Shard:
         self.writer.finish()
         stat = self.source.stat()
         record = {"name": self.name, "source": str(self.source), "bytes": stat.st_size,
-                  "mtime_ns": stat.st_mtime_ns, "tokens": self.tokens, **asdict(self.counts)}
+                  "mtime_ns": stat.st_mtime_ns, "dtype": self.writer.dtype.name,
+                  "tokens": self.tokens, **asdict(self.counts)}
         _write_atomic(self.out / f"{self.name}.json", json.dumps(record, indent=1))
         return record
 

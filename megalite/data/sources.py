@@ -17,6 +17,7 @@ import gzip
 import io
 import json
 import lzma
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -120,20 +121,7 @@ def _decompressed(raw, kind: str):
     if kind == ".jsonl.zst":
         import zstandard
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
-    return io.BufferedReader(_Unclosed(raw))
-
-
-class _Unclosed(io.RawIOBase):
-    """The raw file itself, as a stream its reader may close without closing the file."""
-
-    def __init__(self, raw):
-        self.raw = raw
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        return self.raw.readinto(b)
+    return nullcontext(raw)
 
 
 def _json_chunks(stream, raw, file: int) -> Iterator[Chunk]:
