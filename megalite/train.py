@@ -238,13 +238,13 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
 @torch.no_grad()
 def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
     """Mean loss over the first eval_batches x global_batch_size validation samples (or all of
-    them), in order, blended as in training; DP ranks take disjoint parts, in micro-batches."""
+    them), each source's in proportion to its weight, each sample once; DP ranks take disjoint
+    parts, in micro-batches as in training."""
     count = min(sum(val_set.sizes), cfg.train.eval_batches * cfg.train.global_batch_size)
     if count == 0:
         return
     model.eval()
-    picks = BatchOrder(val_set.sizes, val_set.weights, count, 0, shuffle=False).global_batch_picks(0)
-    mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
+    mine = np.array_split(val_set.leading_picks(count), ps.dp_size)[ps.dp_rank]
     total = torch.zeros(2, device=ps.device)
     batches = [val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
                for start in range(0, len(mine), cfg.train.micro_batch_size)]

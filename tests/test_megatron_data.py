@@ -108,3 +108,58 @@ def test_megatron_written_and_megalite_written_data_train_the_same(prepared, tmp
     la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(la) == 10 and la == lb
     assert losses(tmp_path / "a", "val_loss") == losses(tmp_path / "b", "val_loss")
+
+
+@pytest.mark.parametrize("documents", [
+    [[5, 0], [], [7, 8, 0]],  # an empty document in the middle (preprocess_data.py keeps them)
+    [[5, 0], [7, 8, 0], []],  # and at the end
+    [[5, 6, 7, 0], []],  # sentence-split, then empty: doc_index [0, 2, 2], as many sequences as documents
+])
+def test_megatron_empty_documents_read_as_megatron_reads_them(tmp_path, documents):
+    prefix = tmp_path / "gaps"
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in documents:
+        lengths = [2, len(doc) - 2] if len(doc) == 4 else ([len(doc)] if doc else [])
+        builder.add_document(np.array(doc, dtype=np.int64), lengths)
+    builder.finalize(f"{prefix}.idx")
+    theirs = indexed_dataset.IndexedDataset(str(prefix))
+    whole = [np.concatenate([theirs[s] for s in range(a, b)] or [np.zeros(0, np.uint16)]).tolist()
+             for a, b in zip(theirs.document_indices[:-1], theirs.document_indices[1:])]
+    assert whole == documents
+    docs = DocSet.whole(TokenStore([IndexedShard(prefix)]))
+    assert [d.tolist() for d in docs.documents(np.arange(len(docs)), 100)] == documents
+    tokens, doc = docs.window([0], docs.n_tokens)
+    assert tokens[0].tolist() == sum(documents, [])
+    assert doc[0].tolist() == [i for i, d in enumerate(documents) for _ in d]
+
+
+def test_a_file_without_documents_leaves_no_shard_megatron_could_not_map(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "some text"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "  "}) + "\nnot json\n")
+    tok = tmp_path / "tok.json"
+    train_bpe(TEXTS, 300).save(str(tok))
+    meta = prepare_directory([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out",
+                             PrepareSettings(tokenizer=str(tok), progress=False))
+    assert [(s["documents"], s["empty"], s["not_json"]) for s in meta["shards"]] == [(1, 0, 0), (0, 1, 1)]
+    assert not list((tmp_path / "out").glob("00001-*.bin"))
+    for shard in (s for s in meta["shards"] if s["documents"]):
+        assert len(indexed_dataset.IndexedDataset(str(tmp_path / "out" / shard["name"]))) == 1
+    data = prepare_data(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0,
+                                   cache_dir=str(tmp_path / "cache")))
+    assert (data.meta["train_documents"], data.meta["empty"], data.meta["not_json"]) == (1, 1, 1)
+
+
+def test_data_paths_that_cannot_be_read_as_one_kind_are_refused(prepared, tmp_path):
+    tok, ours, theirs, _ = prepared
+    (tmp_path / "unfinished").mkdir()  # a prepare-data killed before its meta.json
+    with pytest.raises(ConfigError, match=r"matches prepared data and other things .*unfinished"):
+        prepare_data(DataConfig(path=str(tmp_path / "*"), tokenizer=str(tok),
+                                cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(ConfigError, match=r"data\.tokenizer '.*typo\.json' not found"):
+        prepare_data(DataConfig(path=str(theirs), tokenizer=str(tmp_path / "typo.json"),
+                                cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(ConfigError, match=r"data\.blend names a path twice"):
+        prepare_data(DataConfig(blend=[[1, str(ours)], [2, str(ours)]], cache_dir=str(tmp_path / "cache")))
+    both = prepare_data(DataConfig(path=str(tmp_path / "theirs_*"), tokenizer=str(tok),
+                                   cache_dir=str(tmp_path / "cache")))
+    assert both.meta["train_documents"] + both.meta["val_documents"] == len(TEXTS)

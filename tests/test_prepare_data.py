@@ -2,8 +2,11 @@
 that survive a kill, and documents that decode back to the input text."""
 import gzip
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ import zstandard
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import IndexedShard
 from megalite.data.pipeline import PrepareSettings, prepare_directory
-from megalite.data.prepare import held_out
+from megalite.data.docs import held_out
 from megalite.data.sources import expand_inputs
 from megalite.data.tokenizer import load_tokenizer, train_bpe
 from megalite.typed_config import ConfigError
@@ -160,24 +163,53 @@ def test_an_output_directory_of_another_tokenizer_is_refused(tmp_path):
                           PrepareSettings(tokenizer=str(tokenizer(tmp_path, 350)), progress=False))
 
 
-def test_a_killed_run_leaves_no_half_shard_and_a_rerun_prepares_only_what_is_missing(tmp_path):
+def test_a_failed_run_keeps_its_whole_shards_and_a_rerun_prepares_only_what_is_missing(tmp_path):
     write_inputs(tmp_path / "in")
     (tmp_path / "in" / "e.jsonl").write_text('{"text": "ok"}\nnot json\n')
     files = expand_inputs([str(tmp_path / "in")])
-    tok = str(tokenizer(tmp_path))
+    strict = PrepareSettings(tokenizer=str(tokenizer(tmp_path)), strict=True, workers=2, progress=False)
     out = tmp_path / "out"
-    # A strict run dies at e.jsonl's second line, after the first shards are whole.
-    with pytest.raises(ConfigError, match=r"e\.jsonl:2"):
-        prepare_directory(files, out, PrepareSettings(tokenizer=tok, strict=True, workers=2, progress=False))
+    with pytest.raises(ConfigError, match=r"e\.jsonl:2"):  # dies after the first shards are whole
+        prepare_directory(files, out, strict)
     done = sorted(p.name for p in out.glob("*.json") if p.name != "tokenizer.json")
     assert done == [f"0000{i}-{f.name}.json" for i, f in enumerate(files[:4])]
-    assert not (out / "meta.json").exists()
-    assert not list(out.glob("00004-*.bin")) and not list(out.glob("00004-*.idx"))
+    assert not (out / "meta.json").exists() and not list(out.glob("00004-*")) and not list(out.glob(".*tmp"))
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("0000[0-3]-*")}
-    meta = prepare_directory(files, out, PrepareSettings(tokenizer=tok, workers=2, progress=False))
+    (tmp_path / "in" / "e.jsonl").write_text('{"text": "ok"}\n{"text": "fixed"}\n')
+    meta = prepare_directory(files, out, strict)
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("0000[0-3]-*")} == before
-    assert meta["documents"] == 121 and meta["not_json"] == 1
-    assert not list(out.glob(".*tmp"))
+    assert meta["documents"] == 122
+    # Other settings make other shards: a re-run with them redoes every file.
+    meta = prepare_directory(files, out, PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    assert all(p.stat().st_mtime_ns != before[p.name] for p in out.glob("0000[0-3]-*"))
+
+
+def test_a_sigkilled_run_leaves_no_half_shard_and_the_rerun_matches_a_clean_run(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t * 40}) + "\n" for t in TEXTS * 30))
+    command = [sys.executable, "-m", "megalite", "prepare-data", "--input", str(tmp_path / "a.jsonl"),
+               str(tmp_path / "b.jsonl"), "--tokenizer", str(tokenizer(tmp_path)), "--workers", "1"]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(command + ["--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    partial = out / ".00001-b.jsonl.bin.tmp"
+    deadline = time.monotonic() + 120
+    while not (partial.is_file() and partial.stat().st_size) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the main process and its worker, mid-file
+    proc.wait()
+    assert (out / "00000-a.jsonl.json").is_file(), "killed before the first shard was whole"
+    assert not (out / "00001-b.jsonl.bin").exists() and not (out / "00001-b.jsonl.idx").exists()
+    assert not (out / "meta.json").exists()
+    before = (out / "00000-a.jsonl.bin").stat().st_mtime_ns
+    assert subprocess.run(command + ["--out", str(out)], cwd=ROOT, capture_output=True).returncode == 0
+    assert (out / "00000-a.jsonl.bin").stat().st_mtime_ns == before  # not prepared again
+    assert subprocess.run(command + ["--out", str(tmp_path / "clean")], cwd=ROOT,
+                          capture_output=True).returncode == 0
+    for name in ("00000-a.jsonl", "00001-b.jsonl"):
+        for suffix in (".bin", ".idx"):
+            assert (out / (name + suffix)).read_bytes() == (tmp_path / "clean" / (name + suffix)).read_bytes()
 
 
 def test_held_out_documents_are_spread_by_number_and_independent_of_sharding(tmp_path):
@@ -214,3 +246,79 @@ def test_the_command_prepares_globs_and_files_then_trains_on_the_directory(tmp_p
     train_run(1, common(str(tmp_path / "cache"), run, "packed") + [
         f"data.path={out}", "train.max_steps=2", "train.micro_batch_size=8"])
     assert (run / "checkpoints" / "step_00000002" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("damage", ["truncated .zst", "truncated .gz", "corrupt .gz", "truncated .xz"])
+def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, damage):
+    import lzma
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 20).encode()
+    kind = damage.split()[1]
+    packed = {".zst": zstandard.ZstdCompressor().compress, ".gz": gzip.compress,
+              ".xz": lzma.compress}[kind](lines)
+    broken = packed[: len(packed) // 2] if damage.startswith("truncated") else \
+        packed[:40] + bytes(b ^ 0x55 for b in packed[40:80]) + packed[80:]
+    path = tmp_path / f"x.jsonl{kind}"
+    path.write_bytes(broken)
+    with pytest.raises(ConfigError, match=r"x\.jsonl\.\w+' cannot be read to its end .*truncated or corrupt"):
+        prepare_directory([path], tmp_path / "out",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    assert not list((tmp_path / "out").glob("*.bin")) and not list((tmp_path / "out").glob(".*tmp"))
+
+
+def test_odd_but_valid_records_are_kept_and_counted(tmp_path):
+    """A BOM, CRLF endings, no final newline, a lone UTF-16 surrogate, a parquet null."""
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "half \\ud83d pair"}\r\n'
+                     b'{"text": "whole \\ud83d\\ude00 pair"}')
+    pq.write_table(pa.table({"text": ["a row", None, "another row"]}), tmp_path / "nulls.parquet")
+    meta = prepare_directory([path, tmp_path / "nulls.parquet"], tmp_path / "out",
+                             PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    info = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert decoded(tmp_path / "out", info) == [["first", "half \ufffd pair", "whole \U0001F600 pair"],
+                                               ["a row", "another row"]]
+    odd, nulls = meta["shards"]
+    assert (odd["records"], odd["documents"], odd["invalid_utf8"]) == (3, 3, 1)
+    assert (nulls["records"], nulls["documents"], nulls["no_text"], nulls["bad"]) == \
+        (3, 2, 1, ["row 1: 'text' is null"])
+
+
+def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path, capsys):
+    write_inputs(tmp_path / "in")
+    (tmp_path / "in" / "notes.md").write_text("not data")
+    (tmp_path / "in" / "E.JSONL").write_text('{"text": "upper case suffix"}\n')
+    spelled = [str(tmp_path / "in" / "a.jsonl.gz"), str(tmp_path / "in" / "." / "a.jsonl.gz")]
+    files = expand_inputs(spelled + [str(tmp_path / "in")])
+    assert [f.name for f in files] == ["a.jsonl.gz", "E.JSONL", "b.jsonl.zst", "c.parquet", "d.txt"]
+    err = capsys.readouterr().err
+    assert "skipping 1 files" in err and "notes.md" in err
+
+
+def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeypatch):
+    """The memory bound: at most IN_FLIGHT_PER_WORKER x workers chunks submitted and not yet
+    written, however long the file."""
+    from megalite.data import pipeline
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 10))
+    monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 500)
+    seen = {"submitted": 0, "written": 0, "most": 0}
+
+    class CountingPool(pipeline._Inline):
+        def __init__(self, *args, **kwargs):
+            pipeline._init_worker(*kwargs["initargs"][:4], False)
+
+        def submit(self, fn, *args):
+            seen["submitted"] += 1
+            seen["most"] = max(seen["most"], seen["submitted"] - seen["written"])
+            return super().submit(fn, *args)
+
+    add = pipeline._Shard.add
+
+    def counted_add(self, *args):
+        seen["written"] += 1
+        return add(self, *args)
+
+    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", CountingPool)
+    monkeypatch.setattr(pipeline._Shard, "add", counted_add)
+    prepare_directory([tmp_path / "long.jsonl"], tmp_path / "out",
+                      PrepareSettings(tokenizer=str(tokenizer(tmp_path)), workers=3, progress=False))
+    assert seen["submitted"] > 50 and seen["written"] == seen["submitted"]
+    assert seen["most"] == pipeline.IN_FLIGHT_PER_WORKER * 3 + 1

@@ -104,7 +104,7 @@ def test_one_bad_byte_marks_only_its_own_document(tmp_path):
     path = tmp_path / "three.txt"
     path.write_bytes(b"first document\n\n\ncaf\xe9 second\n\n\nthird document")
     texts, counts = [], []
-    for chunk in read_chunks(path, 0, "text"):
+    for chunk in read_chunks(path, "text"):
         got, c = parse(chunk, "text", False, str(path))
         texts += got
         counts.append(c.invalid_utf8)

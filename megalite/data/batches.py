@@ -6,8 +6,9 @@ packed: the documents form one stream; sample k is stream[k T : k T + T + 1]. Ev
 its document id: no attention across documents, positions restart, and the label that would
 cross into the next document is -100.
 
-The global batch of step k is a pure function of (seed, k): samples k G .. (k+1) G - 1 of an
-endless sequence of seeded epoch permutations. DP rank d reads rows [d G/dp, (d+1) G/dp) of it,
+The global batch of step k is a pure function of (seed, k): positions k G .. (k+1) G - 1 of an
+endless sequence of seeded epoch permutations (with a blend, each position goes to a source by
+blend.py, and each source has its own epochs). DP rank d reads rows [d G/dp, (d+1) G/dp) of it,
 in micro-batches. So the set of samples per step is the same for every layout, any step can be
 read directly (resume mid-epoch needs only the step), and DP ranks read disjoint rows.
 `Prefetcher` reads step k + 1's batches in a thread while the device runs step k.
@@ -93,14 +94,16 @@ class Samples:
 
 def collate(mode: str, rows: list, pad_id: int) -> Batch:
     if mode == "padded":
-        width = max(len(r) for r in rows) - 1
+        # At least one column: a batch of one-token (or empty: Megatron keeps them) documents
+        # has no targets, but still a shape.
+        width = max(1, max(len(r) for r in rows) - 1)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for row, tokens in enumerate(rows):
             tokens = torch.from_numpy(tokens.astype(np.int64))
-            n = len(tokens) - 1
-            ids[row, :n], labels[row, :n], mask[row, :n] = tokens[:-1], tokens[1:], 1
+            n = max(len(tokens) - 1, 0)
+            ids[row, :n], labels[row, :n], mask[row, :n] = tokens[:n], tokens[1:], 1
         return Batch(ids, labels, attention_mask=mask)
     tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
     docs = torch.from_numpy(np.stack([d for _, d in rows]))
@@ -118,6 +121,13 @@ class Mixture:
     @property
     def sizes(self) -> list[int]:
         return [len(p) for p in self.parts]
+
+    def leading_picks(self, count: int) -> np.ndarray:
+        """About `count` (source, sample) picks in proportion to the weights, each source's
+        first samples in order and none twice (evaluation: a small source is not repeated)."""
+        take = [min(n, int(round(count * w))) for n, w in zip(self.sizes, self.weights)]
+        return np.concatenate([np.stack([np.full(t, s), np.arange(t)], axis=1)
+                               for s, t in enumerate(take)]).astype(np.int64)
 
     def nonempty(self) -> "Mixture":
         """The sources that have samples (a small held-out set may have none at seq_len)."""
@@ -145,29 +155,27 @@ class BatchOrder:
     epoch permutations. One source: p is its p-th sample (p // n the epoch, p % n the place).
     """
 
-    def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int,
-                 shuffle: bool = True):
-        self.sizes, self.weights = sizes, weights
-        self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
+    def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int):
+        self.sizes, self.weights, self.global_batch, self.seed = sizes, weights, global_batch, seed
         self._epochs: dict[int, tuple[int, np.ndarray]] = {}
 
     def _epoch(self, source: int, epoch: int) -> np.ndarray:
         cached = self._epochs.get(source)
         if cached is None or cached[0] != epoch:
             n = self.sizes[source]
-            order = (np.random.default_rng([self.seed, epoch, source]).permutation(n)
-                     if self.shuffle else np.arange(n))
+            order = np.random.default_rng([self.seed, epoch, source]).permutation(n)
             self._epochs[source] = cached = (epoch, order)
         return cached[1]
 
     def picks(self, positions: np.ndarray) -> np.ndarray:
         """(source, sample) for each global sample position."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
-        out = np.empty((len(source), 2), dtype=np.int64)
-        out[:, 0] = source
-        for i in range(len(source)):
-            n = self.sizes[source[i]]
-            out[i, 1] = self._epoch(int(source[i]), int(q[i] // n))[q[i] % n]
+        n = np.asarray(self.sizes, dtype=np.int64)[source]
+        epoch, place = q // n, q % n
+        out = np.stack([source, np.empty_like(source)], axis=1)
+        for s, e in set(zip(source.tolist(), epoch.tolist())):  # a step spans few (source, epoch)
+            here = (source == s) & (epoch == e)
+            out[here, 1] = self._epoch(s, e)[place[here]]
         return out
 
     def global_batch_picks(self, step: int) -> np.ndarray:

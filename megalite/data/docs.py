@@ -46,26 +46,34 @@ class TokenStore:
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Global first token of each global document (n_docs: the end of the store)."""
-        docs = np.asarray(docs, dtype=np.int64)
+        docs = np.asarray(docs, dtype=np.int64).ravel()
         shard = np.clip(np.searchsorted(self.doc_base, docs, side="right") - 1, 0, len(self.shards) - 1)
         out = np.empty(docs.shape, dtype=np.int64)
-        for s in np.unique(shard):
-            here = shard == s
+        for s, here in _by_shard(shard):
             out[here] = self.token_base[s] + self.shards[s].starts(docs[here] - self.doc_base[s])
         return out
 
     def read(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token id, global document) at each global token position."""
         positions = np.asarray(positions, dtype=np.int64)
-        shard = np.searchsorted(self.token_base, positions, side="right") - 1
-        tokens = np.empty(positions.shape, dtype=np.int64)
-        docs = np.empty(positions.shape, dtype=np.int64)
-        for s in np.unique(shard):
-            here = shard == s
-            local = positions[here] - self.token_base[s]
+        flat = positions.ravel()
+        shard = np.searchsorted(self.token_base, flat, side="right") - 1
+        tokens = np.empty(flat.shape, dtype=np.int64)
+        docs = np.empty(flat.shape, dtype=np.int64)
+        for s, here in _by_shard(shard):
+            local = flat[here] - self.token_base[s]
             tokens[here] = self.shards[s].tokens[local]
             docs[here] = self.doc_base[s] + self.shards[s].doc_of(local)
-        return tokens, docs
+        return tokens.reshape(positions.shape), docs.reshape(positions.shape)
+
+
+def _by_shard(shard: np.ndarray):
+    """(shard, the indices of `shard` that name it) for each shard named: one sort, so the cost
+    grows with the lookups, not with lookups x shards."""
+    order = np.argsort(shard, kind="stable")
+    bounds = np.flatnonzero(np.diff(shard[order])) + 1
+    for here in np.split(order, bounds) if len(order) else []:
+        yield int(shard[here[0]]), here
 
 
 class DocSet:
@@ -104,7 +112,11 @@ class DocSet:
         starts = self.store.starts(g)
         ends = np.minimum(self.store.starts(g + 1), starts + limit)
         width = int((ends - starts).max()) if len(g) else 0
+        # Short (and empty) documents repeat a token of their own, or the store's last, to fill
+        # the rectangle; each row is cut back to its length.
+        last = max(int(self.store.token_base[-1]) - 1, 0)
         window = np.minimum(starts[:, None] + np.arange(width), np.maximum(ends - 1, starts)[:, None])
+        window = np.minimum(window, last)
         tokens, _ = self.store.read(window)
         return [row[: e - s] for row, s, e in zip(tokens, starts, ends)]
 
@@ -114,3 +126,13 @@ class DocSet:
         stream = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
         k = np.searchsorted(self.token_base, stream, side="right") - 1
         return self.store.read(self.tok_first[k] + stream - self.token_base[k])
+
+
+def held_out(store: TokenStore, fraction: float) -> tuple["DocSet", "DocSet"]:
+    """(train, val): round(fraction x documents) of them for validation (at least one when the
+    fraction is positive and there are two or more), spread evenly over the document numbers."""
+    n = store.n_docs
+    n_val = min(max(int(round(fraction * n)), 1 if fraction > 0 else 0), n - 1) if n > 1 else 0
+    val = ((np.arange(n_val) + 0.5) * n / max(n_val, 1)).astype(np.int64)
+    train = DocSet(store, np.concatenate([[0], val + 1]), np.concatenate([val, [n]]))
+    return train, DocSet(store, val, val + 1)

@@ -56,7 +56,9 @@ def is_indexed(prefix: Path) -> bool:
 
 class ShardWriter:
     """Appends documents to `<prefix>.bin`, then writes `<prefix>.idx`: both under temporary
-    names until `finish`, so a killed run leaves no half shard that could be mistaken for one."""
+    names, fsynced, until `finish`, so a killed run (or a lost machine) leaves no half shard
+    that could be mistaken for one. A shard of no documents is not written at all (Megatron
+    cannot map an empty .bin)."""
 
     def __init__(self, prefix: Path, dtype: np.dtype):
         self.prefix, self.dtype = prefix, np.dtype(dtype)
@@ -70,8 +72,11 @@ class ShardWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
-        self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        if not len(lengths):
+            self.abandon()
+            return
+        _close_synced(self._bin)
         tmp_idx = self.prefix.with_name(f".{self.prefix.name}.idx.tmp")
         write_index(tmp_idx, self.dtype, lengths)
         os.replace(self._tmp_bin, bin_path(self.prefix))
@@ -82,23 +87,30 @@ class ShardWriter:
         self._tmp_bin.unlink(missing_ok=True)
 
 
+def _close_synced(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
 def write_index(path: Path, dtype: np.dtype, lengths: np.ndarray) -> None:
     """An .idx for one sequence per document."""
     pointers = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=pointers[1:])
     pointers *= np.dtype(dtype).itemsize
-    with open(path, "wb") as f:
-        f.write(HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", TOKEN_DTYPES[np.dtype(dtype)]))
-        f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
-        f.write(lengths.astype(np.int32).tobytes())
-        f.write(pointers.tobytes())
-        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    f = open(path, "wb")
+    f.write(HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", TOKEN_DTYPES[np.dtype(dtype)]))
+    f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
+    f.write(lengths.astype(np.int32).tobytes())
+    f.write(pointers.tobytes())
+    f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    _close_synced(f)
 
 
 class IndexedShard:
     """One `.bin`/`.idx` pair, read in place. Documents are numbered 0..len-1 and their tokens
     lie end to end in the .bin (as every Megatron writer lays them): document d is
-    tokens[starts(d) : starts(d + 1)]."""
+    tokens[starts(d) : starts(d + 1)], possibly empty (Megatron keeps empty documents)."""
 
     def __init__(self, prefix: Path):
         self.prefix = Path(prefix)
@@ -113,17 +125,22 @@ class IndexedShard:
                               f"not an integer token index megalite reads (version 1, integer ids)")
         self.dtype = np.dtype(DTYPE_CODES[code])
         n_seq, n_doc_index = struct.unpack("<QQ", head[18:34])
-        at = 34
-        pointers = np.frombuffer(index, np.int64, n_seq, at + 4 * n_seq)
-        doc_index = np.frombuffer(index, np.int64, n_doc_index, at + 12 * n_seq)
+        pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
+        doc_index = np.frombuffer(index, np.int64, n_doc_index, 34 + 12 * n_seq)
         self.tokens = (np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r")
                        if bin_path(self.prefix).stat().st_size else np.zeros(0, self.dtype))
         self.n_docs = n_doc_index - 1
         self.n_tokens = len(self.tokens)
-        # One sequence per document (megalite, and Megatron without sentence splitting) reads
-        # the pointers in place; sentence-split data maps documents to their first sequence.
-        identity = n_seq == self.n_docs and (self.n_docs == 0 or doc_index[-1] == n_seq)
-        self._pointers = pointers if identity else pointers[doc_index[:-1]]
+        end = self.n_tokens * self.dtype.itemsize
+        # One sequence per document (megalite, and Megatron without sentence splitting): the
+        # sequence pointers are the document starts, read in place. Sentence-split data: each
+        # document starts at its first sequence (the end of the data for trailing empty ones).
+        if n_seq == self.n_docs and np.array_equal(doc_index, np.arange(n_doc_index)):
+            self._starts = pointers
+        else:
+            first = doc_index[:-1]
+            self._starts = np.where(first < n_seq, pointers[np.minimum(first, max(n_seq - 1, 0))]
+                                    if n_seq else end, end)
 
     def __len__(self) -> int:
         return self.n_docs
@@ -133,10 +150,11 @@ class IndexedShard:
         docs = np.asarray(docs, dtype=np.int64)
         inside = docs < self.n_docs
         out = np.full(docs.shape, self.n_tokens, dtype=np.int64)
-        out[inside] = self._pointers[docs[inside]] // self.dtype.itemsize
+        out[inside] = self._starts[docs[inside]] // self.dtype.itemsize
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:
-        """The document each token position lies in."""
+        """The document each token position lies in (an empty document holds none: the search
+        lands on the last document starting at or before the position, the one holding it)."""
         byte = np.asarray(positions, dtype=np.int64) * self.dtype.itemsize
-        return np.searchsorted(self._pointers, byte, side="right") - 1
+        return np.searchsorted(self._starts, byte, side="right") - 1

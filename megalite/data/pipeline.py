@@ -3,23 +3,28 @@
     out/ tokenizer.json, meta.json, NNNNN-<name>.bin/.idx (one shard per input file),
          NNNNN-<name>.json (that shard's counts: written last, it marks the shard complete)
 
-The reader splits each file into chunks (sources.py) and keeps at most a few per worker in
+The reader splits each file into chunks (sources.py) and keeps at most two per worker in
 flight, so memory is bounded by the chunk size, not the corpus. Results come back in order, so
 the shards are the same for any number of workers. A shard is written under temporary names
 and renamed when whole: a killed run leaves no half shard, and running the same command again
-prepares only the files whose shard is missing (or whose file changed since).
+prepares only the files whose shard is missing, or was made from another version of the file
+or with other settings. One run at a time holds the output directory (a file lock).
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
 import re
 import shutil
+import signal
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
@@ -27,13 +32,15 @@ from typing import Iterator
 
 import numpy as np
 
-from megalite.data.indexed import ShardWriter, check_dtype_holds, token_dtype
-from megalite.data.sources import Chunk, Counts, check_readable, documents, parse, read_chunks
+from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
+from megalite.data.sources import (COUNT_KEYS, Chunk, Counts, check_readable, documents, parse,
+                                   read_chunks)
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.typed_config import ConfigError
 
 FORMAT = "megalite-prepared"
 VERSION = 2
+IN_FLIGHT_PER_WORKER = 2
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class PrepareSettings:
     text_key: str = "text"
     strict: bool = False  # a bad record is an error instead of counted
     bpe_vocab_size: int = 4096
-    bpe_sample_mb: float = 100.0  # the BPE learns from the first this many MB of documents
+    bpe_sample_mb: float = 100.0  # the BPE learns from this many MB of documents
     dtype: str = "auto"  # token ids on disk: auto (uint16 while the vocabulary fits) | uint16 | int32
     progress: bool = True
 
@@ -53,22 +60,26 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
     for f in files:
         check_readable(f, settings.text_key)
     out.mkdir(parents=True, exist_ok=True)
-    info = _tokenizer(files, out, settings)
-    dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
-    check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
-    names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
-    todo = [i for i, (f, name) in enumerate(zip(files, names)) if not _shard_done(out, name, f, dtype)]
-    shards = {}
-    if todo:
-        shards = _run(files, names, todo, out, info, dtype, settings)
-    records = [shards.get(name) or json.loads((out / f"{name}.json").read_text()) for name in names]
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
-            "tokenizer": {"file": "tokenizer.json", "sha256": digest(out / "tokenizer.json"),
-                          "vocab_size": info.vocab_size, "eos_id": info.eos_id},
-            "text_key": settings.text_key, "shards": records,
-            **{key: sum(r[key] for r in records)
-               for key in ("records", "documents", "tokens", "empty", "not_json", "no_text", "invalid_utf8")}}
-    _write_atomic(out / "meta.json", json.dumps(meta, indent=1))
+    with locked(out / ".lock"):
+        info = _tokenizer(files, out, settings)
+        dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
+        check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
+        made_with = {"dtype": dtype.name, "text_key": settings.text_key, "strict": settings.strict,
+                     "tokenizer_sha256": digest(out / "tokenizer.json")}
+        names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
+        todo = [i for i, (f, n) in enumerate(zip(files, names)) if not _shard_done(out, n, f, made_with)]
+        if todo:
+            # Until every shard is whole again, no meta.json may describe the directory.
+            (out / "meta.json").unlink(missing_ok=True)
+            _run([(files[i], out / names[i]) for i in todo], out / "tokenizer.json", dtype,
+                 made_with, settings)
+        records = [json.loads((out / f"{name}.json").read_text()) for name in names]
+        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
+                "tokenizer": {"file": "tokenizer.json", "sha256": made_with["tokenizer_sha256"],
+                              "vocab_size": info.vocab_size, "eos_id": info.eos_id},
+                "text_key": settings.text_key, "shards": records,
+                **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS}}
+        write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return meta
 
 
@@ -80,9 +91,28 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def locked(path: Path):
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> TokenizerInfo:
     """The given tokenizer (refused if `out` holds shards of another), the one a killed run left,
-    or a byte-level BPE trained on the first bpe_sample_mb of documents."""
+    or a byte-level BPE trained on a sample of the documents."""
     target = out / "tokenizer.json"
     if settings.tokenizer is not None:
         given = load_tokenizer(Path(settings.tokenizer))
@@ -95,31 +125,43 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
             os.replace(out / ".tokenizer.json.tmp", target)
         return given
     if not target.is_file():
-        budget = int(settings.bpe_sample_mb * 1e6)
-        sample = _sample(files, settings, budget)
+        sample = _sample(files, settings, int(settings.bpe_sample_mb * 1e6))
         train_bpe(sample, settings.bpe_vocab_size).save(str(out / ".tokenizer.json.tmp"))
         os.replace(out / ".tokenizer.json.tmp", target)
     return load_tokenizer(target)
 
 
 def _sample(files: list[Path], settings: PrepareSettings, budget: int) -> Iterator[str]:
+    """Documents taken from every file in turn (so a mixed corpus trains the BPE on each of
+    its parts), until `budget` bytes of text."""
+    streams = [documents(f, settings.text_key, settings.strict) for f in files]
     taken = 0
-    for text in chain.from_iterable(documents(f, settings.text_key, settings.strict) for f in files):
-        if taken >= budget:
-            return
-        taken += len(text)
-        yield text
+    while streams and taken < budget:
+        for stream in list(streams):
+            text = next(stream, None)
+            if text is None:
+                streams.remove(stream)
+                continue
+            taken += len(text.encode("utf-8", "replace"))
+            yield text
 
 
-def _shard_done(out: Path, name: str, source: Path, dtype: np.dtype) -> bool:
-    """Whether an earlier run wrote this file's whole shard, from the file as it is now."""
+def _shard_done(out: Path, name: str, source: Path, made_with: dict) -> bool:
+    """Whether an earlier run wrote this file's whole shard, from the file as it is now and with
+    the settings of this run."""
     marker = out / f"{name}.json"
     if not marker.is_file():
         return False
     record = json.loads(marker.read_text())
     stat = source.stat()
-    return (record["source"], record["bytes"], record["mtime_ns"], record["dtype"]) == \
-        (str(source), stat.st_size, stat.st_mtime_ns, dtype.name)
+    same = (record["source"], record["bytes"], record["mtime_ns"]) == \
+        (str(source), stat.st_size, stat.st_mtime_ns) and \
+        all(record.get(key) == value for key, value in made_with.items())
+    if not record["documents"]:
+        return same
+    prefix = out / name
+    return same and idx_path(prefix).is_file() and bin_path(prefix).is_file() and \
+        bin_path(prefix).stat().st_size == record["tokens"] * np.dtype(record["dtype"]).itemsize
 
 
 class _Inline:
@@ -138,9 +180,11 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_path: str, dtype: str, text_key: str, strict: bool,
-                 one_thread: bool) -> None:
-    if one_thread:  # a worker process: the processes are the parallelism
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+                 in_pool: bool) -> None:
+    if in_pool:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+        # Die with the parent: a killed prepare-data must not leave its workers running.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     _worker.update(info=load_tokenizer(Path(tokenizer_path)), dtype=np.dtype(dtype),
                    text_key=text_key, strict=strict)
 
@@ -159,75 +203,81 @@ def _encode(chunk: Chunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
 
 
 class _Shard:
-    """The shard of one input file while its chunks come back."""
+    """The shard of one input file while its chunks come back (its file opened at the first)."""
 
-    def __init__(self, out: Path, name: str, source: Path, dtype: np.dtype):
-        self.out, self.name, self.source = out, name, source
-        self.writer, self.counts, self.tokens, self.read = ShardWriter(out / name, dtype), Counts(), 0, 0
+    def __init__(self, source: Path, prefix: Path, dtype: np.dtype, made_with: dict):
+        self.source, self.prefix, self.dtype, self.made_with = source, prefix, dtype, made_with
+        self.writer: ShardWriter | None = None
+        self.counts, self.tokens, self.read = Counts(), 0, 0
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> None:
+    def add(self, chunk: Chunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> int:
+        """Append a chunk's documents; returns the input bytes it read."""
+        if self.writer is None:
+            self.writer = ShardWriter(self.prefix, self.dtype)
         self.writer.add(tokens, lengths)
         self.counts.add(counts)
         self.tokens += len(tokens)
+        read, self.read = chunk.read_to - self.read, chunk.read_to
+        return read
 
-    def finish(self) -> dict:
-        self.writer.finish()
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.finish()
         stat = self.source.stat()
-        record = {"name": self.name, "source": str(self.source), "bytes": stat.st_size,
-                  "mtime_ns": stat.st_mtime_ns, "dtype": self.writer.dtype.name,
-                  "tokens": self.tokens, **asdict(self.counts)}
-        _write_atomic(self.out / f"{self.name}.json", json.dumps(record, indent=1))
-        return record
+        record = {"name": self.prefix.name, "source": str(self.source), "bytes": stat.st_size,
+                  "mtime_ns": stat.st_mtime_ns, **self.made_with, "tokens": self.tokens,
+                  **asdict(self.counts)}
+        write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
+
+    def abandon(self) -> None:
+        if self.writer is not None:
+            self.writer.abandon()
 
 
-def _run(files, names, todo, out: Path, info: TokenizerInfo, dtype: np.dtype,
-         settings: PrepareSettings) -> dict[str, dict]:
-    init = (str(out / "tokenizer.json"), dtype.name, settings.text_key, settings.strict,
-            settings.workers > 0)
+def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_with: dict,
+         settings: PrepareSettings) -> None:
+    """Each (file, shard prefix) in turn: its chunks tokenized in the pool, written in order."""
+    init = (str(tokenizer), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
     if settings.workers > 0:
         pool = ProcessPoolExecutor(settings.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=init)
     else:
         _init_worker(*init)
         pool = _Inline()
-    bar = _Progress(sum(files[i].stat().st_size for i in todo), settings.progress)
-    written: dict[str, dict] = {}
-    shard: _Shard | None = None
-
-    def consume(item) -> None:
-        nonlocal shard
-        if isinstance(item, _Shard):
-            shard = item
-        elif item is None:
-            written[shard.name] = shard.finish()
-        else:
-            chunk, future = item
-            tokens, lengths, counts = future.result()
-            shard.add(tokens, lengths, counts)
-            bar.update(chunk.read_to - shard.read, len(tokens), counts.documents)
-            shard.read = chunk.read_to
-
+    bar = _Progress(sum(source.stat().st_size for source, _ in jobs), settings.progress)
+    # (shard, chunk, its future) in reading order; (shard, None, None) ends a shard.
     in_flight: deque = deque()
+    current: _Shard | None = None
+
+    def consume() -> None:
+        nonlocal current
+        current, chunk, future = in_flight.popleft()
+        if chunk is None:
+            current.finish()
+            current = None
+            return
+        tokens, lengths, counts = future.result()
+        bar.update(current.add(chunk, tokens, lengths, counts), len(tokens), counts.documents)
+
     try:
-        for i in todo:
-            in_flight.append(_Shard(out, names[i], files[i], dtype))
-            for chunk in read_chunks(files[i], i, settings.text_key):
-                in_flight.append((chunk, pool.submit(_encode, chunk, str(files[i]))))
-                while len(in_flight) > 2 * max(1, settings.workers) + 1:
-                    consume(in_flight.popleft())
-            in_flight.append(None)  # the file's end
+        for source, prefix in jobs:
+            shard = _Shard(source, prefix, dtype, made_with)
+            for chunk in chain(read_chunks(source, settings.text_key), [None]):
+                work = None if chunk is None else pool.submit(_encode, chunk, str(source))
+                in_flight.append((shard, chunk, work))
+                while len(in_flight) > IN_FLIGHT_PER_WORKER * settings.workers:
+                    consume()
         while in_flight:
-            consume(in_flight.popleft())
+            consume()
     finally:
-        if shard is not None and shard.name not in written:
-            shard.writer.abandon()
+        if current is not None:
+            current.abandon()
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
-    return written
 
 
 class _Progress:
-    """MB/s of input, tokens/s and documents, on stderr."""
+    """MB/s of input (compressed bytes for compressed files), tokens/s and documents, on stderr."""
 
     def __init__(self, total_bytes: int, enabled: bool):
         from tqdm import tqdm
@@ -244,9 +294,3 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -16,26 +16,25 @@ document number (evenly spread, the same for any sharding), read in place like t
 """
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import json
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from megalite.data.docs import DocSet, TokenStore
-from megalite.data.indexed import IndexedShard, check_dtype_holds, idx_path, is_indexed
-from megalite.data.pipeline import FORMAT, PrepareSettings, digest, prepare_directory
-from megalite.data.sources import EMBEDDED, expand_inputs
+from megalite.data.docs import DocSet, TokenStore, held_out
+from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
+from megalite.data.pipeline import FORMAT, PrepareSettings, digest, locked, prepare_directory
+from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 
 CACHE_VERSION = 2
+SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
 
 
 @dataclass
@@ -100,17 +99,11 @@ def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
             raise ConfigError(f"data.blend[{i}]={item!r}: each entry is [weight, path] with a "
                               f"weight > 0, e.g. data.blend=[[0.7, data/a], [0.3, data/b]]")
         entries.append((float(item[0]), item[1]))
+    paths = [p for _, p in entries]
+    if len(set(paths)) < len(paths):
+        raise ConfigError(f"data.blend names a path twice ({paths}): list each once, with the "
+                          f"sum of its weights")
     return entries
-
-
-def held_out(store: TokenStore, fraction: float) -> tuple[DocSet, DocSet]:
-    """(train, val): round(fraction x documents) of them for validation (at least one when the
-    fraction is positive and there are two or more), spread evenly over the document numbers."""
-    n = store.n_docs
-    n_val = min(max(int(round(fraction * n)), 1 if fraction > 0 else 0), n - 1) if n > 1 else 0
-    val = ((np.arange(n_val) + 0.5) * n / max(n_val, 1)).astype(np.int64)
-    train = DocSet(store, np.concatenate([[0], val + 1]), np.concatenate([val, [n]]))
-    return train, DocSet(store, val, val + 1)
 
 
 def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
@@ -118,7 +111,7 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
               "train_tokens": sum(s.docs.n_tokens for s in train),
               "val_documents": sum(len(s.docs) for s in val),
               "val_tokens": sum(s.docs.n_tokens for s in val)}
-    for key in ("empty", "not_json", "no_text", "invalid_utf8"):
+    for key in SKIPPED_KEYS:
         counts[key] = sum(m.get(key, 0) for m in metas)
     return counts
 
@@ -126,23 +119,23 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
 def _resolve(path: str, cfg: DataConfig) -> _Store:
     if path == "embedded":
         return _raw([EMBEDDED], cfg)
-    matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
     if not glob.has_magic(path) and not Path(path).exists() and not is_indexed(Path(path)):
-        raise ConfigError(f"data path '{path}' does not exist: give raw files (.jsonl, .jsonl.gz, "
-                          f".jsonl.zst, .parquet, .txt, a directory or a glob), a prepared "
-                          f"directory, a Megatron .bin/.idx prefix (or a glob of them), or embedded")
+        raise ConfigError(f"data path '{path}' does not exist: give raw files ({SUPPORTED}, a "
+                          f"directory or a glob), a prepared directory, a Megatron .bin/.idx "
+                          f"prefix (or a glob of them), or embedded")
     # A glob of Megatron data matches its .bin and .idx files: each pair is one prefix.
+    matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
     matches = list(dict.fromkeys(m[:-4] if m.endswith((".bin", ".idx")) and is_indexed(Path(m[:-4]))
                                  else m for m in matches))
     prepared = [Path(m) for m in matches if (Path(m) / "meta.json").is_file()]
     prefixes = [Path(m) for m in matches if is_indexed(Path(m))]
-    if prepared and prefixes:
-        raise ConfigError(f"data path '{path}' matches both prepared directories and Megatron "
-                          f"prefixes: point it at one kind")
-    if prepared:
-        return _prepared(prepared)
-    if prefixes:
-        return _megatron(prefixes)
+    if prepared or prefixes:
+        others = [m for m in matches if Path(m) not in prepared + prefixes]
+        if others or (prepared and prefixes):
+            raise ConfigError(f"data path '{path}' matches prepared data and other things "
+                              f"({', '.join((others or [str(prefixes[0])])[:5])}; an unfinished "
+                              f"prepare-data leaves no meta.json): point it at one kind of data")
+        return _prepared(prepared) if prepared else _megatron(prefixes)
     return _raw(expand_inputs([path]), cfg)
 
 
@@ -153,22 +146,20 @@ def _prepared(directories: list[Path]) -> _Store:
         if meta.get("format") != FORMAT:
             raise ConfigError(f"'{d}/meta.json' is not megalite prepared data (format "
                               f"{meta.get('format')!r}): prepare it with megalite prepare-data")
-        shards += [IndexedShard(d / s["name"]) for s in meta["shards"]]
+        # A file without documents has its counts, but no shard (Megatron cannot map one).
+        shards += [IndexedShard(d / s["name"]) for s in meta["shards"] if s["documents"]]
         metas.append(meta)
         h.update(digest(d / "meta.json").encode())
-    tokenizers = {d / "tokenizer.json" for d in directories}
     if len({m["tokenizer"]["sha256"] for m in metas}) > 1:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
-    counts = {k: sum(m[k] for m in metas) for k in ("empty", "not_json", "no_text", "invalid_utf8")}
-    return _Store(TokenStore(shards), sorted(tokenizers)[0], h.hexdigest(), counts)
+    counts = {k: sum(m[k] for m in metas) for k in SKIPPED_KEYS}
+    return _Store(TokenStore(shards), directories[0] / "tokenizer.json", h.hexdigest(), counts)
 
 
 def _megatron(prefixes: list[Path]) -> _Store:
-    h = hashlib.sha256()
-    for p in prefixes:
-        h.update(digest(idx_path(p)).encode())
-    return _Store(TokenStore([IndexedShard(p) for p in prefixes]), None, h.hexdigest(), {})
+    return _Store(TokenStore([IndexedShard(p) for p in prefixes]), None,
+                  _stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
 
 
 def _raw(files: list[Path], cfg: DataConfig) -> _Store:
@@ -180,7 +171,7 @@ def _raw(files: list[Path], cfg: DataConfig) -> _Store:
     root = Path(cfg.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
-    with _locked(root / f"{key}.lock"):
+    with locked(root / f"{key}.lock"):
         if not (target / "meta.json").is_file():
             partial = root / f".{key}.partial"  # a killed build resumes here
             meta = prepare_directory(files, partial, settings)
@@ -197,18 +188,26 @@ def _raw(files: list[Path], cfg: DataConfig) -> _Store:
 
 
 def _cache_key(files: list[Path], settings: PrepareSettings) -> str:
-    h = hashlib.sha256(f"v{CACHE_VERSION}|{settings.tokenizer}|{settings.bpe_vocab_size}|"
-                       f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}".encode())
-    for f in files + ([Path(settings.tokenizer)] if settings.tokenizer else []):
-        if f.is_file():
-            h.update(f.name.encode())
-            h.update(digest(f).encode())
-    return h.hexdigest()[:16]
+    tokenizer = digest(Path(settings.tokenizer)) if settings.tokenizer else "bpe"
+    return _stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
+                            f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
+
+
+def _stat_key(files: list[Path], settings: str = "") -> str:
+    """Files by name, size and modification time: any rewrite changes the key, and no rank
+    reads a whole corpus to compute it at every start."""
+    h = hashlib.sha256(settings.encode())
+    for f in files:
+        stat = f.stat()
+        h.update(f"|{f.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def _one_tokenizer(stores: list[_Store], paths: list[str], cfg: DataConfig) -> Path:
     """The tokenizer every source was made with: data of two tokenizers cannot train together."""
     given = None if cfg.tokenizer == "bpe" else Path(cfg.tokenizer)
+    if given is not None:
+        load_tokenizer(given)  # a clear error if it is missing or unusable
     found = {}
     for s, path in zip(stores, paths):
         if s.tokenizer is None and given is None:
@@ -224,16 +223,6 @@ def _one_tokenizer(stores: list[_Store], paths: list[str], cfg: DataConfig) -> P
                           f"data.tokenizer=bpe each raw source trains its own BPE, so give "
                           f"data.tokenizer=a tokenizer.json)")
     return next(iter(found.values()))[0]
-
-
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def main(argv: list[str]) -> int:

@@ -1,22 +1,27 @@
 """Raw text in, in bounded chunks: .jsonl (plain, .gz, .zst, .xz), .parquet, .txt, directories.
 
-A .jsonl line is a JSON object whose text field (data.text_key, default "text") is a document;
-a parquet row's text column likewise (FineWeb's layout); in a .txt file documents are separated
-by two blank lines.
+A .jsonl line is a JSON object whose text field (data.text_key, default "text") is a document,
+kept exactly as given; a parquet row's text column likewise (FineWeb's layout); in a .txt file
+documents are separated by two blank lines (their edge newlines dropped).
 
 The reader (one process) only splits files into chunks of about a MiB of records; a worker
-parses a chunk (`parse`) and tokenizes it. Nothing holds more than a chunk of a file, so memory
-does not grow with the corpus. Every record is accounted for per file: written, or skipped as
-empty, not JSON, or without the text field (with its line, or its row in a parquet file);
-bytes that are not UTF-8 are replaced and the documents holding them counted.
+parses a chunk (`parse`) and tokenizes it. Nothing holds more than a chunk of a file (or one
+.txt document), so memory does not grow with the corpus. Every record is accounted for per
+file: written, or skipped as empty, not JSON, or without the text field (with its line, or its
+row in a parquet file); bytes that are not UTF-8 (and lone UTF-16 surrogates in JSON escapes)
+are replaced and the documents holding them counted. A file that cannot be read to its end
+(truncated or corrupt compression) is an error naming it: never a silently short shard.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import io
 import json
 import lzma
+import sys
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,34 +32,43 @@ from megalite.typed_config import ConfigError
 EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
 CHUNK_BYTES = 1 << 20
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".parquet", ".txt")
+SUPPORTED = ", ".join(SUFFIXES)
 KEEP_BAD = 20  # bad records listed by line per file (all are counted)
+BOM = b"\xef\xbb\xbf"
 
 
 def kind_of(path: Path) -> str | None:
-    name = path.name
+    name = path.name.lower()
     return next((s for s in SUFFIXES if name.endswith(s)), None)
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, directories (every supported file under them) and globs, in a stable order."""
+    """Files, directories (every supported file under them) and globs, in a stable order, each
+    file once however it is spelled. A directory's other files are named on stderr."""
     files: list[Path] = []
     for item in inputs:
         matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
         if not matches or not Path(matches[0]).exists():
-            raise ConfigError(f"input '{item}' does not exist: give .jsonl, .jsonl.gz, "
-                              f".jsonl.zst, .parquet or .txt files, directories or globs of them")
+            raise ConfigError(f"input '{item}' does not exist: give {SUPPORTED} files, "
+                              f"directories or globs of them")
         for match in map(Path, matches):
             if match.is_dir():
-                found = sorted(p for p in match.rglob("*") if p.is_file() and kind_of(p))
+                inside = sorted(p for p in match.rglob("*") if p.is_file())
+                found = [p for p in inside if kind_of(p)]
                 if not found:
-                    raise ConfigError(f"input directory '{match}' holds no {', '.join(SUFFIXES)} files")
+                    raise ConfigError(f"input directory '{match}' holds no {SUPPORTED} files")
+                others = [str(p) for p in inside if not kind_of(p)]
+                if others:
+                    print(f"prepare-data: skipping {len(others)} files of '{match}' that are "
+                          f"not {SUPPORTED}: {', '.join(others[:5])}{' ...' * (len(others) > 5)}",
+                          file=sys.stderr)
                 files += found
             elif kind_of(match):
                 files.append(match)
             else:
                 raise ConfigError(f"input '{match}' is not a supported file: name it "
                                   f"{' / '.join('*' + s for s in SUFFIXES)}")
-    return list(dict.fromkeys(files))
+    return list({f.resolve(): f for f in files}.values())
 
 
 def check_readable(path: Path, text_key: str) -> None:
@@ -73,7 +87,6 @@ def check_readable(path: Path, text_key: str) -> None:
 
 @dataclass
 class Chunk:
-    file: int  # index into the run's file list
     first: int  # line (1-based, jsonl) or row (0-based, parquet) or document of its first record
     kind: str  # "json" lines | "text" documents (bytes) | "arrow" strings
     records: object
@@ -91,25 +104,31 @@ class Counts:
     bad: list = field(default_factory=list)  # "line N: why", at most KEEP_BAD
 
     def add(self, other: "Counts") -> None:
-        for name in ("records", "documents", "empty", "not_json", "no_text", "invalid_utf8"):
+        for name in COUNT_KEYS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.bad = (self.bad + other.bad)[:KEEP_BAD]
 
 
-def read_chunks(path: Path, file: int, text_key: str) -> Iterator[Chunk]:
+COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name != "bad")
+DAMAGED = (EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
+def read_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
     kind = kind_of(path)
     if kind == ".parquet":
-        yield from _parquet_chunks(path, file, text_key)
-    else:
-        raw = open(path, "rb")
-        with raw, _decompressed(raw, kind) as stream:
-            lines = _json_chunks if kind != ".txt" else _text_chunks
-            yield from lines(stream, raw, file)
+        yield from _parquet_chunks(path, text_key)
+        return
+    with open(path, "rb") as raw, _decompressed(raw, kind) as stream:
+        try:
+            yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
+        except DAMAGED as err:
+            raise ConfigError(f"'{path}' cannot be read to its end ({type(err).__name__}: {err}): "
+                              f"the file is truncated or corrupt; fetch it again, or leave it out")
 
 
 def documents(path: Path, text_key: str = "text", strict: bool = False) -> Iterator[str]:
     """Every document of one file, in order (bad records skipped, or an error if strict)."""
-    for chunk in read_chunks(path, 0, text_key):
+    for chunk in read_chunks(path, text_key):
         yield from parse(chunk, text_key, strict, str(path))[0]
 
 
@@ -119,48 +138,86 @@ def _decompressed(raw, kind: str):
     if kind == ".jsonl.xz":
         return lzma.LZMAFile(raw)
     if kind == ".jsonl.zst":
-        import zstandard
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+        return io.BufferedReader(_ZstdStream(raw))
     return nullcontext(raw)
 
 
-def _json_chunks(stream, raw, file: int) -> Iterator[Chunk]:
+class _ZstdStream(io.RawIOBase):
+    """zstd frames one after another, decompressed; a stream that stops inside a frame raises
+    EOFError (zstandard's own stream reader ends quietly there, losing the frame's tail)."""
+
+    def __init__(self, raw):
+        import zstandard
+        self.raw, self.new, self.error = raw, zstandard.ZstdDecompressor().decompressobj, zstandard.ZstdError
+        self.frame, self.pending, self.started = self.new(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            data = self.raw.read(CHUNK_BYTES)
+            if not data:
+                if self.started and not self.frame.eof:
+                    raise EOFError("zstd stream ended inside a frame")
+                return 0
+            while data:
+                if self.frame.eof:
+                    self.frame = self.new()
+                self.started = True
+                try:
+                    self.pending += self.frame.decompress(data)
+                except self.error as err:
+                    raise OSError(f"corrupt zstd data: {err}") from None
+                data = self.frame.unused_data
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+
+def _json_chunks(stream, raw) -> Iterator[Chunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
+        if number == 1 and line.startswith(BOM):
+            line = line[len(BOM):]
         lines.append(line)
         size += len(line)
         if size >= CHUNK_BYTES:
-            yield Chunk(file, first, "json", lines, raw.tell())
+            yield Chunk(first, "json", lines, raw.tell())
             lines, size, first = [], 0, number + 1
     if lines:
-        yield Chunk(file, first, "json", lines, raw.tell())
+        yield Chunk(first, "json", lines, raw.tell())
 
 
-def _text_chunks(stream, raw, file: int) -> Iterator[Chunk]:
-    """Documents of a .txt file are separated by two blank lines."""
-    tail, first = b"", 0
-    while block := stream.read(CHUNK_BYTES):
-        if block.endswith(b"\r"):
-            block += stream.read(1)
-        docs = (tail + block.replace(b"\r\n", b"\n")).split(b"\n\n\n")
-        tail = docs.pop()
-        if docs:
-            yield Chunk(file, first, "text", docs, raw.tell())
-            first += len(docs)
-    yield Chunk(file, first, "text", [tail], raw.tell())
+def _text_chunks(stream, raw) -> Iterator[Chunk]:
+    """Line by line (linear in the file, a document at most in memory): a document ends at the
+    second of two blank lines."""
+    docs, size, first, current, blanks = [], 0, 0, [], 0
+    for line in stream:
+        line = line.replace(b"\r\n", b"\n")
+        blanks = blanks + 1 if line == b"\n" else 0
+        current.append(line)
+        if blanks == 2:
+            docs.append(b"".join(current))
+            size += len(docs[-1])
+            current, blanks = [], 0
+            if size >= CHUNK_BYTES:
+                yield Chunk(first, "text", docs, raw.tell())
+                first, docs, size = first + len(docs), [], 0
+    yield Chunk(first, "text", docs + [b"".join(current)], raw.tell())
 
 
-def _parquet_chunks(path: Path, file: int, text_key: str) -> Iterator[Chunk]:
+def _parquet_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
     import pyarrow.parquet as pq
     source = pq.ParquetFile(path)
     size, rows, first = path.stat().st_size, max(1, source.metadata.num_rows), 0
     for batch in source.iter_batches(batch_size=256, columns=[text_key]):
-        yield Chunk(file, first, "arrow", batch.column(0), size * (first + len(batch)) // rows)
+        yield Chunk(first, "arrow", batch.column(0), size * (first + len(batch)) // rows)
         first += len(batch)
 
 
 def parse(chunk: Chunk, text_key: str, strict: bool, name: str) -> tuple[list[str], Counts]:
-    """The chunk's documents (text as given; whitespace-only ones skipped) and its counts."""
+    """The chunk's documents and its counts; whitespace-only documents are skipped."""
     counts, texts = Counts(), []
 
     def bad(number: int, why: str, kind: str) -> None:
@@ -195,6 +252,9 @@ def parse(chunk: Chunk, text_key: str, strict: bool, name: str) -> tuple[list[st
                 if not isinstance(text, str):
                     bad(number, f"no string field '{text_key}'", "no_text")
                     continue
+                if b"\\ud" in record or b"\\uD" in record:  # an escaped UTF-16 surrogate
+                    text, lone = _without_lone_surrogates(text)
+                    replaced = replaced or lone
             else:
                 text = text.strip("\n")
             counts.invalid_utf8 += replaced
@@ -211,3 +271,10 @@ def _decode(data: bytes) -> tuple[str, bool]:
         return data.decode("utf-8"), False
     except UnicodeDecodeError:
         return data.decode("utf-8", errors="replace"), True
+
+
+def _without_lone_surrogates(text: str) -> tuple[str, bool]:
+    """JSON may escape half a UTF-16 pair (scraped text often does): each lone half becomes
+    U+FFFD, as an undecodable byte does; whole pairs are joined into their character."""
+    fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return fixed, fixed != text

@@ -69,6 +69,7 @@ def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
 
 # What fixes the meaning of a step: change any of these and "resume" would train a different run.
 RESUME_KEYS = ("model", "data", "train.global_batch_size", "run.seed")
+SAME_DATA_KEYS = ("data.cache_dir", "data.workers")  # where and how fast, never what
 
 
 def find_resume(cfg: Config, data: PreparedData) -> Path | None:
@@ -94,7 +95,7 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
                           f"overwrite it; use another run.dir")
     now, before = _flat(to_dict(cfg)), _flat(saved["config"])
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
-               if k.startswith(RESUME_KEYS) and k != "data.cache_dir" and before.get(k) != now.get(k)]
+               if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
     if saved.get("data_cache_key") != data.meta["cache_key"]:
         changed.append("the tokenized data (corpus or tokenizer) differs")
     if changed:
