@@ -3,6 +3,9 @@ the prepared data (no timing is asserted: only that the accounting is right)."""
 import csv
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,12 +29,13 @@ def test_tiny_run_is_consistent(bench, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     assert bench.main(["--out", str(out), "--work", str(work), "--sizes-mb", "2", "--workers", "1",
                        "--trainer-steps", "0", "--big-collate-steps", "3", "--no-raw-fast",
-                       "--quiet-timeout", "0", "--retries", "0"]) == 0
+                       "--quiet-timeout", "0", "--retries", "0", "--code", "current"]) == 0
     for name in ("results.json", "results.csv", "data_prep.png", "README.md"):
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["tokenizer"]["vocab_size"] == 8192
-    assert results["git"]["commit"] and results["device"]["logical_cores"] >= 1
+    assert results["git"]["commit"] and results["git"]["measured"] == "the working tree"
+    assert results["device"]["logical_cores"] >= 1 and results["code_dir"] == str(ROOT)
     (size,) = results["sizes"]
     corpus, prep, raw = size["corpus"], size["prepare"], size["raw"]
 
@@ -55,6 +59,7 @@ def test_tiny_run_is_consistent(bench, tmp_path):
     assert prep["peak_rss_children_bytes_at_peak"] > 0 and prep["peak_rss_main_bytes_at_peak"] > 0
     assert prep["peak_rss_bytes"] == prep["peak_rss_main_bytes_at_peak"] + prep["peak_rss_children_bytes_at_peak"]
     assert prep["peak_rss_bytes"] <= prep["sum_of_each_process_peak_rss_bytes"]
+    assert prep["peak_rss_main_bytes_at_peak"] <= prep["main_process_peak_rss_bytes"] < prep["peak_rss_bytes"]
     assert any("spawn_main" in name for name in prep["process_peak_rss_bytes"])
 
     # Raw encode_batch saw the same documents: its tokens plus one eos each are the shards'.
@@ -97,3 +102,14 @@ def test_step_times_from_metrics(bench, tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert bench.step_times(metrics, 0) == [10.0, 2.0, 2.0]
     assert bench.step_times(metrics, 1) == [2.0, 2.0]
+
+
+def test_snapshot_is_what_imports(bench, tmp_path):
+    """--code HEAD (the default) runs a commit's megalite, extracted: it must be the one imported."""
+    sha, code = bench.snapshot("HEAD", tmp_path)
+    assert sha == bench.git("rev-parse", "HEAD") and (code / "configs" / "demo.yaml").is_file()
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    found = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
+                           cwd=code, env=env, check=True, capture_output=True, text=True).stdout
+    assert Path(found.strip()).resolve().parent.parent == code.resolve()
+    assert bench.snapshot("HEAD", tmp_path) == (sha, code)  # extracted once
