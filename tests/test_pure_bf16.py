@@ -130,8 +130,10 @@ def test_micro_batch_gradients_are_summed_in_fp32(name):
         assert torch.equal(main, g0.float() + g1.float())
         bf16_sums_differ |= not torch.equal(main, (g0 + g1).float())
         # Both are bf16 backward passes, whose roundings (2^-9 relative each) differ with the
-        # batch shape: equal as a whole to a few bf16 roundings, not element by element.
-        assert (main - g.float()).norm() <= 2**-6 * main.norm(), p.shape
+        # batch shape and with the CPU kernels' thread count: equal as a whole to a few bf16
+        # roundings per layer, not element by element (on one thread a norm weight's gradient
+        # differs by 1.5%, on two by less).
+        assert (main - g.float()).norm() <= 2**-5 * main.norm(), p.shape
     assert bf16_sums_differ  # so the check above tells fp32 from bf16 accumulation
     engine.step()
     check_model_is_the_rounded_masters(engine)

@@ -27,8 +27,14 @@ def common(cache: str, run_dir, mode: str) -> list[str]:
 
 
 def run_train(argv: list[str]) -> int:
+    """The trainer in this process, on one thread as each torchrun rank has; the thread count
+    is put back after, since later tests in this process have numerics that depend on it."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return train_module.main(argv)
+    try:
+        return train_module.main(argv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def train_run(world: int, argv: list[str]) -> None:
