@@ -14,6 +14,7 @@ COMMANDS = {"train": ("megalite.train", "main"),
             "sweep-status": ("megalite.launch.slurm", "main_status"),
             "bench": ("megalite.bench.runner", "main"),
             "peer-bench": ("megalite.bench.peer", "main"),
+            "gpu-check": ("megalite.bench.gpu_check", "main"),
             "scale-model": ("megalite.bench.scaling_model", "main")}
 
 

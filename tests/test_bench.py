@@ -170,6 +170,18 @@ def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
     assert [r["status"] for r in rows] == ["invalid", "timeout"]
     assert "tp" in rows[0]["error"] and "n_heads" in rows[0]["error"]
+    assert "bench.timeout_s=0.5" in rows[1]["error"]
+
+
+def test_a_sweep_time_limit_cuts_the_running_point_and_skips_the_rest(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "lease", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 600,
+        "points": [{"parallel.tp": 1}, {"parallel.tp": 2}]}))
+    assert bench([str(sweep), "--out", str(tmp_path / "out"), "--time-limit-s", "0.5"]) == 1
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["status"] for r in result["points"]] == ["timeout", "skipped"]
+    assert "--time-limit-s" in result["points"][0]["error"]
 
 
 CRASHES = {"raises": "raise RuntimeError('rank 1 gave up')",

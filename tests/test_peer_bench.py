@@ -34,16 +34,19 @@ def test_peer_bench_measures_both_systems_on_the_same_run(tmp_path):
     assert rows["megalite"]["speedup_over_hf"] > 0
 
 
-@pytest.mark.parametrize("capacity, limit, expected", [(37, 1024, 37), (1, 1024, 1), (0, 1024, 0),
-                                                       (5000, 1024, 1024), (64, 64, 64)])
-def test_largest_micro_batch_search(capacity, limit, expected):
+@pytest.mark.parametrize("capacity, limit, start, expected",
+                         [(37, 1024, 1, 37), (1, 1024, 1, 1), (0, 1024, 1, 0), (5000, 1024, 1, 1024),
+                          (64, 64, 1, 64), (37, 1024, 16, 37), (37, 1024, 64, 37), (0, 1024, 16, 0),
+                          (5000, 1024, 2048, 1024)])
+def test_largest_micro_batch_search(capacity, limit, start, expected):
     tried = []
 
     def fits(b):
         tried.append(b)
         return b <= capacity
-    assert largest_micro_batch(fits, limit) == expected
+    assert largest_micro_batch(fits, limit, start) == expected
     assert len(tried) <= 2 * limit.bit_length() + 1
+    assert all(1 <= b <= limit for b in tried)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama"])

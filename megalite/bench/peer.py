@@ -14,7 +14,8 @@ labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are rep
 (bench/point.py's random_batches), megalite given their doc ids (FlexAttention on GPU, a dense
 mask on CPU), HF the same document-causal rule as a 4D boolean mask with per-document
 position_ids, which gives megalite's logits exactly (tests/test_peer_bench.py): the same work.
-`--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system;
+`--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system (on
+the model just timed, compiled or not, doubling from --micro-batch, then bisecting);
 `--profile` adds where the time goes (bench/profile.py: top kernels, attention / matmul /
 elementwise / optimizer / communication / idle shares).
 """
@@ -106,7 +107,8 @@ def rows_of(cfg, seq: int, micro: int, batch: str, device) -> Batch:
 
 
 def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: int,
-            compiled: bool, profiled: bool = False, batch: str = "full") -> dict:
+            compiled: bool, profiled: bool = False, batch: str = "full",
+            max_batch: bool = False) -> dict:
     torch.manual_seed(0)
     step = SYSTEMS[system](cfg, device, compiled)
     rows = rows_of(cfg, seq, micro, batch, device)
@@ -116,15 +118,19 @@ def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: 
     tokens_per_s = micro * seq / step_s  # every position is a real token, packed or not
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
     summary = profile_steps(lambda: step(rows), device) if profiled else None
-    return {"system": system, "compile": compiled, "batch": batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
-            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
-            "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}
+    row = {"system": system, "compile": compiled, "batch": batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
+           "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
+           "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}
+    if max_batch and device.type == "cuda":
+        del rows
+        row["max_micro_batch"] = largest_micro_batch(_fits(step, cfg, device, seq, batch), start=micro)
+    return row
 
 
-def largest_micro_batch(fits, limit: int = 1024) -> int:
-    """The largest b <= limit with fits(b), given that fits is monotone (doubling, then
-    bisection); 0 if not even 1 fits."""
-    low, high = 0, 1
+def largest_micro_batch(fits, limit: int = 1024, start: int = 1) -> int:
+    """The largest b <= limit with fits(b), given that fits is monotone: doubling from `start`
+    (a size expected to fit), then bisection; 0 if not even 1 fits."""
+    low, high = 0, min(start, limit)
     while high <= limit and fits(high):
         low, high = high, high * 2
     high = min(high, limit + 1)
@@ -134,11 +140,14 @@ def largest_micro_batch(fits, limit: int = 1024) -> int:
     return low
 
 
-def _fits(system, cfg, device, seq, compiled, batch):
+def _fits(step, cfg, device, seq, batch):
+    """One step of the already built (and, if so, compiled) system at micro-batch b: a new
+    model per try would compile again each time. Its optimizer state exists from the timed
+    steps, so one step reaches the peak. A compiled model recompiles once for a dynamic batch."""
     def fits(micro: int) -> bool:
         try:
-            measure(system, cfg, device, seq, micro, warmup=1, steps=1, compiled=compiled,
-                    batch=batch)
+            step(rows_of(cfg, seq, micro, batch, device))
+            torch.cuda.synchronize(device)
             return True
         except torch.cuda.OutOfMemoryError:
             return False
@@ -148,7 +157,7 @@ def _fits(system, cfg, device, seq, compiled, batch):
     return fits
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalite peer-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-small", help="a model preset (configs/model/)")
@@ -163,34 +172,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also profile 3 steps: top kernels, time per class, idle")
     parser.add_argument("--out", required=True, help="JSON file for the results")
-    args = parser.parse_args(argv)
-    cfg = load_model_config(args.model)
-    exportable_as(cfg)  # a shape HF can build, or a ConfigError naming why not
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments, the model preset loaded and checked exportable: a ConfigError naming the
+    problem before anything is measured (megalite gpu-check --dry-run calls this too)."""
+    args = parser().parse_args(argv)
+    args.cfg = load_model_config(args.model)
+    exportable_as(args.cfg)  # a shape HF can build, or a ConfigError naming why not
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    rows = []
+    import transformers
+    result = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "transformers": transformers.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_commit": git_commit(), "command": "megalite peer-bench " + " ".join(argv),
+              "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "batch": args.batch,
+              "warmup": args.warmup, "steps": args.steps, "rows": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for compiled in modes:
         for system in SYSTEMS:
-            row = measure(system, cfg, device, args.seq_len, args.micro_batch, args.warmup,
-                          args.steps, compiled, args.profile, args.batch)
-            if args.max_batch and device.type == "cuda":
-                row["max_micro_batch"] = largest_micro_batch(
-                    _fits(system, cfg, device, args.seq_len, compiled, args.batch))
-            rows.append(row)
+            row = measure(system, args.cfg, device, args.seq_len, args.micro_batch, args.warmup,
+                          args.steps, compiled, args.profile, args.batch, args.max_batch)
+            result["rows"].append(row)
             print(f"{system:9s} compile={compiled!s:5s} {row['tokens_per_s']:>12,.0f} tokens/s "
                   f"mfu {row['mfu'] if row['mfu'] is not None else '-'}", flush=True)
-        megalite, hf = rows[-2], rows[-1]
-        megalite["speedup_over_hf"] = megalite["tokens_per_s"] / hf["tokens_per_s"]
-    import transformers
-    result = {"device": device_name(device),
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git_commit": git_commit(),
-              "command": "megalite peer-bench " + " ".join(sys.argv[1:] if argv is None else argv),
-              "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "batch": args.batch,
-              "warmup": args.warmup, "steps": args.steps, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+            gc.collect()  # this system's model and optimizer, before the next one is built
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if system == "hf":
+                megalite, hf = result["rows"][-2:]
+                megalite["speedup_over_hf"] = megalite["tokens_per_s"] / hf["tokens_per_s"]
+            # After every row: a run stopped at a time limit keeps what it measured.
+            out.write_text(json.dumps(result, indent=1))
     return 0
 
 

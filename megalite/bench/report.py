@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def write_report(out: Path, rows: list[dict], sweep: dict, command: str) -> None
         writer.writerows(flat)
     ok = [r for r in rows if r["status"] == "ok"]
     meta = {"device": ok[0]["device"] if ok else None, "torch": torch.__version__,
+            "cuda": torch.version.cuda,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": command, "sweep": sweep}
     (out / "results.json").write_text(json.dumps({**meta, "points": rows}, indent=1))
@@ -129,10 +131,12 @@ def _save(fig, path: Path) -> None:
 
 
 def git_commit() -> str:
+    """The commit measured; MEGALITE_COMMIT where the tree is a copy without .git (as on a
+    lent GPU machine)."""
     try:
         # --dirty: results measured with uncommitted changes say so
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
                               capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("MEGALITE_COMMIT", "unknown")

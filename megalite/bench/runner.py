@@ -16,7 +16,7 @@ grows with dp, so each DP rank keeps its share), and `batch` (the sweep's by def
 documents with their boundaries, as data.mode=packed trains; see bench/point.py). Every point
 is checked before anything starts: a bad one is recorded as `invalid` with the reason and the
 sweep goes on, as it does past a point that fails (`failed`, or `oom`) or runs past
-`timeout_s` (`timeout`). Results: DIR/results.csv,
+`timeout_s` (`timeout`); with `--time-limit-s`, points not started within it are `skipped`. Results: DIR/results.csv,
 DIR/results.json (device, torch version, date, git commit, the command) and DIR/*.png; each
 point's log and spec under DIR/points/. Exit status 1 when any point did not finish.
 """
@@ -30,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -109,10 +110,17 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
     return point
 
 
-def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
+def run_point(sweep: BenchSweep, point: Point, out: Path, time_left: float | None = None) -> dict:
+    """One point's row. `time_left`: seconds left of the sweep's --time-limit-s (None: no
+    limit); a point gets the smaller of that and bench.timeout_s, and none when none is left."""
     row = {"point": point.name, "settings": point.settings}
     if point.error:
         return {**row, "status": "invalid", "error": point.error}
+    if time_left is not None and time_left <= 0:
+        return {**row, "status": "skipped", "error": "not started: the sweep's --time-limit-s was spent"}
+    timeout, limit = ((sweep.timeout_s, f"bench.timeout_s={sweep.timeout_s}")
+                      if time_left is None or sweep.timeout_s <= time_left
+                      else (time_left, "the sweep's --time-limit-s"))
     directory = out / "points" / point.name
     directory.mkdir(parents=True, exist_ok=True)
     spec = directory / "spec.json"
@@ -133,11 +141,11 @@ def run_point(sweep: BenchSweep, point: Point, out: Path) -> dict:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
-            code = proc.wait(timeout=sweep.timeout_s)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {**row, "status": "timeout", "error": f"over bench.timeout_s={sweep.timeout_s}"}
+            return {**row, "status": "timeout", "error": f"over {limit}"}
     if code == 0:
         return {**row, "status": "ok", **json.loads((directory / "result.json").read_text())}
     text = log.read_text(errors="replace")
@@ -176,13 +184,18 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="bench sweep YAML (see configs/bench/)")
     parser.add_argument("--out", required=True, help="directory for results and plots")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="the whole sweep's limit: points not started by then are recorded "
+                             "as skipped, and the results are written (a GPU lease)")
     args = parser.parse_args(argv)
+    deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     sweep, points = load_bench(Path(args.sweep))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for point in points:
-        row = run_point(sweep, point, out)
+        row = run_point(sweep, point, out,
+                        None if deadline is None else deadline - time.monotonic())
         rows.append(row)
         shown = (f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_s'] * 1e3:.1f} ms/step"
                  if row["status"] == "ok" else row["error"])

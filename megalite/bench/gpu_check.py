@@ -1,0 +1,200 @@
+"""`megalite gpu-check --out DIR` (scripts/gpu_check.sh): the GPU proof in one command.
+
+On one H100/H200, within --budget-min (20): the GPU tests (tests/test_gpu*.py), `megalite
+bench` on configs/bench/gpu-check.yaml (GPT-2 small at 1024, the 1B Llama at 2048; eager and
+compiled; full and packed rows), then `megalite peer-bench` at each of that sweep's shapes on
+full and on packed rows (--compile both --max-batch --profile). Every JSON goes into DIR with
+the device, torch and CUDA versions, date, commit and command, and one DIR/summary.md table
+(bench/gpu_summary.py) is written at the end and printed.
+
+Each step is its own process, run in this order (what matters most first) with a time limit:
+the budget left, at most the step's own cap. A step that fails or runs out of time is
+recorded in DIR/steps.json and the rest go on. Run again with the same DIR (a lease is cut
+into commands of a few minutes) and the steps that ended (ok or failed) are kept, the others
+run. It uses the machine's own torch and installs nothing. `--dry-run` launches nothing: it
+checks that every config and command line it would run is valid (tests/test_gpu_check.py
+runs it on CPU, so the command cannot rot).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megalite.bench import peer
+from megalite.bench.gpu_summary import write_summary
+from megalite.bench.point import device_name
+from megalite.bench.report import git_commit
+from megalite.bench.runner import load_bench
+from megalite.typed_config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TESTS = ("tests/test_gpu.py", "tests/test_gpu_train.py")
+SWEEP = "configs/bench/gpu-check.yaml"
+PEER_FLAGS = "--compile both --max-batch --profile"
+STEP_KINDS = ("tests", "bench", "peer")
+# A step's own cap, seconds; the budget left may cut it shorter.
+CAPS = {"tests": 420.0, "bench": 600.0, "peer": 360.0}
+# What the bench step keeps of its limit to write its report and plots after the last point.
+REPORT_MARGIN_S = 45.0
+ENDED = ("ok", "failed")
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    kind: str
+    argv: list[str]  # after the Python interpreter
+    output: str  # what it writes, relative to DIR
+
+
+def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
+    steps = []
+    if "tests" not in skip:
+        steps.append(Step("tests", "tests", ["-m", "pytest", *TESTS, "-q", "-rfEs", "-p", "no:cacheprovider",
+                                             "--junitxml", str(out / "tests.xml")], "tests.xml"))
+    if "bench" not in skip:
+        steps.append(Step("bench", "bench", ["-m", "megalite", "bench", sweep, "--out", str(out / "bench")],
+                          "bench/results.json"))
+    if "peer" not in skip:
+        for batch in ("full", "packed"):
+            for model, seq, micro in peer_shapes(sweep):
+                name = f"peer-{model}-{seq}-{batch}"
+                steps.append(Step(name, "peer", ["-m", "megalite", "peer-bench", "--model", model, "--seq-len", str(seq),
+                                                 "--micro-batch", str(micro), "--batch", batch,
+                                                 *peer_flags.split(), "--out", str(out / f"{name}.json")],
+                                  f"{name}.json"))
+    return steps
+
+
+def peer_shapes(sweep: str) -> list[tuple[str, int, int]]:
+    """The sweep's distinct (model, seq_len, micro-batch), in order: peer-bench's shapes."""
+    _, points = load_bench(Path(sweep))
+    shapes = []
+    for point in points:
+        keys = ("model", "data.seq_len", "train.micro_batch_size")
+        missing = [k for k in keys if k not in point.settings]
+        if missing:
+            raise ConfigError(f"gpu-check sweep {sweep}: point {point.name} does not name "
+                              f"{', '.join(missing)}; each point names {', '.join(keys)} (peer-bench runs them)")
+        shape = tuple(point.settings[k] for k in keys)
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def check(steps: list[Step], sweep: str) -> None:
+    """Everything the steps would launch is valid, or one ConfigError naming each problem."""
+    problems = []
+    for step in steps:
+        if step.kind == "tests":
+            missing = [t for t in TESTS if not (ROOT / t).is_file()]
+            collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                      *TESTS], cwd=ROOT, capture_output=True, text=True)
+            if missing or collect.returncode != 0:
+                problems.append(f"tests: {missing or collect.stdout[-2000:]}")
+        elif step.kind == "bench":
+            _, points = load_bench(Path(sweep))
+            problems += [f"bench point {p.name}: {p.error}" for p in points if p.error]
+        else:
+            try:
+                peer.parse_args(step.argv[step.argv.index("peer-bench") + 1:])
+            except (ConfigError, SystemExit) as err:
+                problems.append(f"{step.name}: {err}")
+    if problems:
+        raise ConfigError("gpu-check would launch what cannot run:\n  " + "\n  ".join(problems))
+
+
+def environment(argv: list[str]) -> dict:
+    cuda = torch.cuda.is_available()
+    smi = shutil.which("nvidia-smi")
+    driver = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip() if smi else None
+    return {"device": device_name(torch.device("cuda" if cuda else "cpu")), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "nvidia_smi": driver,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "command": "megalite gpu-check " + " ".join(argv)}
+
+
+def run_step(step: Step, out: Path, limit: float) -> dict:
+    argv = step.argv + (["--time-limit-s", f"{max(limit - REPORT_MARGIN_S, 1):.0f}"] if step.kind == "bench" else [])
+    record = {"command": " ".join(["python", *argv]), "output": step.output, "log": f"logs/{step.name}.log",
+              "limit_s": round(limit)}
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    # The repository on the path: the machine's own Python runs megalite uninstalled.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    with (out / record["log"]).open("w") as log:
+        # Its own session, so that a step over its limit is killed with every process it started.
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=limit)
+            status = "ok" if code == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code, status = proc.wait(), "timeout"
+    return {**record, "status": status, "returncode": code, "seconds": round(time.monotonic() - started, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="megalite gpu-check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for every result and summary.md")
+    parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
+    parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")
+    parser.add_argument("--sweep", default=SWEEP, help="the bench sweep (its points give peer-bench's shapes)")
+    parser.add_argument("--peer-flags", default=PEER_FLAGS, help="peer-bench's flags besides the shape")
+    parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
+    parser.add_argument("--redo", action="append", default=[], help="run this step again even if it ended")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    steps = plan(out, args.sweep, args.peer_flags, args.skip)
+    check(steps, args.sweep)
+    if args.dry_run:
+        for step in steps:
+            print(f"{step.name}: python {' '.join(step.argv)}")
+        print(f"gpu-check: {len(steps)} steps valid (dry run: nothing launched)")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    state_file = out / "steps.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {"runs": [], "steps": {}}
+    state["runs"].append(environment(argv))
+    deadline = time.monotonic() + args.budget_min * 60
+    for step in steps:
+        previous = state["steps"].get(step.name, {})
+        if previous.get("status") in ENDED and step.name not in args.redo:
+            print(f"{step.name}: {previous['status']} in an earlier run, kept", flush=True)
+            continue
+        left = deadline - time.monotonic()
+        if left < 30:
+            state["steps"][step.name] = {"status": "not run", "output": step.output,
+                                         "command": " ".join(["python", *step.argv]),
+                                         "reason": f"the budget of {args.budget_min} min was spent"}
+        else:
+            print(f"{step.name}: running (limit {min(CAPS[step.kind], left):.0f} s)", flush=True)
+            state["steps"][step.name] = run_step(step, out, min(CAPS[step.kind], left))
+        print(f"{step.name}: {state['steps'][step.name]['status']}", flush=True)
+        state_file.write_text(json.dumps(state, indent=1))  # after each step: a cut lease keeps them
+    state_file.write_text(json.dumps(state, indent=1))
+    summary = write_summary(out, [asdict(s) for s in steps], state)
+    print(summary, flush=True)
+    return 0 if all(state["steps"][s.name]["status"] == "ok" for s in steps) else 1
+
+
+if __name__ == "__main__":
+    from megalite.cli import run_reporting_errors
+    sys.exit(run_reporting_errors(main, sys.argv[1:]))
