@@ -77,6 +77,12 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = 1
     pp_layers: Optional[tuple[int, ...]] = None
+    # Context parallelism: each sample's sequence split over `cp` ranks, zig-zag balanced
+    # (parallel/context.py); world = tp x cp x pp x dp. cp_comm: how attention sees the other
+    # ranks' keys and values: all_gather (gather K/V whole, reduce-scatter their gradients) or
+    # p2p (ring attention: K/V blocks pass around the CP ring, parallel/ring_attention.py).
+    cp: int = 1
+    cp_comm: Literal["all_gather", "p2p"] = "all_gather"
 
     def __post_init__(self):
         if not self.dp_bucket_mb > 0:
@@ -113,16 +119,27 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
     instead of deadlocking the ranks that did not fail.
     """
     pp = 1 if pipeline is None else pipeline.pp
+    cp = 1 if pipeline is None else pipeline.cp
     problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
-    if tp >= 1 and pp >= 1 and world_size % (tp * pp):
-        what = f"parallel.tp={tp}" if pp == 1 else f"parallel.tp x parallel.pp = {tp} x {pp}"
+    if cp < 1:
+        problems.append(f"parallel.cp={cp} must be >= 1")
+    if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp):
+        split = {"tp": tp, "cp": cp, "pp": pp}
+        named = [k for k, v in split.items() if k == "tp" or v > 1]
+        what = (f"parallel.tp={tp}" if named == ["tp"] else
+                " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(str(split[k]) for k in named))
         problems.append(f"world size {world_size} is not divisible by {what}: use "
-                        f"parallel.tp among {_divisors(world_size // pp or 1)} or launch a "
-                        f"multiple of {tp * pp} processes")
+                        f"parallel.tp among {_divisors(world_size // (pp * cp) or 1)} or launch a "
+                        f"multiple of {tp * cp * pp} processes")
     if pipeline is not None:
         n_layers = None if model is None else model.n_layers
         problems += pipeline_problems(n_layers, pp, pipeline.virtual_stages, pipeline.pp_layers,
                                       pipeline.pp_schedule, micro_batches)
+    if model is not None and cp > 1 and model.dropout > 0:
+        # A CP rank holds a zig-zag subset of the tokens: the single process's dropout masks
+        # would have to be drawn whole and indexed for every layer to stay the same model.
+        problems.append(f"parallel.cp={cp} with model.dropout={model.dropout}: context parallelism "
+                        f"trains without dropout (as pretraining does); set model.dropout=0")
     if model is not None:
         bad_values = _model_value_problems(model)
         problems += bad_values
@@ -180,6 +197,12 @@ def _model_split_problems(model: ModelConfig, tp: int) -> list[str]:
          f"parallel.tp={tp}: use a vocab_pad_multiple that is a multiple of {tp}"),
     ]
     return [message for ok, message in checks if not ok]
+
+
+def data_parallel_size(parallel: ParallelConfig, world: int) -> int:
+    """DP ranks of a world: what tp x cp x pp leaves (at least 1; check_layout says when it
+    does not divide)."""
+    return max(1, world // max(1, parallel.tp * parallel.cp * parallel.pp))
 
 
 def _divisors(n: int) -> list[int]:

@@ -137,7 +137,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             done = step + 1
             logged = done % t.log_every == 0 or done == t.max_steps
             if logged:
-                loss_value = all_reduce_dp_pp(loss, ps).item()  # waits for the device
+                loss_value = all_reduce_loss(loss, ps).item()  # waits for the device
                 # Throughput since the last log: the real tokens trained on (padding excluded),
                 # all ranks together; MFU divides it by the peak of all devices.
                 tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
@@ -189,17 +189,22 @@ def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
-def all_reduce_dp_pp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """The sum over DP ranks and pipeline stages: a loss, which only the last stage computes,
-    on every rank (so every rank and metrics.jsonl see the real value)."""
+def all_reduce_loss(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The sum over DP ranks, CP ranks (each holds its share of every row's tokens) and
+    pipeline stages: a loss, which only the last stage computes, on every rank (so every rank
+    and metrics.jsonl see the real value)."""
     x = all_reduce_dp(x, ps)
-    if ps.pp_size > 1:
-        dist.all_reduce(x, group=ps.pp_group)
+    for size, group in ((ps.cp_size, ps.cp_group), (ps.pp_size, ps.pp_group)):
+        if size > 1:
+            dist.all_reduce(x, group=group)
     return x
 
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
-    return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id)
+    p = cfg.parallel
+    # Context parallelism cuts every row into 2 x cp (x tp, sequence parallel) equal chunks.
+    chunks = 2 * p.cp * (p.tp if p.sequence_parallel else 1) if p.cp > 1 else 1
+    return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])
 
 
@@ -250,11 +255,13 @@ def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int,
                for start in range(0, len(mine), cfg.train.micro_batch_size)]
 
     def add(micro: int, out) -> None:
-        total.add_(torch.stack([out.token_losses.sum().float(),
-                                batches[micro].target_count().float()]))
+        total[0] += out.token_losses.sum().float()  # this CP rank's tokens of the rows
+        total[1] += batches[micro].target_count().float()  # the whole rows'
 
     forward_pipelined(model, batches, autocast, add)  # at pp=1: each micro-batch in turn
-    total = all_reduce_dp_pp(total, ps)
+    if ps.cp_rank > 0:
+        total[1] = 0  # every CP rank counted the whole rows: the sum counts them once
+    total = all_reduce_loss(total, ps)
     val_loss = (total[0] / total[1]).item()
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow
     if metrics:
@@ -264,6 +271,12 @@ def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int,
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
     s, tok = cfg.sample, data.tokenizer
+    if ps.cp_size > 1:
+        if ps.is_main:
+            print(f"samples skipped: generation decodes with a KV cache, which runs without context "
+                  f"parallelism (parallel.cp={ps.cp_size}); sample from the checkpoint with "
+                  f"`megalite generate`", flush=True)
+        return
     lines = []
     for i, prompt in enumerate(s.prompts):
         # No bos: training documents start bare (and follow an eos in packed rows).

@@ -209,3 +209,38 @@ def test_a_crashed_point_is_reported_by_its_rank_and_cause(tmp_path, how):
 def test_shipped_bench_sweeps_have_only_valid_points(sweep):
     _, points = load_bench(sweep)
     assert points and all(not p.error for p in points), [p.error for p in points if p.error]
+
+
+def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
+    """K/V elements the CP group moves per step on one rank, from the formulas: per layer and
+    micro-batch, all_gather gathers K and V of the whole row (b x 2 kv_heads x s x head_dim) and
+    reduce-scatters their gradients; p2p receives cp - 1 K/V blocks of s / cp tokens forward,
+    cp - 1 blocks travelling with their dK/dV accumulators backward (twice as many elements)
+    and its own dK/dV home at the end."""
+    m = cfg.model
+    b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
+    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_dim
+    if point["cp_comm"] == "all_gather":
+        return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
+    return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 4 * (cp - 1) + 2)}
+
+
+def test_context_parallel_points_count_the_kv_formula_and_shrink_activations(tmp_path):
+    sweep = SWEEP.parent / "cpu-context.yaml"
+    assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    points = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
+    base_overrides = yaml.safe_load(sweep.read_text())["overrides"]
+    activations = {}
+    for point in points:
+        cfg = load_config(SWEEP.parent.parent / "demo.yaml", base_overrides + [
+            f"{k}={v}" for k, v in point["settings"].items()])
+        counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
+        if point["cp"] > 1:
+            params = sum(p.numel() for p in GPT(cfg.model, ParallelState(), seed=0).parameters())
+            assert counted == {**kv_elements(point, cfg), ("all_reduce", "cp_dp"): params}, point["point"]
+        else:
+            assert counted == {}
+        activations[point["cp"], point["cp_comm"]] = point["activation_bytes_per_layer"]
+    # Ring attention keeps its share of the row (and its mask rows): less per rank as cp grows.
+    assert activations[4, "p2p"] < activations[2, "p2p"] < 0.7 * activations[1, None]
+    assert activations[4, "p2p"] < 0.4 * activations[1, None]

@@ -8,7 +8,8 @@ import pytest
 
 from megalite.bench.scaling_check import ERROR_BOUND, check_file, layout_of, markdown
 from megalite.bench.scaling_config import load_scaling_file
-from megalite.bench.scaling_model import (Layout, bubble_fraction, dp_bytes_per_step,
+from megalite.bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per_microbatch,
+                                          dp_bytes_per_step,
                                           efficiency_from_single_device, executed_flops_per_step,
                                           main, model_flops_per_step, p2p_bytes_per_step, predict,
                                           tp_bytes_per_layer_per_microbatch)
@@ -200,3 +201,27 @@ def test_a_published_row_on_an_unknown_hardware_fails_at_load(tmp_path):
     bad.write_text(CONFIG.read_text().replace("hardware: A100", "hardware: A10"))
     with pytest.raises(ConfigError, match=r"hardware 'A10' is not a profile"):
         load_scaling_file(bad)
+
+
+@pytest.mark.parametrize("comm, per_layer", [
+    # b x 2 (K and V) x 16 heads / t x s x head_dim = 2 x 2 x 8 x 4096 x 128 elements: all_gather
+    # sends (cp-1)/cp of them forward and as much reduce-scattering backward, bf16.
+    ("all_gather", 2 * (1 / 2) * (2 * 2 * 8 * 4096 * 128) * 2),
+    # p2p: one block of half of them forward (bf16); backward one block of K, V, dK, dV (fp32),
+    # then the dK/dV home (fp32).
+    ("p2p", (2 * 2 * 8 * 4096 * 128) / 2 * 2 + 2 * (2 * 2 * 8 * 4096 * 128) / 2 * 4
+     + (2 * 2 * 8 * 4096 * 128) / 2 * 4),
+])
+def test_the_context_parallel_term_is_its_kv_bytes_over_nvlink(scaling, comm, per_layer, capsys):
+    model = ModelConfig(vocab_size=131072, max_seq_len=4096, n_layers=24, hidden=2048, n_heads=16)
+    layout = Layout(model, 4096, global_batch=512, micro_batch=2, tp=2, gpus=64, cp=2, cp_comm=comm)
+    assert layout.dp == 16 and layout.micro_batches == 16
+    assert cp_bytes_per_layer_per_microbatch(layout) == pytest.approx(per_layer, rel=1e-12)
+    h100 = scaling.profile("H100")
+    prediction = predict(layout, h100, 0.5)
+    assert prediction.cp_comm_s == pytest.approx(24 * 16 * per_layer / (h100.intra_node_gbs * 1e9), rel=1e-12)
+    # The TP all-reduces carry this rank's half of each sequence.
+    assert tp_bytes_per_layer_per_microbatch(layout) == pytest.approx(4 * 1 * 2 * 2048 * 2048 * 2, rel=1e-12)
+    assert main(["--config", str(CONFIG), "--hardware", "H100", *LAYOUT, "--tp", "2", "--gpus", "64",
+                 "--cp", "2", "--cp-comm", comm, "--mfu", "0.4"]) == 0
+    assert f"tp=2 x cp=2 ({comm}) x pp=1 x dp=16 (64 GPUs)" in capsys.readouterr().out

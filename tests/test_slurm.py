@@ -48,6 +48,10 @@ def write_sweep(tmp: Path, grid: dict, overrides=(), **slurm) -> Path:
     ({"parallel.pp": [2]}, {"procs_per_node": 3},
      r"not divisible by parallel\.tp x parallel\.pp = 1 x 2"),
     ({"parallel.pp": [4]}, {"procs_per_node": 4}, r"model\.n_layers=2 does not split evenly"),
+    ({"parallel.cp": [2]}, {"procs_per_node": 3},
+     r"not divisible by parallel\.tp x parallel\.cp = 1 x 2"),
+    ({"parallel.cp": [4], "data.seq_len": [36]}, {"procs_per_node": 4},
+     r"data\.seq_len=36 with parallel\.cp=4: each row is cut into 2 x parallel\.cp = 8 equal chunks"),
 ])
 def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, message):
     sweep = write_sweep(tmp_path, grid, **slurm)
@@ -63,6 +67,14 @@ def test_a_sweep_over_pipeline_layouts_resolves(tmp_path):
     _, runs = load_sweep(sweep)
     assert [(r.config.parallel.pp, r.config.parallel.pp_schedule) for r in runs] == [
         (1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "1f1b")]
+
+
+def test_a_sweep_over_context_parallel_layouts_resolves(tmp_path):
+    grid = {"parallel.cp": [1, 2], "parallel.cp_comm": ["all_gather", "p2p"]}
+    sweep = write_sweep(tmp_path, grid, procs_per_node=2)
+    _, runs = load_sweep(sweep)
+    assert [(r.config.parallel.cp, r.config.parallel.cp_comm) for r in runs] == [
+        (1, "all_gather"), (1, "p2p"), (2, "all_gather"), (2, "p2p")]
 
 
 def test_missing_base_config_is_named(tmp_path):

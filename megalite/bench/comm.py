@@ -14,7 +14,8 @@ well it hides; time the step without one.
 Pipeline stages' point-to-point messages are posted as usual (made synchronous one by one,
 they could wait on each other); each receive is recorded when its action waits for it (op
 `recv`, group `pp`), timed with the device synchronised before and after: the time a stage sits
-waiting for its neighbour, the pipeline bubble plus the transfer.
+waiting for its neighbour, the pipeline bubble plus the transfer. Ring attention's K/V blocks
+(parallel.cp_comm=p2p) are receives of group `cp`.
 
 `bytes` is the payload of one rank's call: the reduced tensor of an all-reduce, the gathered
 (full) tensor of an all-gather, the input of a reduce-scatter. `wire_bytes` is what a ring
@@ -64,6 +65,10 @@ class CommLog:
             return "dp"
         if group is self.ps.pp_group:
             return "pp"
+        if group is self.ps.cp_group:
+            return "cp"
+        if group is self.ps.cp_dp_group:
+            return "cp_dp"  # gradients, summed over the CP and DP ranks
         if group is self.ps.embedding_group:
             return "embedding"  # tied embeddings' first and last pipeline stage
         return f"tp-sub{dist.get_world_size(group)}"  # GQA's KV-head copies
@@ -93,7 +98,7 @@ class CommLog:
         def recorded(received: Received) -> torch.Tensor:
             tensor, seconds = self._timed(lambda: wait(received))
             nbytes = tensor.numel() * tensor.element_size()
-            self.records.append({"op": "recv", "group": "pp", "ranks": 2, "elements": tensor.numel(),
+            self.records.append({"op": "recv", "group": received.group, "ranks": 2, "elements": tensor.numel(),
                                  "bytes": nbytes, "wire_bytes": nbytes, "seconds": seconds})
             return tensor
         return recorded
@@ -137,4 +142,4 @@ class CommLog:
     @property
     def receive_seconds(self) -> float:
         """The time spent waiting for pipeline neighbours."""
-        return sum(r["seconds"] for r in self.records if r["op"] == "recv")
+        return sum(r["seconds"] for r in self.records if r["op"] == "recv" and r["group"] == "pp")

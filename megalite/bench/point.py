@@ -90,6 +90,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
     flops, peak = flops_per_token(cfg.model, seq), peak_flops(ps.device)
     return {
         "device": device_name(ps.device), "tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size,
+        "cp": ps.cp_size, "cp_comm": cfg.parallel.cp_comm if ps.cp_size > 1 else None,
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
         **pipeline_fields(cfg, ps),
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
@@ -173,7 +174,7 @@ def activation_bytes(cfg: Config, model: GPT, batch: Batch, autocast) -> dict:
     b, s = batch.input_ids.shape
     return {"activation_bytes_per_layer": max(measured),
             "activation_formula_bytes_per_layer": formula_bytes_per_layer(
-                s, b, cfg.model.hidden, cfg.model.n_heads, cfg.parallel.tp,
+                s // cfg.parallel.cp, b, cfg.model.hidden, cfg.model.n_heads, cfg.parallel.tp,
                 cfg.parallel.sequence_parallel, attention_scores=False)}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-COLUMNS = ["point", "status", "device", "tp", "pp", "dp", "devices", "sequence_parallel",
+COLUMNS = ["point", "status", "device", "tp", "cp", "cp_comm", "pp", "dp", "devices", "sequence_parallel",
            "pp_schedule", "virtual_stages", "pipeline_bubble", "pipeline_bubble_measured",
            "pipeline_wait_s", "engine",
            "activation_checkpointing", "compile", "batch", "precision", "micro_batch_size",

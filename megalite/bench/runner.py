@@ -9,7 +9,7 @@
     warmup_steps: 2
     steps: 5
 
-Besides run-config keys, a point may set `dp` (DP ranks; devices = tp x pp x dp, default 1),
+Besides run-config keys, a point may set `dp` (DP ranks; devices = tp x cp x pp x dp, default 1),
 `scaling`: strong (default; the global batch stays as configured) or weak (the global batch
 grows with dp, so each DP rank keeps its share), and `batch` (the sweep's by default): full
 (random full-length rows, one document each) or packed (rows of several random-length
@@ -102,7 +102,7 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
             batch = cfg.train.global_batch_size * dp
             point.overrides.append(f"train.global_batch_size={batch}")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=batch))
-        point.world = cfg.parallel.tp * cfg.parallel.pp * dp
+        point.world = cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * dp
         check_batch_layout(cfg, point.world)
         check_deepspeed(cfg.train, cfg.model, cfg.parallel, point.world)
     except ConfigError as err:

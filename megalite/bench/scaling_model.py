@@ -1,9 +1,9 @@
-"""Predicted step time of a TP x PP x DP layout across nodes, from one efficiency per GPU type.
+"""Predicted step time of a TP x CP x PP x DP layout across nodes, from one efficiency per GPU type.
 
     megalite scale-model --out benchmarks/scaling_table.md      # checked against published rows
     megalite scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
         --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 \\
-        [--pp 2 [--virtual-stages 2]] [--mfu 0.41]
+        [--pp 2 [--virtual-stages 2]] [--cp 2 [--cp-comm p2p]] [--mfu 0.41]
 
 A step of global batch B sequences of length s, on N = t x p x d GPUs (TP t inside a node, p
 pipeline stages of L/p layers each, DP d), each DP rank running m = B / (b d) micro-batches of
@@ -31,6 +31,16 @@ them (TP blocks of consecutive ranks, then stages, then DP replicas).
   bandwidth; once a pipeline (t x p consecutive ranks) spans nodes, its slowest boundary, which
   paces every stage, crosses nodes: at the per-GPU network bandwidth. With t=8 on 8-GPU nodes
   every boundary crosses nodes.
+- context parallelism (cp > 1): each of the cp ranks of a TP rank holds s / cp of every
+  sequence, so the TP all-reduces and pipeline messages above carry b x s/cp x h; the K/V of
+  the whole sequence reach every CP rank, per layer of the stage and micro-batch, never
+  overlapped (`cp_bytes_per_layer_per_microbatch`): all_gather sends (cp-1)/cp of the
+  gathered b x 2 kv_heads/t x s x head_dim bf16 K/V forward and as much reduce-scattering
+  their gradients backward (again forward with recomputation); p2p (ring attention as megalite
+  runs it) sends the same K/V forward in cp - 1 blocks, and backward cp - 1 blocks of K, V,
+  dK and dV in fp32 plus the dK/dV home. Inside a node at the bus bandwidth while t x cp fits
+  in one, else at the per-GPU network bandwidth. DP replicas then number N / (t cp p), and the
+  gradients are summed over the cp x d ranks that hold the same parameters.
 - DP communication: one all-reduce per step of the rank's params / (t p) gradients (2 or 4
   bytes each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across
   nodes, the group's 8/(t p) ranks per node (at least 1) drive as many NICs together (NCCL runs
@@ -90,10 +100,17 @@ class Layout:
     grad_bytes: int = 4  # fp32 gradients: Megatron's default with bf16
     pp: int = 1
     virtual_stages: int = 1  # model chunks per pipeline stage: interleaved 1F1B when > 1
+    cp: int = 1
+    cp_comm: str = "all_gather"  # or p2p
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of a sequence each rank holds: its context-parallel share."""
+        return self.seq_len // self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -111,9 +128,15 @@ def check_fits(layout: Layout, hw: Hardware) -> None:
     if t > hw.gpus_per_node or hw.gpus_per_node % t:
         raise ConfigError(f"tp={t} does not fit in a node of {hw.gpus_per_node} GPUs ({hw.name}): "
                           f"TP stays within a node, use a tp that divides {hw.gpus_per_node}")
-    if n % (t * p):
-        raise ConfigError(f"gpus={n} is not divisible by tp={t} x pp={p} = {t * p}: use a "
-                          f"multiple of {t * p} GPUs")
+    c = layout.cp
+    if c < 1 or layout.cp_comm not in ("all_gather", "p2p"):
+        raise ConfigError(f"cp={c} must be >= 1 and cp_comm={layout.cp_comm} all_gather or p2p")
+    if n % (t * c * p):
+        split = f"tp={t} x pp={p}" if c == 1 else f"tp={t} x cp={c} x pp={p}"
+        raise ConfigError(f"gpus={n} is not divisible by {split} = {t * c * p}: use a "
+                          f"multiple of {t * c * p} GPUs")
+    if layout.seq_len % (2 * c):
+        raise ConfigError(f"seq_len={layout.seq_len} does not cut into 2 x cp={c} equal chunks")
     if layers % (p * v):
         raise ConfigError(f"layers={layers} is not divisible by pp={p} x virtual_stages={v} = "
                           f"{p * v}: every model chunk needs as many layers, use a multiple of "
@@ -166,8 +189,31 @@ def ring_factor(n: int) -> float:
 def tp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     """Bytes each GPU sends for one layer's TP all-reduces of one micro-batch."""
     all_reduces = 6 if layout.activation_recompute else 4
-    message = layout.micro_batch * layout.seq_len * layout.model.hidden * ACTIVATION_BYTES
+    message = layout.micro_batch * layout.tokens_per_rank * layout.model.hidden * ACTIVATION_BYTES
     return all_reduces * ring_factor(layout.tp) * message
+
+
+def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
+    """Bytes each GPU sends for one layer's K/V traffic over its CP group, one micro-batch."""
+    c, m = layout.cp, layout.model
+    if c == 1:
+        return 0.0
+    # This TP rank's K/V heads (a copy of one when kv_heads < tp) of the whole sequence.
+    kv = layout.micro_batch * 2 * max(1, m.kv_heads // layout.tp) * layout.seq_len * m.head_dim
+    passes = 2 if layout.activation_recompute else 1
+    if layout.cp_comm == "all_gather":  # all-gather forward, reduce-scatter backward
+        return (passes + 1) * (c - 1) / c * kv * ACTIVATION_BYTES
+    block = kv / c  # K and V of s / cp tokens
+    backward = (c - 1) * 2 * block * 4 + block * 4  # K, V, dK, dV in fp32; then dK, dV home
+    return passes * (c - 1) * block * ACTIVATION_BYTES + backward
+
+
+def cp_bandwidth(layout: Layout, hw: Hardware) -> float:
+    """Bytes/s of the CP group's traffic: its ranks are the t x cp consecutive ranks of a TP
+    rank's blocks, inside one node while they fit."""
+    if layout.tp * layout.cp <= hw.gpus_per_node:
+        return hw.intra_node_gbs * 1e9
+    return hw.inter_node_gbs * 1e9
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -181,21 +227,21 @@ def p2p_bytes_per_step(layout: Layout) -> float:
     ranks sends 1/t (Megatron's scatter/gather; the receivers all-gather it)."""
     if layout.pp == 1:
         return 0.0
-    message = layout.micro_batch * layout.seq_len * layout.model.hidden * ACTIVATION_BYTES
+    message = layout.micro_batch * layout.tokens_per_rank * layout.model.hidden * ACTIVATION_BYTES
     return 2 * layout.virtual_stages * layout.micro_batches * message / layout.tp
 
 
 def p2p_bandwidth(layout: Layout, hw: Hardware) -> float:
     """Bytes/s of a stage-to-stage send: a pipeline is t x p consecutive ranks, so past one node
     its slowest boundary, which paces every stage, crosses nodes on each rank's own NIC."""
-    if layout.tp * layout.pp <= hw.gpus_per_node:
+    if layout.tp * layout.cp * layout.pp <= hw.gpus_per_node:
         return hw.intra_node_gbs * 1e9
     return hw.inter_node_gbs * 1e9
 
 
 def dp_bytes_per_step(layout: Layout) -> float:
     """Bytes each GPU sends for the step's gradient all-reduce of its params / (t p)."""
-    return (ring_factor(layout.dp) * parameter_count(layout.model) / (layout.tp * layout.pp)
+    return (ring_factor(layout.dp * layout.cp) * parameter_count(layout.model) / (layout.tp * layout.pp)
             * layout.grad_bytes)
 
 
@@ -203,7 +249,7 @@ def dp_bandwidth(layout: Layout, hw: Hardware) -> float:
     """Bus bandwidth (bytes/s) of a DP group's all-reduce: see the module docstring."""
     if layout.gpus <= hw.gpus_per_node:
         return hw.intra_node_gbs * 1e9
-    ranks_per_node = min(layout.dp, max(1, hw.gpus_per_node // (layout.tp * layout.pp)))
+    ranks_per_node = min(layout.dp * layout.cp, max(1, hw.gpus_per_node // (layout.tp * layout.pp)))
     return min(hw.intra_node_gbs, ranks_per_node * hw.inter_node_gbs) * 1e9
 
 
@@ -218,10 +264,11 @@ class Prediction:
     p2p_comm_s: float
     dp_comm_s: float
     overlap_window_s: float  # backward compute of the last micro-batch
+    cp_comm_s: float = 0.0
 
     def step_s(self, overlap: bool) -> float:
         dp = max(0.0, self.dp_comm_s - self.overlap_window_s) if overlap else self.dp_comm_s
-        return self.compute_s + self.tp_comm_s + self.bubble_s + self.p2p_comm_s + dp
+        return self.compute_s + self.tp_comm_s + self.cp_comm_s + self.bubble_s + self.p2p_comm_s + dp
 
     def tokens_per_s(self, overlap: bool) -> float:
         return self.layout.global_batch * self.layout.seq_len / self.step_s(overlap)
@@ -243,13 +290,16 @@ def predict(layout: Layout, hw: Hardware, efficiency: float) -> Prediction:
     tp_bytes = (layout.model.n_layers // layout.pp * layout.micro_batches
                 * tp_bytes_per_layer_per_microbatch(layout))
     tp_comm = tp_bytes / (hw.intra_node_gbs * 1e9)
+    cp_bytes = (layout.model.n_layers // layout.pp * layout.micro_batches
+                * cp_bytes_per_layer_per_microbatch(layout))
     # Backward is 2/3 of the model FLOPs, plus the recomputed forward that runs inside it.
     backward = (executed - model_flops_per_step(layout) / 3) / executed
     return Prediction(layout, hw, efficiency, compute, tp_comm_s=tp_comm,
                       bubble_s=(compute + tp_comm) * bubble_fraction(layout),
                       p2p_comm_s=p2p_bytes_per_step(layout) / p2p_bandwidth(layout, hw),
                       dp_comm_s=dp_bytes_per_step(layout) / dp_bandwidth(layout, hw),
-                      overlap_window_s=compute * backward / layout.micro_batches)
+                      overlap_window_s=compute * backward / layout.micro_batches,
+                      cp_comm_s=cp_bytes / cp_bandwidth(layout, hw))
 
 
 def calibrate(layout: Layout, hw: Hardware, step_s: float, overlap: bool) -> float:
@@ -269,7 +319,7 @@ def efficiency_from_single_device(layout: Layout, hw: Hardware, step_s: float,
                                   sequences: int) -> float:
     """The efficiency of one GPU that ran `sequences` sequences of this model in `step_s`."""
     alone = dataclasses.replace(layout, global_batch=sequences, micro_batch=sequences, tp=1, gpus=1,
-                                pp=1, virtual_stages=1)
+                                pp=1, virtual_stages=1, cp=1)
     return calibrate(alone, hw, step_s, overlap=False)
 
 
@@ -297,9 +347,10 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
         raise ConfigError(f"--hardware {hw.name} predicts one layout: also give "
                           f"{' '.join(missing)}")
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
-                        hidden=args.hidden, n_heads=args.heads, tie_embeddings=not args.untied)
+                        hidden=args.hidden, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                        tie_embeddings=not args.untied)
     layout = Layout(model, args.seq_len, args.global_batch, args.micro_batch, args.tp, args.gpus,
-                    args.recompute, args.grad_bytes, args.pp, args.virtual_stages)
+                    args.recompute, args.grad_bytes, args.pp, args.virtual_stages, args.cp, args.cp_comm)
     check_fits(layout, hw)
     if args.efficiency is not None:
         efficiency, how = args.efficiency, "given"
@@ -317,11 +368,12 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
         efficiency = calibrated[0].efficiency
         how = f"calibrated on {calibrated[0].source.name}, {calibrated[0].source.calibrate_on}"
     p = predict(layout, hw, efficiency)
-    lines = [f"{hw.name}: tp={layout.tp} x pp={layout.pp} x dp={layout.dp} ({layout.gpus} GPUs), "
+    cp = f" x cp={layout.cp} ({layout.cp_comm})" if layout.cp > 1 else ""
+    lines = [f"{hw.name}: tp={layout.tp}{cp} x pp={layout.pp} x dp={layout.dp} ({layout.gpus} GPUs), "
              f"{layout.micro_batches} micro-batches of {layout.micro_batch} per step, "
              f"{layout.virtual_stages} model chunk(s) per stage; "
              f"efficiency {efficiency:.3f} ({how})",
-             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, pipeline bubble "
+             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, CP comm {p.cp_comm_s:.4g} s, pipeline bubble "
              f"{p.bubble_s:.4g} s, P2P comm {p.p2p_comm_s:.4g} s, DP comm {p.dp_comm_s:.4g} s "
              f"(overlap window {p.overlap_window_s:.4g} s)",
              "| DP all-reduce | step time (s) | tokens/s | model TFLOP/s per GPU | MFU |",
@@ -348,6 +400,9 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages")
     layout.add_argument("--virtual-stages", type=int, default=1,
                         help="model chunks per pipeline stage (interleaved 1F1B when > 1)")
+    layout.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
+    layout.add_argument("--cp-comm", choices=("all_gather", "p2p"), default="all_gather")
+    layout.add_argument("--kv-heads", type=int, help="K/V heads (GQA; default: --heads)")
     layout.add_argument("--untied", action="store_true", help="LM head separate from the embedding")
     layout.add_argument("--recompute", action="store_true", help="full activation recomputation")
     layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)

@@ -63,8 +63,11 @@ class Batch:
 class Samples:
     """The samples of one document set: padded (one per document) or packed (stream windows)."""
 
-    def __init__(self, docs: DocSet, mode: str, seq_len: int, pad_id: int):
+    def __init__(self, docs: DocSet, mode: str, seq_len: int, pad_id: int, width_multiple: int = 1):
+        """width_multiple: padded micro-batches are as wide as a multiple of it (context
+        parallelism cuts rows into equal chunks; seq_len is one)."""
         self.docs, self.mode, self.seq_len, self.pad_id = docs, mode, seq_len, pad_id
+        self.width_multiple = width_multiple
         self.count = len(docs) if mode == "padded" else max(0, (docs.n_tokens - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -89,14 +92,16 @@ class Samples:
         return list(zip(tokens, docs))
 
     def collate(self, indices) -> Batch:
-        return collate(self.mode, self.rows(indices), self.pad_id)
+        return collate(self.mode, self.rows(indices), self.pad_id, self.width_multiple)
 
 
-def collate(mode: str, rows: list, pad_id: int) -> Batch:
+def collate(mode: str, rows: list, pad_id: int, width_multiple: int = 1) -> Batch:
     if mode == "padded":
         # At least one column: a batch of one-token (or empty: Megatron keeps them) documents
-        # has no targets, but still a shape.
+        # has no targets, but still a shape. More padding at the end is exact: causal
+        # attention hides it from every real token, and its labels are -100.
         width = max(1, max(len(r) for r in rows) - 1)
+        width = -(-width // width_multiple) * width_multiple
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -142,7 +147,7 @@ class Mixture:
             for i, row in zip(where, self.parts[s].rows(picks[where, 1])):
                 rows[i] = row
         first = self.parts[0]
-        batch = collate(first.mode, rows, first.pad_id)
+        batch = collate(first.mode, rows, first.pad_id, first.width_multiple)
         batch.source = torch.from_numpy(picks[:, 0].copy())
         return batch
 

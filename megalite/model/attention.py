@@ -11,6 +11,10 @@ consecutive query heads. Ranks hold consecutive query heads, so when n_kv_heads 
 rank holds the n_kv_heads / tp K/V heads its queries need; when n_kv_heads < tp, tp /
 n_kv_heads consecutive ranks keep a copy of the one K/V head their queries share.
 
+Context parallel (parallel/context.py), each rank holds a zig-zag share of the row's tokens:
+their K/V are gathered whole over the CP group for its queries (reduce-scattered backward), or
+pass around the CP ring (parallel.cp_comm=p2p, parallel/ring_attention.py).
+
 Kernels: SDPA, causal with no mask where that is exact (flash on GPU) or with the layout's dense
 mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/doc_attention.py).
 """
@@ -28,8 +32,10 @@ from megalite.model.doc_attention import block_mask_as_dense, flex
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.positions import apply_rotary
+from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from megalite.parallel.random import TensorParallelRNG
+from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.state import ParallelState
 
 
@@ -44,6 +50,8 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.rng = rng
         self.tp_group = pstate.tp_group
+        self.cp_group = pstate.cp_group
+        self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
         std = cfg.init_std
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_dim, pstate,
                                            bias=cfg.bias, init_std=std)
@@ -69,7 +77,15 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
-        y = self.attend(q, k, v, layout)
+        if self.ring is not None:
+            mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
+            y = ring_attention(q, k, v, mask, self.ring)
+        else:
+            if self.cp_group is not None:
+                # Context parallel: this rank's queries see the whole row's keys and values.
+                kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
+                k, v = kv.chunk(2, dim=1)
+            y = self.attend(q, k, v, layout)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
                              sequence_parallel)
 

@@ -38,24 +38,28 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device) -> BlockMask:
-    """The BlockMask of `mask_mod` over [batch, seq, seq], shared by every head. Any seq works:
-    the last block of a length that is not a multiple of the block size (128) is partial."""
-    return _compiled(create_block_mask)(mask_mod, batch, None, seq, seq, device=device)
+def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
+               kv_len: int | None = None) -> BlockMask:
+    """The BlockMask of `mask_mod` over [batch, seq, kv_len (default seq)], shared by every
+    head. Any length works: the last block of one that is not a multiple of the block size
+    (128) is partial."""
+    return _compiled(create_block_mask)(mask_mod, batch, None, seq, kv_len or seq, device=device)
 
 
-def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """[batch, 1, seq, seq], True where query q may attend key k: the rule evaluated on the
-    whole grid at once (mask_mods are elementwise tensor code, so they broadcast)."""
-    index = torch.arange(seq, device=device)
+def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
+               kv_len: int | None = None) -> torch.Tensor:
+    """[batch, 1, seq, kv_len (default seq)], True where query q may attend key k: the rule
+    evaluated on the whole grid at once (mask_mods are elementwise tensor code, so they
+    broadcast)."""
+    queries, keys = torch.arange(seq, device=device), torch.arange(kv_len or seq, device=device)
     b = torch.arange(batch, device=device).view(-1, 1, 1)
-    return mask_mod(b, 0, index.view(1, -1, 1), index.view(1, 1, -1)).unsqueeze(1)
+    return mask_mod(b, 0, queries.view(1, -1, 1), keys.view(1, 1, -1)).unsqueeze(1)
 
 
 def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
     """The dense mask of the rule `mask` was built from, for SDPA where flex cannot go."""
-    seq, _ = mask.seq_lengths
-    return dense_mask(mask.mask_mod, mask.kv_num_blocks.shape[0], seq, mask.kv_num_blocks.device)
+    seq, kv_len = mask.seq_lengths
+    return dense_mask(mask.mask_mod, mask.kv_num_blocks.shape[0], seq, mask.kv_num_blocks.device, kv_len)
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,

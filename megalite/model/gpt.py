@@ -47,13 +47,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config import ModelConfig, check_layout
+from megalite.config import ModelConfig, ParallelConfig, check_layout
 from megalite.model.attention import Attention
 from megalite.model.kv_cache import KVCache
-from megalite.model.layout import SequenceLayout, cached_layout, sequence_layout
+from megalite.model.layout import SequenceLayout, cached_layout, context_layout, sequence_layout
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
+from megalite.parallel.context import gather_sequence, zigzag_index
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
@@ -129,7 +130,8 @@ class Layers(nn.ModuleDict):
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0):
         super().__init__()
-        check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.dp_size, pstate.sequence_parallel)
+        check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.cp_size * pstate.dp_size, pstate.sequence_parallel,
+                     ParallelConfig(cp=pstate.cp_size) if pstate.cp_size > 1 else None)
         self.cfg, self.pstate = cfg, pstate
         # At tp=1 there is nothing to split: the same model, on the default generator.
         self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
@@ -184,13 +186,17 @@ class GPT(nn.Module):
                              f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
         sp = self.splits_sequence(cache)
-        if sp:
-            input_ids, attention_mask, doc_ids = pad_to_shards(
-                self.pstate.tp_size, input_ids, attention_mask, doc_ids)
-        if cache is None:
-            layout = sequence_layout(input_ids, attention_mask, doc_ids)
+        if self.pstate.cp_size > 1:
+            input_ids, labels, layout = self._context_shard(input_ids, attention_mask, doc_ids, labels, cache)
+            seq = input_ids.shape[1]
         else:
-            layout = cached_layout(input_ids, attention_mask, start)
+            if sp:
+                input_ids, attention_mask, doc_ids = pad_to_shards(
+                    self.pstate.tp_size, input_ids, attention_mask, doc_ids)
+            if cache is None:
+                layout = sequence_layout(input_ids, attention_mask, doc_ids)
+            else:
+                layout = cached_layout(input_ids, attention_mask, start)
         x = self._embed(input_ids, layout, sp) if stage.is_first else hidden
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
@@ -224,6 +230,34 @@ class GPT(nn.Module):
         """Whether a forward runs on sequence shards: sequence parallel, but not when decoding,
         which appends a token or a few to the cache (nothing to split)."""
         return self.sequence_parallel and cache is None
+
+    def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
+        """The sequence length of this rank's hidden states for rows of `seq` tokens: its
+        context-parallel share, then its sequence-parallel shard (padded to shards)."""
+        seq //= self.pstate.cp_size
+        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
+
+    def _context_shard(self, input_ids, attention_mask, doc_ids, labels, cache) -> tuple:
+        """This CP rank's zig-zag share of the rows (parallel/context.py): its tokens and labels,
+        and their layout against the whole row, computed on the whole row first."""
+        cp, seq = self.pstate.cp_size, input_ids.shape[1]
+        if cache is not None:
+            raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
+                             f"parallelism; generate from the checkpoint at parallel.cp=1")
+        chunks = 2 * cp * (self.pstate.tp_size if self.sequence_parallel else 1)
+        if seq % chunks:
+            raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
+                             f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
+                             f"use a length that is a multiple of {chunks}")
+        index = zigzag_index(seq, cp, self.pstate.cp_rank, input_ids.device)
+        layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
+                                input_ids.shape[0], seq)
+        return input_ids[:, index], None if labels is None else labels[:, index], layout
+
+    def full_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-token output of this rank ([batch, seq share, ...]: logits, token losses) for
+        the whole rows, in order (a collective over CP; no autograd)."""
+        return gather_sequence(t, 1, self.pstate.cp_group)
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)

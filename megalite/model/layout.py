@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from megalite.model.doc_attention import block_mask, dense_mask, uses_flex
+from megalite.model.doc_attention import MaskMod, block_mask, dense_mask, uses_flex
 
 
 @dataclass
@@ -89,3 +89,25 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if uses_flex(device):
         return SequenceLayout(index - first, None, block_mask(document_causal, batch, seq, device))
     return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
+
+
+def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq: int) -> SequenceLayout:
+    """The layout of a context-parallel rank's queries, the row's tokens at `index`, against
+    the whole row's keys (parallel/context.py): positions taken at index and the mask's rows
+    of those queries. Plain causal attention becomes an explicit rule, since the queries are
+    no longer a prefix of the keys."""
+    positions, device = layout.positions[:, index], index.device
+    if layout.mask is not None:
+        return SequenceLayout(positions, layout.mask[:, :, index])
+
+    if layout.block_mask is not None:
+        rule: MaskMod = layout.block_mask.mask_mod
+
+        def rows(b, h, q, k):
+            return rule(b, h, index[q], k)
+    else:
+        def rows(b, h, q, k):
+            return k <= index[q]
+    if uses_flex(device):
+        return SequenceLayout(positions, None, block_mask(rows, batch, len(index), device, seq))
+    return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq))

@@ -63,7 +63,7 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
     return x.view_as(x)
 
 
-def _primitive(name: str, forward, backward):
+def primitive(name: str, forward, backward):
     """An autograd function whose forward is forward(x, group) and backward backward(grad, group).
 
     A group of None or of size 1 makes it the identity, with no autograd node.
@@ -105,17 +105,17 @@ def _reduce_scatter_seq(x, group):
 
 
 # name                                     forward              backward
-copy_to_tensor_parallel_region = _primitive(
+copy_to_tensor_parallel_region = primitive(
     "copy_to_tensor_parallel_region",      _identity,           _all_reduce)
-reduce_from_tensor_parallel_region = _primitive(
+reduce_from_tensor_parallel_region = primitive(
     "reduce_from_tensor_parallel_region",  _all_reduce,         _identity)
-scatter_to_tensor_parallel_region = _primitive(
+scatter_to_tensor_parallel_region = primitive(
     "scatter_to_tensor_parallel_region",   _split_last,         _gather_last)
-gather_from_tensor_parallel_region = _primitive(
+gather_from_tensor_parallel_region = primitive(
     "gather_from_tensor_parallel_region",  _gather_last,        _split_last)
-reduce_scatter_to_sequence_parallel_region = _primitive(
+reduce_scatter_to_sequence_parallel_region = primitive(
     "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
-gather_from_sequence_parallel_region = _primitive(
+gather_from_sequence_parallel_region = primitive(
     "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
 
 

@@ -1,8 +1,10 @@
-"""Who is who in a TP x PP x DP layout: ranks, sizes and process groups, in one explicit object.
+"""Who is who in a TP x CP x PP x DP layout: ranks, sizes and process groups, in one explicit object.
 
-Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: TP groups are blocks of consecutive
-ranks, so with one process per GPU a TP group stays inside a node (NVLink); pipeline neighbours
-are the next block, and DP groups span the rest.
+Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: TP groups are blocks of
+consecutive ranks, so with one process per GPU a TP group stays inside a node (NVLink); the CP
+ranks of a TP rank are the next blocks (inside the node where tp x cp fits: their K/V traffic
+is every layer's), pipeline neighbours come after, and DP groups span the rest. Parameters are
+replicated over CP as over DP: their gradients are summed over both (`grad_group`).
 `sequence_parallel` says how activations are laid out over the TP group between its parallel
 regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
@@ -38,6 +40,13 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None = None
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    # The CP x DP ranks of this TP rank and stage, over which gradients are summed (the DP
+    # group when cp = 1).
+    cp_dp_group: dist.ProcessGroup | None = None
+    cp_comm: str = "all_gather"
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -46,11 +55,20 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.pp_size * self.tp_size
+        return self.dp_size * self.pp_size * self.cp_size * self.tp_size
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        return self.dp_group if self.cp_size == 1 else self.cp_dp_group
+
+    @property
+    def grad_size(self) -> int:
+        return self.dp_size * self.cp_size
 
     def stage_rank(self, pp_rank: int) -> int:
-        """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP and DP rank."""
-        return (self.dp_rank * self.pp_size + pp_rank % self.pp_size) * self.tp_size + self.tp_rank
+        """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
+        stage = self.dp_rank * self.pp_size + pp_rank % self.pp_size
+        return (stage * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
 
     @property
     def is_main(self) -> bool:
@@ -60,16 +78,18 @@ class ParallelState:
     def from_world(cls, tp: int, timeout: timedelta = timedelta(minutes=10),
                    device: torch.device | None = None, sequence_parallel: bool = False,
                    pipeline: ParallelConfig | None = None) -> "ParallelState":
-        """Build the TP, DP and (pipeline's pp > 1) PP groups of an initialised torch.distributed
-        world.
+        """Build the TP, DP and (pipeline's pp > 1) PP and (cp > 1) CP groups of an initialised
+        torch.distributed world.
 
         Every rank creates every group, in the same order, as new_group requires.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         check_layout(None, tp, world, pipeline=pipeline)
         pp = 1 if pipeline is None else pipeline.pp
-        dp = world // (tp * pp)
-        dp_rank, pp_rank, tp_rank = rank // (tp * pp), rank // tp % pp, rank % tp
+        cp = 1 if pipeline is None else pipeline.cp
+        dp = world // (tp * cp * pp)
+        tp_rank, cp_rank = rank % tp, rank // tp % cp
+        pp_rank, dp_rank = rank // (tp * cp) % pp, rank // (tp * cp * pp)
 
         def groups(members: list[list[int]]):
             """Create one group per list; return the one holding this rank."""
@@ -80,16 +100,23 @@ class ParallelState:
                     mine = group
             return mine
 
-        def at(d: int, s: int, t: int) -> int:
-            return (d * pp + s) * tp + t
+        def at(d: int, s: int, c: int, t: int) -> int:
+            return ((d * pp + s) * cp + c) * tp + t
 
-        tp_group = groups([list(range(b * tp, (b + 1) * tp)) for b in range(dp * pp)])
-        dp_group = groups([[at(d, s, t) for d in range(dp)] for s in range(pp) for t in range(tp)])
-        pp_group = embedding_group = None
+        tp_group = groups([list(range(b * tp, (b + 1) * tp)) for b in range(dp * pp * cp)])
+        dp_group = groups([[at(d, s, c, t) for d in range(dp)]
+                           for s in range(pp) for c in range(cp) for t in range(tp)])
+        pp_group = embedding_group = cp_group = cp_dp_group = None
         if pp > 1:
-            pipes = [[at(d, s, t) for s in range(pp)] for d in range(dp) for t in range(tp)]
+            pipes = [[at(d, s, c, t) for s in range(pp)]
+                     for d in range(dp) for c in range(cp) for t in range(tp)]
             pp_group = groups(pipes)
             embedding_group = groups([[pipe[0], pipe[-1]] for pipe in pipes])
+        if cp > 1:
+            cp_group = groups([[at(d, s, c, t) for c in range(cp)]
+                               for d in range(dp) for s in range(pp) for t in range(tp)])
+            cp_dp_group = groups([[at(d, s, c, t) for d in range(dp) for c in range(cp)]
+                                  for s in range(pp) for t in range(tp)])
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -98,7 +125,9 @@ class ParallelState:
                    sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
                    pp_group=pp_group, embedding_group=embedding_group,
                    virtual_stages=1 if pipeline is None else pipeline.virtual_stages,
-                   pp_layers=None if pipeline is None else pipeline.pp_layers)
+                   pp_layers=None if pipeline is None else pipeline.pp_layers,
+                   cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, cp_dp_group=cp_dp_group,
+                   cp_comm="all_gather" if pipeline is None else pipeline.cp_comm)
 
     def block_group(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks that contains this rank (size dividing the TP

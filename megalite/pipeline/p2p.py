@@ -29,8 +29,10 @@ class Message:
 
 
 class PipeComm:
-    def __init__(self, pstate: ParallelState):
-        self.device = pstate.device
+    def __init__(self, pstate: ParallelState, group: str = "pp"):
+        """group: whose messages these are, as megalite bench reports them (pp; cp: ring
+        attention's)."""
+        self.device, self.group = pstate.device, group
         # No process group at all in a single process, which never exchanges anything.
         self.batched = dist.is_initialized() and dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end
@@ -47,9 +49,9 @@ class PipeComm:
             # each receive, and the sends, wait for that group.
             group = Together(dist.batch_isend_irecv(ops) if ops else [])
             self.sends += [(group, s.tensor) for s in sends]
-            return [Received(b, group) for b in buffers]
+            return [Received(b, group, self.group) for b in buffers]
         self.sends += [(dist.isend(s.tensor, s.peer, tag=s.tag), s.tensor) for s in sends]
-        return [Received(b, dist.irecv(b, r.peer, tag=r.tag)) for b, r in zip(buffers, recvs)]
+        return [Received(b, dist.irecv(b, r.peer, tag=r.tag), self.group) for b, r in zip(buffers, recvs)]
 
     def finish(self) -> None:
         """Wait until every send of the step has left (its tensor may then be freed)."""
@@ -61,8 +63,8 @@ class PipeComm:
 class Received:
     """A posted receive: `wait` returns its tensor once it has arrived."""
 
-    def __init__(self, buffer: torch.Tensor, work):
-        self.buffer, self.work = buffer, work
+    def __init__(self, buffer: torch.Tensor, work, group: str = "pp"):
+        self.buffer, self.work, self.group = buffer, work, group
 
     def wait(self) -> torch.Tensor:
         self.work.wait()

@@ -32,10 +32,8 @@ class PipelineRun:
         self.comm = PipeComm(ps)
 
     def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
-        ids, ps = self.batches[micro].input_ids, self.ps
-        seq = ids.shape[1]
-        if self.model.splits_sequence(self.forward_kwargs.get("cache")):
-            seq = -(-seq // ps.tp_size)  # this rank's shard of the sequence padded to shards
+        ids = self.batches[micro].input_ids
+        seq = self.model.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
         dtype = next(self.model.parameters()).dtype
         return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
 

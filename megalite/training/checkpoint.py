@@ -218,7 +218,7 @@ def _gather_full_state(model, moments: Moments, weight: Weight,
     stage = _gather_stage(model, moments, weight, pstate)
     if pstate.pp_size == 1 or pstate.pp_rank == 0:
         yield from stage
-    streams = pstate.dp_rank == 0 and pstate.tp_rank == 0
+    streams = pstate.dp_rank == 0 and pstate.cp_rank == 0 and pstate.tp_rank == 0
     if pstate.pp_rank > 0 and streams:
         for item in stage:
             _send_item(item, 0, pstate)
@@ -253,12 +253,12 @@ def _recv_item(peer: int, pstate):
 
 def _gather_stage(model, moments: Moments, weight: Weight,
                   pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """This stage's full tensors, on its rank of TP rank 0 and DP rank 0."""
+    """This stage's full tensors, on its rank of TP, CP and DP rank 0."""
     for name, p in model.named_parameters():
         local = moments(p)  # on every rank: it may be a collective over DP (ZeRO)
-        if pstate.dp_rank != 0 or getattr(p, "pipeline_copy", False):
-            # DP replicas hold the same: one TP group gathers; a tied embedding's copy on the
-            # last stage equals the first stage's.
+        if pstate.dp_rank != 0 or pstate.cp_rank != 0 or getattr(p, "pipeline_copy", False):
+            # DP and CP replicas hold the same: one TP group gathers; a tied embedding's copy
+            # on the last stage equals the first stage's.
             continue
         shard = shard_of(p)
         full = gather_full(weight(p).detach(), shard, pstate)
@@ -271,7 +271,8 @@ def _gather_stage(model, moments: Moments, weight: Weight,
 
 def layout_of(pstate: ParallelState) -> dict[str, int]:
     """The layout a checkpoint records: its RNG files are only reloaded at the same one."""
-    return {"tp": pstate.tp_size, "dp": pstate.dp_size, "pp": pstate.pp_size}
+    cp = {"cp": pstate.cp_size} if pstate.cp_size > 1 else {}  # older checkpoints have no cp
+    return {"tp": pstate.tp_size, "dp": pstate.dp_size, "pp": pstate.pp_size, **cp}
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module,

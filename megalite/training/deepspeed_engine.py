@@ -97,6 +97,10 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
     if train.engine != "deepspeed":
         return
     tp, pp = parallel.tp, parallel.pp
+    if parallel.cp > 1:
+        raise ConfigError(f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
+                          f"group would not hold the context-parallel ranks, whose gradients must be "
+                          f"summed too; use train.engine=native (or parallel.cp=1)")
     if train.precision == "pure_bf16":
         raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
                           "masters live in its own engine): set train.engine=native, or use "

@@ -71,7 +71,7 @@ class Bucket:
 
 
 class DataParallelGradSync:
-    """Sums gradients over the DP group: bucket by bucket, from backward's hooks on the last
+    """Sums gradients over the DP group (with context parallelism, CP x DP): bucket by bucket, from backward's hooks on the last
     micro-batch; `wait` finishes the step's reduction.
 
     hooks=False: backward does not fill these gradients (pure_bf16's fp32 masters), so the
@@ -80,7 +80,7 @@ class DataParallelGradSync:
 
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
                  reduce_dtype: str = "fp32", hooks: bool = True):
-        self.group = pstate.dp_group
+        self.group = pstate.grad_group  # DP, or CP x DP: both hold replicas of the parameters
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
         self.buckets: list[Bucket] = []

@@ -11,7 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megalite.config import check_layout
+from megalite.config import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.run_config import Config, to_dict
@@ -21,13 +21,14 @@ from megalite.typed_config import ConfigError
 
 def check_batch_layout(cfg: Config, world: int) -> None:
     p, t = cfg.parallel, cfg.train
-    dp = max(1, world // max(1, p.tp * p.pp))  # if that does not divide, check_layout says so
+    dp = data_parallel_size(p, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
     check_layout(cfg.model, p.tp, world, p.sequence_parallel, p, micro_batches)
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
                           f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    split = f"tp {p.tp}" if p.pp == 1 else f"(tp x pp) {p.tp * p.pp}"
+    split = (f"tp {p.tp}" if p.pp == p.cp == 1 else
+             f"(tp x cp x pp) {p.tp * p.cp * p.pp}")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
@@ -37,6 +38,12 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
+    chunks = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
+    if p.cp > 1 and cfg.data.seq_len % chunks:
+        sp = " x parallel.tp (sequence parallel)" if p.sequence_parallel else ""
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={p.cp}: each row is cut "
+                          f"into 2 x parallel.cp{sp} = {chunks} equal chunks, so data.seq_len must be a "
+                          f"multiple of {chunks}: use data.seq_len={cfg.data.seq_len + chunks - cfg.data.seq_len % chunks}")
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
                           "or set run.wandb=false")

@@ -1,0 +1,133 @@
+"""Ring attention (parallel.cp_comm=p2p): K/V blocks pass around the CP ring.
+
+Each rank's queries attend its own K/V block first, then the block of the rank before it, and so
+on (cp steps, the next block in flight while this one is computed); each step's partial
+result is merged into the running one by log-sum-exp (online softmax, Milakov & Gimelshein
+2018; Liu et al. 2023). Backward recomputes each block's probabilities from the final
+log-sum-exp and passes each K/V block around the ring again with its dK/dV accumulator, which
+a last send brings home.
+
+Zig-zag shares (context.py) make two of the four chunk pairs of a foreign block entirely
+masked under causality: a block from an earlier rank is seen only through its first chunk
+(by all local queries), one from a later rank only by the local second chunk. The other
+halves are skipped. The dense mask rows of the layout (padding, documents) apply within what
+is computed. Math kernels in fp32 here (exact on CPU); a fused kernel returning the
+log-sum-exp would serve GPUs (not yet done: README).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.context import zigzag_index
+from megalite.pipeline.p2p import Message, PipeComm
+
+KV_TAG, GRAD_TAG = 71, 72
+
+
+class Ring:
+    """A rank's neighbours on the CP ring, as global ranks, and the P2P messages between them."""
+
+    def __init__(self, group, pstate):
+        ranks = dist.get_process_group_ranks(group)
+        self.cp, self.rank = len(ranks), pstate.cp_rank
+        self.next, self.prev = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
+        self.comm = PipeComm(pstate, group="cp")
+
+    def pass_on(self, tensor: torch.Tensor, tag: int):
+        """Send `tensor` to the next rank, receive the previous rank's (a handle to wait on)."""
+        received, = self.comm.exchange([Message(self.next, tag, tensor=tensor)],
+                                       [Message(self.prev, tag, shape=tensor.shape, dtype=tensor.dtype)])
+        return received
+
+
+def _block(ring: Ring, step: int, seq: int, local: int) -> tuple[int, slice, slice]:
+    """(source rank, local query slice, key slice of the block) computed at ring step `step`."""
+    src = (ring.rank - step) % ring.cp
+    half = local // 2
+    if step == 0:
+        return src, slice(0, local), slice(0, local)
+    if src < ring.rank:
+        return src, slice(0, local), slice(0, half)  # its first chunk, before both of ours
+    return src, slice(half, local), slice(0, local)  # after our first chunk: our second sees it
+
+
+def _scores(q, k, mask, scale):
+    """[b, h, nq, nk] fp32 scores, -inf where masked; K expanded over GQA groups."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+
+
+def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, h, n, d] summed over each KV head's query heads: [b, kv_heads, n, d]."""
+    b, h, n, d = x.shape
+    return x.view(b, kv_heads, h // kv_heads, n, d).sum(2)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, ring: Ring, seq: int):
+        scale, local = 1 / math.sqrt(q.shape[-1]), q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.cat((k, v), dim=1)
+        for step in range(ring.cp):
+            incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
+            src, qs, ks = _block(ring, step, seq, local)
+            cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
+            bk, bv = kv[:, :, ks].chunk(2, dim=1)
+            s = _scores(q[:, :, qs], bk, mask[:, :, qs][..., cols], scale)
+            block_lse = torch.logsumexp(s, dim=-1)
+            merged = torch.logaddexp(lse[:, :, qs], block_lse)
+            # Each query sees itself at step 0, so `merged` is finite from then on.
+            p = torch.exp(s - merged.unsqueeze(-1))
+            bv = bv.repeat_interleave(q.shape[1] // bv.shape[1], dim=1).float()
+            out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - merged).unsqueeze(-1) + p @ bv
+            lse[:, :, qs] = merged
+            if incoming is not None:
+                kv = incoming.wait()
+        ring.comm.finish()
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.ring, ctx.seq = ring, seq
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        ring, seq = ctx.ring, ctx.seq
+        scale, local, kv_heads = 1 / math.sqrt(q.shape[-1]), q.shape[2], k.shape[1]
+        dout = dout.float()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # The block and its gradient accumulator travel together: [k, v, dk, dv] on dim 1.
+        travelling = torch.cat((k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
+                                torch.zeros_like(v, dtype=torch.float32)), dim=1)
+        for step in range(ring.cp):
+            src, qs, ks = _block(ring, step, seq, local)
+            cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
+            bk, bv, dk, dv = travelling.chunk(4, dim=1)
+            s = _scores(q[:, :, qs], bk[:, :, ks], mask[:, :, qs][..., cols], scale)
+            p = torch.exp(s - lse[:, :, qs].unsqueeze(-1))
+            do = dout[:, :, qs]
+            dv[:, :, ks] += _group_sum(p.transpose(-1, -2) @ do, kv_heads)
+            dp = do @ bv[:, :, ks].repeat_interleave(q.shape[1] // kv_heads, dim=1).transpose(-1, -2)
+            ds = p * (dp - delta[:, :, qs]) * scale
+            dq[:, :, qs] += ds @ bk[:, :, ks].repeat_interleave(q.shape[1] // kv_heads, dim=1)
+            dk[:, :, ks] += _group_sum(ds.transpose(-1, -2) @ q[:, :, qs].float(), kv_heads)
+            if step < ring.cp - 1:
+                travelling = ring.pass_on(travelling, KV_TAG).wait()
+            else:  # home: this block's gradient goes to its owner, the next rank
+                travelling = ring.pass_on(torch.cat((dk, dv), dim=1), GRAD_TAG).wait()
+        ring.comm.finish()
+        dk, dv = travelling.chunk(2, dim=1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   ring: Ring) -> torch.Tensor:
+    """Softmax attention of this rank's queries [b, h, local, d] over the whole row's keys,
+    whose blocks (this rank's k, v: [b, kv_heads, local, d]) pass around the ring. mask:
+    [b or 1, 1, local, seq], the layout's rows of these queries against every key."""
+    return RingAttention.apply(q, k, v, mask, ring, mask.shape[-1])

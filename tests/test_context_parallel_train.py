@@ -1,0 +1,51 @@
+"""The trainer with context parallelism trains the same model as one process, step for step:
+losses, gradient norms (clipping active) and final weights, to 1e-5. The padded reference is
+the session's TP2 x DP2 run (conftest.py), itself equal to one process (tests/test_train.py);
+the packed one a single process. Each run's checkpoint records the layout it really ran."""
+import json
+
+import pytest
+
+from tests.test_reshard import resume_and_compare
+from tests.test_train import STEPS, assert_same_training, common, train_run
+
+
+def ran_at(run_dir) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())["layout"]
+
+
+def test_cp2_tp2_trains_like_one_process_and_its_checkpoint_resumes_at_cp1(tmp_path, cache, tp2dp2_padded):
+    # README's command: parallel.cp=2 parallel.tp=2 on 4 processes (DP=1, 4 micro-batches).
+    run_dir = tmp_path / "cp2tp2"
+    train_run(4, common(cache, run_dir, "padded") + [
+        "parallel.tp=2", "parallel.cp=2", "train.micro_batch_size=2", "train.checkpoint_every=5"])
+    assert ran_at(run_dir) == {"tp": 2, "cp": 2, "pp": 1, "dp": 1}
+    assert_same_training(tp2dp2_padded, run_dir)
+    resume_and_compare(cache, run_dir, run_dir / "checkpoints" / "step_00000005", tmp_path / "cp1", 1, 1)
+
+
+def test_cp2_pp2_with_ring_attention_trains_like_one_process(tmp_path, cache, tp2dp2_padded):
+    run_dir = tmp_path / "cp2pp2"
+    train_run(4, common(cache, run_dir, "padded") + [
+        "parallel.pp=2", "parallel.cp=2", "parallel.cp_comm=p2p", "train.micro_batch_size=2"])
+    assert ran_at(run_dir) == {"tp": 1, "cp": 2, "pp": 2, "dp": 1}
+    assert_same_training(tp2dp2_padded, run_dir)
+
+
+@pytest.fixture(scope="module")
+def single_packed(tmp_path_factory, cache):
+    run_dir = tmp_path_factory.mktemp("single-packed")
+    train_run(1, common(cache, run_dir, "packed") + ["parallel.tp=1", "train.micro_batch_size=8"])
+    return run_dir
+
+
+@pytest.mark.parametrize("layout, expected", [
+    (["parallel.cp=2"], {"tp": 1, "cp": 2, "pp": 1, "dp": 2}),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=p2p"],
+     {"tp": 2, "cp": 2, "pp": 1, "dp": 1}),
+], ids=["cp2xdp2-all_gather", "cp2xtp2-sp-p2p"])
+def test_packed_rows_train_like_one_process(tmp_path, cache, single_packed, layout, expected):
+    run_dir = tmp_path / "cp"
+    train_run(4, common(cache, run_dir, "packed") + layout + ["train.micro_batch_size=2"])
+    assert ran_at(run_dir) == expected
+    assert_same_training(single_packed, run_dir)
