@@ -40,7 +40,7 @@ def reference(cfg, ids, mask, docs, labels):
 
 
 def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str):
-    cfg = CONFIGS[config_name]
+    cfg = {**CONFIGS, **CONFIGS_KV1}[config_name]
     ps = ParallelState.from_world(tp, sequence_parallel=sp, pipeline=ParallelConfig(tp=tp, cp=cp, cp_comm=comm))
     ids, mask, docs, labels = batch(kind, cfg)
     ref, ref_logits, ref_loss = reference(cfg, ids, mask, docs, labels)
@@ -68,6 +68,8 @@ def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str)
 
 LAYOUTS = {"cp2": (2, 1, 2, False), "cp4": (4, 1, 4, False), "cp2xtp2-sp": (4, 2, 2, True),
            "cp2xdp2": (4, 1, 2, False)}
+# One K/V head over TP2: both TP ranks keep a copy of it (n_kv_heads < tp).
+CONFIGS_KV1 = {"llama-kv1": dataclasses.replace(CONFIGS["llama"], n_kv_heads=1)}
 
 
 @pytest.mark.parametrize("config_name, kind", [("llama", "padded"), ("gpt2", "packed")])
@@ -76,6 +78,11 @@ LAYOUTS = {"cp2": (2, 1, 2, False), "cp4": (4, 1, 4, False), "cp2xtp2-sp": (4, 2
 def test_context_parallel_model_equals_single_process(config_name, kind, layout, comm):
     world, tp, cp, sp = LAYOUTS[layout]
     run_distributed(check_cp, world, config_name, kind, tp, cp, sp, comm)
+
+
+@pytest.mark.parametrize("comm", ["all_gather", "p2p"])
+def test_context_parallel_with_fewer_kv_heads_than_tp_ranks(comm):
+    run_distributed(check_cp, 4, "llama-kv1", "padded", 2, 2, False, comm)
 
 
 def test_zigzag_split_covers_the_row_once_and_balances_causal_work():

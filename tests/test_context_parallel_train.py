@@ -41,11 +41,27 @@ def single_packed(tmp_path_factory, cache):
 
 @pytest.mark.parametrize("layout, expected", [
     (["parallel.cp=2"], {"tp": 1, "cp": 2, "pp": 1, "dp": 2}),
+    (["parallel.cp=4", "parallel.cp_comm=p2p"], {"tp": 1, "cp": 4, "pp": 1, "dp": 1}),
     (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_comm=p2p"],
      {"tp": 2, "cp": 2, "pp": 1, "dp": 1}),
-], ids=["cp2xdp2-all_gather", "cp2xtp2-sp-p2p"])
+], ids=["cp2xdp2-all_gather", "cp4-p2p", "cp2xtp2-sp-p2p"])
 def test_packed_rows_train_like_one_process(tmp_path, cache, single_packed, layout, expected):
     run_dir = tmp_path / "cp"
     train_run(4, common(cache, run_dir, "packed") + layout + ["train.micro_batch_size=2"])
     assert ran_at(run_dir) == expected
     assert_same_training(single_packed, run_dir)
+
+
+# Llama's shape: rotary positions, GQA (2 K/V heads for 4), SwiGLU, RMSNorm, untied head; a
+# higher learning rate, so that it visibly learns in 10 steps.
+LLAMA = ["model.position=rotary", "model.n_kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
+         "model.bias=false", "model.tie_embeddings=false", "train.lr=1e-2"]
+
+
+def test_llama_shape_right_padded_at_cp4_all_gather_and_cp2_tp2_ring(tmp_path, cache):
+    single = tmp_path / "single"
+    train_run(1, common(cache, single, "padded") + LLAMA + ["parallel.tp=1", "train.micro_batch_size=8"])
+    for name, layout in {"cp4": ["parallel.cp=4"],
+                         "cp2tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm=p2p"]}.items():
+        train_run(4, common(cache, tmp_path / name, "padded") + LLAMA + layout + ["train.micro_batch_size=4"])
+        assert_same_training(single, tmp_path / name)
