@@ -29,10 +29,11 @@ class Message:
 
 
 class PipeComm:
-    def __init__(self, pstate: ParallelState, group: str = "pp"):
+    def __init__(self, pstate: ParallelState, group: str = "pp", process_group=None):
         """group: whose messages these are, as megalite bench reports them (pp; cp: ring
-        attention's)."""
-        self.device, self.group = pstate.device, group
+        attention's). process_group: the group whose communicator carries them (default the
+        world's), so that NCCL never orders one kind of message behind the other."""
+        self.device, self.group, self.process_group = pstate.device, group, process_group
         # No process group at all in a single process, which never exchanges anything.
         self.batched = dist.is_initialized() and dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end
@@ -43,15 +44,18 @@ class PipeComm:
             send.tensor = send.tensor.contiguous()
         buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
         if self.batched:
-            ops = [dist.P2POp(dist.isend, s.tensor, s.peer, tag=s.tag) for s in sends] + \
-                  [dist.P2POp(dist.irecv, b, r.peer, tag=r.tag) for b, r in zip(buffers, recvs)]
+            pg = self.process_group
+            ops = [dist.P2POp(dist.isend, s.tensor, s.peer, pg, tag=s.tag) for s in sends] + \
+                  [dist.P2POp(dist.irecv, b, r.peer, pg, tag=r.tag) for b, r in zip(buffers, recvs)]
             # NCCL runs the exchange as one group, and torch returns one work for all of it:
             # each receive, and the sends, wait for that group.
             group = Together(dist.batch_isend_irecv(ops) if ops else [])
             self.sends += [(group, s.tensor) for s in sends]
             return [Received(b, group, self.group) for b in buffers]
-        self.sends += [(dist.isend(s.tensor, s.peer, tag=s.tag), s.tensor) for s in sends]
-        return [Received(b, dist.irecv(b, r.peer, tag=r.tag), self.group) for b, r in zip(buffers, recvs)]
+        pg = self.process_group
+        self.sends += [(dist.isend(s.tensor, s.peer, group=pg, tag=s.tag), s.tensor) for s in sends]
+        return [Received(b, dist.irecv(b, r.peer, group=pg, tag=r.tag), self.group)
+                for b, r in zip(buffers, recvs)]
 
     def finish(self) -> None:
         """Wait until every send of the step has left (its tensor may then be freed)."""
