@@ -18,25 +18,26 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 class ModelConfig:
     """Enough knobs to express GPT-2 and Llama exactly."""
 
-    vocab_size: int = 50257
+    vocab_size: int = 50257  # tokens in the vocabulary (the trainer sets it from the tokenizer)
     # Pad the vocabulary to a multiple that does not depend on the TP size, so that changing TP
     # never changes the model (the bug of Megatron-LM #1754, which pads to 128 * tp).
     vocab_pad_multiple: int = 128
-    max_seq_len: int = 1024
-    n_layers: int = 12
-    hidden: int = 768
-    n_heads: int = 12
+    max_seq_len: int = 1024  # longest sequence the model takes (the learned position table's size)
+    n_layers: int = 12  # transformer blocks
+    hidden: int = 768  # width of the residual stream
+    n_heads: int = 12  # attention (query) heads
     n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
     ffn_hidden: Optional[int] = None  # None: 4 * hidden
+    # MLP: GeLU (exact or tanh) or SwiGLU (Llama)
     activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu_tanh"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
-    position: Literal["learned", "rotary"] = "learned"
-    rope_theta: float = 10000.0
-    bias: bool = True
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    init_std: float = 0.02
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm (GPT-2) or RMSNorm (Llama)
+    norm_eps: float = 1e-5  # the norms' epsilon
+    position: Literal["learned", "rotary"] = "learned"  # a learned table (GPT-2) or rotary (Llama)
+    rope_theta: float = 10000.0  # rotary base frequency
+    bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
+    tie_embeddings: bool = True  # the LM head is the embedding matrix
+    dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
+    init_std: float = 0.02  # normal init's std; projections into the residual / sqrt(2 n_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -57,7 +58,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks (keep them inside a node)
     # Passed to init_process_group and to every new_group (Megatron-LM #564, #735: a timeout that
     # does not reach the sub-groups turns a dead rank into a silent hang).
     timeout_minutes: float = 10.0
@@ -74,14 +75,17 @@ class ParallelConfig:
     # rank's micro-batch forwards and backwards (pipeline/schedules.py); interleaved gives each
     # rank `virtual_stages` model chunks. pp_layers: layers per virtual stage (default: even).
     pp: int = 1
+    # gpipe, 1f1b, or interleaved (with virtual_stages > 1)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    # layers per virtual stage, e.g. [3, 5]; default even
     pp_layers: Optional[tuple[int, ...]] = None
     # Context parallelism: each sample's sequence split over `cp` ranks, zig-zag balanced
     # (parallel/context.py); world = tp x cp x pp x dp. cp_comm: how attention sees the other
     # ranks' keys and values: all_gather (gather K/V whole, reduce-scatter their gradients) or
     # p2p (ring attention: K/V blocks pass around the CP ring, parallel/ring_attention.py).
     cp: int = 1
+    # all_gather (K/V gathered) or p2p (ring attention)
     cp_comm: Literal["all_gather", "p2p"] = "all_gather"
 
     def __post_init__(self):

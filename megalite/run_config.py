@@ -34,14 +34,16 @@ class DataConfig:
     # "bpe": a byte-level BPE trained on the first bpe_sample_mb of the documents and cached;
     # else a tokenizer.json (required with Megatron data, which does not name its tokenizer).
     tokenizer: str = "bpe"
-    bpe_vocab_size: int = 4096
-    bpe_sample_mb: float = 100.0
+    bpe_vocab_size: int = 4096  # tokenizer=bpe: its vocabulary size
+    bpe_sample_mb: float = 100.0  # tokenizer=bpe: MB of the documents it is trained on
     text_key: str = "text"  # the JSON field / parquet column holding a document
     strict: bool = False  # a record that is not JSON or lacks text_key: an error, not counted
     workers: int = 0  # tokenizing processes when raw files are prepared (0: in the rank itself)
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per training row
+    # padded: a document per row; packed: documents joined, no attention across
     mode: Literal["padded", "packed"] = "packed"
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # held-out share of each source's documents (without val_path)
+    # where raw files are prepared into shards, keyed by files and settings
     cache_dir: str = ".megalite_cache"
 
 
@@ -49,32 +51,32 @@ class DataConfig:
 class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks together
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
-    max_steps: int = 100
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    max_steps: int = 100  # optimizer steps
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    min_lr: float = 1e-4  # the cosine decay's floor, at max_steps
+    warmup_steps: int = 10  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW's decay, on matrices only (not biases or norms)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
     grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
     # auto: bf16 autocast on GPU, fp32 on CPU. bf16: autocast over fp32 weights. pure_bf16
     # (engine=native): bf16 weights and activations, fp32 masters, Adam and gradient sums.
     precision: Literal["auto", "fp32", "bf16", "pure_bf16"] = "auto"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block in backward instead of storing it
     # Tokens per chunk of the fused LM head + loss, which holds chunk x padded_vocab / tp fp32
     # logits at a time (and never the whole batch's): lower it if memory is tight.
     loss_chunk_tokens: int = 4096
     compile: bool = False  # torch.compile the whole model, embedding to loss (the first steps compile)
     checkpoint_every: int = 0  # steps; 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: str = "auto"  # auto | never | a checkpoint directory
     # Start from these weights (a megalite checkpoint or a Hugging Face directory) instead of a
     # random init: its architecture replaces `model` (but for dropout) and, with
     # data.tokenizer=bpe, its tokenizer.json is used.
     init_from: str = ""
     eval_every: int = 0  # steps; 0: only at the end
-    eval_batches: int = 4
-    log_every: int = 1
+    eval_batches: int = 4  # global batches of validation samples per evaluation
+    log_every: int = 1  # steps between metrics records (each waits for the device)
     # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"
     zero_stage: Literal[0, 1, 2] = 1  # engine=deepspeed: 1 partitions Adam's state, 2 also gradients
@@ -85,18 +87,19 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/default"
-    seed: int = 1234
-    wandb: bool = False
-    wandb_project: str = "megalite"
+    dir: str = "runs/default"  # the run's directory: config, metrics, checkpoints, plots, samples
+    seed: int = 1234  # init, data order and dropout: the same run at any layout
+    wandb: bool = False  # also log to Weights & Biases (pip install 'megalite[wandb]')
+    wandb_project: str = "megalite"  # the Weights & Biases project
 
 
 @dataclass(frozen=True)
 class SampleConfig:
+    # sampled from at the end of training (samples.txt)
     prompts: list[str] = field(default_factory=lambda: ["The", "A list is"])
-    max_new_tokens: int = 48
-    temperature: float = 0.8
-    top_k: int = 40
+    max_new_tokens: int = 48  # tokens generated per prompt
+    temperature: float = 0.8  # sampling temperature (0: greedy)
+    top_k: int = 40  # sample among the k likeliest tokens (0: all)
 
 
 @dataclass(frozen=True)

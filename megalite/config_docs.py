@@ -1,0 +1,111 @@
+"""docs/config.md, the configuration reference, generated from the typed configs so it cannot
+drift: every key of every section with its type, default and the comment it has in the source.
+
+    python -m megalite.config_docs --out docs/config.md      # regenerate
+    python -m megalite.config_docs --check docs/config.md    # exit 1 if it is stale
+
+A key's comment is the `#` comment on its line or the block of `#` lines right above it
+(tests/test_config_docs.py fails when a key has neither).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+
+from megalite.run_config import Config
+
+FIELD = re.compile(r"^\s+(\w+): [^#]+?(?:\s+#\s*(.*))?$")
+
+
+def comments(cls) -> dict[str, str]:
+    """Each field of dataclass `cls`: its trailing comment, else the comment block above it."""
+    found, block = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        match = FIELD.match(line)
+        if match and match.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            found[match.group(1)] = match.group(2) or " ".join(block)
+        block = []
+    return found
+
+
+def type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
+
+
+def default_of(field: dataclasses.Field):
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def sections() -> list[tuple[str, type]]:
+    hints = typing.get_type_hints(Config)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
+
+
+def rows(cls) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, comment) of every field of a section."""
+    hints, notes = typing.get_type_hints(cls), comments(cls)
+    return [(f.name, type_name(hints[f.name]), repr(default_of(f)), notes.get(f.name, ""))
+            for f in dataclasses.fields(cls)]
+
+
+def markdown() -> str:
+    lines = ["# Configuration reference", "",
+             "Every key of a run config, by section. A YAML config sets them "
+             "(`configs/demo.yaml`); any key can be overridden after `--config` as "
+             "`section.key=value` (the value parsed as YAML and type-checked; an unknown key is "
+             "an error naming the nearest valid one):", "",
+             "```bash",
+             "torchrun --nproc_per_node 4 -m megalite.train --config configs/demo.yaml "
+             "parallel.tp=2 train.max_steps=100",
+             "```", "",
+             "`model` may also be a preset name (`model=gpt2-small`, from `configs/model/`), or a "
+             "mapping whose `preset` key names the preset its other keys override.", "",
+             "Generated from the typed configs (`megalite/config.py`, `megalite/run_config.py`) by "
+             "`python -m megalite.config_docs --out docs/config.md`; "
+             "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
+    for name, cls in sections():
+        lines += [f"## {name}", "", "| key | type | default | what |", "|---|---|---|---|"]
+        for key, tp, default, note in rows(cls):
+            cell = note.replace("|", "\\|")
+            lines.append(f"| `{name}.{key}` | {tp} | `{default}` | {cell} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megalite.config_docs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--out", help="write the page here")
+    group.add_argument("--check", help="exit 1 if this file is not what would be written")
+    args = parser.parse_args(argv)
+    text = markdown()
+    if args.out:
+        Path(args.out).write_text(text)
+        return 0
+    if Path(args.check).read_text() != text:
+        print(f"{args.check} is stale: run python -m megalite.config_docs --out {args.check}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

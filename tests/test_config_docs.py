@@ -1,0 +1,51 @@
+"""docs/config.md, the configuration reference, is what megalite.config_docs generates from the
+typed configs now; every key has a comment; its keys are exactly those a config accepts."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megalite.config_docs import main, markdown, rows, sections
+from megalite.run_config import load_config
+from megalite.typed_config import ConfigError
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+
+
+def test_every_key_of_every_section_has_a_comment():
+    missing = [f"{name}.{key}" for name, cls in sections() for key, _, _, note in rows(cls) if not note]
+    assert not missing, f"add a comment to these config fields (docs/config.md shows it): {missing}"
+
+
+def test_the_committed_page_is_current(capsys):
+    assert PAGE.read_text() == markdown(), "run: python -m megalite.config_docs --out docs/config.md"
+    assert main(["--check", str(PAGE)]) == 0
+
+
+def test_a_stale_page_is_reported(tmp_path, capsys):
+    stale = tmp_path / "config.md"
+    stale.write_text(markdown().replace("parallel.cp_comm", "parallel.cp_mode"))
+    assert main(["--check", str(stale)]) == 1
+    assert "python -m megalite.config_docs --out" in capsys.readouterr().err
+
+
+def test_the_documented_keys_are_the_keys_a_config_accepts():
+    documented = [line.split("`")[1] for line in markdown().splitlines() if line.startswith("| `")]
+    for key in documented:  # each one is accepted as an override, with its documented default
+        section, name = key.split(".")
+        cfg = load_config(None, [f"{key}={_yaml(getattr(getattr(load_config(None), section), name))}"])
+        assert dataclasses.is_dataclass(getattr(cfg, section))
+    every = {f"{name}.{f.name}" for name, cls in sections() for f in dataclasses.fields(cls)}
+    assert set(documented) == every
+    with pytest.raises(ConfigError, match="parallel.cp_comm"):
+        load_config(None, ["parallel.cp_comms=p2p"])  # an unknown key names the nearest valid one
+
+
+def _yaml(value) -> str:
+    import yaml
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def test_a_literal_key_lists_its_choices():
+    line = next(line for line in markdown().splitlines() if line.startswith("| `parallel.cp_comm` |"))
+    assert "`all_gather` \\| `p2p`" in line and "`'all_gather'`" in line
