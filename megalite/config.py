@@ -64,7 +64,7 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
     # Korthikanti et al. 2022: between the TP regions each TP rank holds a 1/tp shard of the
     # sequence, where norms, dropout and residual adds run: activation memory per layer / tp;
-    # all-reduces become reduce-scatter + all-gather pairs (README, "Sequence parallelism").
+    # all-reduces become reduce-scatter + all-gather pairs (docs/parallelism.md).
     sequence_parallel: bool = False
     # DP gradients are all-reduced in buckets of this many MiB (PyTorch DDP's default size), each
     # started as soon as backward has filled it: few collectives, still overlapped with backward.

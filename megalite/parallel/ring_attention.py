@@ -12,7 +12,7 @@ masked under causality: a block from an earlier rank is seen only through its fi
 (by all local queries), one from a later rank only by the local second chunk. The other
 halves are skipped. The dense mask rows of the layout (padding, documents) apply within what
 is computed. Math kernels in fp32 here (exact on CPU); a fused kernel returning the
-log-sum-exp would serve GPUs (not yet done: README).
+log-sum-exp would serve GPUs (not yet done: docs/parallelism.md).
 """
 from __future__ import annotations
 
