@@ -61,3 +61,10 @@ def test_readme_links_reach_pages_and_their_sections():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
             assert anchor in {slug(h) for h in headings}, f"{target}#{anchor}"
+
+
+def test_the_site_shows_readmes_quick_start():
+    def quick_start(text: str) -> str:
+        return text.split("## Quick start", 1)[1].split("\n## ", 1)[0].strip()
+    assert quick_start((ROOT / "docs" / "getting-started.md").read_text()) == quick_start(
+        (ROOT / "README.md").read_text())
