@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.attention.flex_attention as torch_flex
 from torch.testing import assert_close
 
 from megalite.config import ParallelConfig
@@ -17,7 +18,7 @@ from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
-from tests.test_doc_attention import flex_on_cpu, packed_batch
+from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ = 16  # cuts into 2 x cp x tp = 8 chunks at CP4, and at CP2 x TP2 with SP
@@ -103,14 +104,14 @@ def test_zigzag_split_covers_the_row_once_and_balances_causal_work():
 def check_flex_rule(config_name: str):
     """The CP layout's FlexAttention rule (GPU's path) gives the dense rule's logits (forward:
     CPU flex has no backward)."""
-    cfg = CONFIGS[config_name]
+    cfg = config(config_name, SEQ)
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(cp=2))
     ids, mask, docs, labels = packed_batch(cfg.vocab_size, SEQ)
     model = GPT(cfg, ps, seed=3)
     dense = model.full_sequence(model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
     with flex_on_cpu() as used:
         flex = model.full_sequence(model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
-    assert used  # the flex path ran
+    assert torch_flex.flex_attention in used  # the flex path ran
     real = mask.bool()
     assert_close(flex[real], dense[real], **TOL)
 

@@ -8,8 +8,8 @@
   attention mask: at TP=1 at an odd length and one past FlexAttention's 128-token block, at
   TP=2 with and without sequence parallelism (the odd length padded to shards). TP=4 adds no
   attention case (one head per rank: no GQA) and would cost ~40 s of eager flex on 2 cores;
-- dropout on attention probabilities, which flex_attention lacks, falls back to the dense path
-  bit for bit; right-padded batches stay on SDPA's mask-free causal path.
+- dropout on attention probabilities, which flex_attention lacks, and heads narrower than the 16
+  its GPU kernel takes fall back to the dense path bit for bit; right-padded batches stay on SDPA's mask-free causal path.
 
 On CPU torch 2.13's flex_attention refuses backward at its entry, though its eager
 implementation (the reference its GPU kernel is tested against) has one: `flex_on_cpu` lifts
@@ -52,8 +52,10 @@ def flex_on_cpu():
 
 
 def config(name: str, seq: int, **overrides):
+    """A test config with heads FlexAttention takes (16 wide: hidden 64 over 4 heads)."""
     # A multiple of 32: sequence parallelism needs one of tp.
-    return dataclasses.replace(CONFIGS[name], max_seq_len=32 * -(-seq // 32), **overrides)
+    return dataclasses.replace(CONFIGS[name], max_seq_len=32 * -(-seq // 32),
+                               **{"hidden": 64, **overrides})
 
 
 def packed_batch(vocab_size: int, seq: int, seed: int = 0) -> tuple:
@@ -157,6 +159,11 @@ def test_flex_equals_dense_single_process(config_name, seq, masked):
 
 def test_attention_dropout_falls_back_to_the_dense_path_exactly():
     cfg = config("llama", 13, dropout=0.2)
+    flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
+
+
+def test_heads_narrower_than_flex_takes_fall_back_to_the_dense_path_exactly():
+    cfg = config("llama", 13, hidden=32)  # heads of 8: GPU flex_attention refuses them
     flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.doc_attention import block_mask_as_dense, flex
+from megalite.model.doc_attention import FLEX_MIN_HEAD_DIM, block_mask_as_dense, flex
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.positions import apply_rotary
@@ -93,10 +93,11 @@ class Attention(nn.Module):
                layout: SequenceLayout) -> torch.Tensor:
         gqa = self.kv_heads != self.heads
         dropout = self.dropout if self.training else 0.0
-        if layout.block_mask is not None and dropout == 0:
+        if layout.block_mask is not None and dropout == 0 and self.head_dim >= FLEX_MIN_HEAD_DIM:
             return flex(q, k, v, layout.block_mask, gqa)
-        # FlexAttention has no dropout: with it, packed documents take SDPA and the dense mask,
-        # rebuilt by each layer (a slow path anyway; pretraining runs without attention dropout).
+        # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
+        # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
+        # without attention dropout, on heads of 64 or more).
         mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
         # A prompt attends causally; a decoded token, alone, attends every cached token.
         causal = mask is None and q.shape[2] > 1

@@ -26,6 +26,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 FLEX_DEVICES = ("cuda",)
+# Inductor's CUDA flex_attention kernel multiplies with Triton's tl.dot, which takes no dimension
+# under 16: it refuses smaller heads (NotImplementedError), so they take the dense mask.
+FLEX_MIN_HEAD_DIM = 16
 
 
 def uses_flex(device: torch.device) -> bool:
