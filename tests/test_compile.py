@@ -1,12 +1,15 @@
 """train.compile: torch.compile of the whole model (embedding, blocks, final norm, fused head +
-loss) computes the same loss and gradients as eager, at TP=1 and TP=2, and at TP=1 the training
+loss) computes the same loss and gradients as eager, at TP=1 and TP=2 and under context
+parallelism (CP2, K/V all-gathered and the ring's autograd function), and at TP=1 the training
 forward is one graph, without a break, for padded and packed batches. The graphs are captured
 with the aot_eager backend, which traces the model (dynamo and AOT autograd, as in production)
 without generating kernels, to keep the test fast on CPU; inductor's kernels are measured by
 the GPU benchmarks."""
 import pytest
 import torch
+import torch.distributed as dist
 
+from megalite.config import ParallelConfig
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
@@ -17,8 +20,8 @@ def packed_docs(ids: torch.Tensor) -> torch.Tensor:
     return (torch.arange(ids.shape[1]) // 5).expand_as(ids).contiguous()
 
 
-def check_compiled_model_matches_eager(tp: int, name: str) -> None:
-    ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
+def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfig | None = None) -> None:
+    ps = ParallelState.from_world(tp, pipeline=layout) if dist.is_initialized() else ParallelState()
     cfg = CONFIGS[name]
     ids, mask, labels = padded_batch(cfg, "right")
     torch._dynamo.reset()
@@ -48,6 +51,12 @@ def test_compiled_model_matches_eager_single_process():
 
 def test_compiled_model_matches_eager_at_tp2():
     run_distributed(check_compiled_model_matches_eager, 2, 2, "gpt2")
+
+
+@pytest.mark.parametrize("cp_comm", ["all_gather", "p2p"])
+def test_compiled_model_matches_eager_under_context_parallelism(cp_comm):
+    run_distributed(check_compiled_model_matches_eager, 2, 1, "llama",
+                    ParallelConfig(cp=2, cp_comm=cp_comm))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
