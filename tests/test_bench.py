@@ -215,14 +215,14 @@ def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
     """K/V elements the CP group moves per step on one rank, from the formulas: per layer and
     micro-batch, all_gather gathers K and V of the whole row (b x 2 kv_heads x s x head_dim) and
     reduce-scatters their gradients; p2p receives cp - 1 K/V blocks of s / cp tokens forward,
-    cp - 1 blocks travelling with their dK/dV accumulators backward (twice as many elements)
-    and its own dK/dV home at the end."""
+    the same backward, and cp dK/dV accumulators, each a step behind its block, the last one
+    its own block's, home."""
     m = cfg.model
     b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
     per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_dim
     if point["cp_comm"] == "all_gather":
         return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
-    return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 4 * (cp - 1) + 2)}
+    return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)}
 
 
 def test_context_parallel_points_count_the_kv_formula_and_shrink_activations(tmp_path):

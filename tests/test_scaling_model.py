@@ -207,10 +207,10 @@ def test_a_published_row_on_an_unknown_hardware_fails_at_load(tmp_path):
     # b x 2 (K and V) x 16 heads / t x s x head_dim = 2 x 2 x 8 x 4096 x 128 elements: all_gather
     # sends (cp-1)/cp of them forward and as much reduce-scattering backward, bf16.
     ("all_gather", 2 * (1 / 2) * (2 * 2 * 8 * 4096 * 128) * 2),
-    # p2p: one block of half of them forward (bf16); backward one block of K, V, dK, dV (fp32),
-    # then the dK/dV home (fp32).
-    ("p2p", (2 * 2 * 8 * 4096 * 128) / 2 * 2 + 2 * (2 * 2 * 8 * 4096 * 128) / 2 * 4
-     + (2 * 2 * 8 * 4096 * 128) / 2 * 4),
+    # p2p: one block of half of them forward (bf16); backward that K/V block again (bf16) and
+    # two dK/dV accumulators, one passed on and one home (fp32).
+    ("p2p", (2 * 2 * 8 * 4096 * 128) / 2 * 2 + (2 * 2 * 8 * 4096 * 128) / 2 * 2
+     + 2 * (2 * 2 * 8 * 4096 * 128) / 2 * 4),
 ])
 def test_the_context_parallel_term_is_its_kv_bytes_over_nvlink(scaling, comm, per_layer, capsys):
     model = ModelConfig(vocab_size=131072, max_seq_len=4096, n_layers=24, hidden=2048, n_heads=16)

@@ -37,9 +37,10 @@ them (TP blocks of consecutive ranks, then stages, then DP replicas).
   overlapped (`cp_bytes_per_layer_per_microbatch`): all_gather sends (cp-1)/cp of the
   gathered b x 2 kv_heads/t x s x head_dim bf16 K/V forward and as much reduce-scattering
   their gradients backward (again forward with recomputation); p2p (ring attention as megalite
-  runs it) sends the same K/V forward in cp - 1 blocks, and backward cp - 1 blocks of K, V,
-  dK and dV in fp32 plus the dK/dV home. Inside a node at the bus bandwidth while t x cp fits
-  in one, else at the per-GPU network bandwidth. DP replicas then number N / (t cp p), and the
+  runs it) sends the same K/V forward in cp - 1 blocks, and backward those blocks again plus
+  cp blocks of dK and dV in fp32 (each block's accumulator passed on, the last step's home).
+  Inside a node at the bus bandwidth while t x cp fits in one, else at the per-GPU network
+  bandwidth. DP replicas then number N / (t cp p), and the
   gradients are summed over the cp x d ranks that hold the same parameters.
 - DP communication: one all-reduce per step of the rank's params / (t p) gradients (2 or 4
   bytes each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across
@@ -204,8 +205,8 @@ def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     if layout.cp_comm == "all_gather":  # all-gather forward, reduce-scatter backward
         return (passes + 1) * (c - 1) / c * kv * ACTIVATION_BYTES
     block = kv / c  # K and V of s / cp tokens
-    backward = (c - 1) * 2 * block * 4 + block * 4  # K, V, dK, dV in fp32; then dK, dV home
-    return passes * (c - 1) * block * ACTIVATION_BYTES + backward
+    # Backward: the K/V blocks go round again, each block's dK/dV (fp32) a step behind, home last.
+    return (passes + 1) * (c - 1) * block * ACTIVATION_BYTES + c * block * 4
 
 
 def cp_bandwidth(layout: Layout, hw: Hardware) -> float:

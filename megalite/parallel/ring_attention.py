@@ -4,8 +4,8 @@ Each rank's queries attend its own K/V block first, then the block of the rank b
 on (cp steps, the next block in flight while this one is computed); each step's partial
 result is merged into the running one by log-sum-exp (online softmax, Milakov & Gimelshein
 2018; Liu et al. 2023). Backward recomputes each block's probabilities from the final
-log-sum-exp and passes each K/V block around the ring again with its dK/dV accumulator, which
-a last send brings home.
+log-sum-exp and passes each K/V block around the ring again, its dK/dV accumulator a step
+behind, which a last send brings home.
 
 Zig-zag shares (context.py) make two of the four chunk pairs of a foreign block entirely
 masked under causality: a block from an earlier rank is seen only through its first chunk
@@ -101,29 +101,34 @@ class RingAttention(torch.autograd.Function):
         dout = dout.float()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # The block and its gradient accumulator travel together: [k, v, dk, dv] on dim 1.
-        travelling = torch.cat((k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
-                                torch.zeros_like(v, dtype=torch.float32)), dim=1)
+        # K/V go round as in forward, the next block in flight during this one's work. Each
+        # block's dK/dV accumulator follows it a step behind: sent on once this rank has added
+        # its share, received while the next block is computed, and home after the last step.
+        kv, dkv = torch.cat((k, v), dim=1), None
         for step in range(ring.cp):
+            incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
             src, qs, ks = _block(ring, step, seq, local)
             cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
-            bk, bv, dk, dv = travelling.chunk(4, dim=1)
-            s = _scores(q[:, :, qs], bk[:, :, ks], mask[:, :, qs][..., cols], scale)
+            bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
+            s = _scores(q[:, :, qs], bk, mask[:, :, qs][..., cols], scale)
             p = torch.exp(s - lse[:, :, qs].unsqueeze(-1))
             do = dout[:, :, qs]
-            dv[:, :, ks] += _group_sum(p.transpose(-1, -2) @ do, kv_heads)
-            dp = do @ bv[:, :, ks].repeat_interleave(q.shape[1] // kv_heads, dim=1).transpose(-1, -2)
+            share = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dk, dv = share.chunk(2, dim=1)
+            dv[:, :, ks] = _group_sum(p.transpose(-1, -2) @ do, kv_heads)
+            dp = do @ bv.repeat_interleave(q.shape[1] // kv_heads, dim=1).transpose(-1, -2)
             ds = p * (dp - delta[:, :, qs]) * scale
-            dq[:, :, qs] += ds @ bk[:, :, ks].repeat_interleave(q.shape[1] // kv_heads, dim=1)
-            dk[:, :, ks] += _group_sum(ds.transpose(-1, -2) @ q[:, :, qs].float(), kv_heads)
-            if step < ring.cp - 1:
-                travelling = ring.pass_on(travelling, KV_TAG).wait()
-            else:  # home: this block's gradient goes to its owner, the next rank
-                travelling = ring.pass_on(torch.cat((dk, dv), dim=1), GRAD_TAG).wait()
+            dq[:, :, qs] += ds @ bk.repeat_interleave(q.shape[1] // kv_heads, dim=1)
+            dk[:, :, ks] = _group_sum(ds.transpose(-1, -2) @ q[:, :, qs].float(), kv_heads)
+            # The block's accumulator from the rank that held it last step (none at step 0:
+            # the block is this rank's own).
+            dkv = share if dkv is None else dkv.wait() + share
+            dkv = ring.pass_on(dkv, GRAD_TAG)
+            if incoming is not None:
+                kv = incoming.wait()
+        dk, dv = dkv.wait().chunk(2, dim=1)
         ring.comm.finish()
-        dk, dv = travelling.chunk(2, dim=1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    ring: Ring) -> torch.Tensor:
