@@ -265,6 +265,24 @@ def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, damage):
     assert not list((tmp_path / "out").glob("*.bin")) and not list((tmp_path / "out").glob(".*tmp"))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "corrupt page"])
+def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, damage):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"text": [f"{t} {i}" for i in range(40) for t in TEXTS]}), path,
+                   row_group_size=len(TEXTS) * 10)
+    packed = path.read_bytes()
+    middle = len(packed) // 3  # inside the row groups' pages, far from the footer
+    path.write_bytes(packed[: len(packed) // 2] if damage == "truncated" else
+                     packed[:middle] + bytes(b ^ 0x55 for b in packed[middle:middle + 200])
+                     + packed[middle + 200:])
+    with pytest.raises(ConfigError, match=r"x\.parquet' cannot be read to its end .*truncated or corrupt"):
+        prepare_directory([path], tmp_path / "out",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    assert not list((tmp_path / "out").glob("*.bin")) and not list((tmp_path / "out").glob(".*tmp"))
+
+
 def test_odd_but_valid_records_are_kept_and_counted(tmp_path):
     """A BOM, CRLF endings, no final newline, a lone UTF-16 surrogate, a parquet null."""
     path = tmp_path / "odd.jsonl"

@@ -22,7 +22,7 @@ import json
 import lzma
 import sys
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -72,10 +72,12 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 
 def check_readable(path: Path, text_key: str) -> None:
-    """Fail before any work on a file that cannot hold the text (a parquet without the column)."""
+    """Fail before any work on a file that cannot hold the text (a parquet without the column,
+    or whose footer is lost)."""
     if kind_of(path) == ".parquet":
         import pyarrow.parquet as pq
-        schema = pq.ParquetFile(path).schema_arrow
+        with _damage_named(path):
+            schema = pq.ParquetFile(path).schema_arrow
         if text_key not in schema.names:
             raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
                               f"{', '.join(schema.names)}): name the text column with --text-key "
@@ -110,20 +112,29 @@ class Counts:
 
 
 COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name != "bad")
-DAMAGED = (EOFError, OSError, zlib.error, lzma.LZMAError)
+# ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
+DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
+
+
+@contextmanager
+def _damage_named(path: Path):
+    """A truncated or corrupt file's read error as one that names the file and the fix (only
+    the readers' own errors reach it: a generator's consumer raises outside it)."""
+    try:
+        yield
+    except DAMAGED as err:
+        raise ConfigError(f"'{path}' cannot be read to its end ({type(err).__name__}: {err}): "
+                          f"the file is truncated or corrupt; fetch it again, or leave it out") from None
 
 
 def read_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
     kind = kind_of(path)
     if kind == ".parquet":
-        yield from _parquet_chunks(path, text_key)
+        with _damage_named(path):
+            yield from _parquet_chunks(path, text_key)
         return
-    with open(path, "rb") as raw, _decompressed(raw, kind) as stream:
-        try:
-            yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
-        except DAMAGED as err:
-            raise ConfigError(f"'{path}' cannot be read to its end ({type(err).__name__}: {err}): "
-                              f"the file is truncated or corrupt; fetch it again, or leave it out")
+    with open(path, "rb") as raw, _decompressed(raw, kind) as stream, _damage_named(path):
+        yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
 
 
 def documents(path: Path, text_key: str = "text", strict: bool = False) -> Iterator[str]:
