@@ -14,22 +14,19 @@ def ran_at(run_dir) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())["layout"]
 
 
-def test_cp2_tp2_trains_like_one_process_and_its_checkpoint_resumes_at_cp1(tmp_path, cache, tp2dp2_padded):
+@pytest.mark.parametrize("layout, expected, resume_at_cp1", [
     # README's command: parallel.cp=2 parallel.tp=2 on 4 processes (DP=1, 4 micro-batches).
-    run_dir = tmp_path / "cp2tp2"
-    train_run(4, common(cache, run_dir, "padded") + [
-        "parallel.tp=2", "parallel.cp=2", "train.micro_batch_size=2", "train.checkpoint_every=5"])
-    assert ran_at(run_dir) == {"tp": 2, "cp": 2, "pp": 1, "dp": 1}
+    (["parallel.tp=2", "parallel.cp=2", "train.checkpoint_every=5"], {"tp": 2, "cp": 2, "pp": 1, "dp": 1}, True),
+    (["parallel.pp=2", "parallel.cp=2", "parallel.cp_comm=p2p"], {"tp": 1, "cp": 2, "pp": 2, "dp": 1}, False),
+], ids=["cp2xtp2-resumed-at-cp1", "cp2xpp2-p2p"])
+def test_padded_rows_train_like_one_process(tmp_path, cache, tp2dp2_padded, layout, expected,
+                                            resume_at_cp1):
+    run_dir = tmp_path / "cp"
+    train_run(4, common(cache, run_dir, "padded") + layout + ["train.micro_batch_size=2"])
+    assert ran_at(run_dir) == expected
     assert_same_training(tp2dp2_padded, run_dir)
-    resume_and_compare(cache, run_dir, run_dir / "checkpoints" / "step_00000005", tmp_path / "cp1", 1, 1)
-
-
-def test_cp2_pp2_with_ring_attention_trains_like_one_process(tmp_path, cache, tp2dp2_padded):
-    run_dir = tmp_path / "cp2pp2"
-    train_run(4, common(cache, run_dir, "padded") + [
-        "parallel.pp=2", "parallel.cp=2", "parallel.cp_comm=p2p", "train.micro_batch_size=2"])
-    assert ran_at(run_dir) == {"tp": 1, "cp": 2, "pp": 2, "dp": 1}
-    assert_same_training(tp2dp2_padded, run_dir)
+    if resume_at_cp1:
+        resume_and_compare(cache, run_dir, run_dir / "checkpoints" / "step_00000005", tmp_path / "cp1", 1, 1)
 
 
 @pytest.fixture(scope="module")
