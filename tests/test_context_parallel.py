@@ -3,6 +3,7 @@ row's tokens, and the logits, the loss and every gradient (summed over CP x DP, 
 gathered) equal one process's, fp32 to 1e-5, on right-padded (Llama, GQA) and packed (GPT-2,
 tied) rows; with TP and sequence parallelism, and with DP."""
 import dataclasses
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megalite.config import ParallelConfig
 from megalite.model import GPT
 from megalite.parallel.context import attention_work, zigzag_index, zigzag_order
 from megalite.parallel.mappings import all_gather
+from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
@@ -128,6 +130,53 @@ def test_context_parallel_refuses_dropout_and_short_rows():
     model = GPT(CONFIGS["gpt2"], ParallelState(cp_size=2), seed=0)
     with pytest.raises(ValueError, match="does not cut into 4 equal chunks"):
         model(torch.zeros(1, 10, dtype=torch.long))  # before any collective
+    # A later pipeline stage sizes its receive by hidden_len: it refuses too, not waiting.
+    with pytest.raises(ValueError, match="does not cut into 4 equal chunks"):
+        model.hidden_len(10)
+
+
+def check_ring_mask_rows_are_built_once_per_forward(flex: bool) -> None:
+    cfg = dataclasses.replace(config("gpt2", SEQ), n_layers=3)
+    model = GPT(cfg, ParallelState.from_world(1, pipeline=ParallelConfig(cp=2, cp_comm="p2p")), seed=3)
+    ids, mask, docs, labels = packed_batch(cfg.vocab_size, SEQ)
+    masks = set()
+
+    def pack(t):
+        if t.dtype == torch.bool and t.dim() == 4:
+            masks.add(t.untyped_storage().data_ptr())
+        return t
+
+    with flex_on_cpu() if flex else nullcontext(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+    assert len(masks) == 1, f"{len(masks)} mask tensors saved by {cfg.n_layers} layers"
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["dense", "where-flex-runs"])
+def test_ring_attention_mask_rows_are_built_once_and_shared_by_the_layers(flex):
+    run_distributed(check_ring_mask_rows_are_built_once_per_forward, 2, flex)
+
+
+def check_ring_math_ignores_autocast() -> None:
+    ps = ParallelState.from_world(1, pipeline=ParallelConfig(cp=2, cp_comm="p2p"))
+    ring, local = Ring(ps.cp_group, ps), SEQ // 2
+    index = zigzag_index(SEQ, 2, ps.cp_rank, torch.device("cpu"))
+    causal = (torch.arange(SEQ) <= index[:, None]).view(1, 1, local, SEQ)
+    generator = torch.Generator().manual_seed(ps.cp_rank)
+    # Scores of a few units, as in a trained model: bf16 matmuls would visibly move them.
+    q, k, v = (torch.randn(2, 4, local, 16, generator=generator).mul(3).bfloat16().requires_grad_()
+               for _ in range(3))
+    results = []
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ring_attention(q, k, v, causal, ring)
+        results.append([out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))])
+    for name, plain, autocast in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(plain, autocast), name
+
+
+def test_ring_attention_math_stays_fp32_under_bf16_autocast():
+    run_distributed(check_ring_math_ignores_autocast, 2)
 
 
 def test_padded_micro_batches_widen_to_whole_chunks():

@@ -78,8 +78,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
         if self.ring is not None:
-            mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
-            y = ring_attention(q, k, v, mask, self.ring)
+            y = ring_attention(q, k, v, layout.mask, self.ring)
         else:
             if self.cp_group is not None:
                 # Context parallel: this rank's queries see the whole row's keys and values.

@@ -234,13 +234,15 @@ class GPT(nn.Module):
     def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
         """The sequence length of this rank's hidden states for rows of `seq` tokens: its
         context-parallel share, then its sequence-parallel shard (padded to shards)."""
+        if self.pstate.cp_size > 1:
+            # Also on later pipeline stages, which size their receives by it: every stage
+            # refuses a length the first stage cannot cut, instead of waiting for its message.
+            self._check_context_cut(seq, cache)
         seq //= self.pstate.cp_size
         return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
 
-    def _context_shard(self, input_ids, attention_mask, doc_ids, labels, cache) -> tuple:
-        """This CP rank's zig-zag share of the rows (parallel/context.py): its tokens and labels,
-        and their layout against the whole row, computed on the whole row first."""
-        cp, seq = self.pstate.cp_size, input_ids.shape[1]
+    def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
+        cp = self.pstate.cp_size
         if cache is not None:
             raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
                              f"parallelism; generate from the checkpoint at parallel.cp=1")
@@ -249,9 +251,15 @@ class GPT(nn.Module):
             raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
                              f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
                              f"use a length that is a multiple of {chunks}")
+
+    def _context_shard(self, input_ids, attention_mask, doc_ids, labels, cache) -> tuple:
+        """This CP rank's zig-zag share of the rows (parallel/context.py): its tokens and labels,
+        and their layout against the whole row, computed on the whole row first."""
+        cp, seq = self.pstate.cp_size, input_ids.shape[1]
+        self._check_context_cut(seq, cache)
         index = zigzag_index(seq, cp, self.pstate.cp_rank, input_ids.device)
         layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
-                                input_ids.shape[0], seq)
+                                input_ids.shape[0], seq, dense=self.pstate.cp_comm == "p2p")
         return input_ids[:, index], None if labels is None else labels[:, index], layout
 
     def full_sequence(self, t: torch.Tensor) -> torch.Tensor:

@@ -91,11 +91,13 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
 
 
-def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq: int) -> SequenceLayout:
+def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq: int,
+                   dense: bool = False) -> SequenceLayout:
     """The layout of a context-parallel rank's queries, the row's tokens at `index`, against
     the whole row's keys (parallel/context.py): positions taken at index and the mask's rows
     of those queries. Plain causal attention becomes an explicit rule, since the queries are
-    no longer a prefix of the keys."""
+    no longer a prefix of the keys. `dense`: the rows as a tensor also where FlexAttention runs
+    (ring attention cuts its blocks' masks from them), built once here for every layer."""
     positions, device = layout.positions[:, index], index.device
     if layout.mask is not None:
         return SequenceLayout(positions, layout.mask[:, :, index])
@@ -108,6 +110,6 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
     else:
         def rows(b, h, q, k):
             return k <= index[q]
-    if uses_flex(device):
+    if uses_flex(device) and not dense:
         return SequenceLayout(positions, None, block_mask(rows, batch, len(index), device, seq))
     return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq))

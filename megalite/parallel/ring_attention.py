@@ -135,4 +135,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """Softmax attention of this rank's queries [b, h, local, d] over the whole row's keys,
     whose blocks (this rank's k, v: [b, kv_heads, local, d]) pass around the ring. mask:
     [b or 1, 1, local, seq], the layout's rows of these queries against every key."""
-    return RingAttention.apply(q, k, v, mask, ring, mask.shape[-1])
+    # The merge's math is fp32 by design: autocast would run its matmuls in bf16 (backward,
+    # outside autocast, would then recompute probabilities that forward did not use).
+    with torch.autocast(q.device.type, enabled=False):
+        return RingAttention.apply(q, k, v, mask, ring, mask.shape[-1])
