@@ -163,3 +163,15 @@ def test_data_paths_that_cannot_be_read_as_one_kind_are_refused(prepared, tmp_pa
     both = prepare_data(DataConfig(path=str(tmp_path / "theirs_*"), tokenizer=str(tok),
                                    cache_dir=str(tmp_path / "cache")))
     assert both.meta["train_documents"] + both.meta["val_documents"] == len(TEXTS)
+
+
+@pytest.mark.parametrize("cut", [".bin", ".idx"])
+def test_a_truncated_shard_is_refused_naming_the_file(prepared, tmp_path, cut):
+    """A half-copied file (a killed rsync): its documents must not read as garbage."""
+    tok, _, theirs, _ = prepared
+    damaged = tmp_path / f"theirs_text_document{cut}"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    with pytest.raises(ConfigError, match=rf"theirs_text_document\{cut}' is \d+ bytes.*truncated"):
+        IndexedShard(theirs)
+    with pytest.raises(ConfigError, match="truncated"):
+        prepare_data(DataConfig(path=str(theirs), tokenizer=str(tok), cache_dir=str(tmp_path / "cache")))

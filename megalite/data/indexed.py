@@ -10,7 +10,7 @@ directions against it), so data prepared for Megatron-LM trains here and ours tr
 megalite writes one sequence per document (the text's tokens, then eos), as Megatron's
 `preprocess_data.py --append-eod` does without sentence splitting.
 
-Everything is memory-mapped: opening a shard of ten million documents reads a few bytes.
+Everything is memory-mapped: opening a shard allocates nothing that grows with its documents.
 """
 from __future__ import annotations
 
@@ -107,6 +107,13 @@ def write_index(path: Path, dtype: np.dtype, lengths: np.ndarray) -> None:
     _close_synced(f)
 
 
+def _counts_up(doc_index: np.ndarray, block: int = 1 << 20) -> bool:
+    """doc_index == 0, 1, 2, ..., compared a block at a time (an index of a billion documents
+    would otherwise need an 8 GB arange on every rank)."""
+    return all(np.array_equal(doc_index[i:i + block], np.arange(i, min(i + block, len(doc_index))))
+               for i in range(0, len(doc_index), block))
+
+
 class IndexedShard:
     """One `.bin`/`.idx` pair, read in place. Documents are numbered 0..len-1 and their tokens
     lie end to end in the .bin (as every Megatron writer lays them): document d is
@@ -125,17 +132,29 @@ class IndexedShard:
                               f"not an integer token index megalite reads (version 1, integer ids)")
         self.dtype = np.dtype(DTYPE_CODES[code])
         n_seq, n_doc_index = struct.unpack("<QQ", head[18:34])
+        if len(index) != 34 + 12 * n_seq + 8 * n_doc_index or n_doc_index < 1:
+            raise ConfigError(f"'{idx_path(self.prefix)}' is {len(index)} bytes, not the "
+                              f"{34 + 12 * n_seq + 8 * n_doc_index} its header gives: the index is "
+                              f"truncated or damaged; prepare or copy the data again")
+        lengths = np.frombuffer(index, np.int32, n_seq, 34)
         pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
         doc_index = np.frombuffer(index, np.int64, n_doc_index, 34 + 12 * n_seq)
-        self.tokens = (np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r")
-                       if bin_path(self.prefix).stat().st_size else np.zeros(0, self.dtype))
+        size = bin_path(self.prefix).stat().st_size
+        data_end = int(pointers[-1]) + int(lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        if size != data_end:
+            # A half-copied .bin would otherwise read as documents of negative length.
+            raise ConfigError(f"'{bin_path(self.prefix)}' is {size} bytes, but its index ends the "
+                              f"data at byte {data_end}: the .bin is truncated or not this index's; "
+                              f"prepare or copy the data again")
+        self.tokens = np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r") if size \
+            else np.zeros(0, self.dtype)
         self.n_docs = n_doc_index - 1
         self.n_tokens = len(self.tokens)
         end = self.n_tokens * self.dtype.itemsize
         # One sequence per document (megalite, and Megatron without sentence splitting): the
         # sequence pointers are the document starts, read in place. Sentence-split data: each
         # document starts at its first sequence (the end of the data for trailing empty ones).
-        if n_seq == self.n_docs and np.array_equal(doc_index, np.arange(n_doc_index)):
+        if n_seq == self.n_docs and _counts_up(doc_index):
             self._starts = pointers
         else:
             first = doc_index[:-1]
