@@ -106,3 +106,17 @@ def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
                                 bpe_vocab_size=300, cache_dir=str(tmp_path / "cache")))
     with pytest.raises(ConfigError, match=r"data\.blend\[1\]=\[0, 'y'\]: each entry is \[weight, path\]"):
         prepare_data(DataConfig(blend=[[1, "x"], [0, "y"]], cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"blend": [[1, "x"], [float("inf"), "y"]]}, r"data\.blend\[1\]=\[inf, 'y'\]: .*finite weight > 0"),
+    ({"blend": [[1, "x"], [float("nan"), "y"]]}, r"data\.blend\[1\]=\[nan, 'y'\]"),
+    ({"path": "x", "val_path": "./x"}, r"data\.val_path '\./x' is also training data"),
+    ({"blend": [[1, "x"], [1, "y"]], "val_path": "y"}, r"data\.val_path 'y' is also training data"),
+    ({"path": "x", "val_fraction": 1.0}, r"data\.val_fraction=1\.0 must be in \[0, 1\)"),
+    ({"path": "x", "val_fraction": float("nan")}, r"data\.val_fraction=nan must be in \[0, 1\)"),
+], ids=["inf-weight", "nan-weight", "val-is-train", "val-is-a-blend-source", "all-held-out", "nan-fraction"])
+def test_weights_and_validation_data_that_cannot_work_are_refused(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.chdir(tmp_path)  # before any file is read: x and y need not exist
+    with pytest.raises(ConfigError, match=message):
+        prepare_data(DataConfig(cache_dir=str(tmp_path / "cache"), **overrides))

@@ -3,6 +3,7 @@ that survive a kill, and documents that decode back to the input text."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,8 +105,10 @@ def test_bad_records_are_counted_by_file_and_line_and_nothing_is_lost(tmp_path):
     assert (shard["records"], shard["documents"], shard["empty"], shard["not_json"],
             shard["no_text"], shard["invalid_utf8"]) == (9, 3, 2, 1, 3, 1)
     assert shard["records"] == shard["documents"] + shard["empty"] + shard["not_json"] + shard["no_text"]
-    assert shard["bad"] == ["line 2: not JSON (Expecting value)", "line 3: no string field 'text'",
-                            "line 6: no string field 'text'", "line 7: no string field 'text'"]
+    assert shard["bad"] == ["line 2: not JSON (Expecting value)",
+                            "line 3: no string field 'text' (its keys: txt)",
+                            "line 6: no string field 'text' (its keys: text)",
+                            "line 7: no string field 'text'"]
     info = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     assert decoded(tmp_path / "out", info) == [["fine one", "caf\ufffd", "fine two"]]
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2: not JSON \(Expecting value\); fix or drop it"):
@@ -161,6 +164,76 @@ def test_an_output_directory_of_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"output directory '.*out' holds data of another tokenizer"):
         prepare_directory(files, tmp_path / "out",
                           PrepareSettings(tokenizer=str(tokenizer(tmp_path, 350)), progress=False))
+
+
+def test_a_file_without_the_text_key_is_an_error_naming_its_keys(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"body": "one", "id": 1}\n{"body": "two", "id": 2}\n')
+    with pytest.raises(ConfigError, match=r"x\.jsonl': none of its 2 records has the text field "
+                                          r"'text' \(line 1: no string field 'text' \(its keys: body, "
+                                          r"id\)\): name the field with --text-key"):
+        prepare_directory([tmp_path / "x.jsonl"], tmp_path / "out",
+                          PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
+    assert not list((tmp_path / "out").glob("00000-*"))
+
+
+def test_a_bpe_is_trained_again_only_where_no_shard_uses_it(tmp_path):
+    """A re-run in the same directory: with other BPE settings it is refused once shards exist;
+    after a first run that trained on nothing (a wrong --text-key), it trains afresh."""
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
+    files, out = [tmp_path / "x.jsonl"], tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"no document of the inputs has a text field 'text' to "
+                                          r"train a BPE on: name the field with --text-key"):
+        prepare_directory(files, out, PrepareSettings(bpe_vocab_size=300, progress=False))
+    meta = prepare_directory(files, out, PrepareSettings(bpe_vocab_size=300, text_key="body", progress=False))
+    clean = prepare_directory(files, tmp_path / "clean",
+                              PrepareSettings(bpe_vocab_size=300, text_key="body", progress=False))
+    assert meta["tokens"] == clean["tokens"] and meta["tokenizer"] == clean["tokenizer"]
+    assert prepare_directory(files, out, PrepareSettings(bpe_vocab_size=300, text_key="body",
+                                                         progress=False)) == meta
+    with pytest.raises(ConfigError, match=r"holds shards of a BPE trained with \{'bpe_vocab_size': 300.*"
+                                          r"use a new output directory"):
+        prepare_directory(files, out, PrepareSettings(bpe_vocab_size=350, text_key="body", progress=False))
+
+
+def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t * 40}) + "\n" for t in TEXTS * 30))
+    proc = subprocess.Popen([sys.executable, "-m", "megalite", "prepare-data", "--input",
+                             str(tmp_path / "b.jsonl"), "--tokenizer", str(tokenizer(tmp_path)),
+                             "--workers", "2", "--out", str(tmp_path / "out")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, workers = time.monotonic() + 120, []
+    while not workers and proc.poll() is None and time.monotonic() < deadline:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        for pid in children.read_text().split() if children.exists() else []:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in command and b"resource_tracker" not in command:
+                workers.append(int(pid))
+        time.sleep(0.01)
+    assert workers, "no worker seen"
+    os.kill(workers[0], signal.SIGKILL)  # as the kernel's OOM killer would
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert re.search(r"a tokenizing worker died while preparing '.*b\.jsonl' \(most often: out of "
+                     r"memory\): run again with fewer --workers", err), err[-2000:]
+    assert not list((tmp_path / "out").glob("*.bin"))
+
+
+def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run(tmp_path, monkeypatch):
+    import megalite.data.pipeline as pipeline
+    source = tmp_path / "x.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    read = pipeline.read_chunks
+
+    def appended_while_read(path, text_key):
+        yield from read(path, text_key)  # the file as it was: TEXTS
+        with open(path, "a") as f:
+            f.write(json.dumps({"text": "a late document"}) + "\n")
+
+    settings = PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "read_chunks", appended_while_read)
+        assert prepare_directory([source], tmp_path / "out", settings)["documents"] == len(TEXTS)
+    assert prepare_directory([source], tmp_path / "out", settings)["documents"] == len(TEXTS) + 1
 
 
 def test_a_failed_run_keeps_its_whole_shards_and_a_rerun_prepares_only_what_is_missing(tmp_path):

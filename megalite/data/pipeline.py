@@ -24,6 +24,7 @@ import signal
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import chain
@@ -111,8 +112,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> TokenizerInfo:
-    """The given tokenizer (refused if `out` holds shards of another), the one a killed run left,
-    or a byte-level BPE trained on a sample of the documents."""
+    """The given tokenizer (refused if `out` holds shards of another), the BPE an earlier run
+    trained with the same settings, or a byte-level BPE trained on a sample of the documents."""
     target = out / "tokenizer.json"
     if settings.tokenizer is not None:
         given = load_tokenizer(Path(settings.tokenizer))
@@ -124,10 +125,28 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
             shutil.copy(settings.tokenizer, out / ".tokenizer.json.tmp")
             os.replace(out / ".tokenizer.json.tmp", target)
         return given
-    if not target.is_file():
-        sample = _sample(files, settings, int(settings.bpe_sample_mb * 1e6))
-        train_bpe(sample, settings.bpe_vocab_size).save(str(out / ".tokenizer.json.tmp"))
-        os.replace(out / ".tokenizer.json.tmp", target)
+    bpe = {"bpe_vocab_size": settings.bpe_vocab_size, "bpe_sample_mb": settings.bpe_sample_mb,
+           "text_key": settings.text_key}
+    trained = out / "tokenizer.bpe.json"  # the settings the directory's BPE was trained with
+    if target.is_file():
+        trained_with = json.loads(trained.read_text()) if trained.is_file() else None
+        if trained_with == bpe:
+            return load_tokenizer(target)
+        if any(out.glob("[0-9][0-9][0-9][0-9][0-9]-*.json")):  # shards were made with it
+            made = f"a BPE trained with {trained_with}" if trained_with else "a tokenizer it did not train"
+            raise ConfigError(f"output directory '{out}' holds shards of {made}, not of a BPE with "
+                              f"{bpe}: use a new output directory, the settings it was made with, "
+                              f"or --tokenizer {target} to add to it")
+        target.unlink()  # a BPE no shard uses (a failed first run): trained again below
+    sample = _sample(files, settings, int(settings.bpe_sample_mb * 1e6))
+    first = next(sample, None)
+    if first is None:
+        raise ConfigError(f"no document of the inputs has a text field '{settings.text_key}' to "
+                          f"train a BPE on: name the field with --text-key (data.text_key), or "
+                          f"give --tokenizer")
+    train_bpe(chain([first], sample), settings.bpe_vocab_size).save(str(out / ".tokenizer.json.tmp"))
+    write_atomic(trained, json.dumps(bpe))
+    os.replace(out / ".tokenizer.json.tmp", target)
     return load_tokenizer(target)
 
 
@@ -207,6 +226,11 @@ class _Shard:
 
     def __init__(self, source: Path, prefix: Path, dtype: np.dtype, made_with: dict):
         self.source, self.prefix, self.dtype, self.made_with = source, prefix, dtype, made_with
+        # The file as it was when reading began: what the marker records, so that a file
+        # rewritten meanwhile is prepared again by the next run, not taken as done.
+        self.stat = source.stat()
+        self.marker = prefix.with_name(f"{prefix.name}.json")
+        self.marker.unlink(missing_ok=True)
         self.writer: ShardWriter | None = None
         self.counts, self.tokens, self.read = Counts(), 0, 0
 
@@ -221,13 +245,16 @@ class _Shard:
         return read
 
     def finish(self) -> None:
+        if self.counts.records and self.counts.no_text == self.counts.records:
+            raise ConfigError(f"'{self.source}': none of its {self.counts.records} records has the "
+                              f"text field '{self.made_with['text_key']}' ({self.counts.bad[0]}): "
+                              f"name the field with --text-key (data.text_key)")
         if self.writer is not None:
             self.writer.finish()
-        stat = self.source.stat()
-        record = {"name": self.prefix.name, "source": str(self.source), "bytes": stat.st_size,
-                  "mtime_ns": stat.st_mtime_ns, **self.made_with, "tokens": self.tokens,
+        record = {"name": self.prefix.name, "source": str(self.source), "bytes": self.stat.st_size,
+                  "mtime_ns": self.stat.st_mtime_ns, **self.made_with, "tokens": self.tokens,
                   **asdict(self.counts)}
-        write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
+        write_atomic(self.marker, json.dumps(record, indent=1))
 
     def abandon(self) -> None:
         if self.writer is not None:
@@ -269,6 +296,11 @@ def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_w
                     consume()
         while in_flight:
             consume()
+    except BrokenProcessPool:
+        dying = current.source if current is not None else source  # the shard being written, or read
+        raise ConfigError(f"a tokenizing worker died while preparing '{dying}' (most often: out "
+                          f"of memory): run again with fewer --workers; the finished shards are "
+                          f"kept") from None
     finally:
         if current is not None:
             current.abandon()

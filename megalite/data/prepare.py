@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,13 @@ class _Store:
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
     entries = blend_entries(cfg)
+    if not 0 <= cfg.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of "
+                          f"each source's documents held out for validation (0: none)")
+    if cfg.val_path and Path(cfg.val_path).resolve() in {Path(p).resolve() for _, p in entries}:
+        raise ConfigError(f"data.val_path '{cfg.val_path}' is also training data: validation "
+                          f"would score documents the model trains on; give other data, or leave "
+                          f"val_path empty to hold out data.val_fraction of each source")
     stores = [_resolve(path, cfg) for _, path in entries]
     val_store = _resolve(cfg.val_path, cfg) if cfg.val_path else None
     every = stores + ([val_store] if val_store else [])
@@ -94,10 +102,11 @@ def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
     entries = []
     for i, item in enumerate(cfg.blend):
         ok = isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], str) \
-            and isinstance(item[0], (int, float)) and not isinstance(item[0], bool) and item[0] > 0
+            and isinstance(item[0], (int, float)) and not isinstance(item[0], bool) \
+            and 0 < item[0] < math.inf
         if not ok:
             raise ConfigError(f"data.blend[{i}]={item!r}: each entry is [weight, path] with a "
-                              f"weight > 0, e.g. data.blend=[[0.7, data/a], [0.3, data/b]]")
+                              f"finite weight > 0, e.g. data.blend=[[0.7, data/a], [0.3, data/b]]")
         entries.append((float(item[0]), item[1]))
     paths = [p for _, p in entries]
     if len(set(paths)) < len(paths):

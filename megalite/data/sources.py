@@ -261,7 +261,8 @@ def parse(chunk: Chunk, text_key: str, strict: bool, name: str) -> tuple[list[st
                     continue
                 text = value.get(text_key) if isinstance(value, dict) else None
                 if not isinstance(text, str):
-                    bad(number, f"no string field '{text_key}'", "no_text")
+                    keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""
+                    bad(number, f"no string field '{text_key}'{keys}", "no_text")
                     continue
                 if b"\\ud" in record or b"\\uD" in record:  # an escaped UTF-16 surrogate
                     text, lone = _without_lone_surrogates(text)
