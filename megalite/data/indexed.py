@@ -72,13 +72,12 @@ class ShardWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
-        if not len(lengths):
+        if not sum(len(block) for block in self._lengths):
             self.abandon()
             return
         _close_synced(self._bin)
         tmp_idx = self.prefix.with_name(f".{self.prefix.name}.idx.tmp")
-        write_index(tmp_idx, self.dtype, lengths)
+        write_index(tmp_idx, self.dtype, self._lengths)
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
 
@@ -93,17 +92,23 @@ def _close_synced(f) -> None:
     f.close()
 
 
-def write_index(path: Path, dtype: np.dtype, lengths: np.ndarray) -> None:
-    """An .idx for one sequence per document."""
-    pointers = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=pointers[1:])
-    pointers *= np.dtype(dtype).itemsize
+def write_index(path: Path, dtype: np.dtype, blocks: list[np.ndarray]) -> None:
+    """An .idx for one sequence per document, the documents' lengths given in blocks (the
+    chunks they were tokenized in) and written a block at a time: a file of many millions of
+    documents needs no array of them all at once, beyond the lengths themselves."""
+    n, itemsize = sum(len(b) for b in blocks), np.dtype(dtype).itemsize
     f = open(path, "wb")
     f.write(HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", TOKEN_DTYPES[np.dtype(dtype)]))
-    f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(lengths) + 1))
-    f.write(lengths.astype(np.int32).tobytes())
-    f.write(pointers.tobytes())
-    f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    f.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+    for block in blocks:
+        f.write(np.asarray(block, dtype=np.int32).tobytes())
+    start = 0  # byte offset of the block's first document
+    for block in blocks:
+        ends = np.cumsum(block, dtype=np.int64) * itemsize
+        f.write((np.concatenate([[0], ends[:-1]]) + start).tobytes())
+        start += int(ends[-1]) if len(ends) else 0
+    for first in range(0, n + 1, 1 << 20):
+        f.write(np.arange(first, min(first + (1 << 20), n + 1), dtype=np.int64).tobytes())
     _close_synced(f)
 
 
