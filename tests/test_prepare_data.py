@@ -56,7 +56,7 @@ def write_inputs(root: Path) -> dict[str, list[str]]:
 def decoded(out: Path, info) -> list[list[str]]:
     meta = json.loads((out / "meta.json").read_text())
     result = []
-    for shard in meta["shards"]:
+    for shard in (s for s in meta["shards"] if s["documents"]):  # a file of none has no shard
         docs = DocSet.whole(TokenStore([IndexedShard(out / shard["name"])]))
         rows = docs.documents(np.arange(len(docs)), 10**9)
         assert all(r[-1] == info.eos_id for r in rows)
@@ -357,17 +357,23 @@ def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, damage):
 
 
 def test_odd_but_valid_records_are_kept_and_counted(tmp_path):
-    """A BOM, CRLF endings, no final newline, a lone UTF-16 surrogate, a parquet null."""
+    """A BOM, CRLF endings, no final newline, a lone UTF-16 surrogate, a parquet null; a .txt
+    ending in a separator (no record after it), an empty .txt (no record at all)."""
     path = tmp_path / "odd.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "half \\ud83d pair"}\r\n'
                      b'{"text": "whole \\ud83d\\ude00 pair"}')
     pq.write_table(pa.table({"text": ["a row", None, "another row"]}), tmp_path / "nulls.parquet")
-    meta = prepare_directory([path, tmp_path / "nulls.parquet"], tmp_path / "out",
+    (tmp_path / "ends.txt").write_text("one\n\n\ntwo\n\n\n")
+    (tmp_path / "empty.txt").write_text("")
+    meta = prepare_directory([path, tmp_path / "nulls.parquet", tmp_path / "ends.txt",
+                              tmp_path / "empty.txt"], tmp_path / "out",
                              PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False))
     info = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     assert decoded(tmp_path / "out", info) == [["first", "half \ufffd pair", "whole \U0001F600 pair"],
-                                               ["a row", "another row"]]
-    odd, nulls = meta["shards"]
+                                               ["a row", "another row"], ["one", "two"]]
+    odd, nulls, ends, empty = meta["shards"]
+    assert (ends["records"], ends["documents"], ends["empty"]) == (2, 2, 0)
+    assert (empty["records"], empty["documents"], empty["empty"]) == (0, 0, 0)
     assert (odd["records"], odd["documents"], odd["invalid_utf8"]) == (3, 3, 1)
     assert (nulls["records"], nulls["documents"], nulls["no_text"], nulls["bad"]) == \
         (3, 2, 1, ["row 1: 'text' is null"])

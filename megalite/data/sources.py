@@ -215,7 +215,8 @@ def _text_chunks(stream, raw) -> Iterator[Chunk]:
             if size >= CHUNK_BYTES:
                 yield Chunk(first, "text", docs, raw.tell())
                 first, docs, size = first + len(docs), [], 0
-    yield Chunk(first, "text", docs + [b"".join(current)], raw.tell())
+    # What follows the last separator, unless nothing does (no record of its own).
+    yield Chunk(first, "text", docs + ([b"".join(current)] if current else []), raw.tell())
 
 
 def _parquet_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
