@@ -110,12 +110,23 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not layer counts separated by commas, "
+                                         f"e.g. 3,2") from None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megalite generate", description=__doc__)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--prompt", action="append", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--pp-layers", type=_layer_counts, default=None,
+                        help="layers per stage, e.g. 3,2 (parallel.pp_layers): stages that "
+                             "model.n_layers does not divide evenly")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -124,7 +135,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = checkpoint_model_config(Path(args.ckpt))
     tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")
-    ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp), cfg)
+    ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers), cfg)
     try:
         model = GPT(cfg, ps)
         load_checkpoint(Path(args.ckpt), model, ps)

@@ -1,16 +1,19 @@
 """Generation: the KV cache changes nothing, nor does TP, nor pipeline stages, nor batching
 with left padding."""
 import dataclasses
+import io
+from contextlib import redirect_stdout
 
 import pytest
 import torch
 
 from megalite.config import ParallelConfig
-from megalite.generate import generate, pick
+from megalite.generate import generate, main, pick
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
+from tests.harness import DistributedFailure, run_distributed
 from tests.models import CONFIGS, PAD_ID
+from tests.test_train import common, train_run
 
 PROMPTS = [[7, 3, 9, 1], [4, 4], [11, 2, 8, 6, 5, 13]]
 
@@ -83,3 +86,25 @@ def test_each_row_stops_at_its_own_eos_and_bad_prompts_are_refused():
         generate(model, [[1] * model.cfg.max_seq_len], 4, pad_id=PAD_ID)
     with pytest.raises(ValueError, match=r"top_p=0.0 must be in \(0, 1\]"):
         generate(model, PROMPTS, 4, pad_id=PAD_ID, temperature=1.0, top_p=0.0)
+
+
+def generated(argv: list[str]) -> str:
+    """What `megalite generate` prints."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_the_command_runs_stages_of_uneven_layer_counts(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    train_run(1, common(cache, run_dir, "packed") + [
+        "model.n_layers=3", "train.max_steps=2", "train.checkpoint_every=2"])
+    argv = ["--ckpt", str(run_dir / "checkpoints" / "step_00000002"), "--prompt", "The",
+            "--max-new-tokens", "6"]
+    single = generated(argv)
+    assert single.startswith("--- 'The'\nThe")
+    with pytest.raises(DistributedFailure, match=r"model\.n_layers=3 does not split evenly .*--pp-layers"):
+        run_distributed(generated, 2, argv + ["--pp", "2"], torchrun_env=True)
+    staged = run_distributed(generated, 2, argv + ["--pp", "2", "--pp-layers", "2,1"], torchrun_env=True)
+    assert single in staged and "" in staged  # printed once, the same text

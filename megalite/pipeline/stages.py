@@ -67,7 +67,8 @@ def pipeline_problems(n_layers: int | None, pp: int, virtual: int, explicit: tup
     elif n_layers % stages:
         problems.append(f"model.n_layers={n_layers} does not split evenly into pp x "
                         f"virtual_stages = {stages} stages: give parallel.pp_layers (layers per "
-                        f"stage, e.g. {_uneven_example(n_layers, stages)}) or change pp")
+                        f"stage, e.g. {_uneven_example(n_layers, stages)}; megalite generate: "
+                        f"--pp-layers) or change pp")
     if micro_batches is not None and pp > 1 and schedule != "gpipe" and micro_batches % pp:
         # Megatron's rule for the interleaved schedule; for 1F1B, fewer micro-batches than
         # stages would leave the steady phase empty and the bubble over half the step.
