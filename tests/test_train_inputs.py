@@ -56,14 +56,16 @@ def test_signal_handlers_are_restored_after_a_run(tmp_path):
 
 def test_empty_corpus_is_an_error(tmp_path):
     corpus = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
-    with pytest.raises(ConfigError, match=r"holds no text \(3 records, 3 empty, 0 without text\)"):
+    with pytest.raises(ConfigError, match=r"hold no document to train a BPE on \(3 records, 3 empty, "
+                                          r"0 without a text field 'text'\)"):
         main(small_args(tmp_path, corpus))
 
 
 def test_malformed_jsonl_under_strict_names_the_line(tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: no string field 'text'; fix or drop it"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:2: no string field 'text' \(its keys: txt\); "
+                                          r"fix or drop it"):
         main(small_args(tmp_path, corpus, "data.strict=true"))
 
 

@@ -138,22 +138,24 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
                               f"{bpe}: use a new output directory, the settings it was made with, "
                               f"or --tokenizer {target} to add to it")
         target.unlink()  # a BPE no shard uses (a failed first run): trained again below
-    sample = _sample(files, settings, int(settings.bpe_sample_mb * 1e6))
+    seen = Counts()
+    sample = _sample(files, settings, int(settings.bpe_sample_mb * 1e6), seen)
     first = next(sample, None)
     if first is None:
-        raise ConfigError(f"no document of the inputs has a text field '{settings.text_key}' to "
-                          f"train a BPE on: name the field with --text-key (data.text_key), or "
-                          f"give --tokenizer")
+        raise ConfigError(f"the inputs hold no document to train a BPE on ({seen.records} records, "
+                          f"{seen.empty} empty, {seen.not_json + seen.no_text} without a text "
+                          f"field '{settings.text_key}'): give non-empty documents, name the "
+                          f"field with --text-key (data.text_key), or give --tokenizer")
     train_bpe(chain([first], sample), settings.bpe_vocab_size).save(str(out / ".tokenizer.json.tmp"))
     write_atomic(trained, json.dumps(bpe))
     os.replace(out / ".tokenizer.json.tmp", target)
     return load_tokenizer(target)
 
 
-def _sample(files: list[Path], settings: PrepareSettings, budget: int) -> Iterator[str]:
+def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: Counts) -> Iterator[str]:
     """Documents taken from every file in turn (so a mixed corpus trains the BPE on each of
-    its parts), until `budget` bytes of text."""
-    streams = [documents(f, settings.text_key, settings.strict) for f in files]
+    its parts), until `budget` bytes of text; the records read counted into `counts`."""
+    streams = [documents(f, settings.text_key, settings.strict, counts) for f in files]
     taken = 0
     while streams and taken < budget:
         for stream in list(streams):

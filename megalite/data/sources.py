@@ -137,10 +137,15 @@ def read_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
         yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
 
 
-def documents(path: Path, text_key: str = "text", strict: bool = False) -> Iterator[str]:
-    """Every document of one file, in order (bad records skipped, or an error if strict)."""
+def documents(path: Path, text_key: str = "text", strict: bool = False,
+              counts: Counts | None = None) -> Iterator[str]:
+    """Every document of one file, in order (bad records skipped, or an error if strict), its
+    records counted into `counts` as they are read."""
     for chunk in read_chunks(path, text_key):
-        yield from parse(chunk, text_key, strict, str(path))[0]
+        texts, seen = parse(chunk, text_key, strict, str(path))
+        if counts is not None:
+            counts.add(seen)
+        yield from texts
 
 
 def _decompressed(raw, kind: str):
