@@ -173,15 +173,48 @@ def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "bench.timeout_s=0.5" in rows[1]["error"]
 
 
-def test_a_sweep_time_limit_cuts_the_running_point_and_skips_the_rest(tmp_path):
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_sweep_time_limit_cuts_the_running_point_and_its_workers_and_skips_the_rest(tmp_path):
     sweep = tmp_path / "sweep.yaml"
+    # Steps enough to be still running when the limit comes, its workers started.
     sweep.write_text(yaml.safe_dump({
         "name": "lease", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 600,
-        "points": [{"parallel.tp": 1}, {"parallel.tp": 2}]}))
-    assert bench([str(sweep), "--out", str(tmp_path / "out"), "--time-limit-s", "0.5"]) == 1
+        "steps": 100000, "points": [{"parallel.tp": 1}, {"parallel.tp": 2}]}))
+    assert bench([str(sweep), "--out", str(tmp_path / "out"), "--time-limit-s", "12"]) == 3
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["status"] for r in result["points"]] == ["timeout", "skipped"]
     assert "--time-limit-s" in result["points"][0]["error"]
+    # torchrun's workers run in sessions of their own: stopped with it, not left computing.
+    assert processes_mentioning(str(tmp_path / "out")) == []
+
+
+def test_a_resumed_sweep_keeps_the_points_that_ended_and_runs_the_rest(tmp_path):
+    base = {"name": "lease", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 600,
+            "overrides": ["model.n_layers=2", "data.seq_len=32", "train.global_batch_size=4",
+                          "train.micro_batch_size=4"]}
+    first, both = tmp_path / "first.yaml", tmp_path / "both.yaml"
+    first.write_text(yaml.safe_dump({**base, "points": [{"parallel.tp": 1}]}))
+    both.write_text(yaml.safe_dump({**base, "points": [{"parallel.tp": 1}, {"parallel.tp": 2}]}))
+    out = tmp_path / "out"
+    assert bench([str(first), "--out", str(out)]) == 0
+    (done,) = json.loads((out / "results.json").read_text())["points"]
+    # The kept point costs nothing; the new one finds the limit spent.
+    assert bench([str(both), "--out", str(out), "--resume", "--time-limit-s", "0"]) == 3
+    kept, cut = json.loads((out / "results.json").read_text())["points"]
+    assert kept == done and cut["status"] == "skipped"
+    assert bench([str(both), "--out", str(out), "--time-limit-s", "0"]) == 3
+    assert [p["status"] for p in json.loads((out / "results.json").read_text())["points"]] == \
+        ["skipped", "skipped"]  # without --resume nothing is kept
 
 
 CRASHES = {"raises": "raise RuntimeError('rank 1 gave up')",

@@ -20,16 +20,16 @@ def test_dry_run_plans_and_validates_the_shipped_check(capsys):
     assert gpu_check(["--out", "unused", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     steps = dict(line.split(": ", 1) for line in lines[:-1])
-    assert list(steps)[:2] == ["tests", "bench"]
-    assert "tests/test_gpu.py" in steps["tests"] and "tests/test_gpu_train.py" in steps["tests"]
-    assert "configs/bench/gpu-check.yaml" in steps["bench"]
+    assert list(steps)[:3] == ["tests-gpu", "tests-train", "bench"]
+    assert "tests/test_gpu.py" in steps["tests-gpu"] and "tests/test_gpu_train.py" in steps["tests-train"]
+    assert "configs/bench/gpu-check.yaml" in steps["bench"] and "--resume" in steps["bench"]
     expected = [f"peer-{m}-{s}-{b}" for b in ("full", "packed") for m, s in (("gpt2-small", 1024), ("llama-1b", 2048))]
-    assert list(steps)[2:] == expected
+    assert list(steps)[3:] == expected
     for name in expected:
         assert PEER_FLAGS in steps[name] and f"--batch {name.rsplit('-', 1)[1]}" in steps[name]
     assert "--micro-batch 16" in steps["peer-gpt2-small-1024-full"]
     assert "--micro-batch 4" in steps["peer-llama-1b-2048-packed"]
-    assert lines[-1] == "gpu-check: 6 steps valid (dry run: nothing launched)"
+    assert lines[-1] == "gpu-check: 7 steps valid (dry run: nothing launched)"
 
 
 def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml"):
@@ -44,7 +44,7 @@ TINY = {"model": "tiny", "data.seq_len": 64, "train.micro_batch_size": 2, "train
 
 
 @pytest.mark.parametrize("points, flags, named", [
-    ([{**TINY, "parallel.tp": 3}], PEER_FLAGS, "bench point 0-"),  # n_heads not divisible
+    ([{**TINY, "parallel.tp": 3}], PEER_FLAGS, "bench: point 0-"),  # n_heads not divisible
     ([{"model": "tiny", "data.seq_len": 64}], PEER_FLAGS, "train.micro_batch_size"),
     ([TINY], "--compile sometimes", "peer-tiny-64-full"),
     ([{**TINY, "model": "no-such-model"}], PEER_FLAGS, "no-such-model"),
@@ -78,13 +78,37 @@ def test_a_tiny_check_on_cpu_writes_steps_and_a_summary_of_their_numbers(tmp_pat
             line = next(line for line in summary.splitlines()
                         if re.match(rf"\| tiny \| 64 \| {batch} \| False \| {r['system']} \|", line))
             assert f"| {r['tokens_per_s']:,.0f} |" in line
-    assert "No tests.xml" in summary
+    assert "Not run (--skip tests)" in summary
 
     # Run again: the ended steps are kept, not run again.
     capsys.readouterr()
     assert gpu_check(args) == 0
     assert "bench: ok in an earlier run, kept" in capsys.readouterr().out
     assert len(json.loads((out / "steps.json").read_text())["runs"]) == 2
+
+
+def test_a_step_that_cannot_run_is_recorded_and_the_others_go_on(tmp_path):
+    out = tmp_path / "out"
+    assert gpu_check(["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]),
+                      "--peer-flags", "--compile sometimes"]) == 1
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    assert steps["bench"]["status"] == "ok"
+    for batch in ("full", "packed"):
+        peer = steps[f"peer-tiny-64-{batch}"]
+        assert peer["status"] == "failed" and "not launched" in peer["reason"] and "sometimes" in peer["reason"]
+
+
+def test_a_bench_the_budget_cuts_is_incomplete_and_runs_again(tmp_path, capsys):
+    out = tmp_path / "out"
+    sweep = _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])
+    # 40 s: the bench step starts with a limit that leaves its sweep a second or so.
+    args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--budget-min", str(40 / 60),
+            "--sweep", sweep]
+    assert gpu_check(args) == 1
+    assert json.loads((out / "steps.json").read_text())["steps"]["bench"]["status"] == "incomplete"
+    capsys.readouterr()
+    gpu_check(args)
+    assert "bench: running" in capsys.readouterr().out  # not kept as ended
 
 
 def test_a_spent_budget_records_the_steps_not_run(tmp_path):

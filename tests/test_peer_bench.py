@@ -81,3 +81,21 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
     # HF has no label for the last position (it shifts); the rest is megalite's mean loss.
     kept = rows.labels[:, :-1] != -100
     torch.testing.assert_close(theirs.loss, ours.token_losses[:, :-1][kept].mean(), atol=1e-5, rtol=1e-5)
+
+
+def test_hf_rebuilds_its_inputs_for_new_rows_only(monkeypatch):
+    """The largest-batch search passes rows of each size: HF must train on them, not on the
+    first rows it saw (its inputs are cached per rows, as they do not change between steps)."""
+    import torch
+
+    from megalite.bench import peer
+    from megalite.config import load_model_config
+    cfg = load_model_config("tiny", vocab_size=300, max_seq_len=64)
+    built = []
+    real = peer.hf_inputs
+    monkeypatch.setattr(peer, "hf_inputs", lambda batch: built.append(batch.input_ids.shape[0]) or real(batch))
+    step = peer.hf_step(cfg, torch.device("cpu"), compiled=False)
+    two, four = (peer.rows_of(cfg, 32, n, "full", torch.device("cpu")) for n in (2, 4))
+    for rows in (two, two, four, four):
+        step(rows)
+    assert built == [2, 4]

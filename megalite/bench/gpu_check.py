@@ -18,12 +18,13 @@ runs it on CPU, so the command cannot rot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,11 +37,11 @@ from megalite.bench import peer
 from megalite.bench.gpu_summary import write_summary
 from megalite.bench.point import device_name
 from megalite.bench.report import git_commit
-from megalite.bench.runner import load_bench
+from megalite.bench.runner import INCOMPLETE, load_bench, stop_session
 from megalite.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TESTS = ("tests/test_gpu.py", "tests/test_gpu_train.py")
+TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-train": "tests/test_gpu_train.py"}
 SWEEP = "configs/bench/gpu-check.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
 STEP_KINDS = ("tests", "bench", "peer")
@@ -62,11 +63,16 @@ class Step:
 def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
     steps = []
     if "tests" not in skip:
-        steps.append(Step("tests", "tests", ["-m", "pytest", *TESTS, "-q", "-rfEs", "-p", "no:cacheprovider",
-                                             "--junitxml", str(out / "tests.xml")], "tests.xml"))
+        # One step per file: each has its own limit and result, and a test's time shows in its
+        # log (-v, --durations) even when the step runs out of time.
+        for name, path in TESTS.items():
+            steps.append(Step(name, "tests", ["-m", "pytest", path, "-v", "-rfEs", "--durations=0",
+                                              "-p", "no:cacheprovider", "--junitxml", str(out / f"{name}.xml")],
+                              f"{name}.xml"))
     if "bench" not in skip:
-        steps.append(Step("bench", "bench", ["-m", "megalite", "bench", sweep, "--out", str(out / "bench")],
-                          "bench/results.json"))
+        # --resume: a second call keeps the points the first finished.
+        steps.append(Step("bench", "bench", ["-m", "megalite", "bench", sweep, "--out", str(out / "bench"),
+                                             "--resume"], "bench/results.json"))
     if "peer" not in skip:
         for batch in ("full", "packed"):
             for model, seq, micro in peer_shapes(sweep):
@@ -94,26 +100,31 @@ def peer_shapes(sweep: str) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def check(steps: list[Step], sweep: str) -> None:
-    """Everything the steps would launch is valid, or one ConfigError naming each problem."""
-    problems = []
+def check(steps: list[Step], sweep: str) -> dict[str, str]:
+    """What keeps each step from running (none: it can), by step name."""
+    problems = {}
     for step in steps:
         if step.kind == "tests":
-            missing = [t for t in TESTS if not (ROOT / t).is_file()]
+            path = step.argv[step.argv.index("pytest") + 1]
             collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                      *TESTS], cwd=ROOT, capture_output=True, text=True)
-            if missing or collect.returncode != 0:
-                problems.append(f"tests: {missing or collect.stdout[-2000:]}")
+                                      path], cwd=ROOT, capture_output=True, text=True)
+            if not (ROOT / path).is_file() or collect.returncode != 0:
+                problems[step.name] = f"{path} does not collect: {(collect.stdout + collect.stderr)[-2000:]}"
         elif step.kind == "bench":
             _, points = load_bench(Path(sweep))
-            problems += [f"bench point {p.name}: {p.error}" for p in points if p.error]
+            bad = [f"point {p.name}: {p.error}" for p in points if p.error]
+            if bad:
+                problems[step.name] = "; ".join(bad)
         else:
+            usage = io.StringIO()
             try:
-                peer.parse_args(step.argv[step.argv.index("peer-bench") + 1:])
-            except (ConfigError, SystemExit) as err:
-                problems.append(f"{step.name}: {err}")
-    if problems:
-        raise ConfigError("gpu-check would launch what cannot run:\n  " + "\n  ".join(problems))
+                with contextlib.redirect_stderr(usage):
+                    peer.parse_args(step.argv[step.argv.index("peer-bench") + 1:])
+            except ConfigError as err:
+                problems[step.name] = str(err)
+            except SystemExit:  # argparse's refusal: its message is its last line
+                problems[step.name] = usage.getvalue().strip().splitlines()[-1]
+    return problems
 
 
 def environment(argv: list[str]) -> dict:
@@ -142,10 +153,12 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=limit)
-            status = "ok" if code == 0 else "failed"
+            # A sweep its time limit cut keeps its finished points; the next call runs the rest.
+            status = "ok" if code == 0 else "incomplete" if step.kind == "bench" and code == INCOMPLETE \
+                else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code, status = proc.wait(), "timeout"
+            stop_session(proc)
+            code, status = proc.returncode, "timeout"
     return {**record, "status": status, "returncode": code, "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -161,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
     parser.add_argument("--redo", action="append", default=[], help="run this step again even if it ended")
     args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget_min * 60  # the checks below count against it
     out = Path(args.out).resolve()
     steps = plan(out, args.sweep, args.peer_flags, args.skip)
-    check(steps, args.sweep)
+    problems = check(steps, args.sweep)
     if args.dry_run:
+        if problems:
+            raise ConfigError("gpu-check would launch what cannot run:\n  " +
+                              "\n  ".join(f"{name}: {why}" for name, why in problems.items()))
         for step in steps:
             print(f"{step.name}: python {' '.join(step.argv)}")
         print(f"gpu-check: {len(steps)} steps valid (dry run: nothing launched)")
@@ -173,14 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     state_file = out / "steps.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else {"runs": [], "steps": {}}
     state["runs"].append(environment(argv))
-    deadline = time.monotonic() + args.budget_min * 60
     for step in steps:
         previous = state["steps"].get(step.name, {})
         if previous.get("status") in ENDED and step.name not in args.redo:
             print(f"{step.name}: {previous['status']} in an earlier run, kept", flush=True)
             continue
         left = deadline - time.monotonic()
-        if left < 30:
+        if step.name in problems:  # one step that cannot run does not stop the others
+            state["steps"][step.name] = {"status": "failed", "output": step.output,
+                                         "command": " ".join(["python", *step.argv]),
+                                         "reason": f"not launched: {problems[step.name]}"}
+        elif left < 30:
             state["steps"][step.name] = {"status": "not run", "output": step.output,
                                          "command": " ".join(["python", *step.argv]),
                                          "reason": f"the budget of {args.budget_min} min was spent"}

@@ -17,7 +17,8 @@ def write_summary(out: Path, steps: list[dict], state: dict) -> str:
         r = state["steps"].get(step["name"], {})
         lines.append(f"| {step['name']} | {r.get('status', 'not run')}{_why(r)} | {r.get('seconds', '')} | "
                      f"{r.get('limit_s', '')} | {step['output']} | {r.get('log', '')} |")
-    lines += [""] + _tests(out / "tests.xml") + [""] + _bench(out / "bench" / "results.json") + [""]
+    lines += [""] + _tests([out / s["output"] for s in steps if s["kind"] == "tests"])
+    lines += [""] + _bench(out / "bench" / "results.json") + [""]
     lines += _peer([out / s["output"] for s in steps if s["kind"] == "peer"])
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
@@ -33,11 +34,12 @@ def _runs(runs: list[dict]) -> list[str]:
             f"nvidia-smi: {r['nvidia_smi'] or '-'}; commit {r['git_commit']}; `{r['command']}`" for r in runs]
 
 
-def _tests(path: Path) -> list[str]:
+def _tests(paths: list[Path]) -> list[str]:
     lines = ["## GPU tests", ""]
-    if not path.is_file():
-        return lines + ["No tests.xml: the tests step did not run to the end."]
-    cases = ET.parse(path).getroot().iter("testcase")
+    if not paths:
+        return lines + ["Not run (--skip tests)."]
+    missing = [f"No {p.name}: its step did not run to the end." for p in paths if not p.is_file()]
+    cases = [case for p in paths if p.is_file() for case in ET.parse(p).getroot().iter("testcase")]
     outcome = {"passed": [], "failed": [], "skipped": []}
     for case in cases:
         name = f"{case.get('classname')}::{case.get('name')}"
@@ -49,7 +51,7 @@ def _tests(path: Path) -> list[str]:
         else:
             outcome["passed"].append(name)
     lines.append(", ".join(f"{len(v)} {k}" for k, v in outcome.items()) + ".")
-    return lines + [""] + outcome["failed"] + outcome["skipped"]
+    return lines + missing + [""] + outcome["failed"] + outcome["skipped"]
 
 
 def _bench(path: Path) -> list[str]:
@@ -72,7 +74,7 @@ def _bench(path: Path) -> list[str]:
 
 def _peer(paths: list[Path]) -> list[str]:
     lines = ["## megalite against Hugging Face (peer-bench)", "",
-             "| model | seq | rows | compile | system | micro-batch | tokens/s | MFU | peak GB | largest micro-batch "
+             "| model | seq | rows | compile | system | micro-batch | tokens/s | MFU | peak GB | largest micro-batch (eager) "
              "| megalite / HF | " + " | ".join(SHARES) + " |", "|---" * (11 + len(SHARES)) + "|"]
     missing = []
     for path in paths:

@@ -15,7 +15,8 @@ labels).loss`; both clip the gradient norm to 1. Eager and torch.compile are rep
 mask on CPU), HF the same document-causal rule as a 4D boolean mask with per-document
 position_ids, which gives megalite's logits exactly (tests/test_peer_bench.py): the same work.
 `--max-batch` also searches, on a GPU, the largest micro-batch that fits for each system (on
-the model just timed, compiled or not, doubling from --micro-batch, then bisecting);
+the eager model just timed, doubling from --micro-batch, then bisecting; compiled rows are not
+searched: every size would compile again);
 `--profile` adds where the time goes (bench/profile.py: top kernels, attention / matmul /
 elementwise / optimizer / communication / idle shares).
 """
@@ -68,11 +69,12 @@ def hf_step(cfg, device, compiled: bool):
     forward = torch.compile(model) if compiled else model
     autocast = autocast_for(device, "auto")
 
-    inputs = {}
+    made: dict = {}
 
     def step(batch: Batch) -> torch.Tensor:
-        if not inputs:  # made once: the rows do not change between steps
-            inputs.update(hf_inputs(batch))
+        if made.get("rows") is not batch:  # made once per batch of rows, not every step
+            made.update(rows=batch, inputs=hf_inputs(batch))
+        inputs = made["inputs"]
         with autocast:
             loss = forward(**inputs).loss
         loss.backward()
@@ -121,7 +123,7 @@ def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: 
     row = {"system": system, "compile": compiled, "batch": batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
            "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}
-    if max_batch and device.type == "cuda":
+    if max_batch and device.type == "cuda" and not compiled:
         del rows
         row["max_micro_batch"] = largest_micro_batch(_fits(step, cfg, device, seq, batch), start=micro)
     return row
@@ -141,9 +143,10 @@ def largest_micro_batch(fits, limit: int = 1024, start: int = 1) -> int:
 
 
 def _fits(step, cfg, device, seq, batch):
-    """One step of the already built (and, if so, compiled) system at micro-batch b: a new
-    model per try would compile again each time. Its optimizer state exists from the timed
-    steps, so one step reaches the peak. A compiled model recompiles once for a dynamic batch."""
+    """One step of the already built eager system at micro-batch b. Its optimizer state exists
+    from the timed steps, so one step reaches the peak. Compiled rows are not searched: each
+    new size compiles a new graph (the fused head's loop over chunks of b x s tokens), a
+    minute or more each on a GPU."""
     def fits(micro: int) -> bool:
         try:
             step(rows_of(cfg, seq, micro, batch, device))

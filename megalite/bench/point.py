@@ -80,8 +80,11 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         started = time.perf_counter()
         step().item()
         instrumented_s = time.perf_counter() - started
-    activations = activation_bytes(cfg, model, batches[0], autocast)
-    head_loss = head_loss_memory(model, step, ps.device)
+    # Hooks do not fire inside a compiled graph, and a forward without the trainer's arguments
+    # would compile a second graph: a compiled model is measured running eagerly.
+    with torch.compiler.set_stance("force_eager"):
+        activations = activation_bytes(cfg, model, batches[0], autocast)
+        head_loss = head_loss_memory(model, step, ps.device)
     if ps.pp_size > 1:  # measured where the head is, on the last stage (None elsewhere: -1)
         head_loss = {k: _max_over_ranks(-1 if v is None else v, ps) for k, v in head_loss.items()}
         head_loss = {k: None if v < 0 else int(v) for k, v in head_loss.items()}

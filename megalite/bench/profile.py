@@ -17,9 +17,10 @@ from megalite.bench.timing import synchronize
 
 CLASSES = [  # first match wins
     ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|gloo|c10d", re.I)),
-    ("attention", re.compile(r"attention|flash|fmha|sdp", re.I)),
+    ("attention", re.compile(r"attention|flash|fmha|sdp|flex", re.I)),
     ("optimizer", re.compile(r"adam|optimizer|_foreach", re.I)),
-    ("matmul", re.compile(r"gemm|aten::(mm|addmm|bmm|matmul|linear)\b|cutlass|xmma|sm\d+_", re.I)),
+    # nvjet: cuBLAS's Hopper matmul kernels.
+    ("matmul", re.compile(r"gemm|aten::(mm|addmm|bmm|matmul|linear)\b|cutlass|xmma|nvjet|sm\d+_", re.I)),
 ]
 
 

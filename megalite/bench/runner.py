@@ -110,24 +110,48 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
     return point
 
 
-def run_point(sweep: BenchSweep, point: Point, out: Path, time_left: float | None = None) -> dict:
+INCOMPLETE = 3  # the exit code of a sweep whose only missing results are those its time limit cut
+CUT = "the sweep's --time-limit-s"  # in the error of a point the sweep's limit stopped
+
+
+def cut_short(row: dict) -> bool:
+    """Whether the sweep's time limit, not the point itself, kept this row from a result."""
+    return row["status"] == "skipped" or (row["status"] == "timeout" and CUT in row["error"])
+
+
+def run_point(sweep: BenchSweep, point: Point, out: Path, time_left: float | None = None,
+              resume: bool = False) -> dict:
     """One point's row. `time_left`: seconds left of the sweep's --time-limit-s (None: no
-    limit); a point gets the smaller of that and bench.timeout_s, and none when none is left."""
+    limit); a point gets the smaller of that and bench.timeout_s, and none when none is left.
+    `resume`: the row an earlier run of this same point left (any end but one the time limit
+    cut), instead of running it again."""
     row = {"point": point.name, "settings": point.settings}
     if point.error:
         return {**row, "status": "invalid", "error": point.error}
+    directory = out / "points" / point.name
+    spec_text = json.dumps({"config": str(Path(sweep.base).resolve()),
+                            "overrides": point.overrides, "batch": point.batch,
+                            "warmup": sweep.warmup_steps,
+                            "steps": sweep.steps, "out": str(directory / "result.json")})
+    ended = directory / "row.json"
+    if resume and ended.is_file() and (directory / "spec.json").read_text() == spec_text:
+        return json.loads(ended.read_text())
     if time_left is not None and time_left <= 0:
-        return {**row, "status": "skipped", "error": "not started: the sweep's --time-limit-s was spent"}
+        return {**row, "status": "skipped", "error": f"not started: {CUT} was spent"}
     timeout, limit = ((sweep.timeout_s, f"bench.timeout_s={sweep.timeout_s}")
                       if time_left is None or sweep.timeout_s <= time_left
-                      else (time_left, "the sweep's --time-limit-s"))
-    directory = out / "points" / point.name
+                      else (time_left, CUT))
     directory.mkdir(parents=True, exist_ok=True)
+    ended.unlink(missing_ok=True)
+    (directory / "spec.json").write_text(spec_text)
+    row = _run_spec(row, point, directory, timeout, limit)
+    if not cut_short(row):
+        ended.write_text(json.dumps(row))
+    return row
+
+
+def _run_spec(row: dict, point: Point, directory: Path, timeout: float, limit: str) -> dict:
     spec = directory / "spec.json"
-    spec.write_text(json.dumps({"config": str(Path(sweep.base).resolve()),
-                                "overrides": point.overrides, "batch": point.batch,
-                                "warmup": sweep.warmup_steps,
-                                "steps": sweep.steps, "out": str(directory / "result.json")}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={point.world}", "-m", "megalite.bench.point", str(spec)]
     # One thread per process unless the user says otherwise, also for a single process, so
@@ -137,20 +161,35 @@ def run_point(sweep: BenchSweep, point: Point, out: Path, time_left: float | Non
            "PYTHONFAULTHANDLER": "1"}
     log = directory / "log.txt"
     with log.open("w") as f:
-        # Its own session, so a timeout kills torchrun's workers too, not only torchrun.
+        # Its own session: stop_session ends it with everything it started.
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_session(proc)
             return {**row, "status": "timeout", "error": f"over {limit}"}
     if code == 0:
         return {**row, "status": "ok", **json.loads((directory / "result.json").read_text())}
     text = log.read_text(errors="replace")
     status = "oom" if "out of memory" in text.lower() else "failed"
     return {**row, "status": status, "error": _reason(text) + f" (log: {log})"}
+
+
+def stop_session(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Stop a process started in its own session, and what it started. SIGTERM first: torchrun
+    then stops its workers, which run in sessions of their own that a kill of torchrun's group
+    would miss (left running, they would hold the GPU through the next points)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _reason(log_text: str) -> str:
@@ -186,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for results and plots")
     parser.add_argument("--time-limit-s", type=float, default=None,
                         help="the whole sweep's limit: points not started by then are recorded "
-                             "as skipped, and the results are written (a GPU lease)")
+                             "as skipped, and the results are written (a GPU lease); exit code "
+                             f"{INCOMPLETE} when that left points without a result")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows an earlier run in --out left for the same points; "
+                             "run the others (those the time limit cut, or new ones)")
     args = parser.parse_args(argv)
     deadline = None if args.time_limit_s is None else time.monotonic() + args.time_limit_s
     sweep, points = load_bench(Path(args.sweep))
@@ -195,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for point in points:
         row = run_point(sweep, point, out,
-                        None if deadline is None else deadline - time.monotonic())
+                        None if deadline is None else deadline - time.monotonic(), args.resume)
         rows.append(row)
         shown = (f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_s'] * 1e3:.1f} ms/step"
                  if row["status"] == "ok" else row["error"])
@@ -203,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "megalite bench " + " ".join(sys.argv[1:] if argv is None else argv)
     write_report(out, rows, dataclasses.asdict(sweep), command)
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'} and plots", flush=True)
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    if all(r["status"] == "ok" for r in rows):
+        return 0
+    return INCOMPLETE if all(r["status"] == "ok" or cut_short(r) for r in rows) else 1
 
 
 if __name__ == "__main__":
