@@ -67,6 +67,7 @@ def test_a_tiny_check_on_cpu_writes_steps_and_a_summary_of_their_numbers(tmp_pat
     assert {k: v["status"] for k, v in state["steps"].items()} == {
         "bench": "ok", "peer-tiny-64-full": "ok", "peer-tiny-64-packed": "ok"}
     assert state["runs"][0]["device"].startswith("cpu") and state["runs"][0]["torch"]
+    assert state["runs"][0]["missing_packages"] == []  # this machine has what the steps import
     summary = (out / "summary.md").read_text()
     bench = json.loads((out / "bench" / "results.json").read_text())["points"][0]
     row = next(line for line in summary.splitlines() if line.startswith(f"| {bench['point']} |"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import io
 import json
 import os
@@ -127,6 +128,12 @@ def check(steps: list[Step], sweep: str) -> dict[str, str]:
     return problems
 
 
+# What the steps import beyond torch: a GPU machine's own Python may lack some, and a step
+# that needs one fails; the run records which were missing up front.
+PACKAGES = ("numpy", "yaml", "safetensors", "tokenizers", "tqdm", "matplotlib", "pyarrow", "pytest",
+            "transformers")
+
+
 def environment(argv: list[str]) -> dict:
     cuda = torch.cuda.is_available()
     smi = shutil.which("nvidia-smi")
@@ -135,7 +142,8 @@ def environment(argv: list[str]) -> dict:
     return {"device": device_name(torch.device("cuda" if cuda else "cpu")), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "nvidia_smi": driver,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "command": "megalite gpu-check " + " ".join(argv)}
+            "git_commit": git_commit(), "command": "megalite gpu-check " + " ".join(argv),
+            "missing_packages": [p for p in PACKAGES if importlib.util.find_spec(p) is None]}
 
 
 def run_step(step: Step, out: Path, limit: float) -> dict:

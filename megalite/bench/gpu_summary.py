@@ -31,7 +31,8 @@ def _why(record: dict) -> str:
 
 def _runs(runs: list[dict]) -> list[str]:
     return [f"- {r['date']}: {r['device']}; torch {r['torch']}, CUDA {r['cuda']}, Python {r['python']}; "
-            f"nvidia-smi: {r['nvidia_smi'] or '-'}; commit {r['git_commit']}; `{r['command']}`" for r in runs]
+            f"nvidia-smi: {r['nvidia_smi'] or '-'}; commit {r['git_commit']}; missing packages: "
+            f"{', '.join(r.get('missing_packages') or []) or 'none'}; `{r['command']}`" for r in runs]
 
 
 def _tests(paths: list[Path]) -> list[str]:
