@@ -22,6 +22,7 @@ from megalite.data.batches import Batch, BatchOrder, Mixture, Prefetcher, Sample
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
+from megalite.parallel.context import context_chunks
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.pipeline.runner import forward_pipelined
 from megalite.run_config import Config, load_config, to_dict
@@ -202,8 +203,7 @@ def all_reduce_loss(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
     p = cfg.parallel
-    # Context parallelism cuts every row into 2 x cp (x tp, sequence parallel) equal chunks.
-    chunks = 2 * p.cp * (p.tp if p.sequence_parallel else 1) if p.cp > 1 else 1
+    chunks = context_chunks(p.cp, p.tp, p.sequence_parallel)  # padded rows widen to whole chunks
     return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])
 

@@ -54,7 +54,7 @@ from megalite.model.layout import SequenceLayout, cached_layout, context_layout,
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
-from megalite.parallel.context import gather_sequence, zigzag_index
+from megalite.parallel.context import context_chunks, gather_sequence, zigzag_index
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
@@ -246,7 +246,7 @@ class GPT(nn.Module):
         if cache is not None:
             raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
                              f"parallelism; generate from the checkpoint at parallel.cp=1")
-        chunks = 2 * cp * (self.pstate.tp_size if self.sequence_parallel else 1)
+        chunks = context_chunks(cp, self.pstate.tp_size, self.sequence_parallel)
         if seq % chunks:
             raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
                              f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "

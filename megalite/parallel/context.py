@@ -30,6 +30,12 @@ from megalite.parallel.mappings import all_gather, group_size, primitive, reduce
 KV_SEQ_DIM = 2  # keys and values are [batch, heads, seq, head_dim]
 
 
+def context_chunks(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The equal chunks a row is cut into: 2 x cp zig-zag chunks, each split over TP again with
+    sequence parallelism; 1 without context parallelism (rows are not cut)."""
+    return 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else 1
+
+
 def zigzag_index(seq: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The positions of a row of `seq` tokens that CP rank `rank` of `cp` holds, in its order:
     chunk rank, then chunk 2 cp - 1 - rank."""

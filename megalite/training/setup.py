@@ -14,6 +14,7 @@ from pathlib import Path
 from megalite.config import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
+from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, to_dict
 from megalite.training.checkpoint import checkpoint_step, latest_checkpoint
 from megalite.typed_config import ConfigError
@@ -38,8 +39,8 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
-    chunks = 2 * p.cp * (p.tp if p.sequence_parallel else 1)
-    if p.cp > 1 and cfg.data.seq_len % chunks:
+    chunks = context_chunks(p.cp, p.tp, p.sequence_parallel)
+    if cfg.data.seq_len % chunks:
         sp = " x parallel.tp (sequence parallel)" if p.sequence_parallel else ""
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={p.cp}: each row is cut "
                           f"into 2 x parallel.cp{sp} = {chunks} equal chunks, so data.seq_len must be a "
