@@ -54,10 +54,19 @@ def _block(ring: Ring, step: int, seq: int, local: int) -> tuple[int, slice, sli
     return src, slice(half, local), slice(0, local)  # after our first chunk: our second sees it
 
 
-def _scores(q, k, mask, scale):
-    """[b, h, nq, nk] fp32 scores, -inf where masked; K expanded over GQA groups."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return (q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V [b, kv_heads, n, d] repeated for each of its GQA group's query heads."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _block_scores(ring: Ring, step: int, seq: int, q, kv, mask, scale):
+    """What ring step `step` computes: its query slice, its key slice, the block's K and V
+    there in fp32, and the [b, h, nq, nk] fp32 scores, -inf where masked."""
+    src, qs, ks = _block(ring, step, seq, q.shape[2])
+    cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
+    bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
+    scores = q[:, :, qs].float() @ _per_query_head(bk, q.shape[1]).transpose(-1, -2) * scale
+    return qs, ks, bk, bv, scores.masked_fill(~mask[:, :, qs][..., cols], float("-inf"))
 
 
 def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -69,22 +78,19 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, ring: Ring, seq: int):
-        scale, local = 1 / math.sqrt(q.shape[-1]), q.shape[2]
+        scale = 1 / math.sqrt(q.shape[-1])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat((k, v), dim=1)
         for step in range(ring.cp):
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
-            src, qs, ks = _block(ring, step, seq, local)
-            cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
-            bk, bv = kv[:, :, ks].chunk(2, dim=1)
-            s = _scores(q[:, :, qs], bk, mask[:, :, qs][..., cols], scale)
+            qs, _, _, bv, s = _block_scores(ring, step, seq, q, kv, mask, scale)
             block_lse = torch.logsumexp(s, dim=-1)
             merged = torch.logaddexp(lse[:, :, qs], block_lse)
             # Each query sees itself at step 0, so `merged` is finite from then on.
             p = torch.exp(s - merged.unsqueeze(-1))
-            bv = bv.repeat_interleave(q.shape[1] // bv.shape[1], dim=1).float()
-            out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - merged).unsqueeze(-1) + p @ bv
+            out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged).unsqueeze(-1)
+                             + p @ _per_query_head(bv, q.shape[1]))
             lse[:, :, qs] = merged
             if incoming is not None:
                 kv = incoming.wait()
@@ -97,7 +103,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         ring, seq = ctx.ring, ctx.seq
-        scale, local, kv_heads = 1 / math.sqrt(q.shape[-1]), q.shape[2], k.shape[1]
+        scale, heads, kv_heads = 1 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
         dout = dout.float()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -107,18 +113,15 @@ class RingAttention(torch.autograd.Function):
         kv, dkv = torch.cat((k, v), dim=1), None
         for step in range(ring.cp):
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
-            src, qs, ks = _block(ring, step, seq, local)
-            cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
-            bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
-            s = _scores(q[:, :, qs], bk, mask[:, :, qs][..., cols], scale)
+            qs, ks, bk, bv, s = _block_scores(ring, step, seq, q, kv, mask, scale)
             p = torch.exp(s - lse[:, :, qs].unsqueeze(-1))
             do = dout[:, :, qs]
             share = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             dk, dv = share.chunk(2, dim=1)
             dv[:, :, ks] = _group_sum(p.transpose(-1, -2) @ do, kv_heads)
-            dp = do @ bv.repeat_interleave(q.shape[1] // kv_heads, dim=1).transpose(-1, -2)
+            dp = do @ _per_query_head(bv, heads).transpose(-1, -2)
             ds = p * (dp - delta[:, :, qs]) * scale
-            dq[:, :, qs] += ds @ bk.repeat_interleave(q.shape[1] // kv_heads, dim=1)
+            dq[:, :, qs] += ds @ _per_query_head(bk, heads)
             dk[:, :, ks] = _group_sum(ds.transpose(-1, -2) @ q[:, :, qs].float(), kv_heads)
             # The block's accumulator from the rank that held it last step (none at step 0:
             # the block is this rank's own).
@@ -129,6 +132,7 @@ class RingAttention(torch.autograd.Function):
         dk, dv = dkv.wait().chunk(2, dim=1)
         ring.comm.finish()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    ring: Ring) -> torch.Tensor:
