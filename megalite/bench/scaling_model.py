@@ -40,8 +40,8 @@ them (TP blocks of consecutive ranks, then stages, then DP replicas).
   runs it) sends the same K/V forward in cp - 1 blocks, and backward those blocks again plus
   cp blocks of dK and dV in fp32 (each block's accumulator passed on, the last step's home).
   Inside a node at the bus bandwidth while t x cp fits in one, else at the per-GPU network
-  bandwidth. DP replicas then number N / (t cp p), and the
-  gradients are summed over the cp x d ranks that hold the same parameters.
+  bandwidth. DP replicas then number N / (t cp p), and the gradients are summed over the
+  cp x d ranks that hold the same parameters.
 - DP communication: one all-reduce per step of the rank's params / (t p) gradients (2 or 4
   bytes each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across
   nodes, the group's 8/(t p) ranks per node (at least 1) drive as many NICs together (NCCL runs
@@ -209,12 +209,16 @@ def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     return (passes + 1) * (c - 1) * block * ACTIVATION_BYTES + c * block * 4
 
 
+def block_bandwidth(ranks: int, hw: Hardware) -> float:
+    """Bytes/s between the ranks of a block of `ranks` consecutive ranks: the node's bus
+    bandwidth while the block fits in a node, else each rank's own NIC (its slowest link)."""
+    return (hw.intra_node_gbs if ranks <= hw.gpus_per_node else hw.inter_node_gbs) * 1e9
+
+
 def cp_bandwidth(layout: Layout, hw: Hardware) -> float:
     """Bytes/s of the CP group's traffic: its ranks are the t x cp consecutive ranks of a TP
-    rank's blocks, inside one node while they fit."""
-    if layout.tp * layout.cp <= hw.gpus_per_node:
-        return hw.intra_node_gbs * 1e9
-    return hw.inter_node_gbs * 1e9
+    rank's blocks."""
+    return block_bandwidth(layout.tp * layout.cp, hw)
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -235,9 +239,7 @@ def p2p_bytes_per_step(layout: Layout) -> float:
 def p2p_bandwidth(layout: Layout, hw: Hardware) -> float:
     """Bytes/s of a stage-to-stage send: a pipeline is t x p consecutive ranks, so past one node
     its slowest boundary, which paces every stage, crosses nodes on each rank's own NIC."""
-    if layout.tp * layout.cp * layout.pp <= hw.gpus_per_node:
-        return hw.intra_node_gbs * 1e9
-    return hw.inter_node_gbs * 1e9
+    return block_bandwidth(layout.tp * layout.cp * layout.pp, hw)
 
 
 def dp_bytes_per_step(layout: Layout) -> float:
