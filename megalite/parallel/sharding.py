@@ -49,6 +49,15 @@ def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return shard.take(full) if shard else full
 
 
+def row_range(rows: int, index: int, count: int) -> tuple[int, int]:
+    """Rows [start, stop) of a tensor's `rows` that member `index` of `count` replicas owns:
+    contiguous, as even as they go (the first `rows % count` members take one more). The
+    distributed optimizer's slice of a parameter and a checkpoint's writer share both use it."""
+    base, extra = divmod(rows, count)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
 def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState) -> torch.Tensor:
     """The full tensor (weight, gradient, optimizer moment) whose slice `local` is, on every rank.
 

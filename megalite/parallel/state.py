@@ -65,6 +65,11 @@ class ParallelState:
     def grad_size(self) -> int:
         return self.dp_size * self.cp_size
 
+    @property
+    def grad_rank(self) -> int:
+        """This rank's index in `grad_group` (DP-major, CP-minor, as the group lists its ranks)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
     def stage_rank(self, pp_rank: int) -> int:
         """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
         stage = self.dp_rank * self.pp_size + pp_rank % self.pp_size

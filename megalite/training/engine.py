@@ -41,21 +41,29 @@ class AdamEngine:
     optimizer: torch.optim.Optimizer
 
     def master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        """The tensor the optimizer steps for model parameter p (and its full-precision weight):
-        p itself, but for pure_bf16's fp32 master."""
+        """The tensor the optimizer steps for model parameter p (and its full-precision weight),
+        rows `held_rows(p)`: p itself, but for pure_bf16's fp32 master."""
         return p
+
+    def held_rows(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        """Rows [start, stop) of p's local tensor (this rank's TP slice) whose fp32 weight
+        (`master`) and Adam moments (`moments`) this rank holds: all of them, but for a
+        distributed optimizer."""
+        return 0, p.shape[0]
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """This rank's slice of each Adam moment of p (none before the first step)."""
+        """Each Adam moment of p, rows `held_rows(p)` of this rank's TP slice (none before the
+        first step)."""
         state = self.optimizer.state.get(self.master(p), {})
         return {m: state[m] for m in MOMENTS if m in state}
 
     def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
-        """Set the Adam state from (parameter, {moment: this rank's slice}) pairs."""
+        """Set the Adam state from (parameter, {moment: rows `held_rows(p)` of this rank's TP
+        slice}) pairs."""
         # Through load_state_dict, so torch places "step" and the moments as its AdamW variant
         # (fused or not) expects.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
