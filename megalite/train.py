@@ -88,7 +88,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     # After the weights: DeepSpeed copies them into its fp32 partitions.
     engine = build_engine(model, t, ps, cfg.parallel)
     if resume_from is not None:
-        engine.load_moments(read_moments(resume_from, model), start)
+        engine.load_moments(read_moments(resume_from, model, engine.held_rows), start)
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
@@ -236,8 +236,8 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
     meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(tokens.item()),
             "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"]}
-    writer.save(run_dir, step, model, engine.moments, rng, meta, cfg.train.keep_checkpoints,
-                tokenizer=data.tokenizer_path, weight=engine.master)
+    writer.save(run_dir, step, model, engine, rng, meta, cfg.train.keep_checkpoints,
+                tokenizer=data.tokenizer_path)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ process starts.
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from megalite.training.checkpoint import read_whole_state
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 
 
 def moments(run_dir, step=STEPS):
-    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "optimizer.safetensors")
+    return read_whole_state(run_dir / "checkpoints" / f"step_{step:08d}", "optimizer")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

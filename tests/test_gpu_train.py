@@ -27,12 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-# safetensors: megalite's checkpoint format, imported by megalite itself (training/checkpoint.py).
-from safetensors.torch import load_file
 
 from megalite import train as train_module
 from megalite.data.batches import Batch, BatchOrder, Prefetcher
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint import latest_checkpoint, read_whole_state
 from tests.test_loop import InOrder
 from tests.test_resume import kill_every_process_of
 from tests.test_train import losses, run_train
@@ -153,7 +151,7 @@ import torch.distributed as dist
 
 import megalite.train as train
 from megalite.cli import run_reporting_errors
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint import latest_checkpoint, read_whole_state
 
 run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run.dir=")))
 real_train, real_lr_at = train.train, train.lr_at
@@ -273,8 +271,8 @@ def check_kill_and_resume(device: torch.device, cache, tmp_path: Path) -> None:
         assert sorted(got) == sorted(expected), key
         for step in expected:
             assert got[step] == expected[step], (key, step, got[step], expected[step])
-    final = f"checkpoints/step_{STEPS:08d}/model.safetensors"
-    a, b = load_file(whole / final), load_file(killed / final)
+    final = f"checkpoints/step_{STEPS:08d}"
+    a, b = read_whole_state(whole / final), read_whole_state(killed / final)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert (killed / "samples.txt").read_text() == (whole / "samples.txt").read_text()
     # The killed and the resumed run trained on NCCL, world size 1, the GPU (and the whole

@@ -14,7 +14,8 @@ from megalite.data.tokenizer import train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megalite.training.checkpoint import (WeightsOnly, load_checkpoint,  # noqa: E402
+                                          read_whole_state, save_checkpoint)
 from megalite.typed_config import ConfigError  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 from tests.models import CONFIGS, padded_batch  # noqa: E402
@@ -43,7 +44,7 @@ def megalite_checkpoint(cfg, tokenizer_file, directory):
     model = GPT(cfg, ParallelState(), seed=21)
     ps = ParallelState()
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
-    path = save_checkpoint(directory, 0, model, lambda p: {}, {"cpu": torch.get_rng_state()}, meta,
+    path = save_checkpoint(directory, 0, model, WeightsOnly(), {"cpu": torch.get_rng_state()}, meta,
                            ps, keep=1, tokenizer=tokenizer_file)
     return model, path
 
@@ -223,7 +224,7 @@ def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file)
             "train.max_steps=1", "train.lr=0.0", "train.min_lr=0.0", "train.global_batch_size=2",
             "train.micro_batch_size=2", "sample.max_new_tokens=2", f"run.dir={tmp_path / 'run'}"]
     assert run_distributed(run_train, 2, argv, torchrun_env=True) == [0, 0]
-    final = load_file(tmp_path / "run" / "checkpoints" / "step_00000001" / "model.safetensors")
+    final = read_whole_state(tmp_path / "run" / "checkpoints" / "step_00000001")
     imported = load_file(tmp_path / "imported" / "model.safetensors")
     assert final.keys() == imported.keys()
     assert all(torch.equal(final[k], imported[k]) for k in final)

@@ -175,7 +175,7 @@ def check_checkpoint_across_pipelines(directory: str) -> None:
             load_checkpoint(Path(directory) / "checkpoints" / f"step_{step:08d}", model, ps)
         for name, p in model.named_parameters():
             assert torch.equal(p, local_slice(whole[name].detach(), p)), (tp, parallel, name)
-        save_checkpoint(Path(directory), step + 1, model, engine.moments, {}, {"layout": {}}, ps, keep=1)
+        save_checkpoint(Path(directory), step + 1, model, engine, {}, {"layout": {}}, ps, keep=1)
 
 
 def test_checkpoints_load_across_pipeline_layouts(tmp_path):

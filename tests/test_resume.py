@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint import latest_checkpoint, read_whole_state
 from tests.harness import run_distributed
+from tests.test_loop import fill_disk_of_rank_0
 from tests.test_train import STEPS, common, losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +32,8 @@ def assert_continues_exactly(resumed: Path, whole: Path, after: int) -> None:
         assert sorted(got) == sorted(expected), key
         for step in (s for s in expected if s > after):
             assert got[step] == expected[step], (key, step, got[step], expected[step])
-    final = f"checkpoints/step_{STEPS:08d}/model.safetensors"
-    a, b = load_file(whole / final), load_file(resumed / final)
+    final = f"checkpoints/step_{STEPS:08d}"
+    a, b = read_whole_state(whole / final), read_whole_state(resumed / final)
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
@@ -124,13 +124,15 @@ def test_sigterm_stops_a_single_process_run_with_the_preempted_status(tmp_path, 
 
 KILL_DURING_SAVE = """
 import os, signal, sys
-import megalite.training.checkpoint as checkpoint
-original = checkpoint.save_file
-def save_then_die(tensors, path):
-    original(tensors, path)
-    if path.endswith("step_00000006/model.safetensors"):
-        os.kill(os.getpid(), signal.SIGKILL)  # model written, optimizer and meta not yet
-checkpoint.save_file = save_then_die
+import torch.distributed.checkpoint.filesystem as dcp_files
+original = dcp_files._write_item
+def write_then_die(transforms, stream, data, item, *args):
+    result = original(transforms, stream, data, item, *args)
+    if "step_00000006" in stream.name and item.index.fqn.startswith("optimizer/"):
+        stream.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # weights written, the rest and meta.json not yet
+    return result
+dcp_files._write_item = write_then_die
 from megalite.train import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -139,26 +141,16 @@ sys.exit(main(sys.argv[1:]))
 def check_save_failing_on_one_rank(tmp):
     """Rank 0's disk is full: every rank raises at once (none waits in a collective) and the
     previous checkpoint stays complete."""
-    import errno
-
-
     import megalite.training.checkpoint as checkpoint
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     from tests.models import CONFIGS
     ps = ParallelState.from_world(2)
     model = GPT(CONFIGS["gpt2"], ps, seed=0)
-    save = lambda step: checkpoint.save_checkpoint(tmp, step, model, lambda p: {}, {"x": torch.zeros(1)},  # noqa: E731
-                                                   {}, ps, keep=3)
+    save = lambda step: checkpoint.save_checkpoint(tmp, step, model, checkpoint.WeightsOnly(),  # noqa: E731
+                                                   {"x": torch.zeros(1)}, {}, ps, keep=3)
     save(1)
-    original = checkpoint.save_file
-
-    def disk_full(tensors, path):
-        if dist.get_rank() == 0 and path.endswith("model.safetensors"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        original(tensors, path)
-
-    checkpoint.save_file = disk_full
+    fill_disk_of_rank_0(lambda key: True)
     try:
         save(2)
     except checkpoint.CheckpointError as err:
@@ -184,7 +176,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, cache)
                           capture_output=True, text=True, timeout=300)
     assert died.returncode == -signal.SIGKILL
     half = crashed / "checkpoints" / ".tmp_step_00000006"
-    assert (half / "model.safetensors").is_file() and not (half / "meta.json").exists()
+    assert list(half.glob("*.distcp")) and not (half / "meta.json").exists()
     assert latest_checkpoint(crashed).name == "step_00000003"
 
     done = run([sys.executable, "-m", "megalite.train", *train_args, "train.resume=auto"])

@@ -6,9 +6,9 @@ with a small tokenizer, and compares the per-step losses in metrics.jsonl and th
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megalite import train as train_module
+from megalite.training.checkpoint import read_whole_state
 from megalite.training.metrics import read_records
 from tests.harness import run_distributed
 
@@ -49,7 +49,7 @@ def losses(run_dir, key: str = "loss") -> dict[int, float]:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors")
+    return read_whole_state(run_dir / "checkpoints" / f"step_{STEPS:08d}")
 
 
 def assert_same_training(a, b, tol=1e-5):

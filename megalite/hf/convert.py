@@ -1,7 +1,8 @@
 """`megalite export --ckpt CKPT --to-hf OUT` and `megalite import --from-hf DIR --to CKPT`.
 
-A megalite checkpoint holds full tensors, so conversion is a renaming and re-laying of one
-tensor dictionary; no process group and no TP size is involved. An imported checkpoint
+A megalite checkpoint is read whole in one process (training/checkpoint.read_whole_state), so
+conversion is a renaming and re-laying of one tensor dictionary; no process group and no TP
+size is involved. An imported checkpoint
 (step 0, no optimizer state) loads at any TP size, and `train.init_from` starts training from
 it or from a Hugging Face directory directly.
 """
@@ -63,8 +64,8 @@ def export_hf(ckpt: Path, out: Path) -> str:
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                "pad_token_id": tokenizer.pad_id}
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        weights = {k: f.get_tensor(k) for k in f.keys()}
+    from megalite.training.checkpoint import read_whole_state
+    weights = read_whole_state(ckpt)
     hf = {k: v.contiguous() for k, v in arch.weights_to_hf(weights, cfg).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})

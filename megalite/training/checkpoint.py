@@ -1,18 +1,20 @@
-"""Atomic, layout-independent checkpoints.
+"""Atomic, sharded, layout-independent checkpoints.
 
     RUN_DIR/checkpoints/step_00000012/
-        model.safetensors       full (unsharded) tensors by parameter name
-        optimizer.safetensors   full Adam moments, "<name>.exp_avg" / "<name>.exp_avg_sq"
+        .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): "model/<name>" and
+                                "optimizer/<name>.exp_avg|exp_avg_sq", each rank's blocks
         rng/rank_<r>.safetensors  every rank's generator states
         meta.json               step, layout, config; written last
 
-Tensors are stored whole, gathered over TP one parameter at a time, so a checkpoint does not
-depend on the TP x DP layout it was written with; loading reads one tensor at a time and keeps
-this rank's slice. Nor does it depend on the engine (native or DeepSpeed ZeRO) that wrote
-it. The directory is written under a hidden temporary name, fsynced, and renamed
-into place only when complete: a crash mid-save leaves the previous checkpoints untouched, and
-`latest_checkpoint` never sees the half-written one. `CheckpointWriter` writes the files in a
-background thread while training continues.
+Every rank writes only its share of the state (sharded_state.py says who writes which rows),
+in parallel, and reads back only the blocks its slices overlap, so a checkpoint loads at any
+TP x CP x PP x DP layout, either engine, any zero stage. The directory is written under a
+hidden temporary name, fsynced, and renamed into place only when complete: a crash mid-save
+leaves the previous checkpoints untouched, and `latest_checkpoint` never sees the half-written
+one. `CheckpointWriter` writes the files in a background thread while training continues.
+
+Checkpoints written before this format (model.safetensors + optimizer.safetensors, whole
+tensors) still load: `load_checkpoint` and `read_moments` read them as before.
 """
 from __future__ import annotations
 
@@ -26,17 +28,32 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.parallel.sharding import full_shape, gather_full, local_slice, shard_of
+from megalite.parallel.sharding import full_shape, local_slice
 from megalite.parallel.state import ParallelState
+from megalite.training.sharded_state import (MOMENTS, Piece, blocks, load_pieces, moment_pieces,
+                                             read_whole, save_pieces, stored_keys, weight_pieces,
+                                             written_pieces)
 from megalite.typed_config import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-MOMENTS = ("exp_avg", "exp_avg_sq")
-Moments = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
-Weight = Callable[[torch.nn.Parameter], torch.Tensor]
+HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
+
+
+class WeightsOnly:
+    """The state of a model without an optimizer (an import, a test), as an engine gives it."""
+
+    def held_rows(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        return 0, p.shape[0]
+
+    def master(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return p
+
+    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        return {}
 
 
 class CheckpointError(RuntimeError):
@@ -84,21 +101,22 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, engine,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
-                    keep: int, tokenizer: Path | None = None, weight: Weight = lambda p: p) -> Path:
+                    keep: int, tokenizer: Path | None = None) -> Path:
     """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
     with CheckpointWriter(pstate) as writer:
-        path = writer.save(run_dir, step, model, moments, rng_state, meta, keep, tokenizer, weight)
+        path = writer.save(run_dir, step, model, engine, rng_state, meta, keep, tokenizer)
         writer.finish()
     return path
 
 
 class CheckpointWriter:
-    """Saves checkpoints while training goes on: what needs the process group or the device
-    (creating the directory, the gathers over TP, the copy to host memory, each rank's RNG
-    file) runs in the caller's thread, on every rank in the same order; rank 0 writes the
-    tensor files, meta.json and the rename in a background thread.
+    """Saves checkpoints while training goes on: what needs the training's process group or the
+    device (creating the directory, the engine's state, the copy to host memory, each rank's RNG
+    file) runs in the caller's thread, on every rank in the same order; every rank then writes
+    its share (DCP, over a process group of the writer's own) in a background thread, after
+    which rank 0 writes meta.json and renames the directory into place.
 
     Whether every rank succeeded is agreed (a collective) by `finish`, which the next `save`
     calls first: one save is in flight at most, and a failure is raised on every rank at
@@ -107,14 +125,18 @@ class CheckpointWriter:
     without agreeing (after an error, other ranks may be gone).
 
     The host copies (pinned on CUDA, from which the device copies asynchronously) are kept for
-    the next save: on rank 0, the size of the full weights and Adam moments.
+    the next save: on each rank, the size of the share it writes.
     """
 
     def __init__(self, pstate: ParallelState):
         self.pstate = pstate
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-checkpoint")
         self._pending: tuple[Future | None, str] | None = None
-        self._host: dict[str, torch.Tensor] = {}
+        self._host: dict[tuple, torch.Tensor] = {}
+        # DCP's collectives run in the writing thread while training runs collectives of its
+        # own: they get a group of their own, on gloo (DCP exchanges Python objects).
+        self._group = (dist.new_group(backend="gloo", timeout=pstate.timeout)
+                       if dist.is_initialized() else None)
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -122,16 +144,15 @@ class CheckpointWriter:
     def __exit__(self, *exc) -> None:
         self._pool.shutdown(wait=True)
 
-    def save(self, run_dir: Path, step: int, model: torch.nn.Module, moments: Moments,
+    def save(self, run_dir: Path, step: int, model: torch.nn.Module, engine,
              rng_state: dict[str, torch.Tensor], meta: dict, keep: int,
-             tokenizer: Path | None = None, weight: Weight = lambda p: p) -> Path:
+             tokenizer: Path | None = None) -> Path:
         """Start saving; return the directory the checkpoint will have once written.
 
-        `moments(p)`: this rank's slice of each Adam moment of p (the engine's `moments`; it
-        may be a collective, so every rank asks for every parameter in the same order).
-        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained.
-        `weight(p)`: the value saved for p (the engine's `master`: the fp32 master weight of a
-        bf16 parameter under train.precision=pure_bf16, else p itself)."""
+        `engine`: the weights and Adam state (`held_rows`, `master`, `moments`: see
+        training/engine.py; `WeightsOnly()` for a model alone). `engine.moments` may be a
+        collective (DeepSpeed's ZeRO), so every rank saves every parameter in the same order.
+        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
         self.finish()
         pstate = self.pstate
         root = Path(run_dir) / "checkpoints"
@@ -152,10 +173,8 @@ class CheckpointWriter:
             _fsync(rng_file)
         _agree(_attempt(write_rng), pstate, what)
 
-        # The gathers are collectives: every rank takes its part, here, in the same order.
-        files = {"model": {}, "optimizer": {}}
-        for file, name, tensor in _gather_full_state(model, moments, weight, pstate):
-            files[file][name] = self._to_host(f"{file}/{name}", tensor)
+        pieces = [Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
+                  for piece in written_pieces(model, engine, pstate) for b in blocks(piece)]
         copied = None
         if pstate.device.type == "cuda":
             copied = torch.cuda.Event()
@@ -164,12 +183,16 @@ class CheckpointWriter:
         def write_and_publish():
             if copied is not None:
                 copied.synchronize()
-            for file, tensors in files.items():
-                save_file(tensors, str(tmp / f"{file}.safetensors"))
-                _fsync(tmp / f"{file}.safetensors")
-            _publish(tmp, final, {**meta, "step": step}, keep, tokenizer)
-        future = self._pool.submit(write_and_publish) if pstate.is_main else None
-        self._pending = (future, what)
+            try:
+                save_pieces(pieces, tmp, self._group)
+            except CheckpointException as err:  # raised by DCP on every rank
+                own = err.failures.get(pstate.rank)
+                if own is None:
+                    return  # another rank's: `finish` agrees on it
+                raise own[0] if isinstance(own, tuple) else own
+            if pstate.is_main:  # every rank's share is written once DCP's save returns
+                _publish(tmp, final, {**meta, "step": step}, keep, tokenizer)
+        self._pending = (self._pool.submit(write_and_publish), what)
         return final
 
     def finish(self) -> None:
@@ -178,9 +201,9 @@ class CheckpointWriter:
         if self._pending is None:
             return
         (future, what), self._pending = self._pending, None
-        _agree(None if future is None else future.exception(), self.pstate, what)
+        _agree(future.exception(), self.pstate, what)
 
-    def _to_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _to_host(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor` that training cannot change (a CPU parameter is updated in
         place) in a buffer kept from the previous save when it fits."""
         cuda = tensor.device.type == "cuda"
@@ -210,82 +233,33 @@ def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | No
         shutil.rmtree(old)
 
 
-def _gather_full_state(model, moments: Moments, weight: Weight,
-                       pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """("model" | "optimizer", name, full tensor) on rank 0, after every rank took its part in
-    each gather. Pipeline stages hold different parameters: each stage's first rank streams its
-    full tensors to rank 0, stage after stage."""
-    stage = _gather_stage(model, moments, weight, pstate)
-    if pstate.pp_size == 1 or pstate.pp_rank == 0:
-        yield from stage
-    streams = pstate.dp_rank == 0 and pstate.cp_rank == 0 and pstate.tp_rank == 0
-    if pstate.pp_rank > 0 and streams:
-        for item in stage:
-            _send_item(item, 0, pstate)
-        _send_item(None, 0, pstate)
-    elif pstate.pp_rank > 0:
-        for _ in stage:  # the TP gathers
-            pass
-    if pstate.is_main:
-        for s in range(1, pstate.pp_size):
-            while (item := _recv_item(pstate.stage_rank(s), pstate)) is not None:
-                yield item
-
-
-def _send_item(item, peer: int, pstate) -> None:
-    """(file, name, tensor) to `peer`: a header, then the tensor; None ends the stream."""
-    header = None if item is None else (item[0], item[1], tuple(item[2].shape), item[2].dtype)
-    dist.send_object_list([header], peer, device=pstate.device)
-    if item is not None:
-        dist.send(item[2].contiguous(), peer)
-
-
-def _recv_item(peer: int, pstate):
-    header = [None]
-    dist.recv_object_list(header, peer, device=pstate.device)
-    if header[0] is None:
-        return None
-    file, name, shape, dtype = header[0]
-    tensor = torch.empty(shape, dtype=dtype, device=pstate.device)
-    dist.recv(tensor, peer)
-    return file, name, tensor
-
-
-def _gather_stage(model, moments: Moments, weight: Weight,
-                  pstate) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """This stage's full tensors, on its rank of TP, CP and DP rank 0."""
-    for name, p in model.named_parameters():
-        local = moments(p)  # on every rank: it may be a collective over DP (ZeRO)
-        if pstate.dp_rank != 0 or pstate.cp_rank != 0 or getattr(p, "pipeline_copy", False):
-            # DP and CP replicas hold the same: one TP group gathers; a tied embedding's copy
-            # on the last stage equals the first stage's.
-            continue
-        shard = shard_of(p)
-        full = gather_full(weight(p).detach(), shard, pstate)
-        gathered = {m: gather_full(t, shard, pstate) for m, t in local.items()}
-        if pstate.tp_rank == 0:
-            yield "model", name, full
-            for m, t in gathered.items():
-                yield "optimizer", f"{name}.{m}", t
-
-
 def layout_of(pstate: ParallelState) -> dict[str, int]:
     """The layout a checkpoint records: its RNG files are only reloaded at the same one."""
     cp = {"cp": pstate.cp_size} if pstate.cp_size > 1 else {}  # older checkpoints have no cp
     return {"tp": pstate.tp_size, "dp": pstate.dp_size, "pp": pstate.pp_size, **cp}
 
 
+def _whole_tensors(path: Path) -> bool:
+    """Written before sharded checkpoints: whole tensors in model.safetensors."""
+    return (path / "model.safetensors").is_file()
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module,
                     pstate: ParallelState) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Load weights into this rank's slices; return (meta, this rank's RNG state, or None when
-    the checkpoint was written with another layout). `read_moments` reads the optimizer state."""
+    """Load weights into this rank's slices (a collective: every rank calls it); return (meta,
+    this rank's RNG state, or None when the checkpoint was written with another layout).
+    `read_moments` reads the optimizer state."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise ConfigError(f"checkpoint '{path}' is incomplete or missing (no meta.json): "
                           f"use train.resume=auto to pick the latest complete one")
     meta = json.loads((path / "meta.json").read_text())
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        load_full_weights(f, model, str(path))
+    if _whole_tensors(path):
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            load_full_weights(f, model, str(path))
+    else:
+        with torch.no_grad():
+            load_pieces(weight_pieces(model), path)
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == layout_of(pstate)
     rng = None
@@ -293,6 +267,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
         with safe_open(str(rng_file), framework="pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
     return meta, rng
+
+
+def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """A checkpoint's weights (part="model", by parameter name) or Adam moments ("optimizer",
+    by "<name>.exp_avg"...), whole, in this one process: for tools and tests, not training."""
+    path = Path(path)
+    if _whole_tensors(path):
+        with safe_open(str(path / f"{part}.safetensors"), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    return read_whole(path, f"{part}/")
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
@@ -312,11 +296,25 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             p.copy_(local_slice(full, p))
 
 
-def read_moments(path: Path, model: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, dict]]:
-    """(parameter, {moment: this rank's slice}) for each parameter with stored Adam moments,
-    read one tensor at a time."""
-    with safe_open(str(Path(path) / "optimizer.safetensors"), framework="pt") as f:
+def read_moments(path: Path, model: torch.nn.Module,
+                 held_rows: HeldRows) -> list[tuple[torch.nn.Parameter, dict]]:
+    """(parameter, {moment: rows `held_rows(p)` of this rank's slice}) for each parameter with
+    stored Adam moments (none in an imported checkpoint); a collective, as `load_checkpoint`."""
+    path = Path(path)
+    if _whole_tensors(path):
+        return list(_read_whole_moments(path, model, held_rows))
+    stored = stored_keys(path)
+    wanted = [(p, pieces) for p, pieces in moment_pieces(model, held_rows)
+              if all(piece.key in stored for piece in pieces.values())]
+    load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path)
+    return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
+
+
+def _read_whole_moments(path: Path, model, held_rows: HeldRows) -> Iterator[tuple]:
+    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         for name, p in model.named_parameters():
             if f"{name}.{MOMENTS[0]}" in keys:
-                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p).to(p.device) for m in MOMENTS}
+                start, stop = held_rows(p)
+                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device)
+                          for m in MOMENTS}

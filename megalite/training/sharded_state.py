@@ -1,0 +1,226 @@
+"""A rank's share of the training state, described to torch.distributed.checkpoint (DCP).
+
+megalite's parameters stay plain tensors; only here, at the checkpoint boundary, is each one
+described as a `Piece`: a block of rows of this rank's TP slice, with the global tensor's shape
+and the block's offsets in it. DCP writes every rank's pieces in parallel, records the chunks in
+its metadata, and on load reads, for each piece a rank asks for, only the stored blocks that
+overlap it: a checkpoint loads at any TP x CP x PP x DP layout and any zero stage.
+
+Who writes what: each tensor of a TP slice (weight, Adam moments) is held by the slice's
+replicas, the CP x DP ranks of the gradient group and, for GQA's KV heads, several TP ranks.
+Replica k of the gradient group writes rows `row_range(rows, k, grad_size)` (the rows the
+distributed optimizer gives it), so every rank writes about its share; a KV slice's TP copies
+but the first, and the last pipeline stage's copy of a tied embedding, write nothing.
+Pieces are cut into blocks of rows (`BLOCKS` per tensor at most), so that a reader wanting a
+few rows of a tensor (a distributed optimizer at another DP size) reads little more than those.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megalite.parallel.sharding import full_shape, row_range, shard_of
+from megalite.parallel.state import ParallelState
+from megalite.typed_config import ConfigError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BLOCKS = 32  # a reader of 1/8 of a tensor's rows reads at most 1/4 more than it needs
+MIN_BLOCK_BYTES = 1 << 16  # smaller blocks cost more in per-item overhead than they save
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`tensor` holds the block of the global tensor `key` (of shape `shape`) at `offsets`."""
+    key: str
+    tensor: torch.Tensor
+    shape: torch.Size
+    offsets: tuple[int, ...]
+
+
+def weight_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def moment_key(name: str, moment: str) -> str:
+    return f"optimizer/{name}.{moment}"
+
+
+def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
+    """Where row `first_row` of p's local tensor (its TP slice) sits in the global tensor."""
+    offsets = [0] * p.dim()
+    shard = shard_of(p)
+    if shard is not None:
+        offsets[shard.dim] = shard.index * p.shape[shard.dim]
+    offsets[0] += first_row
+    return tuple(offsets)
+
+
+def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
+    return Piece(key, rows, full_shape(p), slice_offsets(p, first_row))
+
+
+def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Iterator[Piece]:
+    """The weights and Adam moments this rank writes (see the module docstring).
+
+    `engine.moments(p)` may be a collective (DeepSpeed's ZeRO gathers): it is asked for every
+    parameter on every rank, in the same order."""
+    for name, p in model.named_parameters():
+        moments = engine.moments(p)
+        shard = shard_of(p)
+        copies = pstate.tp_size // shard.count if shard is not None else pstate.tp_size
+        if getattr(p, "pipeline_copy", False) or pstate.tp_rank % copies:
+            continue
+        held = engine.held_rows(p)
+        start, stop = row_range(p.shape[0], pstate.grad_rank, pstate.grad_size)
+        if start == stop:
+            continue
+        if not held[0] <= start <= stop <= held[1]:
+            raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().narrow(0, start - held[0], stop - start)
+        yield _rows_piece(weight_key(name), p, rows(engine.master(p)), start)
+        for m, t in moments.items():
+            yield _rows_piece(moment_key(name, m), p, rows(t), start)
+
+
+def weight_pieces(model: torch.nn.Module) -> list[Piece]:
+    """Each parameter's whole TP slice, to load in place."""
+    return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
+
+
+def moment_pieces(model: torch.nn.Module, held_rows: Callable) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
+    """Zeroed fp32 tensors for the Adam moments of the rows `held_rows(p)` of each parameter."""
+    out = []
+    for name, p in model.named_parameters():
+        start, stop = held_rows(p)
+        shape = (stop - start, *p.shape[1:])
+        out.append((p, {m: _rows_piece(moment_key(name, m), p,
+                                       torch.zeros(shape, dtype=torch.float32, device=p.device), start)
+                        for m in MOMENTS}))
+    return out
+
+
+def blocks(piece: Piece) -> Iterator[Piece]:
+    """The piece cut into blocks of whole rows."""
+    rows = piece.shape[0] if piece.shape else 1
+    row_bytes = piece.tensor[:1].numel() * piece.tensor.element_size()
+    step = max(-(-rows // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
+    for start in range(0, piece.tensor.shape[0], step):
+        block = piece.tensor[start:start + step]
+        yield dataclasses.replace(piece, tensor=block,
+                                  offsets=(piece.offsets[0] + start, *piece.offsets[1:]))
+
+
+class _SavePieces(DefaultSavePlanner):
+    """DCP's default planner (global plan, deduplication, metadata, validation that the chunks
+    cover every tensor), with this rank's items taken from its pieces instead of a state dict."""
+
+    def __init__(self, pieces: list[Piece]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {(p.key, p.offsets): p for p in pieces}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(
+                               chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets),
+                                                          sizes=p.tensor.shape),
+                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               size=p.shape))
+                 for p in self.pieces.values()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+
+
+class _LoadPieces(DefaultLoadPlanner):
+    """Reads into each piece's tensor, in place, the parts of the stored chunks it overlaps."""
+
+    def __init__(self, pieces: list[Piece], source: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {p.key: p for p in pieces}
+        self.source = source
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        requests = []
+        for p in self.pieces.values():
+            md = stored.get(p.key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise ConfigError(f"'{self.source}' lacks {p.key}: it was written for another "
+                                  f"model config")
+            if md.size != p.shape:
+                raise ConfigError(f"'{self.source}': {p.key} has shape {tuple(md.size)}, the model "
+                                  f"expects {tuple(p.shape)}")
+            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
+            requests += create_read_items_for_chunk_list(p.key, md, [chunk])
+        self.plan = LoadPlan(requests)
+        return self.plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[index.fqn].tensor
+
+
+def stored_keys(path: Path) -> dict[str, TensorStorageMetadata]:
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+@contextmanager
+def _one_process_quietly():
+    """DCP warns that it runs in one process whenever it does, which is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_pieces(pieces: list[Piece], path: Path, group) -> None:
+    """Write this rank's pieces (CPU tensors of their own: `blocks` of pieces, copied, since a
+    view would be written with its whole storage) into the DCP checkpoint at `path`: a
+    collective over `group` (every rank calls it, with what it has); raises on every rank if
+    any failed."""
+    with _one_process_quietly():
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
+                 planner=_SavePieces(pieces), process_group=group,
+                 no_dist=not dist.is_initialized())
+
+
+def load_pieces(pieces: list[Piece], path: Path) -> None:
+    """Fill each piece's tensor from the DCP checkpoint at `path` (a collective when a process
+    group exists: every rank calls it, with what it needs)."""
+    with _one_process_quietly():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+                 planner=_LoadPieces(pieces, str(path)), no_dist=not dist.is_initialized())
+
+
+def read_whole(path: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` whole, by name without the prefix, in this one process (tests,
+    tools; a process group, if any, is not used)."""
+    wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
+              for k, md in stored_keys(path).items()
+              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+    with _one_process_quietly():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+                 planner=_LoadPieces(wanted, str(path)), no_dist=True)
+    return {p.key[len(prefix):]: p.tensor for p in wanted}
