@@ -214,12 +214,13 @@ def load_pieces(pieces: list[Piece], path: Path) -> None:
                  planner=_LoadPieces(pieces, str(path)), no_dist=not dist.is_initialized())
 
 
-def read_whole(path: Path, prefix: str = "model/") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` whole, by name without the prefix, in this one process (tests,
-    tools; a process group, if any, is not used)."""
-    wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
-              for k, md in stored_keys(path).items()
-              if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)]
+def read_whole(path: Path, prefix: str = "model/", names=None) -> dict[str, torch.Tensor]:
+    """Every tensor under `prefix` (or those of `names` only), whole, by name without the prefix,
+    in this one process (tests, tools; a process group, if any, is not used)."""
+    stored = stored_keys(path)
+    keys = [k for k in stored if k.startswith(prefix)] if names is None else [prefix + n for n in names]
+    wanted = [Piece(k, torch.empty(stored[k].size, dtype=stored[k].properties.dtype), stored[k].size,
+                    (0,) * len(stored[k].size)) for k in keys]
     with _one_process_quietly():
         dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
                  planner=_LoadPieces(wanted, str(path)), no_dist=True)
