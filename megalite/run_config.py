@@ -79,10 +79,19 @@ class TrainConfig:
     log_every: int = 1  # steps between metrics records (each waits for the device)
     # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"
-    zero_stage: Literal[0, 1, 2] = 1  # engine=deepspeed: 1 partitions Adam's state, 2 also gradients
+    # 0: every replica (CP x DP) holds all of Adam's state (and pure_bf16's fp32 masters). 1: each
+    # holds its share: engine=native's distributed optimizer (gradients reduce-scattered, weights
+    # all-gathered), or DeepSpeed ZeRO-1. 2 (engine=deepspeed only): gradients partitioned too.
+    zero_stage: Literal[0, 1, 2] = 1
     # engine=deepspeed: more DeepSpeed config keys (e.g. zero_optimization.reduce_bucket_size),
     # merged into the config megalite derives from this section.
     deepspeed: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.engine == "native" and self.zero_stage == 2:
+            raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
+                              "partitions the optimizer state (stage 1), not the gradients; use "
+                              "train.zero_stage=1, or train.engine=deepspeed for stage 2")
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,14 @@
     engine.backward(micro_loss, last=...)   (pipelined: the schedule's order, pipeline/)
     grad_norm = engine.step()               clip, update, zero the gradients
 
-native (the default): the bucketed all-reduce overlapped with backward and the TP-aware
-clipping of grads.py, with torch's AdamW. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
-(deepspeed_engine.py). Both keep the Adam moments readable whole per parameter (`moments`,
+native (the default): torch's AdamW and the TP-aware clipping of grads.py. With
+train.zero_stage=1 (the default) and more than one replica of each parameter (CP x DP > 1),
+the distributed optimizer (distributed_optimizer.py): each replica holds the fp32 weight and Adam
+moments of its rows of each parameter, gradients are reduce-scattered and the updated rows
+all-gathered; with zero_stage=0, or a single replica, NativeEngine: replicated state, gradients
+all-reduced in buckets overlapped with backward. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
+(deepspeed_engine.py). Every engine tells which rows of a parameter's local tensor it holds
+(`held_rows`) and reads and sets their weight and Adam moments (`master`, `moments`,
 `load_moments`), so checkpoints stay layout- and engine-independent.
 
 train.precision=pure_bf16 (native only): the engine keeps fp32 masters of the then bf16 model
@@ -75,6 +80,10 @@ class AdamEngine:
 
 
 class NativeEngine(AdamEngine):
+    """Replicated optimizer state, gradients all-reduced over CP x DP (train.zero_stage=0, or
+    one replica). build_engine picks the distributed optimizer for zero_stage=1; constructed
+    directly, this class is the replicated engine whatever cfg.zero_stage says."""
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
                  parallel: ParallelConfig = ParallelConfig()):
         self.model = self.module = model
@@ -161,4 +170,7 @@ def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState
     if cfg.engine == "deepspeed":
         from megalite.training.deepspeed_engine import DeepSpeedEngine
         return DeepSpeedEngine(model, cfg, pstate)
+    if cfg.zero_stage == 1 and pstate.grad_size > 1:
+        from megalite.training.distributed_optimizer import DistributedOptimizer
+        return DistributedOptimizer(model, cfg, pstate, parallel)
     return NativeEngine(model, cfg, pstate, parallel)

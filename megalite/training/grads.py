@@ -5,7 +5,8 @@ count, so the right gradient is the SUM over DP ranks. Small collectives are lat
 gradients are reduced in buckets (PyTorch DDP's scheme): each bucket is one flat buffer and each
 p.grad a view of its slot, so the reduced sum lands in p.grad with no copy out. On the last
 micro-batch a bucket's all-reduce starts as soon as backward has accumulated all its gradients,
-while backward carries on with earlier layers.
+while backward carries on with earlier layers. (The distributed optimizer, train.zero_stage=1,
+reduce-scatters the same buckets by rows instead: distributed_optimizer.py.)
 
 Norm: TP slices of one weight are disjoint parts of it, so their squared norms add up over
 the TP group; replicated parameters are identical on every TP rank and count once; a slice
@@ -14,6 +15,7 @@ held by c copies (GQA's KV heads) counts 1/c per copy.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,11 @@ def bucket_params(params: list[torch.nn.Parameter], cap_bytes: float) -> list[li
 
 class Bucket:
     """Parameters whose gradients one all-reduce sums: a flat buffer, a param-shaped view of it
-    per parameter, and which of them backward has finished on the last micro-batch."""
+    per parameter, and which of them backward has finished on the last micro-batch.
+
+    The interface DataParallelGradSync drives (the distributed optimizer's buckets share it):
+    `params`, `ready`, `full`, `adopt(index)` after each micro-batch's gradient of a parameter,
+    and `start(group, reduce_dtype)`, which returns the call that finishes the reduction."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
@@ -69,17 +75,32 @@ class Bucket:
     def full(self) -> bool:
         return len(self.ready) == len(self.params)
 
+    def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
+        """Start the all-reduce; the returned call waits for it and leaves the sums in p.grad."""
+        buffer = self.buffer
+        payload = buffer if reduce_dtype is None else buffer.to(reduce_dtype)
+        work = dist.all_reduce(payload, group=group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            if payload is not buffer:
+                buffer.copy_(payload)
+        return finish
+
 
 class DataParallelGradSync:
     """Sums gradients over the DP group (with context parallelism, CP x DP): bucket by bucket, from backward's hooks on the last
     micro-batch; `wait` finishes the step's reduction.
 
     hooks=False: backward does not fill these gradients (pure_bf16's fp32 masters), so the
-    caller calls `grad_ready(p)` once it has accumulated each p.grad.
+    caller calls `grad_ready(p)` once it has accumulated each p.grad. make_bucket: how a bucket
+    of parameters is reduced (`Bucket`: all-reduced in place; the distributed optimizer's:
+    reduce-scattered by rows).
     """
 
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
-                 reduce_dtype: str = "fp32", hooks: bool = True):
+                 reduce_dtype: str = "fp32", hooks: bool = True,
+                 make_bucket: Callable[[list], Bucket] = Bucket):
         self.group = pstate.grad_group  # DP, or CP x DP: both hold replicas of the parameters
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
@@ -89,7 +110,7 @@ class DataParallelGradSync:
         self.pending: list = []
         if group_size(self.group) > 1:
             params = [p for p in model.parameters() if p.requires_grad]
-            self.buckets = [Bucket(b) for b in bucket_params(params, bucket_mb * MIB)]
+            self.buckets = [make_bucket(b) for b in bucket_params(params, bucket_mb * MIB)]
             for bucket in self.buckets:
                 for index, p in enumerate(bucket.params):
                     self.slot_of[id(p)] = (bucket, index)
@@ -111,10 +132,7 @@ class DataParallelGradSync:
                 self._start(self.buckets[self.started])
 
     def _start(self, bucket: Bucket) -> None:
-        buffer = bucket.buffer
-        payload = buffer if self.reduce_dtype is None else buffer.to(self.reduce_dtype)
-        work = dist.all_reduce(payload, group=self.group, async_op=True)
-        self.pending.append((work, buffer, payload))
+        self.pending.append(bucket.start(self.group, self.reduce_dtype))
         self.started += 1
 
     @contextmanager
@@ -137,10 +155,8 @@ class DataParallelGradSync:
             for index in range(len(bucket.params)):
                 bucket.adopt(index)
             self._start(bucket)
-        for work, buffer, payload in self.pending:
-            work.wait()
-            if payload is not buffer:
-                buffer.copy_(payload)
+        for finish in self.pending:
+            finish()
         for bucket in self.buckets:
             bucket.ready.clear()
         self.pending.clear()
@@ -163,11 +179,15 @@ def sum_embedding_copies(model: torch.nn.Module, master, pstate: ParallelState) 
         dist.all_reduce(master(model.embed.weight).grad, group=pstate.embedding_group)
 
 
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelState) -> torch.Tensor:
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelState,
+                    rows_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm (0: no clipping); return the norm.
 
     Pipeline stages hold disjoint parameters: their squares add up over the PP group, but for
-    the last stage's copy of a tied embedding (`pipeline_copy`), which the first stage counts."""
+    the last stage's copy of a tied embedding (`pipeline_copy`), which the first stage counts.
+    rows_group: the group whose ranks hold disjoint rows of each gradient (the distributed
+    optimizer's gradient group, where `model` holds this rank's rows): their squares add up
+    over it first."""
     split, weights, replicated, copies = [], [], [], []
     for p in model.parameters():
         if p.grad is None:
@@ -182,9 +202,13 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelSta
             split.append(p.grad)
             weights.append(shard.count / pstate.tp_size)
     split_squares = _sum_of_squares(split, weights, pstate.device)
+    replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
+    if group_size(rows_group) > 1:
+        both = torch.stack([split_squares, replicated_squares])
+        dist.all_reduce(both, group=rows_group)
+        split_squares, replicated_squares = both.unbind()
     if group_size(pstate.tp_group) > 1:
         dist.all_reduce(split_squares, group=pstate.tp_group)
-    replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
     squares = split_squares + replicated_squares
     if group_size(pstate.pp_group) > 1:
         dist.all_reduce(squares, group=pstate.pp_group)

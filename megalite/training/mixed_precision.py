@@ -26,19 +26,24 @@ class MasterWeights(nn.Module):
     A module whose parameters carry the model's TP shards, so the optimizer, the DP sync and the
     clipping take it as they take the model. Each master's gradient is a kept fp32 buffer (zero
     it in place, never set it to None): backward's hooks add into it.
+
+    rows(p) -> (start, stop): the rows of each parameter the masters hold (the distributed
+    optimizer's share). Such masters get no gradient buffer here: the distributed optimizer
+    accumulates the full gradients, and sets their rows' sums as the masters' gradients.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module,
+                 rows: Callable[[torch.Tensor], tuple[int, int]] | None = None):
         super().__init__()
         self.model_params = list(model.parameters())
         self.params = nn.ParameterList()
         for p in self.model_params:
-            master = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
-            shard = shard_of(p)
-            if shard is not None:
-                mark_sharded(master, shard.dim, shard.index, shard.count)
-            master.pipeline_copy = getattr(p, "pipeline_copy", False)
-            master.grad = torch.zeros_like(master)
+            start, stop = (0, p.shape[0]) if rows is None else rows(p)
+            master = nn.Parameter(p.detach()[start:stop].float().clone(),
+                                  requires_grad=p.requires_grad)
+            copy_marks(master, p)
+            if rows is None:
+                master.grad = torch.zeros_like(master)
             self.params.append(master)
             # Parameters only: buffers such as the rotary frequencies stay fp32.
             p.data = p.data.to(torch.bfloat16)
@@ -60,6 +65,15 @@ class MasterWeights(nn.Module):
         """Set the model's parameters to the masters rounded to bf16 (to nearest even)."""
         for p, master in zip(self.model_params, self.params):
             p.copy_(master)
+
+
+def copy_marks(tensor: torch.Tensor, p: torch.Tensor) -> None:
+    """Give `tensor` (p's master, or a block of p's rows) p's TP shard and tied-copy marks, which
+    the clipping norm reads."""
+    shard = shard_of(p)
+    if shard is not None:
+        mark_sharded(tensor, shard.dim, shard.index, shard.count)
+    tensor.pipeline_copy = getattr(p, "pipeline_copy", False)
 
 
 def _accumulate(master: nn.Parameter, then: Callable[[nn.Parameter], None],

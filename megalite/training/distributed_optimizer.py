@@ -1,0 +1,198 @@
+"""The distributed optimizer (train.zero_stage=1, Megatron's --use-distributed-optimizer, ZeRO-1):
+each replica of a parameter keeps the fp32 weight and the Adam moments of its rows only.
+
+The replicas of a TP slice are the ranks of the gradient group (CP x DP, `pstate.grad_group`);
+member k holds rows `row_range(rows, k, grad_size)` of each parameter's local tensor (the
+contract with checkpoints: `held_rows`, `master`, `moments`). What crosses which group:
+
+  backward  each micro-batch's gradient accumulates locally, whole (fp32; pure_bf16's bf16
+            gradients into an fp32 sum). On the last micro-batch, as backward finishes a bucket
+            (grads.bucket_params' order), its gradients are copied rank-major into one buffer
+            (region k: rank k's rows of each parameter, regions padded to one size) and
+            reduce-scattered over the gradient group, overlapped with the rest of backward:
+            each rank receives the sum of its rows. The whole gradients are then freed.
+  step      tied embeddings: the two pipeline copies' rows are summed over the embedding group;
+            the norm's sums of squares of the rows over the gradient group, then TP and PP
+            (grads.clip_grad_norm_); AdamW updates the rows; each bucket's updated rows are
+            all-gathered over the gradient group into the parameters, in their dtype (pure_bf16:
+            each row rounded to bf16 once, as the replicated engine rounds its whole masters).
+  forward   nothing: the parameters are whole again (the all-gathers end the step, they do not
+            overlap the next forward).
+
+AdamW is element-wise, so updating rows with their summed gradients and the global clipping
+coefficient is the replicated update of those rows.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalite.config import ParallelConfig
+from megalite.parallel.sharding import row_range
+from megalite.parallel.state import ParallelState
+from megalite.run_config import TrainConfig
+from megalite.training.engine import NativeEngine
+from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
+from megalite.training.mixed_precision import MasterWeights, copy_marks
+from megalite.training.optim import build_optimizer
+
+# torch 2.13 renames these two (…_single); the old names work in every supported torch and are
+# the ones bench/comm.py's CommLog counts.
+warnings.filterwarnings("ignore", category=FutureWarning,
+                        message=r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+
+
+class ShardedBucket:
+    """Parameters whose gradients one reduce-scatter sums by rows and whose updated rows one
+    all-gather brings back. Driven by grads.DataParallelGradSync, as a `Bucket`."""
+
+    def __init__(self, params: list[nn.Parameter], shards: dict[int, nn.Parameter],
+                 rank: int, size: int):
+        self.params, self.rank, self.size = params, rank, size
+        self.shards = [shards[id(p)] for p in params]  # whose .grad takes this rank's sums
+        self.ready: set[int] = set()
+        # counts[k][i]: elements of params[i] held by rank k; at[k][i]: where they sit in the buffer.
+        self.counts = [[_held_elements(p, k, size) for p in params] for k in range(size)]
+        self.region = max(sum(c) for c in self.counts)
+        self.at = [[k * self.region + sum(c[:i]) for i in range(len(c))]
+                   for k, c in enumerate(self.counts)]
+        self.sums: list[torch.Tensor | None] = [None] * len(params)  # bf16 parameters' fp32 sums
+
+    @property
+    def full(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def adopt(self, index: int) -> None:
+        """A bf16 parameter's gradient is added into its fp32 sum and freed (an fp32 one
+        accumulates in p.grad)."""
+        p = self.params[index]
+        if p.grad is not None and p.dtype != torch.float32:
+            total = self.sums[index]
+            self.sums[index] = p.grad.float() if total is None else total.add_(p.grad)
+            p.grad = None
+
+    def _views(self, flat: torch.Tensor, index: int) -> list[torch.Tensor]:
+        """Each rank's part of params[index] in a rank-major buffer."""
+        return [flat[self.at[k][index]:self.at[k][index] + self.counts[k][index]]
+                for k in range(self.size)]
+
+    def _split(self, whole: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
+        """Each rank's rows of a tensor of params[index]'s shape, flat."""
+        return whole.reshape(-1).split([c[index] for c in self.counts])
+
+    def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
+        """Start the reduce-scatter of the accumulated gradients (a missing one counts as zeros)
+        and free them; the returned call waits and sets each shard's .grad (fp32) to its sum."""
+        dtype = reduce_dtype or torch.float32
+        device = self.params[0].device
+        send = torch.zeros(self.size * self.region, dtype=dtype, device=device)
+        dst, src = [], []
+        for i, p in enumerate(self.params):
+            grad = p.grad if p.dtype == torch.float32 else self.sums[i]
+            if grad is not None:
+                dst += self._views(send, i)
+                src += self._split(grad, i)
+            p.grad, self.sums[i] = None, None
+        if dst:
+            torch._foreach_copy_(dst, src)
+        recv = torch.empty(self.region, dtype=dtype, device=device)
+        work = dist.reduce_scatter_tensor(recv, send, group=group, async_op=True)
+
+        def finish(send=send) -> None:  # the input lives until the reduce-scatter is done
+            work.wait()
+            grads = recv.float()  # recv itself when it is fp32
+            first = self.rank * self.region
+            for i, shard in enumerate(self.shards):
+                at = self.at[self.rank][i] - first
+                shard.grad = grads[at:at + self.counts[self.rank][i]].view(shard.shape)
+        return finish
+
+    @torch.no_grad()
+    def gather(self, group) -> Callable[[], None]:
+        """Start the all-gather of every rank's updated rows; the returned call waits and copies
+        them into the parameters (cast to their dtype)."""
+        dtype, device = self.params[0].dtype, self.params[0].device
+        mine = self.counts[self.rank]
+        send = torch.zeros(self.region, dtype=dtype, device=device)
+        torch._foreach_copy_(list(send.split(mine + [self.region - sum(mine)]))[:-1],
+                             [s.detach().reshape(-1) for s in self.shards])
+        recv = torch.empty(self.size * self.region, dtype=dtype, device=device)
+        work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
+
+        def finish(send=send) -> None:
+            work.wait()
+            dst, src = [], []
+            for i, p in enumerate(self.params):
+                dst += self._split(p.detach(), i)
+                src += self._views(recv, i)
+            torch._foreach_copy_(dst, src)
+        return finish
+
+
+class DistributedOptimizer(NativeEngine):
+    """The native engine with train.zero_stage=1 (build_engine picks it when the gradient group
+    has more than one rank): the optimizer steps this rank's rows of each parameter, a leaf
+    tensor per parameter (`master(p)`): a view of p's rows (fp32), or the fp32 master rows
+    (pure_bf16), whose .grad is the reduce-scattered sum of those rows."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, pstate: ParallelState,
+                 parallel: ParallelConfig = ParallelConfig()):
+        self.model = self.module = model
+        self.cfg, self.pstate = cfg, pstate
+        rank, size = pstate.grad_rank, pstate.grad_size
+        # The regions of the reduce-scatter are in the group's rank order.
+        assert dist.get_rank(pstate.grad_group) == rank, (dist.get_rank(pstate.grad_group), rank)
+        params = list(model.parameters())
+        self.rows = {id(p): row_range(p.shape[0], rank, size) for p in params}
+        if cfg.precision == "pure_bf16":
+            self.masters = MasterWeights(model, rows=self.held_rows)  # casts the model to bf16
+            shards = list(self.masters.params)
+        else:
+            self.masters = None
+            shards = [_rows_of(p, *self.held_rows(p)) for p in params]
+        self.shard = {id(p): s for p, s in zip(params, shards)}
+        # What the optimizer steps and the clipping scales: the rows. Decay groups by dim, which
+        # rows of a tensor share with it.
+        self.trained = nn.ParameterList(shards)
+        self.optimizer = build_optimizer(self.trained, cfg, pstate.device)
+        # Buckets of dp_bucket_mb of fp32 gradient, whatever the parameters' dtype.
+        bucket_mb = parallel.dp_bucket_mb * params[0].element_size() / 4
+        self.grad_sync = DataParallelGradSync(
+            model, pstate, bucket_mb, parallel.dp_reduce_dtype,
+            make_bucket=lambda bucket: ShardedBucket(bucket, self.shard, rank, size))
+
+    def held_rows(self, p: nn.Parameter) -> tuple[int, int]:
+        return self.rows[id(p)]
+
+    def master(self, p: nn.Parameter) -> nn.Parameter:
+        return self.shard[id(p)]
+
+    def step(self) -> torch.Tensor:
+        self.grad_sync.wait()
+        # The two copies hold the same rows: summing the rows sums the copies.
+        sum_embedding_copies(self.model, self.master, self.pstate)
+        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate,
+                               rows_group=self.pstate.grad_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the reduce-scatters' outputs
+        gathers = [bucket.gather(self.grad_sync.group) for bucket in self.grad_sync.buckets]
+        for finish in gathers:
+            finish()
+        return norm
+
+
+def _held_elements(p: torch.Tensor, rank: int, size: int) -> int:
+    start, stop = row_range(p.shape[0], rank, size)
+    return (stop - start) * math.prod(p.shape[1:])
+
+
+def _rows_of(p: nn.Parameter, start: int, stop: int) -> nn.Parameter:
+    """A leaf parameter viewing rows [start, stop) of p (updating it updates p), with p's marks."""
+    rows = nn.Parameter(p.detach()[start:stop], requires_grad=p.requires_grad)
+    copy_marks(rows, p)
+    return rows
