@@ -37,10 +37,12 @@ def test_tp2dp2_checkpoint_loads_and_continues_at_another_layout(tmp_path, cache
     resume_and_compare(cache, run_dir, checkpoint, tmp_path / f"tp{tp}", world, tp)
 
 
-def resume_and_compare(cache, original, checkpoint, resumed, world: int, tp: int) -> None:
-    """Train from `checkpoint` at TP=tp on `world` processes: the original run's next losses."""
+def resume_and_compare(cache, original, checkpoint, resumed, world: int, tp: int,
+                       extra: tuple[str, ...] = ()) -> None:
+    """Train from `checkpoint` at TP=tp (and `extra` settings) on `world` processes: the
+    original run's next losses."""
     train_run(world, common(cache, resumed, "padded") + [
-        f"parallel.tp={tp}", "train.micro_batch_size=2", f"train.resume={checkpoint}"])
+        f"parallel.tp={tp}", "train.micro_batch_size=2", f"train.resume={checkpoint}", *extra])
     expected, got = losses(original), losses(resumed)
     assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
     for step in got:

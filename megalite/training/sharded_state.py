@@ -9,8 +9,9 @@ overlap it: a checkpoint loads at any TP x CP x PP x DP layout and any zero stag
 Who writes what: each tensor of a TP slice (weight, Adam moments) is held by the slice's
 replicas, the CP x DP ranks of the gradient group and, for GQA's KV heads, several TP ranks.
 Replica k of the gradient group writes rows `row_range(rows, k, grad_size)` (the rows the
-distributed optimizer gives it), so every rank writes about its share; a KV slice's TP copies
-but the first, and the last pipeline stage's copy of a tied embedding, write nothing.
+distributed optimizer gives it), split again between the TP ranks that hold the same slice
+(a replicated tensor, GQA's KV heads), so every rank writes about its share; the last pipeline
+stage's copy of a tied embedding writes nothing.
 Pieces are cut into blocks of rows (`BLOCKS` per tensor at most), so that a reader wanting a
 few rows of a tensor (a distributed optimizer at another DP size) reads little more than those.
 """
@@ -82,10 +83,12 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         moments = engine.moments(p)
         shard = shard_of(p)
         copies = pstate.tp_size // shard.count if shard is not None else pstate.tp_size
-        if getattr(p, "pipeline_copy", False) or pstate.tp_rank % copies:
+        if getattr(p, "pipeline_copy", False):
             continue
         held = engine.held_rows(p)
         start, stop = row_range(p.shape[0], pstate.grad_rank, pstate.grad_size)
+        first, last = row_range(stop - start, pstate.tp_rank % copies, copies)  # TP copies split them
+        start, stop = start + first, start + last
         if start == stop:
             continue
         if not held[0] <= start <= stop <= held[1]:

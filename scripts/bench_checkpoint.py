@@ -1,0 +1,163 @@
+"""What a checkpoint costs each rank: host memory and bytes written during a save, and bytes
+read when it is loaded at another layout, measured from outside megalite by the kernel's own
+counters (/proc/self/status VmHWM, reset before the save; /proc/self/io rchar and wchar; the
+file-backed resident pages for reads through a memory map).
+
+    python scripts/bench_checkpoint.py --out benchmarks/checkpoint
+
+Saves one checkpoint at TP4 (4 processes, gloo, one real optimizer step first, so Adam's
+moments exist), then loads it at TP2 x DP2 and TP1 x DP4 with each zero stage, each in fresh
+processes. Writes OUT/results.json (device, date, commit, command, per-rank numbers) and
+OUT/results.md. A rank's share is the state it holds once loaded: its weights' slices and the
+rows of Adam's moments its engine keeps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+
+
+def proc_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def proc_io() -> dict[str, int]:
+    return {k: int(v) for k, v in (line.split(": ") for line in
+                                   Path("/proc/self/io").read_text().splitlines())}
+
+
+def worker(args) -> None:
+    """One rank, under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    from megalite.config import ParallelConfig, load_model_config
+    from megalite.model import GPT
+    from megalite.parallel.state import ParallelState
+    from megalite.run_config import TrainConfig
+    from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
+    from megalite.training.engine import build_engine
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    ps = ParallelState.from_world(args.tp)
+    cfg = load_model_config("gpt2-medium", n_layers=args.layers)
+    model = GPT(cfg, ps, seed=0 if args.phase == "save" else 1)
+    engine = build_engine(model, TrainConfig(precision="fp32", zero_stage=args.zero), ps,
+                          ParallelConfig(tp=args.tp))
+    path = Path(args.dir)
+    row = {"rank": ps.rank, "tp": ps.tp_size, "dp": ps.dp_size, "zero_stage": args.zero,
+           "params": sum(p.numel() for p in model.parameters()) * ps.tp_size}
+    if args.phase == "save":
+        ids = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(ps.dp_rank))
+        loss = model(ids, labels=ids, loss_scale=1.0 / ids.numel()).loss
+        engine.backward(loss, last=True)
+        engine.step()
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before, io, start = proc_status("VmRSS"), proc_io(), time.perf_counter()
+        meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size, "pp": 1}, "tokens": 0,
+                "config": {"model": {}}}
+        save_checkpoint(path.parent.parent, 1, model, engine, {"cpu": torch.get_rng_state()}, meta, ps, keep=1)
+        after = proc_io()
+        row.update(seconds=time.perf_counter() - start, rss_before_gb=before / GB,
+                   peak_rss_gb=proc_status("VmHWM") / GB,
+                   written_gb=(after["wchar"] - io["wchar"]) / GB)
+    else:
+        io, mapped = proc_io(), proc_status("RssFile")
+        start = time.perf_counter()
+        load_checkpoint(path, model, ps)
+        moments = read_moments(path, model, engine.held_rows)
+        seconds = time.perf_counter() - start
+        read = proc_io()["rchar"] - io["rchar"] + max(0, proc_status("RssFile") - mapped)
+        share = sum(p.numel() * 4 for p in model.parameters()) + sum(
+            t.numel() * t.element_size() for _, m in moments for t in m.values())
+        row.update(seconds=seconds, read_gb=read / GB, share_gb=share / GB, read_per_share=read / share)
+    rows = [None] * ps.world_size
+    dist.all_gather_object(rows, row)
+    if ps.rank == 0:
+        Path(args.result).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def torchrun(phase: str, tp: int, zero: int, directory: Path, layers: int) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                        "--standalone", __file__, "--worker", "--phase", phase, "--tp",
+                        str(tp), "--zero", str(zero), "--dir", str(directory), "--layers",
+                        str(layers), "--result", result.name], cwd=ROOT, check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return json.loads(Path(result.name).read_text())
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def report(results: dict) -> str:
+    save = results["save"]
+    lines = [f"Checkpoint of a {save[0]['params'] / 1e6:.0f}M-parameter model (gpt2-medium "
+             f"shape, {results['layers']} layers), 4 processes, gloo, {results['device']}, "
+             f"commit {results['commit'][:10]}, {results['date'][:10]}.", "",
+             "| save at TP4 | rank | peak RSS GB | RSS before GB | written GB | s |", "|---|---|---|---|---|---|"]
+    lines += [f"| | {r['rank']} | {r['peak_rss_gb']:.2f} | {r['rss_before_gb']:.2f} | "
+              f"{r['written_gb']:.3f} | {r['seconds']:.1f} |" for r in save]
+    lines += ["", "| load at | zero stage | rank | share GB | read GB | read / share | s |",
+              "|---|---|---|---|---|---|---|"]
+    for load in results["loads"]:
+        lines += [f"| TP{r['tp']} x DP{r['dp']} | {r['zero_stage']} | {r['rank']} | {r['share_gb']:.3f} | "
+                  f"{r['read_gb']:.3f} | {r['read_per_share']:.2f} | {r['seconds']:.1f} |"
+                  for r in load]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/checkpoint")
+    parser.add_argument("--layers", type=int, default=14)
+    parser.add_argument("--zero-stages", default="0,1")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--phase", "--dir", "--result"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages = [int(s) for s in args.zero_stages.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "checkpoints" / "step_00000001"
+        results = {"device": f"cpu ({platform.processor() or platform.machine()}, "
+                             f"{os.cpu_count()} cores)",
+                   "date": datetime.now(timezone.utc).isoformat(), "commit": git("rev-parse", "HEAD"),
+                   "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                   "command": " ".join([Path(sys.executable).name] + sys.argv),
+                   "torch": __import__("torch").__version__, "layers": args.layers,
+                   "save": torchrun("save", 4, 0, ckpt, args.layers)}
+        results["checkpoint_gb"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GB
+        results["loads"] = [torchrun("load", tp, zero, ckpt, args.layers)
+                            for tp in (2, 1) for zero in stages]
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report(results))
+    print(report(results))
+
+
+if __name__ == "__main__":
+    main()

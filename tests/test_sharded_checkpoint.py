@@ -1,0 +1,78 @@
+"""Sharded checkpoints: written by every rank, its share; loaded at any layout and zero stage.
+
+The original run trains at TP2 x PP2 with the distributed optimizer (zero_stage=1) and saves at
+step 5; runs resumed from it at TP4, TP1 x DP4, CP2 x DP2 and PP4 interleaved continue with its
+losses. At one layout a resume is exact, bit for bit; a checkpoint in the format written before
+sharding (whole tensors in model.safetensors and optimizer.safetensors) resumes as the sharded
+one does.
+"""
+import shutil
+import statistics
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megalite.training.checkpoint import read_whole_state
+from tests.test_reshard import SAVED_AT, resume_and_compare
+from tests.test_resume import assert_continues_exactly
+from tests.test_train import common, losses, train_run
+
+# Eight layers: four stages of two model chunks each.
+MODEL = ("model.n_layers=8",)
+ORIGINAL = ("parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2",
+            "train.checkpoint_every=5", "train.zero_stage=1", *MODEL)
+LAYOUTS = {"tp4": (4, ()), "tp1xdp4": (1, ()), "cp2xdp2": (1, ("parallel.cp=2",)),
+           "pp4-interleaved": (1, ("parallel.pp=4", "parallel.pp_schedule=interleaved",
+                                   "parallel.virtual_stages=2"))}
+
+
+@pytest.fixture(scope="module")
+def tp2pp2_zero1(tmp_path_factory, cache):
+    run_dir = tmp_path_factory.mktemp("tp2pp2-zero1")
+    train_run(4, common(cache, run_dir, "padded") + list(ORIGINAL))
+    return run_dir
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_tp2xpp2_zero1_checkpoint_continues_at_another_layout(tmp_path, cache, tp2pp2_zero1,
+                                                                layout):
+    tp, extra = LAYOUTS[layout]
+    checkpoint = tp2pp2_zero1 / "checkpoints" / f"step_{SAVED_AT:08d}"
+    resume_and_compare(cache, tp2pp2_zero1, checkpoint, tmp_path / layout, 4, tp, (*extra, *MODEL))
+
+
+def test_replicas_share_the_writing(tp2dp2_padded):
+    """At TP2 x DP2 each of the 4 ranks wrote its file, none more than 1.25 times the median:
+    the DP replicas (and TP ranks, for the tensors they both hold) split what they hold."""
+    files = sorted((tp2dp2_padded / "checkpoints" / f"step_{SAVED_AT:08d}").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    assert len(sizes) == 4 and max(sizes) <= 1.25 * statistics.median(sizes), sizes
+
+
+def test_a_zero1_resume_at_the_same_layout_is_exact(tmp_path, cache):
+    run = common(cache, tmp_path / "whole", "padded") + [
+        "parallel.tp=1", "train.micro_batch_size=2", "train.checkpoint_every=5",
+        "train.zero_stage=1"]
+    train_run(2, run)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / f"step_{SAVED_AT:08d}",
+                    resumed / "checkpoints" / f"step_{SAVED_AT:08d}")
+    shutil.copy(tmp_path / "whole" / "metrics.jsonl", resumed)  # the resume drops steps after 5
+    train_run(2, [a.replace(str(tmp_path / "whole"), str(resumed)) for a in run])
+    assert_continues_exactly(resumed, tmp_path / "whole", SAVED_AT)
+
+
+def test_a_checkpoint_of_whole_tensors_still_resumes(tmp_path, cache, tp2pp2_zero1):
+    """The format before sharding: the same weights and moments, rewritten as whole tensors,
+    resume as the sharded checkpoint does."""
+    sharded = tp2pp2_zero1 / "checkpoints" / f"step_{SAVED_AT:08d}"
+    whole = tmp_path / "whole-format" / f"step_{SAVED_AT:08d}"
+    shutil.copytree(sharded, whole, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    for part in ("model", "optimizer"):
+        tensors = read_whole_state(sharded, part)
+        assert tensors
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(whole / f"{part}.safetensors"))
+    resume_and_compare(cache, tp2pp2_zero1, whole, tmp_path / "resumed", 4, 2,
+                       ("parallel.pp=2", *MODEL))
+    assert all(torch.isfinite(t).all() for t in read_whole_state(whole).values())
