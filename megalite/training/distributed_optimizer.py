@@ -49,18 +49,20 @@ warnings.filterwarnings("ignore", category=FutureWarning,
 
 class ShardedBucket:
     """Parameters whose gradients one reduce-scatter sums by rows and whose updated rows one
-    all-gather brings back. Driven by grads.DataParallelGradSync, as a `Bucket`."""
+    all-gather brings back. Driven by grads.DataParallelGradSync, as a `Bucket`.
+
+    Both collectives' buffers are rank-major: region k holds rank k's rows of each parameter in
+    turn, then padding up to `region` elements, the largest share."""
 
     def __init__(self, params: list[nn.Parameter], shards: dict[int, nn.Parameter],
                  rank: int, size: int):
         self.params, self.rank, self.size = params, rank, size
         self.shards = [shards[id(p)] for p in params]  # whose .grad takes this rank's sums
         self.ready: set[int] = set()
-        # counts[k][i]: elements of params[i] held by rank k; at[k][i]: where they sit in the buffer.
+        # counts[k][i]: elements of params[i] that rank k holds
         self.counts = [[_held_elements(p, k, size) for p in params] for k in range(size)]
         self.region = max(sum(c) for c in self.counts)
-        self.at = [[k * self.region + sum(c[:i]) for i in range(len(c))]
-                   for k, c in enumerate(self.counts)]
+        self.pieces = [[*c, self.region - sum(c)] for c in self.counts]  # a region's split
         self.sums: list[torch.Tensor | None] = [None] * len(params)  # bf16 parameters' fp32 sums
 
     @property
@@ -76,14 +78,15 @@ class ShardedBucket:
             self.sums[index] = p.grad.float() if total is None else total.add_(p.grad)
             p.grad = None
 
-    def _views(self, flat: torch.Tensor, index: int) -> list[torch.Tensor]:
-        """Each rank's part of params[index] in a rank-major buffer."""
-        return [flat[self.at[k][index]:self.at[k][index] + self.counts[k][index]]
-                for k in range(self.size)]
+    def _regions(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """[k][i]: rank k's elements of params[i] in a rank-major buffer (one split)."""
+        parts = buffer.split([n for pieces in self.pieces for n in pieces])
+        width = len(self.params) + 1
+        return [parts[k * width:(k + 1) * width - 1] for k in range(self.size)]
 
-    def _split(self, whole: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
-        """Each rank's rows of a tensor of params[index]'s shape, flat."""
-        return whole.reshape(-1).split([c[index] for c in self.counts])
+    def _rows(self, flat: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
+        """Each rank's rows of params[index], from a flat tensor of its numel."""
+        return flat.split([c[index] for c in self.counts])
 
     def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
         """Start the reduce-scatter of the accumulated gradients (a missing one counts as zeros)
@@ -91,12 +94,13 @@ class ShardedBucket:
         dtype = reduce_dtype or torch.float32
         device = self.params[0].device
         send = torch.zeros(self.size * self.region, dtype=dtype, device=device)
+        regions = self._regions(send)
         dst, src = [], []
         for i, p in enumerate(self.params):
             grad = p.grad if p.dtype == torch.float32 else self.sums[i]
             if grad is not None:
-                dst += self._views(send, i)
-                src += self._split(grad, i)
+                dst += [region[i] for region in regions]
+                src += self._rows(grad.reshape(-1), i)
             p.grad, self.sums[i] = None, None
         if dst:
             torch._foreach_copy_(dst, src)
@@ -105,11 +109,9 @@ class ShardedBucket:
 
         def finish(send=send) -> None:  # the input lives until the reduce-scatter is done
             work.wait()
-            grads = recv.float()  # recv itself when it is fp32
-            first = self.rank * self.region
-            for i, shard in enumerate(self.shards):
-                at = self.at[self.rank][i] - first
-                shard.grad = grads[at:at + self.counts[self.rank][i]].view(shard.shape)
+            mine = recv.float().split(self.pieces[self.rank])  # recv itself when it is fp32
+            for shard, grad in zip(self.shards, mine):
+                shard.grad = grad.view(shard.shape)
         return finish
 
     @torch.no_grad()
@@ -117,19 +119,19 @@ class ShardedBucket:
         """Start the all-gather of every rank's updated rows; the returned call waits and copies
         them into the parameters (cast to their dtype)."""
         dtype, device = self.params[0].dtype, self.params[0].device
-        mine = self.counts[self.rank]
         send = torch.zeros(self.region, dtype=dtype, device=device)
-        torch._foreach_copy_(list(send.split(mine + [self.region - sum(mine)]))[:-1],
+        torch._foreach_copy_(list(send.split(self.pieces[self.rank])[:-1]),
                              [s.detach().reshape(-1) for s in self.shards])
         recv = torch.empty(self.size * self.region, dtype=dtype, device=device)
         work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
 
         def finish(send=send) -> None:
             work.wait()
+            regions = self._regions(recv)
             dst, src = [], []
             for i, p in enumerate(self.params):
-                dst += self._split(p.detach(), i)
-                src += self._views(recv, i)
+                dst += self._rows(p.detach().view(-1), i)
+                src += [region[i] for region in regions]
             torch._foreach_copy_(dst, src)
         return finish
 
