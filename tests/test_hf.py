@@ -52,7 +52,8 @@ def megalite_checkpoint(cfg, tokenizer_file, directory):
 @pytest.mark.parametrize("name,arch", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
 def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokenizer_file, name, arch):
     model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
-    assert export_hf(ckpt, tmp_path / "hf") == arch
+    assert export_hf(ckpt, tmp_path / "hf", torch.float32) == arch
+    assert sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors")) == ["model.safetensors"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(hf).__name__ == arch
     ids, mask = batch(model.cfg)
@@ -192,7 +193,7 @@ def test_greedy_generation_at_tp2_equals_transformers_generate(tmp_path, tokeniz
     # A larger init than 0.02, so that the greedy continuation is not one token repeated.
     cfg = dataclasses.replace(MODELS[name], init_std=0.3)
     model, ckpt = megalite_checkpoint(cfg, tokenizer_file, tmp_path / "run")
-    export_hf(ckpt, tmp_path / "hf")
+    export_hf(ckpt, tmp_path / "hf", torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     prompt = [17, 45, 3, 99, 120]
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,

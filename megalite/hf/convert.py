@@ -1,26 +1,34 @@
-"""`megalite export --ckpt CKPT --to-hf OUT` and `megalite import --from-hf DIR --to CKPT`.
+"""`megalite export --ckpt CKPT --to-hf OUT` and `megalite import --from-hf DIR --to CKPT`,
+and `train.init_from=HF_DIR`.
 
-A megalite checkpoint is read whole in one process (training/checkpoint.read_whole_state), so
-conversion is a renaming and re-laying of one tensor dictionary; no process group and no TP
-size is involved. An imported checkpoint
-(step 0, no optimizer state) loads at any TP size, and `train.init_from` starts training from
-it or from a Hugging Face directory directly.
+Each architecture's recipe (hf/layout.py) describes every megalite tensor as rows of Hugging
+Face tensors; all three follow it, one tensor at a time, without a process group:
+- `train.init_from`: each rank reads only its TP slice of its own parameters, through
+  safetensors' get_slice (training/checkpoint.load_full_weights on a `MegaliteView`);
+- import: one megalite tensor made at a time, streamed into the checkpoint's model.safetensors
+  (whole tensors, fp32; the checkpoint loads at any layout, step 0, no optimizer state);
+- export: one megalite tensor read at a time from the checkpoint, one Hugging Face tensor
+  made at a time, streamed into sharded safetensors files (bf16 unless asked for fp32).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import shutil
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import gpt2, llama
+from megalite.hf.layout import HFPlan, LastRead, MegaliteView
+from megalite.hf.stream import HFFiles, SafetensorsWriter, nbytes
 from megalite.typed_config import ConfigError, from_dict
 
 ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama}
@@ -57,20 +65,103 @@ def _architecture(hf_dir: Path) -> tuple[dict, object]:
     return hf_cfg, arch
 
 
-def export_hf(ckpt: Path, out: Path) -> str:
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GB = 10**9  # transformers' max_shard_size="5GB" is 5 * 10**9 bytes
+
+
+class _CheckpointTensors:
+    """A megalite checkpoint's whole weights, one tensor at a time: the new format through
+    DCP (read_whole of one name), the whole-tensor format through safetensors."""
+
+    def __init__(self, ckpt: Path):
+        from megalite.training.sharded_state import stored_keys
+        self.ckpt = ckpt
+        self.legacy = (ckpt / "model.safetensors").is_file()
+        self._stack = ExitStack()
+        if self.legacy:
+            self.file = self._stack.enter_context(
+                safe_open(str(ckpt / "model.safetensors"), framework="pt"))
+            self.names = set(self.file.keys())
+        else:
+            self.stored = {k.removeprefix("model/"): md.size for k, md in stored_keys(ckpt).items()
+                           if k.startswith("model/")}
+            self.names = set(self.stored)
+
+    def shape(self, name: str) -> torch.Size:
+        if name not in self.names:
+            raise ConfigError(f"'{self.ckpt}' lacks {name}: it does not hold the model its "
+                              f"meta.json describes")
+        if self.legacy:
+            return torch.Size(self.file.get_slice(name).get_shape())
+        return self.stored[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        if self.legacy:
+            return self.file.get_tensor(name)
+        from megalite.training.sharded_state import read_whole
+        return read_whole(self.ckpt, "model/", [name])[name]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Tensors in order, cut into files of at most max_bytes (a larger tensor alone), as
+    transformers' save_pretrained does."""
+    shards: list[list[str]] = []
+    total = 0
+    for name, size in sizes.items():
+        if not shards or (total + size > max_bytes and shards[-1]):
+            shards.append([])
+            total = 0
+        shards[-1].append(name)
+        total += size
+    return shards
+
+
+def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
+              max_shard_bytes: int = 5 * GB) -> str:
+    """Write a Hugging Face directory: config.json, the tokenizer files, and the weights as
+    `dtype` in safetensors files of at most max_shard_bytes (model-0000i-of-0000N.safetensors
+    and model.safetensors.index.json, or model.safetensors alone when one file holds them, as
+    save_pretrained names them). Streams: one Hugging Face tensor is made at a time, from one
+    megalite tensor read at a time."""
     ckpt, out = Path(ckpt), Path(out)
     cfg = checkpoint_model_config(ckpt)
     name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                "pad_token_id": tokenizer.pad_id}
-    from megalite.training.checkpoint import read_whole_state
-    weights = read_whole_state(ckpt)
-    hf = {k: v.contiguous() for k, v in arch.weights_to_hf(weights, cfg).items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
+                out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
+    stored = _CheckpointTensors(ckpt)
+    try:
+        plan = HFPlan(arch.recipe(cfg), stored.shape)
+        shapes = plan.shapes()
+        sizes = {k: nbytes(shape, dtype) for k, shape in shapes.items()}
+        shards = shard_names(sizes, max_shard_bytes)
+        files = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        megalite = LastRead(stored.read)
+        for file, names in zip(files, shards):
+            with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
+                                   {"format": "pt"}) as writer:
+                for k in names:
+                    writer.write(k, plan.make(k, megalite, dtype))
+    finally:
+        stored.close()
+    if len(shards) > 1:
+        count = sum(math.prod(shape) for shape in shapes.values())
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(sizes.values()), "total_parameters": count},
+             "weight_map": {k: file for file, names in zip(files, shards) for k in names}},
+            indent=1))
+    dtype_name = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(
-        {**arch.config_to_hf(cfg, special), "torch_dtype": "float32"}, indent=1))
+        {**arch.config_to_hf(cfg, special), "torch_dtype": dtype_name, "dtype": dtype_name},
+        indent=1))
     _write_tokenizer_files(ckpt / "tokenizer.json", tokenizer, out)
     return name
 
@@ -84,36 +175,35 @@ def _write_tokenizer_files(source: Path, tokenizer, out: Path) -> None:
         "add_bos_token": False, "add_eos_token": False}, indent=1))
 
 
-def read_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], object]:
-    """(megalite config, megalite full tensors, architecture module) of a HF directory."""
+@contextmanager
+def hf_weights(hf_dir: Path) -> Iterator[tuple[ModelConfig, MegaliteView]]:
+    """(megalite config, megalite tensors) of a Hugging Face directory, read lazily from its
+    files: a whole tensor or a TP slice of one reads only its parts of the files."""
     hf_dir = Path(hf_dir)
     hf_cfg, arch = _architecture(hf_dir)
     cfg = arch.config_from_hf(hf_cfg)
-    return cfg, arch.weights_from_hf(_hf_tensors(hf_dir), cfg), arch
-
-
-def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    index = hf_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"])
-    tensors = {}
-    for name in files:
-        if not (hf_dir / name).is_file():
-            raise ConfigError(f"'{hf_dir / name}' is missing: megalite reads safetensors weights")
-        with safe_open(str(hf_dir / name), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k).float() for k in f.keys()})
-    return tensors
+    with HFFiles(hf_dir, arch.canonical) as files:
+        yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir))
 
 
 def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
+    """Write a checkpoint in the whole-tensor format (fp32 model.safetensors), one tensor at a
+    time: the whole model is never in memory."""
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
-    cfg, weights, _ = read_hf(hf_dir)
-    if not (hf_dir / "tokenizer.json").is_file():
-        raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
-                          f"file to train, evaluate and generate with the imported model")
-    check_tokenizer_matches(load_tokenizer(hf_dir / "tokenizer.json"), cfg, hf_dir)
-    ckpt.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(ckpt / "model.safetensors"))
+    with hf_weights(hf_dir) as (cfg, weights):
+        if not (hf_dir / "tokenizer.json").is_file():
+            raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
+                              f"file to train, evaluate and generate with the imported model")
+        check_tokenizer_matches(load_tokenizer(hf_dir / "tokenizer.json"), cfg, hf_dir)
+        missing = [k for k in weights.recipe if k not in set(weights.keys())]
+        if missing:
+            raise ConfigError(f"'{hf_dir}' lacks the tensors of {missing[:4]}: it does not hold "
+                              f"the model its config.json describes")
+        ckpt.mkdir(parents=True, exist_ok=True)
+        specs = {k: (tuple(weights.shape(k)), torch.float32) for k in weights.recipe}
+        with SafetensorsWriter(ckpt / "model.safetensors", specs, {"format": "pt"}) as writer:
+            for k in specs:
+                writer.write(k, weights.get_tensor(k))
     shutil.copy(hf_dir / "tokenizer.json", ckpt / "tokenizer.json")
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))
@@ -136,7 +226,9 @@ def load_pretrained(path: Path, model, pstate) -> None:
     if (path / "meta.json").is_file():
         load_checkpoint(path, model, pstate)
     else:
-        load_full_weights(read_hf(path)[1], model, str(path))
+        # Each rank reads only its slices of its own parameters (its pipeline stage's).
+        with hf_weights(path) as (_, weights):
+            load_full_weights(weights, model, str(path))
 
 
 def check_tokenizer_matches(tokenizer, cfg: ModelConfig, where) -> None:
@@ -150,8 +242,14 @@ def main_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megalite export")
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--to-hf", required=True, dest="out")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="the weights' type in the files (default bf16)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="largest safetensors file, in GB of 10**9 bytes (default 5)")
     args = parser.parse_args(argv)
-    print(f"wrote {export_hf(Path(args.ckpt), Path(args.out))} to {args.out}")
+    name = export_hf(Path(args.ckpt), Path(args.out), DTYPES[args.dtype],
+                     int(args.max_shard_gb * GB))
+    print(f"wrote {name} to {args.out}")
     return 0
 
 

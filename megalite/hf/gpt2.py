@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from megalite.config import ModelConfig
-from megalite.hf.layout import fuse_kv, pad_rows, split_kv
+from megalite.hf import layout
+from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
 ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
@@ -56,42 +57,46 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02))
 
 
-# megalite name in a block -> (GPT-2 name in a block, stored transposed as Conv1D).
-LAYER = {"attn_norm.weight": ("ln_1.weight", False), "attn_norm.bias": ("ln_1.bias", False),
-         "attn.out_proj.weight": ("attn.c_proj.weight", True),
-         "attn.out_proj.bias": ("attn.c_proj.bias", False),
-         "mlp_norm.weight": ("ln_2.weight", False), "mlp_norm.bias": ("ln_2.bias", False),
-         "mlp.up.weight": ("mlp.c_fc.weight", True), "mlp.up.bias": ("mlp.c_fc.bias", False),
-         "mlp.down.weight": ("mlp.c_proj.weight", True), "mlp.down.bias": ("mlp.c_proj.bias", False)}
+# megalite name in a block -> (GPT-2 name in a block, stored transposed as Conv1D, rows in megalite).
+LAYER = {"attn_norm.weight": ("ln_1.weight", False, "h"), "attn_norm.bias": ("ln_1.bias", False, "h"),
+         "attn.out_proj.weight": ("attn.c_proj.weight", True, "h"),
+         "attn.out_proj.bias": ("attn.c_proj.bias", False, "h"),
+         "mlp_norm.weight": ("ln_2.weight", False, "h"), "mlp_norm.bias": ("ln_2.bias", False, "h"),
+         "mlp.up.weight": ("mlp.c_fc.weight", True, "ffn"), "mlp.up.bias": ("mlp.c_fc.bias", False, "ffn"),
+         "mlp.down.weight": ("mlp.c_proj.weight", True, "h"), "mlp.down.bias": ("mlp.c_proj.bias", False, "h")}
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    """Each megalite tensor as rows of GPT-2's (see layout.py); c_attn's output columns are
+    [q | k | v], each head-major."""
+    h, d, kv = cfg.hidden, cfg.head_dim, cfg.kv_heads
+    rows = {"h": h, "ffn": cfg.ffn}
+    t = "transformer."
+    out = {"embed.weight": padded(t + "wte.weight", cfg.vocab_size, cfg.padded_vocab),
+           "positions.weight": whole(t + "wpe.weight", cfg.max_seq_len)}
+    for i in range(cfg.n_layers):
+        m, g = f"blocks.{i}.", f"{t}h.{i}."
+        out.update({m + ours: whole(g + theirs, rows[n], transposed)
+                    for ours, (theirs, transposed, n) in LAYER.items()})
+        for kind in ("weight", "bias"):
+            c_attn, conv = g + f"attn.c_attn.{kind}", kind == "weight"
+            out[m + f"attn.q_proj.{kind}"] = whole(c_attn, cfg.n_heads * d, conv)
+            out[m + f"attn.kv_proj.{kind}"] = kv_interleaved(
+                c_attn, c_attn, kv, d, k_start=cfg.n_heads * d, v_start=cfg.n_heads * d + kv * d,
+                transposed=conv)
+    out.update({"norm.weight": whole(t + "ln_f.weight", h), "norm.bias": whole(t + "ln_f.bias", h)})
+    return out
+
+
+def canonical(stored: str) -> str:
+    """A tensor's name in the recipe, given its name in a file: OpenAI's original GPT-2 files
+    name them without the "transformer." that transformers' GPT2LMHeadModel writes."""
+    return stored if stored.startswith(("transformer.", "lm_head.")) else "transformer." + stored
 
 
 def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"transformer.wte.weight": w["embed.weight"][: cfg.vocab_size],
-           "transformer.wpe.weight": w["positions.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
-    for i in range(cfg.n_layers):
-        m, h = f"blocks.{i}.", f"transformer.h.{i}."
-        out.update({h + theirs: w[m + ours].T if transposed else w[m + ours]
-                    for ours, (theirs, transposed) in LAYER.items()})
-        for kind in ("weight", "bias"):
-            k, v = split_kv(w[m + f"attn.kv_proj.{kind}"], cfg.kv_heads)
-            fused = torch.cat([w[m + f"attn.q_proj.{kind}"], k, v])
-            out[h + f"attn.c_attn.{kind}"] = fused.T if kind == "weight" else fused
-    return out
+    return layout.weights_to_hf(recipe(cfg), w)
 
 
 def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
-    out = {"embed.weight": pad_rows(hf["wte.weight"], cfg.padded_vocab),
-           "positions.weight": hf["wpe.weight"],
-           "norm.weight": hf["ln_f.weight"], "norm.bias": hf["ln_f.bias"]}
-    for i in range(cfg.n_layers):
-        m, h = f"blocks.{i}.", f"h.{i}."
-        out.update({m + ours: hf[h + theirs].T if transposed else hf[h + theirs]
-                    for ours, (theirs, transposed) in LAYER.items()})
-        for kind in ("weight", "bias"):
-            fused = hf[h + f"attn.c_attn.{kind}"]
-            q, k, v = (fused.T if kind == "weight" else fused).chunk(3)
-            out[m + f"attn.q_proj.{kind}"] = q
-            out[m + f"attn.kv_proj.{kind}"] = fuse_kv(k, v, cfg.kv_heads)
-    return out
+    return layout.weights_from_hf(recipe(cfg), {canonical(k): v for k, v in hf.items()})

@@ -1,27 +1,256 @@
-"""Tensor re-layouts shared by the architectures.
+"""Each megalite tensor described in terms of Hugging Face tensors: one recipe per architecture,
+read in both directions, whole or by slices.
 
-megalite's kv_proj stores K and V interleaved per KV head, [k_0; v_0; k_1; v_1; ...], so a
-contiguous TP split gives each rank whole (k, v) pairs; Hugging Face keeps K and V apart.
-megalite pads the vocabulary rows to a multiple; Hugging Face has exactly vocab_size rows.
+A recipe maps a megalite parameter name to its `Rows`, top to bottom: the megalite tensor is
+those rows of Hugging Face tensors stacked along dim 0. The layouts this covers:
+- vocabulary padding: megalite pads the embedding/head rows to a multiple; the padding rows are
+  zeros (`Rows(None, ...)`), never exported;
+- K and V: megalite's kv_proj interleaves them per KV head, [k_0; v_0; k_1; v_1; ...], so that a
+  contiguous TP split gives each rank whole (k, v) pairs; Hugging Face keeps K and V apart, or
+  (GPT-2) fuses Q, K and V side by side: each head's K (V) is a range of rows (columns) there;
+- GPT-2's Conv1D stores [in, out], the transpose of nn.Linear: megalite's rows are its columns.
+
+`MegaliteView` reads megalite tensors out of Hugging Face tensors, any rectangle of one
+(a TP slice) reading only the parts of the Hugging Face tensors it covers; `HFPlan` writes Hugging
+Face tensors from whole megalite tensors. Both follow the same recipe.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
+
 import torch
 
-
-def fuse_kv(k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[kv_heads * d, ...] K and V -> megalite's [kv_heads * 2 * d, ...] interleaved per head."""
-    rest = k.shape[1:]
-    return torch.stack([k.reshape(kv_heads, -1, *rest), v.reshape(kv_heads, -1, *rest)], dim=1
-                       ).reshape(-1, *rest)
+from megalite.typed_config import ConfigError
 
 
-def split_kv(kv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rest = kv.shape[1:]
-    pairs = kv.reshape(kv_heads, 2, -1, *rest)
-    return pairs[:, 0].reshape(-1, *rest), pairs[:, 1].reshape(-1, *rest)
+@dataclass(frozen=True)
+class Rows:
+    """Rows start:stop of Hugging Face tensor `name` (its columns when `transposed`: megalite's
+    [out, in] stored as [in, out]); `name` None: stop - start rows of zeros."""
+    name: str | None
+    start: int
+    stop: int
+    transposed: bool = False
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def axis(self) -> int:
+        """The Hugging Face dimension along which these rows run."""
+        return 1 if self.transposed else 0
 
 
-def pad_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero rows up to `rows`: padded vocab rows get -inf logits, so their values never matter."""
-    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+Recipe = dict[str, tuple[Rows, ...]]
+
+
+def whole(name: str, rows: int, transposed: bool = False) -> tuple[Rows, ...]:
+    return (Rows(name, 0, rows, transposed),)
+
+
+def padded(name: str, rows: int, padded_rows: int) -> tuple[Rows, ...]:
+    """Zero rows up to `padded_rows`: padded vocab rows get -inf logits, so their values never
+    matter."""
+    return (Rows(name, 0, rows),) + ((Rows(None, rows, padded_rows),) if padded_rows > rows else ())
+
+
+def kv_interleaved(k: str, v: str, kv_heads: int, head_dim: int, k_start: int = 0,
+                   v_start: int = 0, transposed: bool = False) -> tuple[Rows, ...]:
+    """megalite's [k_0; v_0; k_1; v_1; ...] from K at rows k_start... of `k` and V at rows
+    v_start... of `v` (the same tensor, at other offsets, for GPT-2's c_attn)."""
+    return tuple(Rows(name, start + h * head_dim, start + (h + 1) * head_dim, transposed)
+                 for h in range(kv_heads) for name, start in ((k, k_start), (v, v_start)))
+
+
+def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """(axis, length along it) of each Hugging Face tensor that the recipe reads."""
+    out: dict[str, tuple[int, int]] = {}
+    for parts in recipe.values():
+        for part in parts:
+            if part.name is not None:
+                axis, length = out.get(part.name, (part.axis, 0))
+                out[part.name] = (axis, max(length, part.stop))
+    return out
+
+
+class Source(Protocol):
+    """Hugging Face tensors by name: their shapes, and a rectangle of one (a tuple of slices)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+class DictSource:
+    """Tensors already in memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][index]
+
+
+def _length(s: slice, size: int) -> int:
+    return len(range(*s.indices(size)))
+
+
+class MegaliteView:
+    """The megalite tensors of a recipe over a Source, read lazily. It looks like an open
+    safetensors file to `training.checkpoint.load_full_weights`: `keys()` (the parameters whose
+    Hugging Face tensors are all there) and `get_slice(name)`, whose `get_shape()` is the whole
+    tensor's and whose `[index]` reads only that rectangle's parts of the Hugging Face tensors,
+    as `dtype` (fp32: what megalite imports)."""
+
+    def __init__(self, recipe: Recipe, source: Source, where: str, dtype=torch.float32):
+        self.recipe, self.source, self.where, self.dtype = recipe, source, where, dtype
+        self.extents = hf_extents(recipe)
+
+    def keys(self) -> list[str]:
+        return [name for name, parts in self.recipe.items()
+                if all(p.name is None or p.name in self.source for p in parts)]
+
+    def get_slice(self, name: str) -> "_Lazy":
+        return _Lazy(self, name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[:]
+
+    def shape(self, name: str) -> torch.Size:
+        """The whole megalite tensor's shape; a ConfigError if the Hugging Face tensors do not
+        have the shapes the config gives them."""
+        rest = None
+        for part in self.recipe[name]:
+            if part.name is None:
+                continue
+            stored = self.source.shape(part.name)
+            axis, length = self.extents[part.name]
+            other = tuple(stored[:axis] + stored[axis + 1:])
+            if stored[axis] != length or (rest is not None and other != rest):
+                raise ConfigError(f"'{self.where}': {part.name} has shape {tuple(stored)}, which "
+                                  f"does not fit the model config ({name})")
+            rest = other
+        return torch.Size((sum(p.count for p in self.recipe[name]), *rest))
+
+    def read(self, name: str, index) -> torch.Tensor:
+        shape = self.shape(name)
+        index = index if isinstance(index, tuple) else (index,)
+        if any(not isinstance(s, slice) or s.step not in (None, 1) for s in index):
+            raise TypeError(f"{name}: only contiguous slices can be read, not {index}")
+        index = index + (slice(None),) * (len(shape) - len(index))
+        first, last = index[0].indices(shape[0])[:2]
+        rest = index[1:]
+        rest_shape = [_length(s, n) for s, n in zip(rest, shape[1:])]
+        pieces, offset = [], 0
+        for part in self.recipe[name]:
+            # The overlap of rows first:last with this part's rows offset:offset + count.
+            lo, hi = max(first, offset), min(last, offset + part.count)
+            if lo < hi:
+                start, stop = part.start + lo - offset, part.start + hi - offset
+                if part.name is None:
+                    piece = torch.zeros(hi - lo, *rest_shape, dtype=self.dtype)
+                elif part.transposed:
+                    piece = self.source.read(part.name, (*rest, slice(start, stop))).T
+                else:
+                    piece = self.source.read(part.name, (slice(start, stop), *rest))
+                pieces.append(piece.to(self.dtype))
+            offset += part.count
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return torch.zeros(0, *rest_shape, dtype=self.dtype)
+        return torch.cat(pieces)
+
+
+class _Lazy:
+    def __init__(self, view: MegaliteView, name: str):
+        self.view, self.name = view, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.view.shape(self.name))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.view.read(self.name, index)
+
+
+class HFPlan:
+    """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes()` first
+    (from the megalite tensors' shapes), then `make(name, megalite)` one at a time, where
+    `megalite(name)` gives a whole megalite tensor (read on demand: see `LastRead`)."""
+
+    def __init__(self, recipe: Recipe, megalite_shape: Callable[[str], torch.Size]):
+        self.recipe = recipe
+        self.extents = hf_extents(recipe)
+        # Each Hugging Face tensor's sources: (megalite name, row offset there, rows), in the
+        # order the recipe first mentions them.
+        self.sources: dict[str, list[tuple[str, int, Rows]]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for name, parts in recipe.items():
+            offset, rest = 0, tuple(megalite_shape(name))[1:]
+            for part in parts:
+                if part.name is not None:
+                    self.sources.setdefault(part.name, []).append((name, offset, part))
+                    axis, length = self.extents[part.name]
+                    self._shapes[part.name] = ((*rest, length) if axis else (length, *rest))
+                offset += part.count
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def make(self, name: str, megalite: Callable[[str], torch.Tensor],
+             dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self._shapes[name], dtype=dtype)
+        covered = 0
+        for source, offset, part in self.sources[name]:
+            rows = megalite(source)[offset:offset + part.count]
+            if part.transposed:
+                out[:, part.start:part.stop] = rows.T
+            else:
+                out[part.start:part.stop] = rows
+            covered += part.count
+        if covered != self.extents[name][1]:
+            raise AssertionError(f"the recipe covers {covered} of {name}'s "
+                                 f"{self.extents[name][1]} rows")
+        return out
+
+    def tensors(self, megalite: Callable[[str], torch.Tensor],
+                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.sources:
+            yield name, self.make(name, megalite, dtype)
+
+
+class LastRead:
+    """A whole megalite tensor by name, keeping only the last one read: `HFPlan.make` asks for
+    the same one several times in a row (K then V of one kv_proj)."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self.read, self.name, self.tensor = read, None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name != self.name:
+            self.name, self.tensor = None, None  # freed before the next read
+            self.tensor, self.name = self.read(name), name
+        return self.tensor
+
+
+def weights_from_hf(recipe: Recipe, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole megalite tensors (fp32) from Hugging Face tensors in memory."""
+    view = MegaliteView(recipe, DictSource(hf), "tensors")
+    return {name: view.get_tensor(name) for name in recipe}
+
+
+def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors from whole megalite tensors in memory."""
+    plan = HFPlan(recipe, lambda name: w[name].shape)
+    return dict(plan.tensors(w.__getitem__, dtype))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from megalite.config import ModelConfig
-from megalite.hf.layout import fuse_kv, pad_rows, split_kv
+from megalite.hf import layout
+from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
 
@@ -63,27 +64,32 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "se
          "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
 
 
-def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": w["embed.weight"][: cfg.vocab_size],
-           "model.norm.weight": w["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = w["head.weight"][: cfg.vocab_size]
+def recipe(cfg: ModelConfig) -> Recipe:
+    """Each megalite tensor as rows of Llama's (see layout.py)."""
+    h, d = cfg.hidden, cfg.head_dim
+    rows = {"attn_norm.weight": h, "attn.q_proj.weight": cfg.n_heads * d, "attn.out_proj.weight": h,
+            "mlp_norm.weight": h, "mlp.gate.weight": cfg.ffn, "mlp.up.weight": cfg.ffn,
+            "mlp.down.weight": h}
+    out = {"embed.weight": padded("model.embed_tokens.weight", cfg.vocab_size, cfg.padded_vocab)}
     for i in range(cfg.n_layers):
-        m, h = f"blocks.{i}.", f"model.layers.{i}."
-        out.update({h + theirs: w[m + ours] for ours, theirs in LAYER.items()})
-        k, v = split_kv(w[m + "attn.kv_proj.weight"], cfg.kv_heads)
-        out.update({h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
+        m, l = f"blocks.{i}.", f"model.layers.{i}."
+        out.update({m + ours: whole(l + theirs, rows[ours]) for ours, theirs in LAYER.items()})
+        out[m + "attn.kv_proj.weight"] = kv_interleaved(l + "self_attn.k_proj.weight",
+                                                        l + "self_attn.v_proj.weight", cfg.kv_heads, d)
+    out["norm.weight"] = whole("model.norm.weight", h)
+    if not cfg.tie_embeddings:
+        out["head.weight"] = padded("lm_head.weight", cfg.vocab_size, cfg.padded_vocab)
     return out
+
+
+def canonical(stored: str) -> str:
+    """A tensor's name in the recipe, given its name in a file."""
+    return stored
+
+
+def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return layout.weights_to_hf(recipe(cfg), w)
 
 
 def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embed.weight": pad_rows(hf["model.embed_tokens.weight"], cfg.padded_vocab),
-           "norm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["head.weight"] = pad_rows(hf["lm_head.weight"], cfg.padded_vocab)
-    for i in range(cfg.n_layers):
-        m, h = f"blocks.{i}.", f"model.layers.{i}."
-        out.update({m + ours: hf[h + theirs] for ours, theirs in LAYER.items()})
-        out[m + "attn.kv_proj.weight"] = fuse_kv(hf[h + "self_attn.k_proj.weight"],
-                                                 hf[h + "self_attn.v_proj.weight"], cfg.kv_heads)
-    return out
+    return layout.weights_from_hf(recipe(cfg), {canonical(k): v for k, v in hf.items()})

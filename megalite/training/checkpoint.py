@@ -281,19 +281,32 @@ def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
     """Copy this rank's slice of each full tensor into the model, one tensor at a time.
-    `tensors`: a dict or an open safetensors file (read lazily, tensor by tensor)."""
+    `tensors`: a dict of full tensors, or anything with `keys()` and `get_slice(name)` as an open
+    safetensors file has (or hf/layout.MegaliteView): then only this rank's slice is read."""
+    from megalite.parallel.sharding import shard_of
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors.keys()))
     if missing:
         raise ConfigError(f"'{source}' lacks parameters {missing[:4]}: it was written for "
                           f"another model config")
+    sliced = hasattr(tensors, "get_slice")
     with torch.no_grad():
         for name, p in params.items():
-            full = tensors.get_tensor(name) if hasattr(tensors, "get_tensor") else tensors[name]
-            if full.shape != full_shape(p):
-                raise ConfigError(f"'{source}': {name} has shape {tuple(full.shape)}, the model "
+            full = tensors.get_slice(name) if sliced else tensors[name]
+            shape = torch.Size(full.get_shape()) if sliced else full.shape
+            if shape != full_shape(p):
+                raise ConfigError(f"'{source}': {name} has shape {tuple(shape)}, the model "
                                   f"expects {tuple(full_shape(p))}")
-            p.copy_(local_slice(full, p))
+            if not sliced:
+                p.copy_(local_slice(full, p))
+                continue
+            index = [slice(None)] * len(shape)
+            shard = shard_of(p)
+            if shard is not None:  # chunk `index` of `count`, as Shard.take cuts it
+                size = -(-shape[shard.dim] // shard.count)
+                start = min(shard.index * size, shape[shard.dim])
+                index[shard.dim] = slice(start, start + size)
+            p.copy_(full[tuple(index)])
 
 
 def read_moments(path: Path, model: torch.nn.Module,

@@ -1,0 +1,142 @@
+"""A safetensors file written one tensor at a time, and the Hugging Face files read lazily.
+
+The safetensors format: an 8-byte little-endian header length, a JSON header
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}} (padded
+with spaces to a multiple of 8 bytes), then the tensors' bytes back to back. The header needs
+only the shapes and dtypes, so it is written first and each tensor's bytes follow as soon as the
+tensor is made: a file of any size is written holding one tensor at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megalite.typed_config import ConfigError
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+          torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
+
+
+class SafetensorsWriter:
+    """`SafetensorsWriter(path, {name: (shape, dtype)}, metadata)`, then `write(name, tensor)`
+    for each, in that order, then `close()` (or use it as a context manager)."""
+
+    def __init__(self, path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str] | None = None):
+        header, offset = {}, 0
+        for name, (shape, dtype) in specs.items():
+            size = nbytes(shape, dtype)
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self.path = Path(path)
+        self.specs = list(specs.items())
+        self.written = 0
+        self.file = open(self.path, "wb")
+        self.file.write(struct.pack("<Q", len(encoded)))
+        self.file.write(encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.written >= len(self.specs) or self.specs[self.written][0] != name:
+            expected = self.specs[self.written][0] if self.written < len(self.specs) else "nothing"
+            raise ValueError(f"{self.path}: wrote {name}, expected {expected}")
+        shape, dtype = self.specs[self.written][1]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise ValueError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, its "
+                             f"header says {tuple(shape)} {dtype}")
+        if tensor.numel():
+            flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            self.file.write(memoryview(flat.numpy()))
+        self.written += 1
+
+    def close(self) -> None:
+        if self.file.closed:
+            return
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.written != len(self.specs):
+            raise ValueError(f"{self.path}: {self.written} of {len(self.specs)} tensors written")
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.file.close()
+
+
+class HFFiles:
+    """The tensors of a Hugging Face directory's safetensors files (model.safetensors, or the
+    shards that model.safetensors.index.json lists), by their names in a recipe
+    (`canonical(stored name)`). Files are opened (memory-mapped) when first read and closed on
+    exit; `read` takes a rectangle through safetensors' `get_slice`, so only its bytes are
+    touched. A `layout.Source`."""
+
+    def __init__(self, hf_dir: Path, canonical=lambda name: name):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        self._stack = ExitStack()
+        self._open: dict[str, object] = {}
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = ["model.safetensors"]
+            weight_map = None
+        for file in files:
+            if not (self.dir / file).is_file():
+                raise ConfigError(f"'{self.dir / file}' is missing: megalite reads safetensors "
+                                  f"weights")
+        if weight_map is None:
+            weight_map = {k: files[0] for k in self._file(files[0]).keys()}
+        self.where = {canonical(k): (file, k) for k, file in weight_map.items()}
+
+    def _file(self, file: str):
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(
+                safe_open(str(self.dir / file), framework="pt"))
+        return self._open[file]
+
+    def _slice(self, name: str):
+        file, stored = self.where[name]
+        return self._file(file).get_slice(stored)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._slice(name)[index]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def __enter__(self) -> "HFFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
