@@ -82,10 +82,12 @@ def worker(args) -> None:
         load_checkpoint(path, model, ps)
         moments = read_moments(path, model, engine.held_rows)
         seconds = time.perf_counter() - start
-        read = proc_io()["rchar"] - io["rchar"] + max(0, proc_status("RssFile") - mapped)
+        syscalls, mapped = proc_io()["rchar"] - io["rchar"], max(0, proc_status("RssFile") - mapped)
+        read = syscalls + mapped
         share = sum(p.numel() * 4 for p in model.parameters()) + sum(
             t.numel() * t.element_size() for _, m in moments for t in m.values())
-        row.update(seconds=seconds, read_gb=read / GB, share_gb=share / GB, read_per_share=read / share)
+        row.update(seconds=seconds, read_gb=read / GB, read_syscalls_gb=syscalls / GB,
+                   mapped_gb=mapped / GB, share_gb=share / GB, read_per_share=read / share)
     rows = [None] * ps.world_size
     dist.all_gather_object(rows, row)
     if ps.rank == 0:
@@ -147,7 +149,7 @@ def main() -> None:
         results = {"device": f"cpu ({platform.processor() or platform.machine()}, "
                              f"{os.cpu_count()} cores)",
                    "date": datetime.now(timezone.utc).isoformat(), "commit": git("rev-parse", "HEAD"),
-                   "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                   "dirty": bool(git("status", "--porcelain", "--", "megalite", "scripts")),
                    "command": " ".join([Path(sys.executable).name] + sys.argv),
                    "torch": __import__("torch").__version__, "layers": args.layers,
                    "save": torchrun("save", 4, 0, ckpt, args.layers)}
