@@ -176,14 +176,16 @@ def _write_tokenizer_files(source: Path, tokenizer, out: Path) -> None:
 
 
 @contextmanager
-def hf_weights(hf_dir: Path) -> Iterator[tuple[ModelConfig, MegaliteView]]:
-    """(megalite config, megalite tensors) of a Hugging Face directory, read lazily from its
-    files: a whole tensor or a TP slice of one reads only its parts of the files."""
+def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
+               ) -> Iterator[tuple[ModelConfig, MegaliteView]]:
+    """(megalite config, megalite tensors as `dtype`, None: as stored) of a Hugging Face
+    directory, read lazily from its files: a whole tensor or a TP slice of one reads only its
+    parts of the files."""
     hf_dir = Path(hf_dir)
     hf_cfg, arch = _architecture(hf_dir)
     cfg = arch.config_from_hf(hf_cfg)
     with HFFiles(hf_dir, arch.canonical) as files:
-        yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir))
+        yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
 
 
 def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
@@ -195,7 +197,8 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
             raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
                               f"file to train, evaluate and generate with the imported model")
         check_tokenizer_matches(load_tokenizer(hf_dir / "tokenizer.json"), cfg, hf_dir)
-        missing = [k for k in weights.recipe if k not in set(weights.keys())]
+        present = set(weights.keys())
+        missing = [k for k in weights.recipe if k not in present]
         if missing:
             raise ConfigError(f"'{hf_dir}' lacks the tensors of {missing[:4]}: it does not hold "
                               f"the model its config.json describes")
@@ -226,8 +229,9 @@ def load_pretrained(path: Path, model, pstate) -> None:
     if (path / "meta.json").is_file():
         load_checkpoint(path, model, pstate)
     else:
-        # Each rank reads only its slices of its own parameters (its pipeline stage's).
-        with hf_weights(path) as (_, weights):
+        # Each rank reads only its slices of its own parameters (its pipeline stage's), and
+        # copies them into the parameters as they are stored (no fp32 copy of each first).
+        with hf_weights(path, dtype=None) as (_, weights):
             load_full_weights(weights, model, str(path))
 
 

@@ -110,9 +110,11 @@ class MegaliteView:
     safetensors file to `training.checkpoint.load_full_weights`: `keys()` (the parameters whose
     Hugging Face tensors are all there) and `get_slice(name)`, whose `get_shape()` is the whole
     tensor's and whose `[index]` reads only that rectangle's parts of the Hugging Face tensors,
-    as `dtype` (fp32: what megalite imports)."""
+    as `dtype` (fp32: what megalite imports) or, dtype None, as stored (a load, which copies
+    them into the parameters, converting there: bf16 and fp16 convert to fp32 exactly)."""
 
-    def __init__(self, recipe: Recipe, source: Source, where: str, dtype=torch.float32):
+    def __init__(self, recipe: Recipe, source: Source, where: str,
+                 dtype: torch.dtype | None = torch.float32):
         self.recipe, self.source, self.where, self.dtype = recipe, source, where, dtype
         self.extents = hf_extents(recipe)
 
@@ -151,24 +153,28 @@ class MegaliteView:
         first, last = index[0].indices(shape[0])[:2]
         rest = index[1:]
         rest_shape = [_length(s, n) for s, n in zip(rest, shape[1:])]
-        pieces, offset = [], 0
+        pieces: list[torch.Tensor | int] = []  # a tensor, or a count of zero rows
+        offset = 0
         for part in self.recipe[name]:
             # The overlap of rows first:last with this part's rows offset:offset + count.
             lo, hi = max(first, offset), min(last, offset + part.count)
             if lo < hi:
                 start, stop = part.start + lo - offset, part.start + hi - offset
                 if part.name is None:
-                    piece = torch.zeros(hi - lo, *rest_shape, dtype=self.dtype)
+                    pieces.append(hi - lo)
                 elif part.transposed:
-                    piece = self.source.read(part.name, (*rest, slice(start, stop))).T
+                    pieces.append(self.source.read(part.name, (*rest, slice(start, stop))).T)
                 else:
-                    piece = self.source.read(part.name, (slice(start, stop), *rest))
-                pieces.append(piece.to(self.dtype))
+                    pieces.append(self.source.read(part.name, (slice(start, stop), *rest)))
             offset += part.count
+        dtype = self.dtype or next((p.dtype for p in pieces if isinstance(p, torch.Tensor)),
+                                   torch.float32)
+        pieces = [torch.zeros(p, *rest_shape, dtype=dtype) if isinstance(p, int) else p.to(dtype)
+                  for p in pieces]
         if len(pieces) == 1:
             return pieces[0]
         if not pieces:
-            return torch.zeros(0, *rest_shape, dtype=self.dtype)
+            return torch.zeros(0, *rest_shape, dtype=dtype)
         return torch.cat(pieces)
 
 
