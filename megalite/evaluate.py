@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--text '{text_file}' has {len(ids)} tokens: nothing to predict")
     ps = init_parallel(ParallelConfig(tp=args.tp), cfg)
     try:
-        model = GPT(cfg, ps)
+        model = GPT(cfg, ps, init=False)
         load_checkpoint(ckpt, model, ps)
         loss_sum, count = text_loss(model, ids)
         loss = loss_sum / count

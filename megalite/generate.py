@@ -137,7 +137,7 @@ def main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")
     ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers), cfg)
     try:
-        model = GPT(cfg, ps)
+        model = GPT(cfg, ps, init=False)
         load_checkpoint(Path(args.ckpt), model, ps)
         outputs = generate(model, [tokenizer.encode(p) for p in args.prompt], args.max_new_tokens,
                            pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,

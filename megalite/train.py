@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
           resume_from: Path | None, stop: StopRequest) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
-    model = build_model(cfg, ps)
+    model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
     start, tokens_seen, source_tokens = resume(resume_from, model, ps, len(data.train))
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)

@@ -128,7 +128,10 @@ class Layers(nn.ModuleDict):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0, init: bool = True):
+        """init=False leaves the parameters unset, for a model whose every weight is loaded next
+        (a checkpoint, Hugging Face weights): the TP-invariant init draws each full tensor on
+        every rank, which is wasted there."""
         super().__init__()
         check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.cp_size * pstate.dp_size, pstate.sequence_parallel,
                      ParallelConfig(cp=pstate.cp_size) if pstate.cp_size > 1 else None)
@@ -163,7 +166,8 @@ class GPT(nn.Module):
         self.activation_checkpointing = False
         # Tokens per chunk of the fused head + loss: its logits are chunk x padded_vocab / tp.
         self.loss_chunk_tokens = 4096
-        init_parameters_(self, seed)
+        if init:
+            init_parameters_(self, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

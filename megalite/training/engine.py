@@ -120,10 +120,11 @@ class NativeEngine(AdamEngine):
         return norm
 
 
-def build_model(cfg: Config, pstate: ParallelState) -> GPT:
-    """The model as a training run (or a benchmark of one) uses it."""
+def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
+    """The model as a training run (or a benchmark of one) uses it (init=False: weights to be
+    loaded, see GPT)."""
     seed_replicated_dropout(cfg.run.seed, pstate)
-    model = GPT(cfg.model, pstate, seed=cfg.run.seed)
+    model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     if cfg.train.compile:
