@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import shutil
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -77,32 +77,30 @@ class _CheckpointTensors:
         from megalite.training.sharded_state import stored_keys
         self.ckpt = ckpt
         self.legacy = (ckpt / "model.safetensors").is_file()
-        self._stack = ExitStack()
         if self.legacy:
-            self.file = self._stack.enter_context(
-                safe_open(str(ckpt / "model.safetensors"), framework="pt"))
-            self.names = set(self.file.keys())
+            with self._open() as f:
+                self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
-            self.stored = {k.removeprefix("model/"): md.size for k, md in stored_keys(ckpt).items()
+            self.shapes = {k.removeprefix("model/"): md.size for k, md in stored_keys(ckpt).items()
                            if k.startswith("model/")}
-            self.names = set(self.stored)
 
     def shape(self, name: str) -> torch.Size:
-        if name not in self.names:
+        if name not in self.shapes:
             raise ConfigError(f"'{self.ckpt}' lacks {name}: it does not hold the model its "
                               f"meta.json describes")
-        if self.legacy:
-            return torch.Size(self.file.get_slice(name).get_shape())
-        return self.stored[name]
+        return self.shapes[name]
+
+    def _open(self):
+        return safe_open(str(self.ckpt / "model.safetensors"), framework="pt")
 
     def read(self, name: str) -> torch.Tensor:
         if self.legacy:
-            return self.file.get_tensor(name)
+            # Opened for each tensor: the tensor is a view of the file's mapping, whose pages
+            # leave this process's memory with it.
+            with self._open() as f:
+                return f.get_tensor(name)
         from megalite.training.sharded_state import read_whole
         return read_whole(self.ckpt, "model/", [name])[name]
-
-    def close(self) -> None:
-        self._stack.close()
 
 
 def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -137,21 +135,18 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
                 out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
     stored = _CheckpointTensors(ckpt)
-    try:
-        plan = HFPlan(arch.recipe(cfg), stored.shape)
-        shapes = plan.shapes()
-        sizes = {k: nbytes(shape, dtype) for k, shape in shapes.items()}
-        shards = shard_names(sizes, max_shard_bytes)
-        files = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        megalite = LastRead(stored.read)
-        for file, names in zip(files, shards):
-            with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
-                                   {"format": "pt"}) as writer:
-                for k in names:
-                    writer.write(k, plan.make(k, megalite, dtype))
-    finally:
-        stored.close()
+    plan = HFPlan(arch.recipe(cfg), stored.shape)
+    shapes = plan.shapes()
+    sizes = {k: nbytes(shape, dtype) for k, shape in shapes.items()}
+    shards = shard_names(sizes, max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    megalite = LastRead(stored.read)
+    for file, names in zip(files, shards):
+        with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
+                               {"format": "pt"}) as writer:
+            for k in names:
+                writer.write(k, plan.make(k, megalite, dtype))
     if len(shards) > 1:
         count = sum(math.prod(shape) for shape in shapes.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -193,6 +188,7 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
     time: the whole model is never in memory."""
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
     with hf_weights(hf_dir) as (cfg, weights):
+        files = weights.source
         if not (hf_dir / "tokenizer.json").is_file():
             raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
                               f"file to train, evaluate and generate with the imported model")
@@ -207,6 +203,7 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
         with SafetensorsWriter(ckpt / "model.safetensors", specs, {"format": "pt"}) as writer:
             for k in specs:
                 writer.write(k, weights.get_tensor(k))
+                files.release()  # the pages read so far, out of this process's memory
     shutil.copy(hf_dir / "tokenizer.json", ckpt / "tokenizer.json")
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))

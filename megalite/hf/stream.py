@@ -90,8 +90,8 @@ class HFFiles:
     """The tensors of a Hugging Face directory's safetensors files (model.safetensors, or the
     shards that model.safetensors.index.json lists), by their names in a recipe
     (`canonical(stored name)`). Files are opened (memory-mapped) when first read and closed on
-    exit; `read` takes a rectangle through safetensors' `get_slice`, so only its bytes are
-    touched. A `layout.Source`."""
+    exit or `release()`; `read` takes a rectangle through safetensors' `get_slice`, a view of
+    the mapping, so only the pages it covers are read, when it is copied. A `layout.Source`."""
 
     def __init__(self, hf_dir: Path, canonical=lambda name: name):
         self.dir = Path(hf_dir)
@@ -131,7 +131,9 @@ class HFFiles:
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         return self._slice(name)[index]
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close the files: their pages leave this process's memory once the tensors read from
+        them (views of the mapping) are gone; a later read opens them again."""
         self._stack.close()
         self._open.clear()
 
@@ -139,4 +141,4 @@ class HFFiles:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.release()
