@@ -66,10 +66,10 @@ def whole_tp2(tmp_path_factory, cache):
     return whole
 
 
-def test_sigkill_then_resume_continues_exactly(tmp_path, cache, whole_tp2):
-    """TP=2, dropout on: weights, Adam moments, schedule, data position and both RNG streams."""
-    whole, killed = whole_tp2, tmp_path / "killed"
-    proc = subprocess.Popen(torchrun(2) + args(cache, killed, "parallel.tp=2"), cwd=ROOT,
+def kill_then_resume(cache, whole: Path, killed: Path, *layout: str) -> None:
+    """Run on 2 processes, SIGKILL every process once a checkpoint exists, resume: the
+    uninterrupted run `whole`'s records and weights, bit for bit."""
+    proc = subprocess.Popen(torchrun(2) + args(cache, killed, *layout), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 240
@@ -80,9 +80,14 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, cache, whole_tp2):
     resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
     assert resumed_from < STEPS, "the run finished before it could be killed"
 
-    done = run(torchrun(2) + args(cache, killed, "parallel.tp=2", "train.resume=auto"))
+    done = run(torchrun(2) + args(cache, killed, *layout, "train.resume=auto"))
     assert f"step_{resumed_from:08d} at step {resumed_from}" in done.stdout
     assert_continues_exactly(killed, whole, resumed_from)
+
+
+def test_sigkill_then_resume_continues_exactly(tmp_path, cache, whole_tp2):
+    """TP=2, dropout on: weights, Adam moments, schedule, data position and both RNG streams."""
+    kill_then_resume(cache, whole_tp2, tmp_path / "killed", "parallel.tp=2")
 
 
 def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path, cache,
