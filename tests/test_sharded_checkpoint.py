@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from megalite.training.checkpoint import read_whole_state
 from tests.test_reshard import SAVED_AT, resume_and_compare
 from tests.test_resume import args, kill_then_resume, run, torchrun
-from tests.test_train import common, losses, train_run
+from tests.test_train import common, train_run
 
 # Eight layers: four stages of two model chunks each.
 MODEL = ("model.n_layers=8",)
