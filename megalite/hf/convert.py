@@ -71,17 +71,18 @@ GB = 10**9  # transformers' max_shard_size="5GB" is 5 * 10**9 bytes
 
 class _CheckpointTensors:
     """A megalite checkpoint's whole weights, one tensor at a time: the new format through
-    DCP (read_whole of one name), the whole-tensor format through safetensors."""
+    DCP (its metadata read once), the whole-tensor format through safetensors."""
 
     def __init__(self, ckpt: Path):
-        from megalite.training.sharded_state import stored_keys
+        from megalite.training.sharded_state import WholeReader
         self.ckpt = ckpt
         self.legacy = (ckpt / "model.safetensors").is_file()
         if self.legacy:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
-            self.shapes = {k.removeprefix("model/"): md.size for k, md in stored_keys(ckpt).items()
+            self.dcp = WholeReader(ckpt)
+            self.shapes = {k.removeprefix("model/"): md.size for k, md in self.dcp.stored.items()
                            if k.startswith("model/")}
 
     def shape(self, name: str) -> torch.Size:
@@ -99,8 +100,7 @@ class _CheckpointTensors:
             # leave this process's memory with it.
             with self._open() as f:
                 return f.get_tensor(name)
-        from megalite.training.sharded_state import read_whole
-        return read_whole(self.ckpt, "model/", [name])[name]
+        return self.dcp.read([f"model/{name}"])[f"model/{name}"]
 
 
 def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

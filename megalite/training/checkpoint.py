@@ -34,9 +34,9 @@ from safetensors.torch import save_file
 
 from megalite.parallel.sharding import full_shape, local_slice
 from megalite.parallel.state import ParallelState
-from megalite.training.sharded_state import (MOMENTS, Piece, blocks, load_pieces, moment_pieces,
-                                             read_whole, save_pieces, stored_keys, weight_pieces,
-                                             written_pieces)
+from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
+                                             moment_pieces, save_pieces, stored_keys,
+                                             weight_pieces, written_pieces)
 from megalite.typed_config import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -276,7 +276,9 @@ def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]
     if _whole_tensors(path):
         with safe_open(str(path / f"{part}.safetensors"), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
-    return read_whole(path, f"{part}/")
+    reader, prefix = WholeReader(path), f"{part}/"
+    tensors = reader.read([k for k in reader.stored if k.startswith(prefix)])
+    return {k.removeprefix(prefix): t for k, t in tensors.items()}
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:

@@ -217,14 +217,29 @@ def load_pieces(pieces: list[Piece], path: Path) -> None:
                  planner=_LoadPieces(pieces, str(path)), no_dist=not dist.is_initialized())
 
 
-def read_whole(path: Path, prefix: str = "model/", names=None) -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` (or those of `names` only), whole, by name without the prefix,
-    in this one process (tests, tools; a process group, if any, is not used)."""
-    stored = stored_keys(path)
-    keys = [k for k in stored if k.startswith(prefix)] if names is None else [prefix + n for n in names]
-    wanted = [Piece(k, torch.empty(stored[k].size, dtype=stored[k].properties.dtype), stored[k].size,
-                    (0,) * len(stored[k].size)) for k in keys]
-    with _one_process_quietly():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
-                 planner=_LoadPieces(wanted, str(path)), no_dist=True)
-    return {p.key[len(prefix):]: p.tensor for p in wanted}
+class _KnownMetadata(dcp.FileSystemReader):
+    def __init__(self, path: str, metadata):
+        super().__init__(path)
+        self.known = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self.known
+
+
+class WholeReader:
+    """Tensors of a DCP checkpoint read whole, as asked, in this one process (tools, tests; a
+    process group, if any, is not used); its metadata, which grows with the blocks of every
+    rank, is read once."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.metadata = dcp.FileSystemReader(self.path).read_metadata()
+        self.stored = self.metadata.state_dict_metadata
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
+                  for k, md in ((k, self.stored[k]) for k in keys)]
+        reader = _KnownMetadata(self.path, self.metadata)
+        with _one_process_quietly():
+            dcp.load({}, storage_reader=reader, planner=_LoadPieces(wanted, self.path), no_dist=True)
+        return {p.key: p.tensor for p in wanted}
