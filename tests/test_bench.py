@@ -4,6 +4,7 @@ recorded while the sweep goes on, and a crashed one names the rank that crashed 
 """
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import yaml
 from megalite.bench.report import COLUMNS
 from megalite.bench.runner import _reason, load_bench, main as bench
 from megalite.model import GPT
-from megalite.parallel.sharding import shard_of
+from megalite.parallel.sharding import row_range, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 
@@ -59,8 +60,7 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     those inputs and gathers it again: 2 per layer; the fused LM head + loss makes its input's
     gradient in forward and keeps nothing to gather), and the replicated parameters'
     gradients (norms, row-parallel biases, positions), computed on a shard of the tokens, are
-    all-reduced per micro-batch. DP: every gradient this rank holds (its TP slices and the
-    replicated ones) all-reduced once, in buckets (dp_buckets).
+    all-reduced per micro-batch. DP: see grad_sync.
     """
     cfg = point_config(point)
     t, d = point["tp"], point["dp"]
@@ -78,23 +78,38 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
             comm[("all_reduce", "tp")] = loss + micro_batches * replicated + 1
         else:
             comm[("all_reduce", "tp")] = bsh + loss + 1
-    if d > 1:
-        comm[("all_reduce", "dp")] = sum(p.numel() // (t if shard_of(p) else 1) for p in params)
-    return comm
+    return {**comm, **{key: elements for key, (elements, _) in grad_sync(cfg, t, d, "dp").items()}}
 
 
-def dp_buckets(point: dict) -> int:
-    """DP all-reduces per step: one per bucket of parallel.dp_bucket_mb MiB, filled with this
-    rank's fp32 gradients in backward (reverse definition) order until the next would pass it."""
-    cfg = point_config(point)
+def grad_sync(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(elements, calls) of each collective over the gradient group, `replicas` ranks, in one
+    step. Buckets of parallel.dp_bucket_mb MiB, filled with this rank's fp32 gradients (its TP
+    slices and the replicated ones) in backward (reverse definition) order until the next would
+    pass the cap. zero_stage=0: each bucket all-reduced. zero_stage=1 (the distributed
+    optimizer): each bucket reduce-scattered and its updated rows all-gathered, both of the
+    bucket laid out rank-major, each rank's region padded to the largest one's rows
+    (sharding.row_range); the norm's two sums of squares all-reduced."""
+    if replicas == 1:
+        return {}
     cap = cfg.parallel.dp_bucket_mb * 1024 * 1024
-    buckets, used = 0, cap  # full: the first parameter opens a bucket
+    buckets, used = [], cap  # full: the first parameter opens a bucket
     for p in reversed(list(GPT(cfg.model, ParallelState(), seed=0).parameters())):
-        size = 4 * p.numel() // (point["tp"] if shard_of(p) else 1)
-        if used + size > cap:
-            buckets, used = buckets + 1, 0
-        used += size
-    return buckets
+        shape = list(p.shape)
+        if shard_of(p) is not None:
+            shape[shard_of(p).dim] //= tp
+        if used + 4 * math.prod(shape) > cap:
+            buckets, used = buckets + [[]], 0
+        buckets[-1].append(shape)
+        used += 4 * math.prod(shape)
+    if cfg.train.zero_stage == 0:
+        return {("all_reduce", group): (sum(math.prod(s) for b in buckets for s in b), len(buckets))}
+    regions = [max(sum(math.prod(s) // s[0] * (stop - start) for s in bucket
+                       for start, stop in [row_range(s[0], k, replicas)])
+                   for k in range(replicas)) for bucket in buckets]
+    elements = replicas * sum(regions)
+    return {("reduce_scatter_tensor", group): (elements, len(buckets)),
+            ("all_gather_into_tensor", group): (elements, len(buckets)),
+            ("all_reduce", group): (2, 1)}
 
 
 def test_cpu_sweep_writes_results_and_plots(results):
@@ -128,8 +143,9 @@ def test_counted_communication_equals_the_formulas(results):
     for point in points:
         counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
         assert counted == expected_comm(point), point["point"]
-        dp_calls = [c["calls"] for c in point["comm"] if c["group"] == "dp"]
-        assert dp_calls == ([dp_buckets(point)] if point["dp"] > 1 else []), point["point"]
+        dp_calls = {c["op"]: c["calls"] for c in point["comm"] if c["group"] == "dp"}
+        expected = grad_sync(point_config(point), point["tp"], point["dp"], "dp")
+        assert dp_calls == {op: calls for (op, _), (_, calls) in expected.items()}, point["point"]
         for c in point["comm"]:
             assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
 
@@ -269,8 +285,8 @@ def test_context_parallel_points_count_the_kv_formula_and_shrink_activations(tmp
             f"{k}={v}" for k, v in point["settings"].items()])
         counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
         if point["cp"] > 1:
-            params = sum(p.numel() for p in GPT(cfg.model, ParallelState(), seed=0).parameters())
-            assert counted == {**kv_elements(point, cfg), ("all_reduce", "cp_dp"): params}, point["point"]
+            dp = {k: elements for k, (elements, _) in grad_sync(cfg, 1, point["cp"], "cp_dp").items()}
+            assert counted == {**kv_elements(point, cfg), **dp}, point["point"]
         else:
             assert counted == {}
         activations[point["cp"], point["cp_comm"]] = point["activation_bytes_per_layer"]
