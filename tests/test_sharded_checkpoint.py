@@ -1,11 +1,13 @@
 """Sharded checkpoints: written by every rank, its share; loaded at any layout and zero stage.
 
-The original run trains at TP2 x PP2 with the distributed optimizer (zero_stage=1) and saves at
-step 5; runs resumed from it at TP4, TP1 x DP4, CP2 x DP2 and PP4 interleaved continue with its
+The original run trains at TP2 x PP2 x DP2 (8 processes) with the distributed optimizer
+(zero_stage=1: each DP rank writes its rows of its stage's slices, tied embedding included) and
+saves at step 5; runs resumed from it at TP4, TP1 x DP4, CP2 x DP2 and PP4 interleaved continue with its
 losses. At one layout a run killed after a checkpoint resumes exactly, bit for bit; a checkpoint in the format written before
 sharding (whole tensors in model.safetensors and optimizer.safetensors) resumes as the sharded
 one does.
 """
+import dataclasses
 import shutil
 import statistics
 
@@ -13,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megalite.training.checkpoint import read_whole_state
+from megalite.training.checkpoint import (WeightsOnly, load_checkpoint, read_whole_state,
+                                          save_checkpoint)
+from megalite.typed_config import ConfigError
 from tests.test_reshard import SAVED_AT, resume_and_compare
 from tests.test_resume import args, kill_then_resume, run, torchrun
 from tests.test_train import common, train_run
@@ -29,8 +33,8 @@ LAYOUTS = {"tp4": (4, ()), "tp1xdp4": (1, ()), "cp2xdp2": (1, ("parallel.cp=2",)
 
 @pytest.fixture(scope="module")
 def tp2pp2_zero1(tmp_path_factory, cache):
-    run_dir = tmp_path_factory.mktemp("tp2pp2-zero1")
-    train_run(4, common(cache, run_dir, "padded") + list(ORIGINAL))
+    run_dir = tmp_path_factory.mktemp("tp2pp2dp2-zero1")
+    train_run(8, common(cache, run_dir, "padded") + list(ORIGINAL))
     return run_dir
 
 
@@ -55,6 +59,18 @@ def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, c
     layout = ("parallel.tp=1", "train.zero_stage=1")
     run(torchrun(2) + args(cache, tmp_path / "whole", *layout))
     kill_then_resume(cache, tmp_path / "whole", tmp_path / "killed", *layout)
+
+
+def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
+    """Named key and shapes, before DCP (which would wrap the error in its own exception)."""
+    from megalite.model import GPT
+    from megalite.parallel.state import ParallelState
+    from tests.models import CONFIGS
+    ps = ParallelState()
+    path = save_checkpoint(tmp_path, 1, GPT(CONFIGS["gpt2"], ps), WeightsOnly(), {}, {}, ps, keep=1)
+    wider = dataclasses.replace(CONFIGS["gpt2"], hidden=64)
+    with pytest.raises(ConfigError, match=r"model/embed.weight has shape \(128, 32\), the model expects \(128, 64\)"):
+        load_checkpoint(path, GPT(wider, ps, init=False), ps)
 
 
 def test_a_checkpoint_of_whole_tensors_still_resumes(tmp_path, cache, tp2pp2_zero1):

@@ -96,7 +96,3 @@ def canonical(stored: str) -> str:
 
 def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return layout.weights_to_hf(recipe(cfg), w)
-
-
-def weights_from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return layout.weights_from_hf(recipe(cfg), {canonical(k): v for k, v in hf.items()})

@@ -85,22 +85,6 @@ class Source(Protocol):
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
 
 
-class DictSource:
-    """Tensors already in memory."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.tensors[name][index]
-
-
 def _length(s: slice, size: int) -> int:
     return len(range(*s.indices(size)))
 
@@ -247,12 +231,6 @@ class LastRead:
             self.name, self.tensor = None, None  # freed before the next read
             self.tensor, self.name = self.read(name), name
         return self.tensor
-
-
-def weights_from_hf(recipe: Recipe, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole megalite tensors (fp32) from Hugging Face tensors in memory."""
-    view = MegaliteView(recipe, DictSource(hf), "tensors")
-    return {name: view.get_tensor(name) for name in recipe}
 
 
 def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor],

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from megalite.parallel.sharding import full_shape, local_slice
 from megalite.parallel.state import ParallelState
 from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
-                                             moment_pieces, save_pieces, stored_keys,
+                                             moment_pieces, read_metadata, save_pieces,
                                              weight_pieces, written_pieces)
 from megalite.typed_config import ConfigError
 
@@ -173,8 +173,12 @@ class CheckpointWriter:
             _fsync(rng_file)
         _agree(_attempt(write_rng), pstate, what)
 
-        pieces = [Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
-                  for piece in written_pieces(model, engine, pstate) for b in blocks(piece)]
+        pieces: list[Piece] = []
+
+        def stage():
+            pieces.extend(Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
+                          for piece in written_pieces(model, engine, pstate) for b in blocks(piece))
+        _agree(_attempt(stage), pstate, what)
         copied = None
         if pstate.device.type == "cuda":
             copied = torch.cuda.Event()
@@ -182,6 +186,7 @@ class CheckpointWriter:
 
         def write_and_publish():
             if copied is not None:
+                torch.cuda.set_device(pstate.device)  # per thread: else DCP's calls go to GPU 0
                 copied.synchronize()
             try:
                 save_pieces(pieces, tmp, self._group)
@@ -259,7 +264,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
             load_full_weights(f, model, str(path))
     else:
         with torch.no_grad():
-            load_pieces(weight_pieces(model), path)
+            load_pieces(weight_pieces(model), path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == layout_of(pstate)
     rng = None
@@ -318,10 +323,10 @@ def read_moments(path: Path, model: torch.nn.Module,
     path = Path(path)
     if _whole_tensors(path):
         return list(_read_whole_moments(path, model, held_rows))
-    stored = stored_keys(path)
+    metadata = read_metadata(path)
     wanted = [(p, pieces) for p, pieces in moment_pieces(model, held_rows)
-              if all(piece.key in stored for piece in pieces.values())]
-    load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path)
+              if all(piece.key in metadata.state_dict_metadata for piece in pieces.values())]
+    load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 
 
@@ -331,5 +336,6 @@ def _read_whole_moments(path: Path, model, held_rows: HeldRows) -> Iterator[tupl
         for name, p in model.named_parameters():
             if f"{name}.{MOMENTS[0]}" in keys:
                 start, stop = held_rows(p)
-                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device)
+                # A copy: a view would keep the whole moment alive in the optimizer's state.
+                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
                           for m in MOMENTS}

@@ -182,8 +182,13 @@ class DistributedOptimizer(NativeEngine):
                                rows_group=self.pstate.grad_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # the reduce-scatters' outputs
-        gathers = [bucket.gather(self.grad_sync.group) for bucket in self.grad_sync.buckets]
-        for finish in gathers:
+        # Two buckets in flight at most: each gather's buffer holds its bucket's whole parameters.
+        in_flight: list = []
+        for bucket in self.grad_sync.buckets:
+            in_flight.append(bucket.gather(self.grad_sync.group))
+            if len(in_flight) > 2:
+                in_flight.pop(0)()
+        for finish in in_flight:
             finish()
         return norm
 

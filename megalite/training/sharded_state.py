@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
@@ -37,6 +36,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megalite.parallel.sharding import full_shape, row_range, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.typed_config import ConfigError
+
+# DCP warns whenever it runs in one process, which tools and single-process runs mean to do.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 BLOCKS = 32  # a reader of 1/8 of a tensor's rows reads at most 1/4 more than it needs
@@ -158,10 +160,9 @@ class _SavePieces(DefaultSavePlanner):
 class _LoadPieces(DefaultLoadPlanner):
     """Reads into each piece's tensor, in place, the parts of the stored chunks it overlaps."""
 
-    def __init__(self, pieces: list[Piece], source: str):
+    def __init__(self, pieces: list[Piece]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {p.key: p for p in pieces}
-        self.source = source
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
@@ -170,15 +171,8 @@ class _LoadPieces(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         requests = []
         for p in self.pieces.values():
-            md = stored.get(p.key)
-            if not isinstance(md, TensorStorageMetadata):
-                raise ConfigError(f"'{self.source}' lacks {p.key}: it was written for another "
-                                  f"model config")
-            if md.size != p.shape:
-                raise ConfigError(f"'{self.source}': {p.key} has shape {tuple(md.size)}, the model "
-                                  f"expects {tuple(p.shape)}")
             chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
-            requests += create_read_items_for_chunk_list(p.key, md, [chunk])
+            requests += create_read_items_for_chunk_list(p.key, stored[p.key], [chunk])
         self.plan = LoadPlan(requests)
         return self.plan
 
@@ -186,16 +180,10 @@ class _LoadPieces(DefaultLoadPlanner):
         return self.pieces[index.fqn].tensor
 
 
-def stored_keys(path: Path) -> dict[str, TensorStorageMetadata]:
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-
-
-@contextmanager
-def _one_process_quietly():
-    """DCP warns that it runs in one process whenever it does, which is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def read_metadata(path: Path) -> Metadata:
+    """DCP's record of every stored block: it grows with the blocks of every rank, so it is
+    read once per load."""
+    return dcp.FileSystemReader(str(path)).read_metadata()
 
 
 def save_pieces(pieces: list[Piece], path: Path, group) -> None:
@@ -203,18 +191,28 @@ def save_pieces(pieces: list[Piece], path: Path, group) -> None:
     view would be written with its whole storage) into the DCP checkpoint at `path`: a
     collective over `group` (every rank calls it, with what it has); raises on every rank if
     any failed."""
-    with _one_process_quietly():
-        dcp.save({}, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True),
-                 planner=_SavePieces(pieces), process_group=group,
-                 no_dist=not dist.is_initialized())
+    # The pieces are host copies already: the serial loader (no copy-ahead) makes no CUDA call.
+    writer = dcp.FileSystemWriter(str(path), sync_files=True, per_thread_copy_ahead=0)
+    dcp.save({}, storage_writer=writer, planner=_SavePieces(pieces), process_group=group,
+             no_dist=not dist.is_initialized())
 
 
-def load_pieces(pieces: list[Piece], path: Path) -> None:
-    """Fill each piece's tensor from the DCP checkpoint at `path` (a collective when a process
-    group exists: every rank calls it, with what it needs)."""
-    with _one_process_quietly():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
-                 planner=_LoadPieces(pieces, str(path)), no_dist=not dist.is_initialized())
+def load_pieces(pieces: list[Piece], path: Path, metadata: Metadata,
+                one_process: bool = False) -> None:
+    """Fill each piece's tensor from the DCP checkpoint at `path`, whose `read_metadata` is
+    given: a collective when a process group exists and not `one_process` (every rank calls it,
+    with what it needs). A piece the checkpoint lacks or holds in another shape is a
+    ConfigError, raised before DCP (which would wrap it) on every rank alike."""
+    stored = metadata.state_dict_metadata
+    for p in pieces:
+        md = stored.get(p.key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise ConfigError(f"'{path}' lacks {p.key}: it was written for another model config")
+        if md.size != p.shape:
+            raise ConfigError(f"'{path}': {p.key} has shape {tuple(md.size)}, the model expects "
+                              f"{tuple(p.shape)}")
+    dcp.load({}, storage_reader=_KnownMetadata(str(path), metadata), planner=_LoadPieces(pieces),
+             no_dist=one_process or not dist.is_initialized())
 
 
 class _KnownMetadata(dcp.FileSystemReader):
@@ -232,14 +230,12 @@ class WholeReader:
     rank, is read once."""
 
     def __init__(self, path: Path):
-        self.path = str(path)
-        self.metadata = dcp.FileSystemReader(self.path).read_metadata()
+        self.path = Path(path)
+        self.metadata = read_metadata(path)
         self.stored = self.metadata.state_dict_metadata
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
                   for k, md in ((k, self.stored[k]) for k in keys)]
-        reader = _KnownMetadata(self.path, self.metadata)
-        with _one_process_quietly():
-            dcp.load({}, storage_reader=reader, planner=_LoadPieces(wanted, self.path), no_dist=True)
+        load_pieces(wanted, self.path, self.metadata, one_process=True)
         return {p.key: p.tensor for p in wanted}
