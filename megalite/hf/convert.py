@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import load_tokenizer
@@ -69,40 +68,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GB = 10**9  # transformers' max_shard_size="5GB" is 5 * 10**9 bytes
 
 
-class _CheckpointTensors:
-    """A megalite checkpoint's whole weights, one tensor at a time: the new format through
-    DCP (its metadata read once), the whole-tensor format through safetensors."""
-
-    def __init__(self, ckpt: Path):
-        from megalite.training.sharded_state import WholeReader
-        self.ckpt = ckpt
-        self.legacy = (ckpt / "model.safetensors").is_file()
-        if self.legacy:
-            with self._open() as f:
-                self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
-        else:
-            self.dcp = WholeReader(ckpt)
-            self.shapes = {k.removeprefix("model/"): md.size for k, md in self.dcp.stored.items()
-                           if k.startswith("model/")}
-
-    def shape(self, name: str) -> torch.Size:
-        if name not in self.shapes:
-            raise ConfigError(f"'{self.ckpt}' lacks {name}: it does not hold the model its "
-                              f"meta.json describes")
-        return self.shapes[name]
-
-    def _open(self):
-        return safe_open(str(self.ckpt / "model.safetensors"), framework="pt")
-
-    def read(self, name: str) -> torch.Tensor:
-        if self.legacy:
-            # Opened for each tensor: the tensor is a view of the file's mapping, whose pages
-            # leave this process's memory with it.
-            with self._open() as f:
-                return f.get_tensor(name)
-        return self.dcp.read([f"model/{name}"])[f"model/{name}"]
-
-
 def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """Tensors in order, cut into files of at most max_bytes (a larger tensor alone), as
     transformers' save_pretrained does."""
@@ -134,7 +99,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
                 out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
-    stored = _CheckpointTensors(ckpt)
+    from megalite.training.checkpoint import CheckpointTensors
+    stored = CheckpointTensors(ckpt)
     plan = HFPlan(arch.recipe(cfg), stored.shape)
     shapes = plan.shapes()
     sizes = {k: nbytes(shape, dtype) for k, shape in shapes.items()}

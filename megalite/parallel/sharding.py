@@ -25,8 +25,14 @@ class Shard:
         shape[self.dim] *= self.count
         return torch.Size(shape)
 
+    def bounds(self, full_len: int) -> tuple[int, int]:
+        """[start, stop) of this slice along `dim` of a tensor `full_len` long there."""
+        size = full_len // self.count
+        return self.index * size, (self.index + 1) * size
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.count, dim=self.dim)[self.index]
+        start, stop = self.bounds(full.shape[self.dim])
+        return full.narrow(self.dim, start, stop - start)
 
 
 def mark_sharded(param: torch.nn.Parameter, dim: int, index: int, count: int) -> None:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.parallel.sharding import full_shape, local_slice
+from megalite.parallel.sharding import full_shape, local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
                                              moment_pieces, read_metadata, save_pieces,
@@ -274,23 +274,51 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     return meta, rng
 
 
-def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
+class CheckpointTensors:
     """A checkpoint's weights (part="model", by parameter name) or Adam moments ("optimizer",
-    by "<name>.exp_avg"...), whole, in this one process: for tools and tests, not training."""
-    path = Path(path)
-    if _whole_tensors(path):
-        with safe_open(str(path / f"{part}.safetensors"), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    reader, prefix = WholeReader(path), f"{part}/"
-    tensors = reader.read([k for k in reader.stored if k.startswith(prefix)])
-    return {k.removeprefix(prefix): t for k, t in tensors.items()}
+    by "<name>.exp_avg"...), whole, one tensor at a time, in this one process: for tools
+    (export) and tests, not training. The sharded format through DCP, its metadata read once;
+    the whole-tensor one through safetensors, opened for each tensor (a tensor is a view of
+    the file's mapping, whose pages leave this process's memory with it)."""
+
+    def __init__(self, path: Path, part: str = "model"):
+        self.path, self.part = Path(path), part
+        self.dcp = None if _whole_tensors(self.path) else WholeReader(self.path)
+        if self.dcp is None:
+            with self._open() as f:
+                self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
+        else:
+            prefix = f"{part}/"
+            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.stored.items()
+                           if k.startswith(prefix)}
+
+    def _open(self):
+        return safe_open(str(self.path / f"{self.part}.safetensors"), framework="pt")
+
+    def shape(self, name: str) -> torch.Size:
+        if name not in self.shapes:
+            raise ConfigError(f"'{self.path}' lacks {name}: it does not hold the model its "
+                              f"meta.json describes")
+        return self.shapes[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        if self.dcp is None:
+            with self._open() as f:
+                return f.get_tensor(name)
+        key = f"{self.part}/{name}"
+        return self.dcp.read([key])[key]
+
+
+def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's `part` whole (see CheckpointTensors)."""
+    tensors = CheckpointTensors(path, part)
+    return {name: tensors.read(name) for name in tensors.shapes}
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
     """Copy this rank's slice of each full tensor into the model, one tensor at a time.
     `tensors`: a dict of full tensors, or anything with `keys()` and `get_slice(name)` as an open
     safetensors file has (or hf/layout.MegaliteView): then only this rank's slice is read."""
-    from megalite.parallel.sharding import shard_of
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors.keys()))
     if missing:
@@ -309,10 +337,8 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
                 continue
             index = [slice(None)] * len(shape)
             shard = shard_of(p)
-            if shard is not None:  # chunk `index` of `count`, as Shard.take cuts it
-                size = -(-shape[shard.dim] // shard.count)
-                start = min(shard.index * size, shape[shard.dim])
-                index[shard.dim] = slice(start, start + size)
+            if shard is not None:
+                index[shard.dim] = slice(*shard.bounds(shape[shard.dim]))
             p.copy_(full[tuple(index)])
 
 
@@ -324,8 +350,7 @@ def read_moments(path: Path, model: torch.nn.Module,
     if _whole_tensors(path):
         return list(_read_whole_moments(path, model, held_rows))
     metadata = read_metadata(path)
-    wanted = [(p, pieces) for p, pieces in moment_pieces(model, held_rows)
-              if all(piece.key in metadata.state_dict_metadata for piece in pieces.values())]
+    wanted = moment_pieces(model, held_rows, metadata.state_dict_metadata)
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 

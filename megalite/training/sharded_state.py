@@ -67,7 +67,7 @@ def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
     offsets = [0] * p.dim()
     shard = shard_of(p)
     if shard is not None:
-        offsets[shard.dim] = shard.index * p.shape[shard.dim]
+        offsets[shard.dim] = shard.bounds(full_shape(p)[shard.dim])[0]
     offsets[0] += first_row
     return tuple(offsets)
 
@@ -108,10 +108,14 @@ def weight_pieces(model: torch.nn.Module) -> list[Piece]:
     return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
 
 
-def moment_pieces(model: torch.nn.Module, held_rows: Callable) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
-    """Zeroed fp32 tensors for the Adam moments of the rows `held_rows(p)` of each parameter."""
+def moment_pieces(model: torch.nn.Module, held_rows: Callable,
+                  stored: dict) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
+    """Zeroed fp32 tensors for the Adam moments of the rows `held_rows(p)` of each parameter
+    whose moments are `stored` (a checkpoint's metadata; none in an imported one)."""
     out = []
     for name, p in model.named_parameters():
+        if not all(moment_key(name, m) in stored for m in MOMENTS):
+            continue
         start, stop = held_rows(p)
         shape = (stop - start, *p.shape[1:])
         out.append((p, {m: _rows_piece(moment_key(name, m), p,
@@ -122,7 +126,7 @@ def moment_pieces(model: torch.nn.Module, held_rows: Callable) -> list[tuple[tor
 
 def blocks(piece: Piece) -> Iterator[Piece]:
     """The piece cut into blocks of whole rows."""
-    rows = piece.shape[0] if piece.shape else 1
+    rows = piece.shape[0]
     row_bytes = piece.tensor[:1].numel() * piece.tensor.element_size()
     step = max(-(-rows // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
     for start in range(0, piece.tensor.shape[0], step):
