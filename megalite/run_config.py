@@ -75,7 +75,9 @@ class TrainConfig:
     # data.tokenizer=bpe, its tokenizer.json is used.
     init_from: str = ""
     eval_every: int = 0  # steps; 0: only at the end
-    eval_batches: int = 4  # global batches of validation samples per evaluation
+    # Validation tokens per evaluation: 0 is the whole held-out set; N takes the first
+    # ceil(N / data.seq_len) held-out samples (a fixed set, so evaluations compare).
+    eval_tokens: int = 0
     log_every: int = 1  # steps between metrics records (each waits for the device)
     # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"

@@ -242,31 +242,38 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
 
 @torch.no_grad()
 def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
-    """Mean loss over the first eval_batches x global_batch_size validation samples (or all of
-    them), each source's in proportion to its weight, each sample once; DP ranks take disjoint
-    parts, in micro-batches as in training."""
-    count = min(sum(val_set.sizes), cfg.train.eval_batches * cfg.train.global_batch_size)
-    if count == 0:
+    """Mean loss over the held-out set (train.eval_tokens=0), or over its first
+    ceil(eval_tokens / seq_len) samples, each source's in proportion to its weight; each sample
+    once, DP ranks taking disjoint parts, in micro-batches as in training."""
+    t = cfg.train
+    if sum(val_set.sizes) == 0:
         return
+    picks = val_set.leading_picks(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None)
     model.eval()
-    mine = np.array_split(val_set.leading_picks(count), ps.dp_size)[ps.dp_rank]
+    mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
     total = torch.zeros(2, device=ps.device)
-    batches = [val_set.collate(mine[start:start + cfg.train.micro_batch_size]).to(ps.device)
-               for start in range(0, len(mine), cfg.train.micro_batch_size)]
+    # A step's worth of micro-batches on the device at a time: memory stays a step's.
+    chunk = t.global_batch_size // ps.dp_size
+    for first in range(0, len(mine), chunk):
+        part = mine[first:first + chunk]
+        batches = [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
+                   for start in range(0, len(part), t.micro_batch_size)]
 
-    def add(micro: int, out) -> None:
-        total[0] += out.token_losses.sum().float()  # this CP rank's tokens of the rows
-        total[1] += batches[micro].target_count().float()  # the whole rows'
+        def add(micro: int, out) -> None:
+            total[0] += out.token_losses.sum().float()  # this CP rank's tokens of the rows
+            total[1] += batches[micro].target_count().float()  # the whole rows'
 
-    forward_pipelined(model, batches, autocast, add)  # at pp=1: each micro-batch in turn
+        forward_pipelined(model, batches, autocast, add)  # at pp=1: each micro-batch in turn
     if ps.cp_rank > 0:
         total[1] = 0  # every CP rank counted the whole rows: the sum counts them once
     total = all_reduce_loss(total, ps)
-    val_loss = (total[0] / total[1]).item()
+    val_loss, val_tokens = (total[0] / total[1]).item(), int(total[1].item())
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow
     if metrics:
-        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
-        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {val_ppl:.1f}", flush=True)
+        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl, "val_tokens": val_tokens})
+        whole = "the whole held-out set" if t.eval_tokens == 0 else f"train.eval_tokens={t.eval_tokens}"
+        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {val_ppl:.1f} "
+              f"({val_tokens:,} tokens: {whole})", flush=True)
 
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:

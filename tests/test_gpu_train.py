@@ -47,7 +47,7 @@ def demo_args(cache, run_dir: Path, steps: int, *extra: str) -> list[str]:
     FlexAttention needs), packed rows of 128 tokens, 4 micro-batches of 4 per step."""
     return ["--config", str(ROOT / "configs" / "demo.yaml"), "parallel.tp=1",
             f"train.max_steps={steps}", f"data.cache_dir={cache}", f"run.dir={run_dir}",
-            "train.eval_batches=1", "sample.prompts=[The]", "sample.max_new_tokens=8", *extra]
+            "train.eval_tokens=2048", "sample.prompts=[The]", "sample.max_new_tokens=8", *extra]
 
 
 def skip_plot_without_matplotlib(monkeypatch) -> None:

@@ -4,10 +4,13 @@ Runs megalite.train.main on gloo processes given torchrun's environment, on the 
 with a small tokenizer, and compares the per-step losses in metrics.jsonl and the final weights.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from megalite import train as train_module
+from megalite.data.prepare import prepare_data
+from megalite.run_config import load_config
 from megalite.training.checkpoint import read_whole_state
 from megalite.training.metrics import read_records
 from tests.harness import run_distributed
@@ -20,7 +23,9 @@ def common(cache: str, run_dir, mode: str) -> list[str]:
     return ["model=tiny", "model.hidden=32", "model.dropout=0.0", f"data.mode={mode}",
             "data.seq_len=32", "data.bpe_vocab_size=512", f"data.cache_dir={cache}",
             f"train.max_steps={STEPS}", "train.global_batch_size=8", "train.warmup_steps=3",
-            "train.eval_batches=1", "sample.prompts=[The]", "sample.max_new_tokens=4",
+            # padded: the whole held-out set (65 samples); packed: its first 8 samples of 32.
+            f"train.eval_tokens={0 if mode == 'padded' else 256}",
+            "sample.prompts=[The]", "sample.max_new_tokens=4",
             # Below the gradient norm (~0.3 to 0.6), so clipping acts at every step.
             "train.grad_clip=0.1",
             f"run.dir={run_dir}"]
@@ -77,6 +82,22 @@ def test_tp2_dp2_trains_like_one_process(tmp_path, cache, mode, request):
     else:
         train_run(4, common(cache, layout, mode) + LAYOUT)
     assert_same_training(single, layout)
+    assert losses(single, "val_tokens") == losses(layout, "val_tokens") == {
+        STEPS: held_out_targets(cache, mode)}
+
+
+def held_out_targets(cache, mode: str) -> int:
+    """The target tokens validation should see, counted from the prepared data: padded, every
+    held-out document's first seq_len + 1 tokens; packed, the first 8 rows of the held-out
+    stream, where a token's successor is of the same document."""
+    cfg = load_config(None, common(cache, "unused", mode))
+    (val,) = prepare_data(cfg.data).val
+    seq = cfg.data.seq_len
+    if mode == "padded":
+        lengths = val.docs.lengths(np.arange(len(val.docs)))
+        return int((np.minimum(lengths, seq + 1) - 1).sum())
+    _, docs = val.docs.window(np.arange(8) * seq, seq + 1)
+    return int((docs[:, 1:] == docs[:, :-1]).sum())
 
 
 def test_dp2_with_accumulation_2_equals_dp1_with_accumulation_4(tmp_path, cache):

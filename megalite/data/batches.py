@@ -127,10 +127,12 @@ class Mixture:
     def sizes(self) -> list[int]:
         return [len(p) for p in self.parts]
 
-    def leading_picks(self, count: int) -> np.ndarray:
-        """About `count` (source, sample) picks in proportion to the weights, each source's
-        first samples in order and none twice (evaluation: a small source is not repeated)."""
-        take = [min(n, int(round(count * w))) for n, w in zip(self.sizes, self.weights)]
+    def leading_picks(self, count: int | None = None) -> np.ndarray:
+        """(source, sample) picks for evaluation: every sample of every source once (count None),
+        or about `count` in proportion to the weights, each source's first samples in order and
+        none twice (a small source is not repeated)."""
+        take = self.sizes if count is None else [min(n, int(round(count * w)))
+                                                 for n, w in zip(self.sizes, self.weights)]
         return np.concatenate([np.stack([np.full(t, s), np.arange(t)], axis=1)
                                for s, t in enumerate(take)]).astype(np.int64)
 

@@ -48,9 +48,11 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
                           "or set run.wandb=false")
-    for key in ("max_steps", "keep_checkpoints", "log_every", "eval_batches", "loss_chunk_tokens"):
+    for key in ("max_steps", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
+    if t.eval_tokens < 0:
+        raise ConfigError(f"train.eval_tokens={t.eval_tokens} must be >= 0 (0: the whole held-out set)")
 
 
 def with_pretrained(cfg: Config) -> Config:
