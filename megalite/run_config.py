@@ -53,8 +53,12 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
     max_steps: int = 100  # optimizer steps
     lr: float = 1e-3  # peak learning rate, reached after warmup
-    min_lr: float = 1e-4  # the cosine decay's floor, at max_steps
+    min_lr: float = 1e-4  # the cosine decay's floor, from decay_steps on
     warmup_steps: int = 10  # linear warmup steps
+    # The step the cosine decay reaches min_lr. 0: the max_steps the run first started with,
+    # kept by a resume that raises max_steps (the extra steps train at min_lr); set it to the
+    # new max_steps to stretch the decay instead.
+    decay_steps: int = 0
     weight_decay: float = 0.1  # AdamW's decay, on matrices only (not biases or norms)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay

@@ -32,10 +32,10 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import autocast_for, build_engine, build_model, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
-from megalite.training.optim import lr_at
+from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.setup import (check_batch_layout, find_resume, with_pretrained,
-                                     with_tokenizer_vocab)
+                                     with_schedule, with_tokenizer_vocab)
 from megalite.typed_config import ConfigError
 
 
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
                               f"a smaller global batch or more data")
     resume_from = find_resume(cfg, data)
+    cfg = with_schedule(cfg, resume_from)
     with StopRequest() as stop:
         pstate = init_parallel(cfg.parallel, cfg.model)
         try:
@@ -82,7 +83,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
           resume_from: Path | None, stop: StopRequest) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
-    start, tokens_seen, source_tokens = resume(resume_from, model, ps, len(data.train))
+    start, tokens_seen, source_tokens = resume(resume_from, model, ps, cfg, len(data.train))
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
     # After the weights: DeepSpeed copies them into its fp32 partitions.
@@ -215,7 +216,8 @@ def tokens_by_source(data: PreparedData, per_source: torch.Tensor) -> dict:
     return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, per_source.tolist())}}
 
 
-def resume(path: Path | None, model, ps: ParallelState, n_sources: int) -> tuple[int, int, list]:
+def resume(path: Path | None, model, ps: ParallelState, cfg: Config,
+           n_sources: int) -> tuple[int, int, list]:
     """(step, tokens seen, tokens seen per source) to start from: zeros, or the checkpoint's,
     its weights and RNG state loaded (the optimizer's are loaded once the engine exists)."""
     if path is None:
@@ -225,8 +227,23 @@ def resume(path: Path | None, model, ps: ParallelState, n_sources: int) -> tuple
         torch.set_rng_state(rng.pop("cpu"))
         model.rng.set_state(rng)
     if ps.is_main:
-        print(f"resumed from {path} at step {meta['step']}", flush=True)
+        announce_resume(path, meta, layout_of(ps), cfg)
     return meta["step"], meta["tokens"], meta.get("tokens_per_source", [0.0] * n_sources)
+
+
+def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
+    t, saved = cfg.train, meta.get("layout", {})
+    lines = [f"resumed from {path} at step {meta['step']}"]
+    if saved != layout:
+        def shown(l: dict) -> str:
+            return " x ".join(f"{k.upper()}{l.get(k, 1)}" for k in ("tp", "cp", "pp", "dp"))
+        dropout = "; dropout's random streams start afresh" if cfg.model.dropout else ""
+        lines.append(f"  layout: saved at {shown(saved)}, now {shown(layout)}: weights and "
+                     f"optimizer state resharded{dropout}")
+    stretch = (f" (set train.decay_steps={t.max_steps} to stretch the decay instead)"
+               if t.max_steps > t.decay_steps else "")
+    lines.append(f"  lr: {describe_schedule(t)}{stretch}")
+    print("\n".join(lines), flush=True)
 
 
 def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, model, engine,

@@ -85,7 +85,8 @@ def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, 
 
 @pytest.mark.parametrize("extra,message", [
     (["train.resume=never"], r"run\.dir '.*' already holds checkpoints \(latest step_00000002\): train\.resume=never would overwrite them"),
-    (["train.global_batch_size=4", "train.max_steps=4"], r"cannot resume from '.*step_00000002': train\.global_batch_size: 2 -> 4"),
+    (["train.global_batch_size=4", "train.max_steps=4"], r"cannot resume from '.*step_00000002': train\.global_batch_size: 2 -> 4\. Resume with the saved values, or a new run\.dir \(run\.dir '.*run' holds this checkpoint\)"),
+    (["train.resume={run}/checkpoints/step_00000002", "run.seed=7", "train.max_steps=4"], r"run\.seed: 1234 -> 7\. Resume with the saved values, or train\.init_from=.*step_00000002 to start a new run from its weights"),
     (["run.seed=7", "train.max_steps=4"], r"cannot resume from .*: run\.seed: 1234 -> 7"),
     (["data.bpe_vocab_size=400", "train.max_steps=4"], r"cannot resume from .*data\.bpe_vocab_size: 512 -> 400; the tokenized data \(corpus or tokenizer\) differs"),
     (["train.resume=/nowhere/step_00000001"], r"train\.resume '/nowhere/step_00000001' is not a complete checkpoint"),
@@ -96,7 +97,7 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match=message):
-        main(small_args(tmp_path, corpus, *extra))
+        main(small_args(tmp_path, corpus, *(e.format(run=tmp_path / "run") for e in extra)))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 

@@ -51,8 +51,9 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     for key in ("max_steps", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
-    if t.eval_tokens < 0:
-        raise ConfigError(f"train.eval_tokens={t.eval_tokens} must be >= 0 (0: the whole held-out set)")
+    for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
 
 
 def with_pretrained(cfg: Config) -> Config:
@@ -75,6 +76,17 @@ def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
         return cfg
     model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
     return dataclasses.replace(cfg, model=model)
+
+
+def with_schedule(cfg: Config, resume_from: Path | None) -> Config:
+    """train.decay_steps=0 resolved: the first start's max_steps, which a checkpoint keeps."""
+    if cfg.train.decay_steps:
+        return cfg
+    end = cfg.train.max_steps
+    if resume_from is not None:
+        saved = json.loads((resume_from / "meta.json").read_text())["config"]["train"]
+        end = saved.get("decay_steps") or saved["max_steps"]  # older checkpoints: no decay_steps
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=end))
 
 
 # What fixes the meaning of a step: change any of these and "resume" would train a different run.
@@ -109,8 +121,10 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     if saved.get("data_cache_key") != data.meta["cache_key"]:
         changed.append("the tokenized data (corpus or tokenizer) differs")
     if changed:
+        fix = (f"or a new run.dir (run.dir '{run_dir}' holds this checkpoint)" if resume == "auto" else
+               f"or train.init_from={path} to start a new run from its weights")
         raise ConfigError(f"cannot resume from '{path}': " + "; ".join(changed) +
-                          ". Resume with the saved values, or start a new run.dir")
+                          f". Resume with the saved values, {fix}")
     return path
 
 
