@@ -10,7 +10,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from megalite.data.batches import BatchOrder, Samples
 from megalite.data.prepare import prepare_data
 from megalite.run_config import DataConfig
-from megalite.typed_config import ConfigError
 
 TEXTS = [f"Document number {i} talks about tensors and gradients. " * (1 + i % 4) for i in range(30)]
 
@@ -41,11 +40,11 @@ def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
     assert all(d[-1] == 1 for d in docs.documents(np.arange(len(docs)), 10**6))  # each ends with eos
 
 
-def test_user_tokenizer_without_padding_token_is_refused(tmp_path):
+def test_user_tokenizer_without_padding_token_pads_with_eos(tmp_path):
     tok = user_tokenizer(tmp_path, ["</s>"])
-    with pytest.raises(ConfigError, match="has no padding token: add '<|pad|>'"):
-        prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
-                                cache_dir=str(tmp_path / "cache")))
+    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
+                                   cache_dir=str(tmp_path / "cache")))
+    assert data.tokenizer.pad_id == data.tokenizer.eos_id == 0
 
 
 def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):

@@ -1,10 +1,25 @@
-"""Byte-level BPE trained locally with Hugging Face `tokenizers`, or a user's tokenizer.json.
+"""Tokenizers: megalite's byte-level BPE trained locally, a tokenizer.json, or a Hugging Face
+tokenizer directory (tokenizer.json, with tokenizer_config.json and special_tokens_map.json
+where present).
 
-Special tokens come first, eos = 0, bos = 1, pad = 2: the pad id is deliberately not 0, and 0 is
-a real token, so a collate that pads with 0 instead of the pad id is caught by the tests.
+End of document (eos): the name given (data.eos_token, --eos-token), else the one the
+directory's files declare, else the one of KNOWN_EOS the vocabulary holds; none, or several
+and none declared, is an error naming the key. Text is encoded as the tokenizer's own template
+says: Llama's post-processor puts bos first, GPT-2's and megalite's BPE add nothing.
+
+Padding needs no token of its own: padded positions are masked out of attention and loss, so
+any id may fill them. The fill id (`pad_id`) is the tokenizer's pad token, else eos.
+
+megalite's BPE puts its special tokens first, eos = 0, bos = 1, pad = 2: the pad id is
+deliberately not 0, and 0 is a real token, so a collate that pads with 0 instead of the pad id
+is caught by the tests.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,22 +28,49 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from megalite.typed_config import ConfigError
 
 SPECIAL = ("<|eos|>", "<|bos|>", "<|pad|>")
+KNOWN = {"eos_token": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>"),
+         "bos_token": ("<|bos|>", "<s>", "<|begin_of_text|>", "<bos>"),
+         "pad_token": ("<|pad|>", "<pad>", "[PAD]")}
+# The files a stored tokenizer is made of; tokenizer.json is written last, so that its presence
+# means the others are there.
+FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerInfo:
     tokenizer: Tokenizer
-    eos_id: int
-    bos_id: int
-    pad_id: int
+    file: Path  # its tokenizer.json
+    names: dict  # eos_token, and bos_token / pad_token where it has one: what a stored copy declares
+    source_files: dict  # the source's tokenizer_config.json, special_tokens_map.json (kept when stored)
+    digest: str  # what the token ids of a document depend on (see load_tokenizer)
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.token_to_id(self.names["eos_token"])
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.tokenizer.token_to_id(self.names["bos_token"]) if "bos_token" in self.names else None
+
+    @property
+    def pad_id(self) -> int:
+        """The id that fills padded positions: any id would do (they are masked out of attention
+        and loss), the pad token where the tokenizer has one, else eos."""
+        return self.tokenizer.token_to_id(self.names.get("pad_token", self.names["eos_token"]))
+
     def encode(self, text: str) -> list[int]:
-        """The text's tokens only: no template tokens (a Llama tokenizer would prepend bos)."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """The text's tokens with the tokenizer's template (Llama's bos first)."""
+        return self.tokenizer.encode(text).ids
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Each document as encode() gives it, then eos unless the template put it there."""
+        eos = [] if _template(self.tokenizer)[-1:] == [self.eos_id] else [self.eos_id]
+        # The fast variant skips character offsets, which a document never needs.
+        return [e.ids + eos for e in self.tokenizer.encode_batch_fast(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -45,23 +87,82 @@ def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path: Path) -> TokenizerInfo:
-    if not path.is_file():
-        raise ConfigError(f"data.tokenizer '{path}' not found: give a tokenizer.json or "
-                          f"data.tokenizer=bpe to train one")
-    tokenizer = Tokenizer.from_file(str(path))
-    ids = {name: tokenizer.token_to_id(name) for name in SPECIAL}
-    eos = ids["<|eos|>"] if ids["<|eos|>"] is not None else _first_of(tokenizer, ("</s>", "<|endoftext|>", "<eos>"))
-    if eos is None:
-        raise ConfigError(f"tokenizer '{path}' has no end-of-document token: add '<|eos|>' "
-                          f"(or '</s>' / '<|endoftext|>') to its special tokens")
-    bos = ids["<|bos|>"] if ids["<|bos|>"] is not None else _first_of(tokenizer, ("<s>", "<bos>"))
-    pad = ids["<|pad|>"] if ids["<|pad|>"] is not None else _first_of(tokenizer, ("<pad>", "[PAD]"))
-    if pad is None:
-        raise ConfigError(f"tokenizer '{path}' has no padding token: add '<|pad|>' (or '<pad>') "
-                          f"to its special tokens; padding with a real token id is a classic bug")
-    return TokenizerInfo(tokenizer, eos, eos if bos is None else bos, pad)
+def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
+    """A Hugging Face tokenizer directory, or its tokenizer.json: tokenizer.json with, where
+    present, the tokenizer_config.json and special_tokens_map.json beside it that name its
+    special tokens (the map overriding the config, as transformers reads them); a file of any
+    other name is read alone. `eos_token` names eos over what the files say.
+
+    The digest: tokens depend on tokenizer.json and the eos id. A tokenizer.json whose own
+    names give its eos and whose template adds nothing keeps its file's hash, the key earlier
+    versions gave its data and checkpoints; the others' hash covers the eos too."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"tokenizer '{path}' " + ("holds no tokenizer.json (the fast tokenizer's "
+                          "file, which megalite reads)" if path.is_dir() else "not found") +
+                          ": give a tokenizer.json, a Hugging Face tokenizer directory holding "
+                          "one, or data.tokenizer=bpe to train one")
+    text = file.read_bytes()
+    tokenizer = Tokenizer.from_str(text.decode())
+    beside = file.parent if file.name == "tokenizer.json" else None
+    source_files = {name: json.loads((beside / name).read_text()) for name in FILES[:2]
+                    if beside is not None and (beside / name).is_file()}
+    declared = {**source_files.get("tokenizer_config.json", {}),
+                **source_files.get("special_tokens_map.json", {})}
+    if eos_token is not None:
+        declared["eos_token"] = eos_token
+    # Only added tokens are looked up by name: a vocabulary may hold '</s>' as plain text.
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    found = {key: [n for n in known if n in added] for key, known in KNOWN.items()}
+    names = {}
+    for key in KNOWN:
+        name = _name(declared.get(key))
+        if name is not None and tokenizer.token_to_id(name) is None:
+            given = "the eos token given" if key == "eos_token" and eos_token else f"its {key}"
+            raise ConfigError(f"tokenizer '{path}': {given} '{name}' is not in its vocabulary: "
+                              f"name one of its tokens")
+        if name is None and key == "eos_token" and len(found[key]) != 1:
+            raise ConfigError(_no_eos(path, found[key]))
+        name = name if name is not None else next(iter(found[key]), None)
+        if name is not None:
+            names[key] = name
+    file_hash = hashlib.sha256(text).hexdigest()
+    plain = found["eos_token"] == [names["eos_token"]] and not _template(tokenizer)
+    digest = file_hash if plain else \
+        hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
+    return TokenizerInfo(tokenizer, file, names, source_files, digest)
 
 
-def _first_of(tokenizer: Tokenizer, names) -> int | None:
-    return next((tokenizer.token_to_id(n) for n in names if tokenizer.token_to_id(n) is not None), None)
+def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
+    """`info` as a Hugging Face tokenizer directory: tokenizer.json and the files naming its
+    specials (the source's, with the names resolved), so that loading it gives them back."""
+    directory = Path(directory)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              **info.source_files.get("tokenizer_config.json", {}), **info.names}
+    special_map = {**info.source_files.get("special_tokens_map.json", {}), **info.names}
+    for name, content in zip(FILES, (config, special_map, None)):
+        tmp = directory / f".{name}.tmp"  # a reader never sees half a file
+        if content is None:
+            shutil.copy(info.file, tmp)
+        else:
+            tmp.write_text(json.dumps(content, indent=1))
+        os.replace(tmp, directory / name)
+
+
+def _name(value) -> str | None:
+    """A special token as the files declare it: its name, or a dict with a "content" key."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _template(tokenizer: Tokenizer) -> list[int]:
+    """The ids the post-processor adds around a text."""
+    return tokenizer.encode("").ids
+
+
+def _no_eos(path: Path, found: list[str]) -> str:
+    what = (f"several end-of-document tokens ({', '.join(found)}) and no tokenizer_config.json "
+            f"or special_tokens_map.json naming one" if found else
+            f"no end-of-document token megalite knows ({', '.join(KNOWN['eos_token'])})")
+    return (f"tokenizer '{path}' has {what}: name the one that ends a document with "
+            f"data.eos_token=NAME (--eos-token NAME for prepare-data and import)")
