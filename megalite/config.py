@@ -34,6 +34,19 @@ class ModelConfig:
     norm_eps: float = 1e-5  # the norms' epsilon
     position: Literal["learned", "rotary"] = "learned"  # a learned table (GPT-2) or rotary (Llama)
     rope_theta: float = 10000.0  # rotary base frequency
+    # Rotary frequencies stretched for contexts longer than pretraining's: none, linear (every
+    # frequency / rope_factor) or llama3 (Llama 3.1+: long wavelengths / rope_factor, short ones
+    # kept, a smooth blend between; model/positions.py)
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0  # linear and llama3: how much longer the context is (Llama 3.1: 8)
+    # llama3: wavelengths above rope_original_max_seq_len / rope_low_freq_factor are divided by
+    # rope_factor (Llama 3.1: 1)
+    rope_low_freq_factor: float = 1.0
+    # llama3: wavelengths below rope_original_max_seq_len / rope_high_freq_factor are kept
+    # (Llama 3.1: 4)
+    rope_high_freq_factor: float = 4.0
+    # llama3: the context length the model was pretrained at (Llama 3.1: 8192)
+    rope_original_max_seq_len: int = 8192
     bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
     tie_embeddings: bool = True  # the LM head is the embedding matrix
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
@@ -172,7 +185,29 @@ def _model_value_problems(model: ModelConfig) -> list[str]:
         (model.init_std > 0, f"model.init_std={model.init_std} must be > 0"),
         (model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be > 0"),
     ]
-    return problems + [message for ok, message in checks if not ok]
+    return problems + [message for ok, message in checks if not ok] + _rope_scaling_problems(model)
+
+
+def _rope_scaling_problems(model: ModelConfig) -> list[str]:
+    scaling = model.rope_scaling
+    if scaling == "none":
+        return []
+    if model.position != "rotary":
+        return [f"model.rope_scaling={scaling!r} scales rotary positions, but "
+                f"model.position={model.position!r}: set model.position=rotary or "
+                f"model.rope_scaling=none"]
+    checks = [(model.rope_factor > 0, f"model.rope_factor={model.rope_factor} must be > 0 "
+                                      f"(with model.rope_scaling={scaling!r})")]
+    if scaling == "llama3":
+        low, high = model.rope_low_freq_factor, model.rope_high_freq_factor
+        checks += [
+            (low > 0, f"model.rope_low_freq_factor={low} must be > 0"),
+            (high > low, f"model.rope_high_freq_factor={high} must be > "
+                         f"model.rope_low_freq_factor={low} (Llama 3.1: 4 and 1)"),
+            (model.rope_original_max_seq_len >= 1,
+             f"model.rope_original_max_seq_len={model.rope_original_max_seq_len} must be >= 1"),
+        ]
+    return [message for ok, message in checks if not ok]
 
 
 def _model_split_problems(model: ModelConfig, tp: int) -> list[str]:

@@ -27,18 +27,13 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rms_norm_eps": cfg.norm_eps, **rope_to_hf(cfg),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    problems = []
-    if rope_type != "default":
-        problems.append(f"rope scaling {rope_type!r} (only the default rotary is supported)")
+    rope, problems = rope_from_hf(hf)
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias")
     if hf.get("hidden_act", "silu") != "silu":
@@ -52,10 +47,53 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        n_heads=hf["num_attention_heads"],
                        n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
                        ffn_hidden=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary",
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", **rope,
                        bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        init_std=hf.get("initializer_range", 0.02))
+
+
+# Hugging Face's rope_type -> model.rope_scaling
+SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}
+# The rope parameters each scaling reads: megalite's name -> Hugging Face's.
+ROPE_KEYS = {"none": {},
+             "linear": {"rope_factor": "factor"},
+             "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                        "rope_high_freq_factor": "high_freq_factor",
+                        "rope_original_max_seq_len": "original_max_position_embeddings"}}
+
+
+def rope_from_hf(hf: dict) -> tuple[dict, list[str]]:
+    """(ModelConfig's rope_* keys, what megalite cannot compute) of a config.json: transformers
+    5's rope_parameters (rope_theta inside) or the older rope_scaling beside rope_theta."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type not in SCALINGS:
+        supported = ", ".join(repr(t) for t in SCALINGS)
+        return out, [f"rope scaling {rope_type!r} (megalite computes rope_type {supported})"]
+    problems = []
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor {partial} (megalite rotates the whole head)")
+    out["rope_scaling"] = SCALINGS[rope_type]
+    # transformers' default: the pretraining context is the model's
+    given = {"original_max_position_embeddings": hf["max_position_embeddings"], **rope}
+    for ours, theirs in ROPE_KEYS[out["rope_scaling"]].items():
+        if theirs in given:
+            out[ours] = type(getattr(ModelConfig, ours))(given[theirs])  # the field's int or float
+        else:
+            problems.append(f"rope scaling {rope_type!r} without {theirs!r}")
+    return out, problems
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict:
+    """transformers 5's rope_parameters, and rope_theta and rope_scaling for older readers."""
+    keys = ROPE_KEYS[cfg.rope_scaling]
+    scaling = {"rope_type": next(t for t, ours in SCALINGS.items() if ours == cfg.rope_scaling),
+               **{theirs: getattr(cfg, ours) for ours, theirs in keys.items()}}
+    return {"rope_theta": cfg.rope_theta,
+            "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
+            "rope_scaling": scaling if keys else None}
 
 
 LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",

@@ -149,7 +149,7 @@ class GPT(nn.Module):
             self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
         self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
                           if cfg.position == "learned" and embeds else None)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, device) if cfg.position == "rotary" else None
+        self.rotary = Rotary(cfg, device) if cfg.position == "rotary" else None
         self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
                               for chunk in self.chunks for i in chunk.layers})
         self.norm = Norm(cfg, pstate) if ends else None

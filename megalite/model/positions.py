@@ -1,9 +1,12 @@
 """Position information: a learned table (GPT-2) or rotary embeddings (Llama)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from megalite.config import ModelConfig
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import sum_grad_over_shards
 from megalite.parallel.state import ParallelState
@@ -25,18 +28,45 @@ class LearnedPositions(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary embeddings (Su et al. 2021) in the rotate-half layout that Hugging Face Llama uses."""
+    """Rotary embeddings (Su et al. 2021) in the rotate-half layout that Hugging Face Llama uses.
+    The angles are a function of the position alone, so every rank (a TP, CP or pipeline rank, a
+    KV-cache step) takes its tokens' angles from its positions."""
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device):
+    def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / theta ** exponents, persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg, device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [batch, 1, seq, head_dim], broadcast over heads."""
         angles = positions.unsqueeze(-1).float() * self.inv_freq
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
         return angles.cos(), angles.sin()
+
+
+def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The angle per position of each pair of head dimensions: theta^(-2i/head_dim), scaled by
+    cfg.rope_scaling."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    inv_freq = 1.0 / cfg.rope_theta ** exponents
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        return _llama3(inv_freq, cfg)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's scaling: a frequency whose wavelength fits in the pretraining context
+    rope_high_freq_factor times or more is kept (training saw it turn through every angle), one
+    that fits fewer than rope_low_freq_factor times is divided by rope_factor (so the longer
+    context's angles stay within those seen), and those between blend the two linearly in how
+    many times they fit."""
+    wavelength = 2 * math.pi / inv_freq
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    kept = ((cfg.rope_original_max_seq_len / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    # kept is exactly 0 or 1 outside the blend, where this is inv_freq / factor or inv_freq.
+    return (1 - kept) * inv_freq / cfg.rope_factor + kept * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
