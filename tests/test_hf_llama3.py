@@ -1,15 +1,16 @@
 """Llama 3.x checkpoints: rotary scaling (rope_type llama3 and linear) and Llama 3.2's tied
 embeddings, imported, evaluated, generated from and exported, checked against transformers
-itself (CPU, fp32)."""
+itself (CPU, fp32), with a Llama-3-shaped tokenizer (bos put first by its template, no pad)."""
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
 from megalite.config import ModelConfig, ParallelConfig, check_layout, load_model_config
-from megalite.data.tokenizer import load_tokenizer, train_bpe
+from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import llama
 from megalite.hf.convert import (checkpoint_model_config, export_hf, import_hf, load_pretrained,
                                  pretrained_config)
@@ -20,14 +21,14 @@ from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
 
-VOCAB = 320
+VOCAB = 320  # the models that need no tokenizer
 TOL = dict(atol=1e-5, rtol=1e-5)
-TEXT = "tensor parallel training of language models, with pipelines and long contexts. " * 30
+TEXT = "tensor parallel training of language models, with pipelines and long contexts. " * 10
 NEW_TOKENS = 16
 # head_dim 16 at Llama 3's theta: with a pretraining context of 64, the wavelengths (6, 32, 167,
 # ... positions) fall in all three of llama3's ranges: kept, blended, divided by the factor.
 # max_position_embeddings 128: evaluation windows and generation run past position 64.
-SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=128, hidden_size=64, num_attention_heads=4,
+SHAPE = dict(max_position_embeddings=128, hidden_size=64, num_attention_heads=4,
              num_hidden_layers=2, rms_norm_eps=1e-5, rope_theta=500000.0,
              initializer_range=0.3)  # so that greedy decoding does not repeat one token
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -46,28 +47,25 @@ def hf_lib():
     return pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_bpe([TEXT], VOCAB).save(str(path))
-    return path
-
-
-def save_hf_model(config, directory, tokenizer_file, seed=0):
+def save_hf_model(config, directory, seed=0):
     torch.manual_seed(seed)
     model = hf_lib().LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
-    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     return model
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory, tokenizer_file):
+def imported(tmp_path_factory):
     """name -> (transformers model, its directory, the megalite checkpoint imported from it)."""
+    from tests.test_real_tokenizers import llama3_shaped
     root = tmp_path_factory.mktemp("llama3")
+    tokenizer = llama3_shaped(root / "tokenizer")
+    vocab = load_tokenizer(tokenizer).vocab_size  # its special tokens last, as Llama 3's
     out = {}
     for i, (name, kwargs) in enumerate(MODELS.items()):
-        hf = save_hf_model(hf_lib().LlamaConfig(**kwargs), root / name, tokenizer_file, seed=i)
+        hf = save_hf_model(hf_lib().LlamaConfig(**kwargs, vocab_size=vocab), root / name, seed=i)
+        for file in tokenizer.iterdir():
+            (root / name / file.name).write_bytes(file.read_bytes())
         import_hf(root / name, root / f"{name}-ckpt")
         out[name] = (hf, root / name, root / f"{name}-ckpt")
     return out
@@ -104,6 +102,7 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
     out = {}
     for name, (hf_dir, ckpt) in models.items():
         cfg = checkpoint_model_config(ckpt)
+        pad = load_tokenizer(Path(ckpt) / "tokenizer.json").pad_id  # no pad token: eos fills
         model = GPT(cfg, tp2, init=False)
         load_checkpoint(ckpt, model, tp2)
         from_hf = GPT(pretrained_config(hf_dir), tp2, init=False)
@@ -111,11 +110,11 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
         same = all(torch.equal(p, dict(from_hf.named_parameters())[k])
                    for k, p in model.named_parameters())
         loss_sum, count = text_loss(model, ids)
-        tp_tokens = generate(model, prompts(ids), NEW_TOKENS, pad_id=2)
+        tp_tokens = generate(model, prompts(ids), NEW_TOKENS, pad_id=pad)
 
         model = GPT(cfg, pp2, init=False)
         load_checkpoint(ckpt, model, pp2)
-        pp_tokens = generate(model, prompts(ids), NEW_TOKENS, pad_id=2)
+        pp_tokens = generate(model, prompts(ids), NEW_TOKENS, pad_id=pad)
 
         model = GPT(cfg, cp2, init=False).eval()
         load_checkpoint(ckpt, model, cp2)
@@ -127,12 +126,12 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
     return out
 
 
-def hf_generate(hf, rows: list[list[int]]) -> list[list[int]]:
+def hf_generate(hf, rows: list[list[int]], pad: int) -> list[list[int]]:
     width = max(len(r) for r in rows)
-    ids = torch.tensor([[2] * (width - len(r)) + r for r in rows])
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=2)
+                      do_sample=False, eos_token_id=None, pad_token_id=pad)
     return out[:, width:].tolist()
 
 
@@ -151,9 +150,11 @@ def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
     """Llama 3.1 and 3.2 shapes: the eval loss on text longer than the pretraining context,
     greedy generation (KV cache, two left-padded prompts past position 64) at TP2 and PP2, the
     logits at CP2; train.init_from reads the same weights."""
-    tokenizer = load_tokenizer(next(iter(imported.values()))[1] / "tokenizer.json")
-    ids = tokenizer.encode(TEXT)
-    assert len(ids) > 2 * 128
+    _, hf_dir, ckpt = next(iter(imported.values()))
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    ids = tokenizer.encode(TEXT)  # as megalite eval encodes the text: bos first
+    assert ids == hf_lib().AutoTokenizer.from_pretrained(hf_dir)(TEXT).input_ids
+    assert ids[0] == tokenizer.bos_id and len(ids) > 2 * 128
     results = run_distributed(on_two_ranks, 2, {name: (str(d), str(c)) for name, (_, d, c)
                                                 in imported.items()}, ids)
     for name, (hf, _, _) in imported.items():
@@ -161,7 +162,7 @@ def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
         assert ours["same"] and results[1][name]["same"]
         assert_close(torch.tensor(ours["loss"]), torch.tensor(hf_text_loss(hf, ids, 128)), **TOL)
         assert ours["count"] == len(ids) - len(windows(ids, 128))
-        theirs = hf_generate(hf, prompts(ids))
+        theirs = hf_generate(hf, prompts(ids), tokenizer.pad_id)
         assert ours["tp"] == theirs and ours["pp"] == theirs and results[1][name]["pp"] == theirs
         assert all(len(set(row)) > 3 for row in theirs), theirs
         with torch.no_grad():
@@ -185,18 +186,19 @@ def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported
     # Tied: no lm_head.weight in the file; transformers makes the head the embedding.
     assert ("lm_head.weight" in stored) != tied
     assert (back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()) == tied
-    ids = load_tokenizer(hf_dir / "tokenizer.json").encode(TEXT)
+    ids = load_tokenizer(hf_dir).encode(TEXT)
+    assert hf_lib().AutoTokenizer.from_pretrained(tmp_path / "hf")(TEXT).input_ids == ids
     assert_close(torch.tensor(hf_text_loss(back, ids, 128)),
                  torch.tensor(hf_text_loss(hf, ids, 128)), **TOL)
 
 
 @pytest.mark.parametrize("written", ["rope_parameters", "rope_scaling"])
-def test_linear_scaled_model_gives_transformers_logits(tmp_path, tokenizer_file, written):
+def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
     """Linear scaling, from transformers 5's rope_parameters or an older config.json's
     rope_scaling {"type": "linear"} beside rope_theta."""
     kwargs = dict(MODELS["llama3.1"], rope_scaling={"rope_type": "linear", "factor": 4.0},
                   initializer_range=0.02)
-    hf = save_hf_model(hf_lib().LlamaConfig(**kwargs), tmp_path, tokenizer_file)
+    hf = save_hf_model(hf_lib().LlamaConfig(**kwargs, vocab_size=VOCAB), tmp_path)
     if written == "rope_scaling":
         config = json.loads((tmp_path / "config.json").read_text())
         rope = config.pop("rope_parameters")
