@@ -1,44 +1,134 @@
 """`megalite <command> ...`: the console script (and `python -m megalite`)."""
 from __future__ import annotations
 
+import argparse
+import difflib
+import json
 import os
 import sys
+import time
 
-COMMANDS = {"train": ("megalite.train", "main"),
-            "prepare-data": ("megalite.data.prepare", "main"),
-            "export": ("megalite.hf.convert", "main_export"),
-            "import": ("megalite.hf.convert", "main_import"),
-            "eval": ("megalite.evaluate", "main"),
-            "generate": ("megalite.generate", "main"),
-            "slurm": ("megalite.launch.slurm", "main"),
-            "sweep-status": ("megalite.launch.slurm", "main_status"),
-            "bench": ("megalite.bench.runner", "main"),
-            "peer-bench": ("megalite.bench.peer", "main"),
-            "gpu-check": ("megalite.bench.gpu_check", "main"),
-            "scale-model": ("megalite.bench.scaling_model", "main")}
+# name: (module, function, what it does in one line)
+COMMANDS = {
+    "train": ("megalite.train", "main", "train a model: alone, or on every rank under torchrun"),
+    "torchrun": ("megalite.launch.torchrun", "main",
+                 "torchrun, with one line and exit status 2 for bad input (torchrun's arguments)"),
+    "prepare-data": ("megalite.data.prepare", "main",
+                     "tokenize raw files (jsonl, parquet, txt) into Megatron .bin/.idx shards"),
+    "export": ("megalite.hf.convert", "main_export", "write a checkpoint as a Hugging Face model"),
+    "import": ("megalite.hf.convert", "main_import", "make a checkpoint of a Hugging Face model"),
+    "eval": ("megalite.evaluate", "main", "the loss and perplexity of a checkpoint on a text file"),
+    "generate": ("megalite.generate", "main", "sample text from a checkpoint (KV cache, TP, PP)"),
+    "slurm": ("megalite.launch.slurm", "main", "a YAML sweep as a Slurm job array: print or submit"),
+    "sweep-status": ("megalite.launch.slurm", "main_status", "the state of a submitted sweep's runs"),
+    "bench": ("megalite.bench.runner", "main", "a throughput sweep: tokens/s, MFU, communication"),
+    "peer-bench": ("megalite.bench.peer", "main", "megalite against Hugging Face transformers"),
+    "gpu-check": ("megalite.bench.gpu_check", "main", "the GPU tests and benchmarks in one command"),
+    "scale-model": ("megalite.bench.scaling_model", "main",
+                    "predicted step time of a layout across nodes"),
+}
+USAGE = 2  # the exit status of bad input, as argparse's
+# Set by `megalite torchrun` for its workers: the directory where a rank leaves its error line.
+ERROR_DIR = "MEGALITE_ERROR_DIR"
+# How long a rank other than 0 waits before printing its error: rank 0 meets the same checks
+# and prints it, and torchrun then stops this rank before it prints the same line again.
+QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: megalite {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
-        return 2
-    module, function = COMMANDS[argv[0]]
+    first = argv[0] if argv else None
+    if first in ("-h", "--help"):
+        print(overview())
+        return 0
+    if first == "--version":
+        print(f"megalite {version()}")
+        return 0
+    if first not in COMMANDS:
+        if first is not None:
+            near = difflib.get_close_matches(first, COMMANDS, n=1)
+            print(f"megalite: unknown command '{first}'" + (f" (did you mean '{near[0]}'?)" if near else ""),
+                  file=sys.stderr)
+        print(overview(), file=sys.stderr)
+        return USAGE
+    module, function, _ = COMMANDS[first]
     entry = getattr(__import__(module, fromlist=[function]), function)
     return run_reporting_errors(entry, argv[1:])
 
 
+def overview() -> str:
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["usage: megalite <command> [options]    (megalite <command> --help: its options)",
+             "", "commands:"]
+    lines += [f"  {name.ljust(width)}{what}" for name, (_, _, what) in COMMANDS.items()]
+    lines += ["", "options:", f"  {'-h, --help'.ljust(width)}this list",
+              f"  {'--version'.ljust(width)}megalite's version"]
+    return "\n".join(lines)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed("megalite")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written (module docstrings are wrapped already), and the default of
+    every option that has one (not None, False or empty) after its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if ("%(default)" not in help_text and default not in (None, argparse.SUPPRESS)
+                and default is not False and default != []):
+            help_text += " (default: %(default)s)"
+        return help_text
+
+
+def command_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser: `megalite <command> --help` shows its defaults."""
+    return argparse.ArgumentParser(prog=prog, description=description,
+                                   formatter_class=HelpFormatter)
+
+
 def run_reporting_errors(entry, argv: list[str]) -> int:
-    """Bad input is the user's to fix, not a crash: one line naming the value and the fix,
-    from every rank (so it is clear that each one stopped), and exit status 2."""
+    """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
+    exit status 2. Every rank meets the same checks before any collective, so one rank's line
+    says it for all (see report_error)."""
     from megalite.typed_config import ConfigError
     try:
         return entry(argv)
     except ConfigError as err:
-        rank = os.environ.get("RANK")
-        where = f" (rank {rank})" if rank is not None else ""
-        print(f"megalite: error{where}: {err}", file=sys.stderr, flush=True)
-        return 2
+        report_error(str(err))
+        return USAGE
+
+
+def report_error(message: str) -> None:
+    """`megalite: error: ...` on stderr, once for the whole launch.
+
+    Under `megalite torchrun` the rank leaves it in the launcher's directory, and the launcher
+    prints the first. Under torchrun it also goes to the rank's TORCHELASTIC_ERROR_FILE, so
+    torchrun's failure report names it; rank 0 prints it, and any other rank only if it is
+    still running QUIET_RANK_GRACE_S later (rank 0 did not stop on it)."""
+    line = f"megalite: error: {message}"
+    rank = os.environ.get("RANK", "0")
+    launcher_dir = os.environ.get(ERROR_DIR)
+    if launcher_dir:
+        tmp = os.path.join(launcher_dir, f".{rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write(line)
+        os.replace(tmp, os.path.join(launcher_dir, rank))  # the launcher never reads half
+        return
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # the format torchelastic's ErrorHandler writes and its report reads
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": f"ConfigError: {message}",
+                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    if rank != "0":
+        time.sleep(QUIET_RANK_GRACE_S)
+    print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

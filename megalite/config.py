@@ -140,11 +140,11 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
     problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
     if cp < 1:
         problems.append(f"parallel.cp={cp} must be >= 1")
-    if tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp):
+    world_misfit = tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp)
+    if world_misfit and (cp > 1 or pp > 1):
         split = {"tp": tp, "cp": cp, "pp": pp}
         named = [k for k, v in split.items() if k == "tp" or v > 1]
-        what = (f"parallel.tp={tp}" if named == ["tp"] else
-                " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(str(split[k]) for k in named))
+        what = " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(str(split[k]) for k in named)
         problems.append(f"world size {world_size} is not divisible by {what}: use "
                         f"parallel.tp among {_divisors(world_size // (pp * cp) or 1)} or launch a "
                         f"multiple of {tp * cp * pp} processes")
@@ -157,11 +157,15 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
         # would have to be drawn whole and indexed for every layer to stay the same model.
         problems.append(f"parallel.cp={cp} with model.dropout={model.dropout}: context parallelism "
                         f"trains without dropout (as pretraining does); set model.dropout=0")
+    bad_values = []
     if model is not None:
         bad_values = _model_value_problems(model)
         problems += bad_values
-        if not bad_values and tp >= 1:
-            problems += _model_split_problems(model, tp)
+        if not bad_values:
+            problems += _model_split_problems(model)
+    if tp >= 1 and pp >= 1 and cp >= 1:
+        problems += _tp_problem(model if model is not None and not bad_values else None, tp,
+                                world_size, cp * pp, world_misfit and cp == pp == 1)
         if not bad_values and tp >= 1 and sequence_parallel and model.max_seq_len % tp:
             # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
             # length must still have positions.
@@ -170,6 +174,8 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
                             f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
                             f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
                             f"parallel.sequence_parallel=false")
+    if len(problems) == 1:
+        raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -210,7 +216,7 @@ def _rope_scaling_problems(model: ModelConfig) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
-def _model_split_problems(model: ModelConfig, tp: int) -> list[str]:
+def _model_split_problems(model: ModelConfig) -> list[str]:
     checks = [
         (model.hidden % model.n_heads == 0,
          f"model.hidden={model.hidden} is not divisible by model.n_heads={model.n_heads}: "
@@ -221,21 +227,42 @@ def _model_split_problems(model: ModelConfig, tp: int) -> list[str]:
         (model.position != "rotary" or model.head_dim % 2 == 0,
          f"rotary positions need an even head dim, got hidden/n_heads={model.head_dim}: "
          f"change model.hidden or model.n_heads"),
-        (model.n_heads % tp == 0,
-         f"model.n_heads={model.n_heads} is not divisible by parallel.tp={tp}: "
-         f"use parallel.tp among {_divisors(model.n_heads)}"),
-        (model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
-         f"model.n_kv_heads={model.kv_heads} and parallel.tp={tp}: one must divide the other "
-         f"so that each rank holds whole KV heads or a whole copy of one"),
-        (model.ffn % tp == 0,
-         f"model.ffn_hidden={model.ffn} is not divisible by parallel.tp={tp}: "
-         f"use a multiple of {tp}"),
-        (model.padded_vocab % tp == 0,
-         f"padded vocab {model.padded_vocab} (model.vocab_size={model.vocab_size} rounded up to "
-         f"model.vocab_pad_multiple={model.vocab_pad_multiple}) is not divisible by "
-         f"parallel.tp={tp}: use a vocab_pad_multiple that is a multiple of {tp}"),
     ]
     return [message for ok, message in checks if not ok]
+
+
+def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
+                world_misfit: bool) -> list[str]:
+    """At most one line for a tp that does not split the world or the model: what it must
+    divide, and the tp values that would."""
+    misfits = ([f"the world size {world_size}"] if world_misfit else []) + (
+        _tp_misfits(model, tp) if model is not None else [])
+    if not misfits:
+        return []
+    room = world_size // cp_pp if world_size % cp_pp == 0 else world_size
+    fits = [t for t in _divisors(room) if model is None or not _tp_misfits(model, t)]
+    fix = f"use parallel.tp among {fits}"
+    if misfits == [f"the world size {world_size}"]:
+        fix += f" or launch a multiple of {tp * cp_pp} processes"
+    if misfits[-1].startswith("the model's padded vocab"):
+        fix += f", or a model.vocab_pad_multiple that is a multiple of {tp}"
+    return [f"parallel.tp={tp} must divide {_listed(misfits)}: {fix}"]
+
+
+def _tp_misfits(model: ModelConfig, tp: int) -> list[str]:
+    """The model's sizes a TP degree must split into equal whole parts, where it does not."""
+    sizes = [(model.n_heads % tp == 0, f"heads ({model.n_heads})"),
+             # GQA with fewer KV heads than ranks: each rank keeps a whole copy of one.
+             (model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
+              f"KV heads ({model.kv_heads})"),
+             (model.ffn % tp == 0, f"ffn_hidden ({model.ffn})"),
+             (model.padded_vocab % tp == 0, f"padded vocab ({model.padded_vocab})")]
+    bad = [what for ok, what in sizes if not ok]
+    return ["the model's " + _listed(bad)] if bad else []
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def data_parallel_size(parallel: ParallelConfig, world: int) -> int:

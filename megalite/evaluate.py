@@ -7,7 +7,6 @@ the loss is the mean over all of them. DP ranks take disjoint windows.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megalite.cli import command_parser
 from megalite.config import ParallelConfig
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf.convert import checkpoint_model_config
@@ -46,10 +46,11 @@ def text_loss(model: GPT, ids: list[int]) -> tuple[float, int]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite eval", description=__doc__)
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--text", required=True)
-    parser.add_argument("--tp", type=int, default=1)
+    parser = command_parser("megalite eval", __doc__)
+    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
+    parser.add_argument("--text", required=True, help="a UTF-8 text file")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks (under torchrun; DP over the others)")
     parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
     args = parser.parse_args(argv)
     ckpt, text_file = Path(args.ckpt), Path(args.text)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.cli import command_parser
 from megalite.config import ParallelConfig
 from megalite.data.batches import Batch
 from megalite.data.tokenizer import load_tokenizer
@@ -119,19 +120,23 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite generate", description=__doc__)
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--prompt", action="append", required=True)
-    parser.add_argument("--tp", type=int, default=1)
+    parser = command_parser("megalite generate", __doc__)
+    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="a prompt; repeat for a batch of several")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (under torchrun)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--pp-layers", type=_layer_counts, default=None,
                         help="layers per stage, e.g. 3,2 (parallel.pp_layers): stages that "
                              "model.n_layers does not divide evenly")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the most likely token each time); above 0: sampling")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens of this total probability")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
     cfg = checkpoint_model_config(Path(args.ckpt))
     tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")

@@ -6,7 +6,6 @@ of leaving ranks waiting in a collective.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megalite.cli import command_parser
 from megalite.data.batches import Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
@@ -40,8 +40,9 @@ from megalite.typed_config import ConfigError
 
 
 def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
-    parser = argparse.ArgumentParser(prog="megalite train", description=__doc__)
-    parser.add_argument("--config", help="YAML run config (see configs/demo.yaml)")
+    parser = command_parser("megalite train", __doc__)
+    parser.add_argument("--config", help="YAML run config (see configs/demo.yaml); without it, "
+                                         "the defaults of docs/config.md")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
     args = parser.parse_args(argv)
     return load_config(args.config, args.overrides), args.overrides

@@ -43,7 +43,7 @@ def test_wrong_types_name_the_key_and_value(key, value, message):
 
 
 def test_model_refuses_a_layout_it_cannot_split_exactly():
-    with pytest.raises(ConfigError, match=r"model\.ffn_hidden=50 is not divisible by parallel\.tp=4"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=4 must divide the model.s ffn_hidden \(50\)"):
         GPT(dataclasses.replace(BASE, ffn_hidden=50), ParallelState(tp_size=4))
 
 
@@ -65,12 +65,13 @@ def test_missing_preset_lists_the_available_ones():
     (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
     (dict(n_kv_heads=3), 1, 1, r"model\.n_heads=8 is not divisible by model\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
     (dict(hidden=40, n_heads=8, position="rotary"), 1, 1, r"rotary positions need an even head dim, got hidden/n_heads=5"),
-    ({}, 2, 3, r"world size 3 is not divisible by parallel\.tp=2: use parallel\.tp among \[1, 3\] or launch a multiple of 2 processes"),
-    ({}, 16, 16, r"model\.n_heads=8 is not divisible by parallel\.tp=16: use parallel\.tp among \[1, 2, 4, 8\]"),
+    ({}, 2, 3, r"^invalid config: parallel\.tp=2 must divide the world size 3: use parallel\.tp among \[1\] or launch a multiple of 2 processes$"),
+    ({}, 16, 16, r"^invalid config: parallel\.tp=16 must divide the model's heads \(8\): use parallel\.tp among \[1, 2, 4, 8\]$"),
     (dict(n_kv_heads=2), 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads
-    (dict(n_heads=12, n_kv_heads=6, hidden=48), 4, 4, r"model\.n_kv_heads=6 and parallel\.tp=4: one must divide the other"),
-    (dict(ffn_hidden=250), 4, 4, r"model\.ffn_hidden=250 is not divisible by parallel\.tp=4: use a multiple of 4"),
-    (dict(vocab_pad_multiple=2, vocab_size=1001), 4, 4, r"padded vocab 1002 \(model\.vocab_size=1001 rounded up to model\.vocab_pad_multiple=2\) is not divisible by parallel\.tp=4: use a vocab_pad_multiple that is a multiple of 4"),
+    (dict(n_heads=12, n_kv_heads=6, hidden=48), 4, 4, r"parallel\.tp=4 must divide the model's KV heads \(6\): use parallel\.tp among \[1, 2\]$"),
+    (dict(n_heads=12, n_kv_heads=2, hidden=48), 4, 4, None),
+    (dict(ffn_hidden=250), 4, 4, r"parallel\.tp=4 must divide the model's ffn_hidden \(250\): use parallel\.tp among \[1, 2\]$"),
+    (dict(vocab_pad_multiple=2, vocab_size=1001), 4, 4, r"parallel\.tp=4 must divide the model's padded vocab \(1002\): use parallel\.tp among \[1, 2\], or a model\.vocab_pad_multiple that is a multiple of 4$"),
     (dict(dropout=1.0), 1, 1, r"model\.dropout=1\.0 must be in \[0, 1\)"),
     (dict(n_layers=0), 1, 1, r"model\.n_layers=0 must be >= 1"),
     (dict(max_seq_len=0), 1, 1, r"model\.max_seq_len=0 must be >= 1"),
@@ -88,17 +89,18 @@ def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
 
 
 def test_all_problems_come_in_one_error():
-    cfg = dataclasses.replace(BASE, n_heads=5, hidden=64)
+    """Each problem once: a tp that fits neither the world nor the model is one line."""
+    cfg = dataclasses.replace(BASE, n_heads=5, hidden=64, dropout=2.0)
     with pytest.raises(ConfigError) as err:
-        check_layout(cfg, 2, 3)
+        check_layout(cfg, 2, 3, pipeline=ParallelConfig(tp=2, cp=2))
     lines = str(err.value).splitlines()
-    assert lines[0] == "invalid config:" and len(lines) == 5
+    assert lines[0] == "invalid config:" and len(lines) == 4, lines
 
 
 def test_init_parallel_rejects_a_bad_layout_before_any_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(ConfigError, match="world size 3 is not divisible by parallel.tp=2"):
+    with pytest.raises(ConfigError, match="parallel.tp=2 must divide the world size 3"):
         init_parallel(ParallelConfig(tp=2), BASE)
     assert not dist.is_initialized()
 

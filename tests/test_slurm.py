@@ -42,7 +42,7 @@ def write_sweep(tmp: Path, grid: dict, overrides=(), **slurm) -> Path:
 
 @pytest.mark.parametrize("grid,slurm,message", [
     ({"train.lrr": [1e-3]}, {}, r"unknown config key 'train\.lrr'; did you mean 'train\.lr'"),
-    ({"parallel.tp": [2]}, {"procs_per_node": 3}, r"world size 3 is not divisible by parallel\.tp=2"),
+    ({"parallel.tp": [2]}, {"procs_per_node": 3}, r"parallel\.tp=2 must divide the world size 3"),
     ({}, {}, r"has nothing to run: give a non-empty grid"),
     ({"train.lr": []}, {}, r"grid keys \['train\.lr'\] have no values"),
     ({"parallel.pp": [2]}, {"procs_per_node": 3},

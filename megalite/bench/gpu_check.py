@@ -17,7 +17,6 @@ runs it on CPU, so the command cannot rot).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import importlib.util
@@ -39,6 +38,7 @@ from megalite.bench.gpu_summary import write_summary
 from megalite.bench.point import device_name
 from megalite.bench.report import git_commit
 from megalite.bench.runner import INCOMPLETE, load_bench, stop_session
+from megalite.cli import command_parser
 from megalite.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -172,8 +172,7 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="megalite gpu-check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("megalite gpu-check", __doc__)
     parser.add_argument("--out", required=True, help="directory for every result and summary.md")
     parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
     parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")

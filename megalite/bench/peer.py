@@ -35,6 +35,7 @@ from megalite.bench.point import device_name, random_batches
 from megalite.bench.profile import profile_steps
 from megalite.bench.timing import time_steps
 from megalite.bench.report import git_commit
+from megalite.cli import command_parser
 from megalite.config import load_model_config
 from megalite.data.batches import Batch
 from megalite.hf.convert import exportable_as
@@ -161,14 +162,14 @@ def _fits(step, cfg, device, seq, batch):
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megalite peer-bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("megalite peer-bench", __doc__)
     parser.add_argument("--model", default="gpt2-small", help="a model preset (configs/model/)")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="off")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows per step")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                        help="torch.compile both models: not, only, or each way")
     parser.add_argument("--batch", choices=["full", "packed"], default="full",
                         help="one document per row, or several with their boundaries")
     parser.add_argument("--max-batch", action="store_true", help="also find the largest micro-batch (GPU)")

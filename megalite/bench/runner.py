@@ -22,7 +22,6 @@ point's log and spec under DIR/points/. Exit status 1 when any point did not fin
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Literal
 import yaml
 
 from megalite.bench.report import write_report
+from megalite.cli import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
 from megalite.training.deepspeed_engine import check_deepspeed
@@ -219,8 +219,7 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megalite bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser("megalite bench", __doc__)
     parser.add_argument("sweep", help="bench sweep YAML (see configs/bench/)")
     parser.add_argument("--out", required=True, help="directory for results and plots")
     parser.add_argument("--time-limit-s", type=float, default=None,

@@ -81,6 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megalite.bench.scaling_config import Hardware, load_scaling_file
+from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.typed_config import ConfigError
@@ -389,32 +390,35 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megalite scale-model",
-        description="Predict the throughput of TP x PP x DP layouts; without --hardware, check the "
-                    "model against the published rows of the config.")
-    parser.add_argument("--config", default="configs/bench/scaling.yaml")
+    parser = command_parser("megalite scale-model",
+                            "Predict the throughput of TP x PP x DP layouts; without --hardware, "
+                            "check the model against the published rows of the config.")
+    parser.add_argument("--config", default="configs/bench/scaling.yaml",
+                        help="hardware profiles and the published rows to check against")
     parser.add_argument("--out", help="also write the table to this file")
     layout = parser.add_argument_group("one layout (all of these with --hardware)")
     layout.add_argument("--hardware", help="a profile of the config, e.g. H100")
     for name in LAYOUT_ARGS:
         layout.add_argument(f"--{name.replace('_', '-')}", type=int)
-    layout.add_argument("--micro-batch", type=int, default=1)
+    layout.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward")
     layout.add_argument("--pp", type=int, default=1, help="pipeline stages")
     layout.add_argument("--virtual-stages", type=int, default=1,
                         help="model chunks per pipeline stage (interleaved 1F1B when > 1)")
     layout.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
-    layout.add_argument("--cp-comm", choices=("all_gather", "p2p"), default="all_gather")
+    layout.add_argument("--cp-comm", choices=("all_gather", "p2p"), default="all_gather",
+                        help="context parallelism's K/V exchange: all-gathered, or the ring")
     layout.add_argument("--kv-heads", type=int, help="K/V heads (GQA; default: --heads)")
     layout.add_argument("--untied", action="store_true", help="LM head separate from the embedding")
     layout.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
+    layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,
+                        help="bytes per gradient element in the DP reduction")
     efficiency = layout.add_mutually_exclusive_group()
     efficiency.add_argument("--efficiency", type=float, help="fraction of peak on executed FLOPs")
     efficiency.add_argument("--mfu", type=float, help="measured single-device MFU of this model")
     efficiency.add_argument("--step-time", type=float,
                             help="measured single-device step time (s) of --step-batch sequences")
-    layout.add_argument("--step-batch", type=int, default=1)
+    layout.add_argument("--step-batch", type=int, default=1,
+                        help="sequences of the measured --step-time")
     return parser
 
 

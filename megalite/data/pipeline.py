@@ -122,7 +122,7 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
                               f"(its tokenizer.json differs from '{settings.tokenizer}'): "
                               f"use a new output directory, or the tokenizer it was made with")
         if not target.is_file():
-            shutil.copy(settings.tokenizer, out / ".tokenizer.json.tmp")
+            shutil.copyfile(settings.tokenizer, out / ".tokenizer.json.tmp")
             os.replace(out / ".tokenizer.json.tmp", target)
         return given
     bpe = {"bpe_vocab_size": settings.bpe_vocab_size, "bpe_sample_mb": settings.bpe_sample_mb,

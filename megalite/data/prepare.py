@@ -237,22 +237,26 @@ def _one_tokenizer(stores: list[_Store], paths: list[str], cfg: DataConfig) -> P
 def main(argv: list[str]) -> int:
     """`megalite prepare-data --input PATH... --out DIR [--tokenizer tok.json] [--workers N]`, or
     `megalite prepare-data --config CFG [data.key=value ...]` to fill a run's cache ahead of it."""
-    import argparse
     import os
 
+    from megalite.cli import command_parser
     from megalite.run_config import load_config
-    parser = argparse.ArgumentParser(prog="megalite prepare-data", description=main.__doc__)
+    parser = command_parser("megalite prepare-data", main.__doc__)
     parser.add_argument("--input", nargs="+", help="files, directories or globs (quote them)")
     parser.add_argument("--out", help="the prepared directory (a re-run finishes what is missing)")
     parser.add_argument("--tokenizer", help="a tokenizer.json; without it a byte-level BPE is trained")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--text-key", default="text")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizing processes, 0: in this process (default: the CPU count, "
+                             "here %(default)s)")
+    parser.add_argument("--text-key", default="text", help="the JSON field or parquet column of the text")
     parser.add_argument("--strict", action="store_true", help="a bad record is an error, not counted")
-    parser.add_argument("--bpe-vocab-size", type=int, default=4096)
-    parser.add_argument("--bpe-sample-mb", type=float, default=100.0)
-    parser.add_argument("--dtype", choices=("auto", "uint16", "int32"), default="auto")
-    parser.add_argument("--config")
-    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--bpe-vocab-size", type=int, default=4096, help="tokens of the trained BPE")
+    parser.add_argument("--bpe-sample-mb", type=float, default=100.0,
+                        help="MB of documents the BPE is trained on")
+    parser.add_argument("--dtype", choices=("auto", "uint16", "int32"), default="auto",
+                        help="token ids on disk (auto: uint16 while the vocabulary fits)")
+    parser.add_argument("--config", help="a run config: prepare its data into data.cache_dir")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. data.seq_len=512")
     args = parser.parse_args(argv)
     if args.input:
         if not args.out:

@@ -12,7 +12,6 @@ Face tensors; all three follow it, one tensor at a time, without a process group
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -23,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import gpt2, llama
@@ -34,10 +34,12 @@ ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama}
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
-    meta_file = Path(ckpt) / "meta.json"
-    if not meta_file.is_file():
-        raise ConfigError(f"'{ckpt}' is not a complete megalite checkpoint (no meta.json)")
-    return from_dict(ModelConfig, json.loads(meta_file.read_text())["config"]["model"], "model.")
+    from megalite.training.checkpoint import not_a_checkpoint
+    wrong = not_a_checkpoint(ckpt)
+    if wrong:
+        raise ConfigError(wrong)
+    meta = json.loads((Path(ckpt) / "meta.json").read_text())
+    return from_dict(ModelConfig, meta["config"]["model"], "model.")
 
 
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
@@ -128,7 +130,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
 
 
 def _write_tokenizer_files(source: Path, tokenizer, out: Path) -> None:
-    shutil.copy(source, out / "tokenizer.json")
+    shutil.copyfile(source, out / "tokenizer.json")
     token = tokenizer.tokenizer.id_to_token
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(tokenizer.bos_id),
@@ -170,7 +172,7 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
             for k in specs:
                 writer.write(k, weights.get_tensor(k))
                 files.release()  # the pages read so far, out of this process's memory
-    shutil.copy(hf_dir / "tokenizer.json", ckpt / "tokenizer.json")
+    shutil.copyfile(hf_dir / "tokenizer.json", ckpt / "tokenizer.json")
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))
     return cfg
@@ -206,13 +208,13 @@ def check_tokenizer_matches(tokenizer, cfg: ModelConfig, where) -> None:
 
 
 def main_export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite export")
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--to-hf", required=True, dest="out")
+    parser = command_parser("megalite export", "Write a checkpoint as a Hugging Face model directory.")
+    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
+    parser.add_argument("--to-hf", required=True, dest="out", help="the directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="the weights' type in the files (default bf16)")
+                        help="the weights' type in the files")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
-                        help="largest safetensors file, in GB of 10**9 bytes (default 5)")
+                        help="largest safetensors file, in GB of 10**9 bytes")
     args = parser.parse_args(argv)
     name = export_hf(Path(args.ckpt), Path(args.out), DTYPES[args.dtype],
                      int(args.max_shard_gb * GB))
@@ -221,9 +223,11 @@ def main_export(argv: list[str]) -> int:
 
 
 def main_import(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite import")
-    parser.add_argument("--from-hf", required=True, dest="hf_dir")
-    parser.add_argument("--to", required=True, dest="ckpt")
+    parser = command_parser("megalite import", "Make a megalite checkpoint (step 0, no optimizer "
+                                               "state) of a Hugging Face GPT-2 or Llama directory.")
+    parser.add_argument("--from-hf", required=True, dest="hf_dir",
+                        help="a Hugging Face model directory: config.json, safetensors, tokenizer.json")
+    parser.add_argument("--to", required=True, dest="ckpt", help="the checkpoint directory to write")
     args = parser.parse_args(argv)
     cfg = import_hf(Path(args.hf_dir), Path(args.ckpt))
     print(f"imported {args.hf_dir} ({cfg.n_layers} layers, hidden {cfg.hidden}) to {args.ckpt}")

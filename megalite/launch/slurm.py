@@ -6,7 +6,6 @@ array task i trains config i (launch/sbatch.template).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from string import Template
 
 import yaml
 
+from megalite.cli import command_parser
 from megalite.launch.sweep import Run, SweepFile, load_sweep
 from megalite.run_config import to_dict
 from megalite.training.checkpoint import latest_checkpoint
@@ -63,8 +63,8 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite slurm")
-    parser.add_argument("sweep")
+    parser = command_parser("megalite slurm", __doc__)
+    parser.add_argument("sweep", help="a sweep YAML (see configs/sweeps/)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--dry-run", action="store_true", help="print the script and the runs")
     mode.add_argument("--submit", action="store_true", help="sbatch the array")
@@ -146,9 +146,10 @@ def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> 
 
 
 def main_status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="megalite sweep-status")
-    parser.add_argument("sweep_dir")
-    parser.add_argument("--json", action="store_true")
+    parser = command_parser("megalite sweep-status", "Each run of a submitted sweep: its state, "
+                                                     "last step, loss and tokens/s.")
+    parser.add_argument("sweep_dir", help="the sweep's directory, RUN_ROOT/<sweep>")
+    parser.add_argument("--json", action="store_true", help="one JSON object per run")
     args = parser.parse_args(argv)
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "configs.txt").is_file():

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from megalite.parallel.sharding import full_shape, local_slice, shard_of
 from megalite.parallel.state import ParallelState
@@ -97,8 +97,32 @@ def checkpoint_step(path: Path) -> int:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = [p for p in _step_dirs(Path(run_dir) / "checkpoints") if (p / "meta.json").is_file()]
+    return _newest_complete(Path(run_dir) / "checkpoints")
+
+
+def _newest_complete(root: Path) -> Path | None:
+    done = [p for p in _step_dirs(root) if (p / "meta.json").is_file()]
     return done[-1] if done else None
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """None for a complete checkpoint; else what `path` is and what to give instead: a run
+    directory's newest checkpoint, or the import that makes one of a Hugging Face model."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return None
+    if not path.exists():
+        return f"'{path}' does not exist"
+    for root, what in ((path / "checkpoints", "a run directory"), (path, "a directory of checkpoints")):
+        if _step_dirs(root):
+            newest = _newest_complete(root)
+            return (f"'{path}' is {what}, not a checkpoint: " +
+                    (f"give its newest checkpoint, '{newest}'" if newest else
+                     "it holds no complete checkpoint yet"))
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (f"'{path}' is a Hugging Face model directory, not a megalite checkpoint: make "
+                f"one of it first with `megalite import --from-hf {path} --to CKPT`, then give CKPT")
+    return f"'{path}' is not a complete megalite checkpoint (no meta.json)"
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, engine,
@@ -169,7 +193,8 @@ class CheckpointWriter:
         # the checkpoint from its thread without asking the other ranks again.
         def write_rng():
             rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
-            save_file({k: v.cpu() for k, v in rng_state.items()}, str(rng_file))
+            # Not safetensors' save_file: it creates the file 0600, unreadable to colleagues.
+            rng_file.write_bytes(save({k: v.cpu() for k, v in rng_state.items()}))
             _fsync(rng_file)
         _agree(_attempt(write_rng), pstate, what)
 
@@ -223,7 +248,7 @@ def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | No
     the new one is in place."""
     root = final.parent
     if tokenizer is not None:
-        shutil.copy(tokenizer, tmp / "tokenizer.json")
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync(tmp / "meta.json")
     _fsync(tmp / "rng")
