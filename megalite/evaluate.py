@@ -1,7 +1,8 @@
 """`megalite eval --ckpt CKPT --text FILE [--tp N] [--json]`: the loss of a model on a text.
 
-The whole file is tokenized with the checkpoint's tokenizer (nothing added) and cut into
-consecutive, non-overlapping windows of the model's context length, the last one shorter.
+The whole file is tokenized with the checkpoint's tokenizer as its template says (Llama's bos
+first; GPT-2's and megalite's BPE add nothing) and cut into consecutive, non-overlapping
+windows of the model's context length, the last one shorter.
 Every token after the first of its window is predicted from the ones before it in that window;
 the loss is the mean over all of them. DP ranks take disjoint windows.
 """
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
     cfg = checkpoint_model_config(ckpt)
     if not text_file.is_file():
         raise ConfigError(f"--text '{text_file}' not found")
-    ids = load_tokenizer(ckpt / "tokenizer.json").encode(
+    ids = load_tokenizer(ckpt).encode(
         text_file.read_bytes().decode("utf-8", errors="replace"))
     if len(ids) < 2:
         raise ConfigError(f"--text '{text_file}' has {len(ids)} tokens: nothing to predict")

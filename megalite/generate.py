@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
     cfg = checkpoint_model_config(Path(args.ckpt))
-    tokenizer = load_tokenizer(Path(args.ckpt) / "tokenizer.json")
+    tokenizer = load_tokenizer(Path(args.ckpt))
     ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers), cfg)
     try:
         model = GPT(cfg, ps, init=False)

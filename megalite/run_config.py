@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import yaml
 
@@ -32,8 +32,12 @@ class DataConfig:
     # Validation documents from this path; empty: val_fraction of each source's documents.
     val_path: str = ""
     # "bpe": a byte-level BPE trained on the first bpe_sample_mb of the documents and cached;
-    # else a tokenizer.json (required with Megatron data, which does not name its tokenizer).
+    # else a tokenizer.json or a Hugging Face tokenizer directory (required with Megatron data,
+    # which does not name its tokenizer). No pad token needed: eos fills padding where it has none.
     tokenizer: str = "bpe"
+    # The token that ends a document (of data.tokenizer), where the tokenizer's files do not
+    # name one and it holds none, or several, of the end-of-document names megalite knows.
+    eos_token: Optional[str] = None
     bpe_vocab_size: int = 4096  # tokenizer=bpe: its vocabulary size
     bpe_sample_mb: float = 100.0  # tokenizer=bpe: MB of the documents it is trained on
     text_key: str = "text"  # the JSON field / parquet column holding a document

@@ -25,6 +25,7 @@ from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.pipeline.runner import forward_pipelined
+from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_moments)
@@ -154,7 +155,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 update_bar(bar, record)
             evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
             if evaluated:
-                evaluate(cfg, model, val_set, ps, done, metrics, autocast)
+                with bar.aside():  # the validation line on a line of its own
+                    evaluate(cfg, model, val_set, ps, done, metrics, autocast)
             saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
             if saved:
                 checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, tokens, per_source)
@@ -169,8 +171,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
                     print(f"stopped after step {done} on request; checkpoint saved", flush=True)
                 raise Preempted()
-        if bar is not None:
-            bar.close()
+        bar.close()
         checkpoint(writer, cfg, run_dir, t.max_steps, model, engine, ps, data, tokens, per_source)
         # Written while the model is evaluated and sampled; complete on every rank before the end.
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
@@ -255,7 +256,7 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
     meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(tokens.item()),
             "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"]}
     writer.save(run_dir, step, model, engine, rng, meta, cfg.train.keep_checkpoints,
-                tokenizer=data.tokenizer_path)
+                tokenizer=data.tokenizer)
 
 
 @torch.no_grad()
@@ -304,7 +305,7 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
         return
     lines = []
     for i, prompt in enumerate(s.prompts):
-        # No bos: training documents start bare (and follow an eos in packed rows).
+        # Encoded as the documents were: bos first where the tokenizer's template puts it.
         new = generate(model, [tok.encode(prompt)], s.max_new_tokens, pad_id=tok.pad_id,
                        temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
                        seed=cfg.run.seed + i)[0]
@@ -335,20 +336,16 @@ def report_data(data: PreparedData, train_set: Mixture) -> None:
     print("data: " + "; ".join(notes), flush=True)
 
 
-def progress_bar(ps: ParallelState, start: int, total: int):
-    if not ps.is_main:
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
+def progress_bar(ps: ParallelState, start: int, total: int) -> Progress:
+    """Rank 0's: a bar on a terminal, a line per logged step in a log file."""
+    return Progress(total, lambda step: f"step {step}/{total}", enabled=ps.is_main,
+                    initial=start, desc="train")
 
 
-def update_bar(bar, record: dict) -> None:
-    if bar is None:
-        return
-    bar.n = record["step"]
+def update_bar(bar: Progress, record: dict) -> None:
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "-"
-    bar.set_postfix_str(f"loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                        f"tok/s {record['tokens_per_s']:,.0f} mfu {mfu}", refresh=True)
+    bar.show(record["step"], f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                             f"tok/s {record['tokens_per_s']:,.0f}, mfu {mfu}")
 
 
 if __name__ == "__main__":

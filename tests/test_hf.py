@@ -10,7 +10,7 @@ from torch.testing import assert_close
 transformers = pytest.importorskip("transformers")
 
 from megalite.data.sources import EMBEDDED, documents  # noqa: E402
-from megalite.data.tokenizer import train_bpe  # noqa: E402
+from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
@@ -45,7 +45,7 @@ def megalite_checkpoint(cfg, tokenizer_file, directory):
     ps = ParallelState()
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
     path = save_checkpoint(directory, 0, model, WeightsOnly(), {"cpu": torch.get_rng_state()}, meta,
-                           ps, keep=1, tokenizer=tokenizer_file)
+                           ps, keep=1, tokenizer=load_tokenizer(tokenizer_file))
     return model, path
 
 

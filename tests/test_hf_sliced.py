@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megalite.config import ParallelConfig
-from megalite.data.tokenizer import train_bpe
+from megalite.data.tokenizer import load_tokenizer, train_bpe
 from megalite.hf import llama
 from megalite.hf.convert import (checkpoint_model_config, export_hf, import_hf,
                                  load_pretrained, pretrained_config, shard_names)
@@ -238,7 +238,7 @@ def test_sharded_export_loads_in_transformers_with_megalites_loss(tmp_path, hf_d
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
     ckpt = save_checkpoint(tmp_path / "run", 0, model, WeightsOnly(), {"cpu": torch.get_rng_state()},
                            meta, ParallelState(), keep=1,
-                           tokenizer=hf_dirs["gpt2"] / "tokenizer.json")
+                           tokenizer=load_tokenizer(hf_dirs["gpt2"]))
     out = tmp_path / "hf"
     max_bytes = 20_000
     export_hf(ckpt, out, dtype, max_bytes)

@@ -1,6 +1,8 @@
 """Stream raw files through N tokenizing processes into Megatron-format shards.
 
-    out/ tokenizer.json, meta.json, NNNNN-<name>.bin/.idx (one shard per input file),
+    out/ tokenizer.json, tokenizer_config.json, special_tokens_map.json (the tokenizer, its
+         special tokens named: save_tokenizer), meta.json,
+         NNNNN-<name>.bin/.idx (one shard per input file),
          NNNNN-<name>.json (that shard's counts: written last, it marks the shard complete)
 
 The reader splits each file into chunks (sources.py) and keeps at most two per worker in
@@ -19,7 +21,6 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import time
 from collections import deque
@@ -36,7 +37,7 @@ import numpy as np
 from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
 from megalite.data.sources import (COUNT_KEYS, Chunk, Counts, check_readable, documents, parse,
                                    read_chunks)
-from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
+from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.typed_config import ConfigError
 
 FORMAT = "megalite-prepared"
@@ -46,7 +47,9 @@ IN_FLIGHT_PER_WORKER = 2
 
 @dataclass(frozen=True)
 class PrepareSettings:
-    tokenizer: str | None = None  # a tokenizer.json; None: train a byte-level BPE on a sample
+    # a tokenizer.json or a Hugging Face tokenizer directory; None: a byte-level BPE trained here
+    tokenizer: str | None = None
+    eos_token: str | None = None  # the given tokenizer's end of document, when its files do not say
     workers: int = 0  # tokenizing processes; 0 tokenizes in this process
     text_key: str = "text"
     strict: bool = False  # a bad record is an error instead of counted
@@ -66,18 +69,18 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
         dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
         check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
         made_with = {"dtype": dtype.name, "text_key": settings.text_key, "strict": settings.strict,
-                     "tokenizer_sha256": digest(out / "tokenizer.json")}
+                     "tokenizer_sha256": info.digest}
         names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
         todo = [i for i, (f, n) in enumerate(zip(files, names)) if not _shard_done(out, n, f, made_with)]
         if todo:
             # Until every shard is whole again, no meta.json may describe the directory.
             (out / "meta.json").unlink(missing_ok=True)
-            _run([(files[i], out / names[i]) for i in todo], out / "tokenizer.json", dtype,
-                 made_with, settings)
+            _run([(files[i], out / names[i]) for i in todo], out, dtype, made_with, settings)
         records = [json.loads((out / f"{name}.json").read_text()) for name in names]
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
                 "tokenizer": {"file": "tokenizer.json", "sha256": made_with["tokenizer_sha256"],
-                              "vocab_size": info.vocab_size, "eos_id": info.eos_id},
+                              "vocab_size": info.vocab_size, "eos_id": info.eos_id,
+                              "bos_id": info.bos_id, "pad_id": info.pad_id},
                 "text_key": settings.text_key, "shards": records,
                 **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS}}
         write_atomic(out / "meta.json", json.dumps(meta, indent=1))
@@ -116,14 +119,13 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
     trained with the same settings, or a byte-level BPE trained on a sample of the documents."""
     target = out / "tokenizer.json"
     if settings.tokenizer is not None:
-        given = load_tokenizer(Path(settings.tokenizer))
-        if target.is_file() and digest(target) != digest(Path(settings.tokenizer)):
+        given = load_tokenizer(Path(settings.tokenizer), settings.eos_token)
+        if target.is_file() and load_tokenizer(out).digest != given.digest:
             raise ConfigError(f"output directory '{out}' holds data of another tokenizer "
-                              f"(its tokenizer.json differs from '{settings.tokenizer}'): "
+                              f"(its tokenizer.json or eos differs from '{settings.tokenizer}'): "
                               f"use a new output directory, or the tokenizer it was made with")
         if not target.is_file():
-            shutil.copyfile(settings.tokenizer, out / ".tokenizer.json.tmp")
-            os.replace(out / ".tokenizer.json.tmp", target)
+            save_tokenizer(given, out)
         return given
     bpe = {"bpe_vocab_size": settings.bpe_vocab_size, "bpe_sample_mb": settings.bpe_sample_mb,
            "text_key": settings.text_key}
@@ -146,10 +148,12 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
                           f"{seen.empty} empty, {seen.not_json + seen.no_text} without a text "
                           f"field '{settings.text_key}'): give non-empty documents, name the "
                           f"field with --text-key (data.text_key), or give --tokenizer")
-    train_bpe(chain([first], sample), settings.bpe_vocab_size).save(str(out / ".tokenizer.json.tmp"))
+    fresh = out / ".bpe.tokenizer.json"
+    train_bpe(chain([first], sample), settings.bpe_vocab_size).save(str(fresh))
     write_atomic(trained, json.dumps(bpe))
-    os.replace(out / ".tokenizer.json.tmp", target)
-    return load_tokenizer(target)
+    save_tokenizer(load_tokenizer(fresh), out)
+    fresh.unlink()
+    return load_tokenizer(out)
 
 
 def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: Counts) -> Iterator[str]:
@@ -200,26 +204,22 @@ class _Inline:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_path: str, dtype: str, text_key: str, strict: bool,
-                 in_pool: bool) -> None:
+def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool, in_pool: bool) -> None:
     if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
         # Die with the parent: a killed prepare-data must not leave its workers running.
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    _worker.update(info=load_tokenizer(Path(tokenizer_path)), dtype=np.dtype(dtype),
+    _worker.update(info=load_tokenizer(Path(tokenizer)), dtype=np.dtype(dtype),
                    text_key=text_key, strict=strict)
 
 
 def _encode(chunk: Chunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
-    """(tokens, document lengths, counts) of one chunk: each document's ids, then eos."""
+    """(tokens, document lengths, counts) of one chunk: each document's ids, ending with eos."""
     texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name)
     info: TokenizerInfo = _worker["info"]
-    # The fast variant skips character offsets, which a shard never needs.
-    ids = [e.ids for e in info.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.fromiter((len(d) + 1 for d in ids), dtype=np.int32, count=len(ids))
-    eos = [info.eos_id]
-    tokens = np.fromiter(chain.from_iterable(chain.from_iterable((d, eos) for d in ids)),
-                         dtype=_worker["dtype"], count=int(lengths.sum()))
+    ids = info.encode_documents(texts)
+    lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
+    tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     return tokens, lengths, counts
 
 
@@ -265,7 +265,8 @@ class _Shard:
 
 def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_with: dict,
          settings: PrepareSettings) -> None:
-    """Each (file, shard prefix) in turn: its chunks tokenized in the pool, written in order."""
+    """Each (file, shard prefix) in turn: its chunks tokenized in the pool, written in order.
+    `tokenizer`: the output directory, whose stored tokenizer names its specials."""
     init = (str(tokenizer), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
     if settings.workers > 0:
         pool = ProcessPoolExecutor(settings.workers, mp_context=multiprocessing.get_context("spawn"),

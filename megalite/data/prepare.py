@@ -3,7 +3,7 @@
 A path is one of
   - a prepared directory (`megalite prepare-data --out DIR`): its shards and tokenizer;
   - a Megatron-LM prefix (PREFIX.bin + PREFIX.idx), with data.tokenizer the tokenizer it was
-    made with;
+    made with (and data.eos_token, where its files do not name eos);
   - a glob of either (their shards joined in order);
   - raw files, directories or a glob of them (or "embedded"): prepared once into
     data.cache_dir/<key>/ by the same streaming code, the key hashing the files and every
@@ -48,7 +48,6 @@ class Source:
 @dataclass
 class PreparedData:
     tokenizer: TokenizerInfo
-    tokenizer_path: Path
     train: list[Source]
     val: list[Source]  # data.val_path's, or each source's held-out documents (where it has some)
     meta: dict
@@ -57,7 +56,7 @@ class PreparedData:
 @dataclass
 class _Store:
     store: TokenStore
-    tokenizer: Path | None
+    tokenizer: Path | None  # the prepared directory holding its tokenizer; None: Megatron data
     key: str
     meta: dict
 
@@ -71,11 +70,11 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         raise ConfigError(f"data.val_path '{cfg.val_path}' is also training data: validation "
                           f"would score documents the model trains on; give other data, or leave "
                           f"val_path empty to hold out data.val_fraction of each source")
-    stores = [_resolve(path, cfg) for _, path in entries]
-    val_store = _resolve(cfg.val_path, cfg) if cfg.val_path else None
+    given = _given_tokenizer(cfg)
+    stores = [_resolve(path, cfg, given) for _, path in entries]
+    val_store = _resolve(cfg.val_path, cfg, given) if cfg.val_path else None
     every = stores + ([val_store] if val_store else [])
-    tokenizer_path = _one_tokenizer(every, [p for _, p in entries] + [cfg.val_path], cfg)
-    info = load_tokenizer(tokenizer_path)
+    info = _one_tokenizer(every, [p for _, p in entries] + [cfg.val_path], given)
     for s, (_, path) in zip(every, entries + [(0, cfg.val_path)]):
         for shard in s.store.shards:
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
@@ -91,7 +90,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     if val_store is not None:
         val = [Source(cfg.val_path, 1.0, DocSet.whole(val_store.store))]
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
-    return PreparedData(info, tokenizer_path, train, val,
+    return PreparedData(info, train, val,
                         {"cache_key": key, **summary(train, val, [s.meta for s in every])})
 
 
@@ -125,9 +124,21 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
     return counts
 
 
-def _resolve(path: str, cfg: DataConfig) -> _Store:
+def _given_tokenizer(cfg: DataConfig) -> TokenizerInfo | None:
+    """data.tokenizer (a clear error if it is missing or unusable); None for bpe."""
+    if cfg.tokenizer != "bpe":
+        return load_tokenizer(Path(cfg.tokenizer), cfg.eos_token)
+    if cfg.eos_token is not None:
+        raise ConfigError(f"data.eos_token={cfg.eos_token!r} names the end of document of "
+                          f"data.tokenizer, which is bpe (megalite's BPE, whose eos is <|eos|>; "
+                          f"prepared data keeps its tokenizer's): give data.tokenizer=the "
+                          f"tokenizer it belongs to, or leave data.eos_token unset")
+    return None
+
+
+def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
     if path == "embedded":
-        return _raw([EMBEDDED], cfg)
+        return _raw([EMBEDDED], cfg, given)
     if not glob.has_magic(path) and not Path(path).exists() and not is_indexed(Path(path)):
         raise ConfigError(f"data path '{path}' does not exist: give raw files ({SUPPORTED}, a "
                           f"directory or a glob), a prepared directory, a Megatron .bin/.idx "
@@ -145,7 +156,7 @@ def _resolve(path: str, cfg: DataConfig) -> _Store:
                               f"({', '.join((others or [str(prefixes[0])])[:5])}; an unfinished "
                               f"prepare-data leaves no meta.json): point it at one kind of data")
         return _prepared(prepared) if prepared else _megatron(prefixes)
-    return _raw(expand_inputs([path]), cfg)
+    return _raw(expand_inputs([path]), cfg, given)
 
 
 def _prepared(directories: list[Path]) -> _Store:
@@ -163,7 +174,7 @@ def _prepared(directories: list[Path]) -> _Store:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
     counts = {k: sum(m[k] for m in metas) for k in SKIPPED_KEYS}
-    return _Store(TokenStore(shards), directories[0] / "tokenizer.json", h.hexdigest(), counts)
+    return _Store(TokenStore(shards), directories[0], h.hexdigest(), counts)
 
 
 def _megatron(prefixes: list[Path]) -> _Store:
@@ -171,12 +182,12 @@ def _megatron(prefixes: list[Path]) -> _Store:
                   _stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
 
 
-def _raw(files: list[Path], cfg: DataConfig) -> _Store:
-    settings = PrepareSettings(tokenizer=None if cfg.tokenizer == "bpe" else cfg.tokenizer,
-                               workers=cfg.workers, text_key=cfg.text_key, strict=cfg.strict,
+def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
+    settings = PrepareSettings(tokenizer=None if given is None else cfg.tokenizer,
+                               eos_token=cfg.eos_token, workers=cfg.workers, text_key=cfg.text_key, strict=cfg.strict,
                                bpe_vocab_size=cfg.bpe_vocab_size, bpe_sample_mb=cfg.bpe_sample_mb,
                                progress=False)
-    key = _cache_key(files, settings)
+    key = _cache_key(files, settings, given)
     root = Path(cfg.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
@@ -196,8 +207,8 @@ def _raw(files: list[Path], cfg: DataConfig) -> _Store:
     return store
 
 
-def _cache_key(files: list[Path], settings: PrepareSettings) -> str:
-    tokenizer = digest(Path(settings.tokenizer)) if settings.tokenizer else "bpe"
+def _cache_key(files: list[Path], settings: PrepareSettings, given: TokenizerInfo | None) -> str:
+    tokenizer = "bpe" if given is None else given.digest
     return _stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
                             f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
 
@@ -212,25 +223,25 @@ def _stat_key(files: list[Path], settings: str = "") -> str:
     return h.hexdigest()
 
 
-def _one_tokenizer(stores: list[_Store], paths: list[str], cfg: DataConfig) -> Path:
+def _one_tokenizer(stores: list[_Store], paths: list[str],
+                   given: TokenizerInfo | None) -> TokenizerInfo:
     """The tokenizer every source was made with: data of two tokenizers cannot train together."""
-    given = None if cfg.tokenizer == "bpe" else Path(cfg.tokenizer)
-    if given is not None:
-        load_tokenizer(given)  # a clear error if it is missing or unusable
     found = {}
     for s, path in zip(stores, paths):
         if s.tokenizer is None and given is None:
             raise ConfigError(f"data '{path}' is Megatron indexed data, which does not say its "
-                              f"tokenizer: give data.tokenizer=the tokenizer.json it was made with")
-        found.setdefault(digest(s.tokenizer or given), (s.tokenizer or given, path))
-    if given is not None and given.is_file():
-        found.setdefault(digest(given), (given, "data.tokenizer"))
+                              f"tokenizer: give data.tokenizer=the tokenizer it was made with (its "
+                              f"tokenizer.json or Hugging Face directory)")
+        info = given if s.tokenizer is None else load_tokenizer(s.tokenizer)
+        found.setdefault(info.digest, (info, path))
+    if given is not None:
+        found.setdefault(given.digest, (given, "data.tokenizer"))
     if len(found) > 1:
-        names = "; ".join(f"'{p}' ({t})" for t, p in found.values())
+        names = "; ".join(f"'{p}' ({t.file}, eos {t.names['eos_token']})" for t, p in found.values())
         raise ConfigError(f"the data was made with different tokenizers: {names}: train on data "
                           f"of one tokenizer (prepare the others again with it; with "
                           f"data.tokenizer=bpe each raw source trains its own BPE, so give "
-                          f"data.tokenizer=a tokenizer.json)")
+                          f"data.tokenizer=a tokenizer)")
     return next(iter(found.values()))[0]
 
 
@@ -244,7 +255,10 @@ def main(argv: list[str]) -> int:
     parser = command_parser("megalite prepare-data", main.__doc__)
     parser.add_argument("--input", nargs="+", help="files, directories or globs (quote them)")
     parser.add_argument("--out", help="the prepared directory (a re-run finishes what is missing)")
-    parser.add_argument("--tokenizer", help="a tokenizer.json; without it a byte-level BPE is trained")
+    parser.add_argument("--tokenizer", help="a tokenizer.json or a Hugging Face tokenizer "
+                        "directory; without it a byte-level BPE is trained")
+    parser.add_argument("--eos-token", help="the token that ends a document, where the "
+                        "tokenizer's files do not name it")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="tokenizing processes, 0: in this process (default: the CPU count, "
                              "here %(default)s)")
@@ -263,8 +277,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--input needs --out DIR: where the prepared shards go")
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
-        settings = PrepareSettings(args.tokenizer, args.workers, args.text_key, args.strict,
-                                   args.bpe_vocab_size, args.bpe_sample_mb, args.dtype)
+        settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
+                                   args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
         return 0

@@ -40,8 +40,8 @@ FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
 class TokenizerInfo:
     tokenizer: Tokenizer
     file: Path  # its tokenizer.json
-    names: dict  # eos_token, and bos_token / pad_token where it has one: what a stored copy declares
-    source_files: dict  # the source's tokenizer_config.json, special_tokens_map.json (kept when stored)
+    names: dict  # eos_token, bos_token and pad_token (those it has): what a stored copy declares
+    source_files: dict  # the source's tokenizer_config.json, special_tokens_map.json (stored too)
     digest: str  # what the token ids of a document depend on (see load_tokenizer)
 
     @property
@@ -54,7 +54,8 @@ class TokenizerInfo:
 
     @property
     def bos_id(self) -> int | None:
-        return self.tokenizer.token_to_id(self.names["bos_token"]) if "bos_token" in self.names else None
+        bos = self.names.get("bos_token")
+        return None if bos is None else self.tokenizer.token_to_id(bos)
 
     @property
     def pad_id(self) -> int:
@@ -112,8 +113,10 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
                 **source_files.get("special_tokens_map.json", {})}
     if eos_token is not None:
         declared["eos_token"] = eos_token
-    # Only added tokens are looked up by name: a vocabulary may hold '</s>' as plain text.
-    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    # Names are looked up among the added tokens, where a tokenizer declares its special ones
+    # (its vocabulary may hold '</s>' as text); in the vocabulary of one that declares none.
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()} or \
+        set(tokenizer.get_vocab())
     found = {key: [n for n in known if n in added] for key, known in KNOWN.items()}
     names = {}
     for key in KNOWN:
@@ -144,7 +147,7 @@ def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
     for name, content in zip(FILES, (config, special_map, None)):
         tmp = directory / f".{name}.tmp"  # a reader never sees half a file
         if content is None:
-            shutil.copy(info.file, tmp)
+            shutil.copyfile(info.file, tmp)
         else:
             tmp.write_text(json.dumps(content, indent=1))
         os.replace(tmp, directory / name)

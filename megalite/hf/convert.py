@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +23,7 @@ import torch
 
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
-from megalite.data.tokenizer import load_tokenizer
+from megalite.data.tokenizer import KNOWN, load_tokenizer, save_tokenizer
 from megalite.hf import gpt2, llama
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter, nbytes
@@ -94,9 +93,10 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     ckpt, out = Path(ckpt), Path(out)
     cfg = checkpoint_model_config(ckpt)
     name, arch = exportable_as(cfg)
-    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-    special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-               "pad_token_id": tokenizer.pad_id}
+    tokenizer = load_tokenizer(ckpt)
+    # null for a token the tokenizer lacks (GPT-2's pad): transformers' defaults are GPT-2's ids.
+    special = {f"{key}_id": tokenizer.tokenizer.token_to_id(tokenizer.names[key])
+               if key in tokenizer.names else None for key in KNOWN}
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
                 out / "model.safetensors.index.json"]:
@@ -125,17 +125,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     (out / "config.json").write_text(json.dumps(
         {**arch.config_to_hf(cfg, special), "torch_dtype": dtype_name, "dtype": dtype_name},
         indent=1))
-    _write_tokenizer_files(ckpt / "tokenizer.json", tokenizer, out)
+    save_tokenizer(tokenizer, out)
     return name
-
-
-def _write_tokenizer_files(source: Path, tokenizer, out: Path) -> None:
-    shutil.copyfile(source, out / "tokenizer.json")
-    token = tokenizer.tokenizer.id_to_token
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(tokenizer.bos_id),
-        "eos_token": token(tokenizer.eos_id), "pad_token": token(tokenizer.pad_id),
-        "add_bos_token": False, "add_eos_token": False}, indent=1))
 
 
 @contextmanager
@@ -151,16 +142,18 @@ def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
         yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
 
 
-def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
+def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelConfig:
     """Write a checkpoint in the whole-tensor format (fp32 model.safetensors), one tensor at a
-    time: the whole model is never in memory."""
+    time: the whole model is never in memory. The tokenizer is stored with its special tokens
+    named (`eos_token`, where the directory's files do not name one)."""
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
     with hf_weights(hf_dir) as (cfg, weights):
         files = weights.source
         if not (hf_dir / "tokenizer.json").is_file():
             raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
                               f"file to train, evaluate and generate with the imported model")
-        check_tokenizer_matches(load_tokenizer(hf_dir / "tokenizer.json"), cfg, hf_dir)
+        tokenizer = load_tokenizer(hf_dir, eos_token)
+        check_tokenizer_matches(tokenizer, cfg, hf_dir)
         present = set(weights.keys())
         missing = [k for k in weights.recipe if k not in present]
         if missing:
@@ -172,7 +165,7 @@ def import_hf(hf_dir: Path, ckpt: Path) -> ModelConfig:
             for k in specs:
                 writer.write(k, weights.get_tensor(k))
                 files.release()  # the pages read so far, out of this process's memory
-    shutil.copyfile(hf_dir / "tokenizer.json", ckpt / "tokenizer.json")
+    save_tokenizer(tokenizer, ckpt)
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))
     return cfg
@@ -228,7 +221,9 @@ def main_import(argv: list[str]) -> int:
     parser.add_argument("--from-hf", required=True, dest="hf_dir",
                         help="a Hugging Face model directory: config.json, safetensors, tokenizer.json")
     parser.add_argument("--to", required=True, dest="ckpt", help="the checkpoint directory to write")
+    parser.add_argument("--eos-token", help="the token that ends a document, where the "
+                        "tokenizer's files do not name it")
     args = parser.parse_args(argv)
-    cfg = import_hf(Path(args.hf_dir), Path(args.ckpt))
+    cfg = import_hf(Path(args.hf_dir), Path(args.ckpt), args.eos_token)
     print(f"imported {args.hf_dir} ({cfg.n_layers} layers, hidden {cfg.hidden}) to {args.ckpt}")
     return 0

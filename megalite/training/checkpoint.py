@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
 from safetensors.torch import save
 
+from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
@@ -127,7 +128,7 @@ def not_a_checkpoint(path: Path) -> str | None:
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, engine,
                     rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
-                    keep: int, tokenizer: Path | None = None) -> Path:
+                    keep: int, tokenizer: TokenizerInfo | None = None) -> Path:
     """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
     with CheckpointWriter(pstate) as writer:
         path = writer.save(run_dir, step, model, engine, rng_state, meta, keep, tokenizer)
@@ -170,13 +171,13 @@ class CheckpointWriter:
 
     def save(self, run_dir: Path, step: int, model: torch.nn.Module, engine,
              rng_state: dict[str, torch.Tensor], meta: dict, keep: int,
-             tokenizer: Path | None = None) -> Path:
+             tokenizer: TokenizerInfo | None = None) -> Path:
         """Start saving; return the directory the checkpoint will have once written.
 
         `engine`: the weights and Adam state (`held_rows`, `master`, `moments`: see
         training/engine.py; `WeightsOnly()` for a model alone). `engine.moments` may be a
         collective (DeepSpeed's ZeRO), so every rank saves every parameter in the same order.
-        `tokenizer`: its tokenizer.json is copied in, so the checkpoint is self-contained."""
+        `tokenizer`: stored in (with its special tokens named), so the checkpoint is self-contained."""
         self.finish()
         pstate = self.pstate
         root = Path(run_dir) / "checkpoints"
@@ -243,12 +244,12 @@ class CheckpointWriter:
         return buffer.copy_(tensor, non_blocking=cuda)
 
 
-def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Path | None) -> None:
+def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: TokenizerInfo | None) -> None:
     """meta.json last, everything fsynced, then the rename; older checkpoints pruned only once
     the new one is in place."""
     root = final.parent
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        save_tokenizer(tokenizer, tmp)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     _fsync(tmp / "meta.json")
     _fsync(tmp / "rng")
