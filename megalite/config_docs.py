@@ -58,11 +58,29 @@ def sections() -> list[tuple[str, type]]:
     return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
 
 
-def rows(cls) -> list[tuple[str, str, str, str]]:
-    """(key, type, default, comment) of every field of a section."""
+def sweep_sections() -> list[tuple[str, type]]:
+    """A sweep file's keys (`megalite slurm`): top level, then its `slurm` mapping."""
+    from megalite.launch.sweep import SlurmConfig, SweepFile
+    return [("", SweepFile), ("slurm", SlurmConfig)]
+
+
+def rows(cls) -> list[tuple[str, str, str | None, str]]:
+    """(key, type, default (None: required), comment) of every field of a section (a nested
+    section has its own table)."""
     hints, notes = typing.get_type_hints(cls), comments(cls)
-    return [(f.name, type_name(hints[f.name]), repr(default_of(f)), notes.get(f.name, ""))
-            for f in dataclasses.fields(cls)]
+    return [(f.name, type_name(hints[f.name]),
+             None if f.default is f.default_factory is dataclasses.MISSING else repr(default_of(f)),
+             notes.get(f.name, ""))
+            for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
+
+
+def table(section: str, cls) -> list[str]:
+    lines = ["| key | type | default | what |", "|---|---|---|---|"]
+    for key, tp, default, note in rows(cls):
+        cell = note.replace("|", "\\|")
+        shown = "required" if default is None else f"`{default}`"
+        lines.append(f"| `{section + '.' if section else ''}{key}` | {tp} | {shown} | {cell} |")
+    return lines + [""]
 
 
 def markdown() -> str:
@@ -81,11 +99,12 @@ def markdown() -> str:
              "`python -m megalite.config_docs --out docs/config.md`; "
              "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
     for name, cls in sections():
-        lines += [f"## {name}", "", "| key | type | default | what |", "|---|---|---|---|"]
-        for key, tp, default, note in rows(cls):
-            cell = note.replace("|", "\\|")
-            lines.append(f"| `{name}.{key}` | {tp} | `{default}` | {cell} |")
-        lines.append("")
+        lines += [f"## {name}", ""] + table(name, cls)
+    lines += ["# Sweep files", "",
+              "`megalite slurm SWEEP.yaml` (see [clusters](clusters.md) and "
+              "`configs/sweeps/demo-lr.yaml`) reads these keys (`megalite/launch/sweep.py`).", ""]
+    for name, cls in sweep_sections():
+        lines += [f"## {name or 'top level'}", ""] + table(name, cls)
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.config_docs import main, markdown, rows, sections
+from megalite.config_docs import main, markdown, rows, sections, sweep_sections
 from megalite.run_config import load_config
 from megalite.typed_config import ConfigError
 
@@ -13,7 +13,8 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
 
 def test_every_key_of_every_section_has_a_comment():
-    missing = [f"{name}.{key}" for name, cls in sections() for key, _, _, note in rows(cls) if not note]
+    missing = [f"{name}.{key}" for name, cls in sections() + sweep_sections()
+               for key, _, _, note in rows(cls) if not note]
     assert not missing, f"add a comment to these config fields (docs/config.md shows it): {missing}"
 
 
@@ -30,7 +31,8 @@ def test_a_stale_page_is_reported(tmp_path, capsys):
 
 
 def test_the_documented_keys_are_the_keys_a_config_accepts():
-    documented = [line.split("`")[1] for line in markdown().splitlines() if line.startswith("| `")]
+    run_config = markdown().split("# Sweep files")[0]
+    documented = [line.split("`")[1] for line in run_config.splitlines() if line.startswith("| `")]
     for key in documented:  # each one is accepted as an override, with its documented default
         section, name = key.split(".")
         cfg = load_config(None, [f"{key}={_yaml(getattr(getattr(load_config(None), section), name))}"])
@@ -49,3 +51,20 @@ def _yaml(value) -> str:
 def test_a_literal_key_lists_its_choices():
     line = next(line for line in markdown().splitlines() if line.startswith("| `parallel.cp_comm` |"))
     assert "`all_gather` \\| `p2p`" in line and "`'all_gather'`" in line
+
+
+def test_the_documented_sweep_keys_are_the_keys_a_sweep_file_accepts():
+    from megalite.launch.sweep import SweepFile
+    from megalite.typed_config import from_dict
+    sweep = markdown().split("# Sweep files")[1]
+    documented = [line.split("`")[1] for line in sweep.splitlines() if line.startswith("| `")]
+    defaults = from_dict(SweepFile, {"name": "x", "base": "x"})
+    for key in documented:  # each one accepted in a sweep file, with its documented default
+        section, _, name = key.rpartition(".")
+        value = getattr(defaults.slurm if section else defaults, name)
+        tree = {"slurm": {name: value}} if section else {name: value}
+        from_dict(SweepFile, {"name": "x", "base": "x", **tree}, "sweep.")
+    every = {f.name for f in dataclasses.fields(SweepFile) if f.name != "slurm"}
+    assert set(documented) == every | {f"slurm.{f.name}" for f in dataclasses.fields(defaults.slurm)}
+    with pytest.raises(ConfigError, match="cpus_per_task"):
+        from_dict(SweepFile, {"name": "x", "base": "x", "slurm": {"cpus_per_tsk": 4}}, "sweep.")

@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from megalite.launch.slurm import main as slurm_main
+from megalite.launch.slurm import render
+from megalite.launch.slurm import write_sweep as write_sweep_files
 from megalite.launch.sweep import load_sweep
 from megalite.typed_config import ConfigError
 from tests import slurm_cluster
@@ -57,6 +59,16 @@ def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, messa
     sweep = write_sweep(tmp_path, grid, **slurm)
     with pytest.raises(ConfigError, match=message):
         slurm_main([str(sweep), "--dry-run"])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
+    """srun is given --cpus-per-task itself: since Slurm 22.05 it does not inherit #SBATCH's."""
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3]}, cpus_per_task=6)
+    assert slurm_main([str(sweep), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=6\n" in out and "srun --kill-on-bad-exit=1 --cpus-per-task=6 " in out
+    assert "nothing written" in out and "0-lr0.001" in out
     assert not (tmp_path / "runs").exists()
 
 
@@ -113,12 +125,11 @@ def submit(sweep: Path, env) -> str:
 def test_array_of_three_runs_each_trains_its_own_config(tmp_path):
     sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3, 1e-2]})
     with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
-        slurm_main([str(sweep), "--dry-run"])
+        submit(sweep, env)
         script = tmp_path / "runs" / "t" / "sweep.sbatch"
         test_only = subprocess.run(["sbatch", "--test-only", str(script)], env=env,
                                    capture_output=True, text=True)
         assert test_only.returncode == 0 and "to start at" in test_only.stderr, test_only.stderr
-        submit(sweep, env)
         rows = wait_for(tmp_path / "runs" / "t", env, {"done", "failed", "OOM", "timeout"})
     assert [r["state"] for r in rows] == ["done"] * 3, rows
     for index, lr in enumerate((1e-3, 3e-3, 1e-2)):
@@ -166,7 +177,8 @@ def test_sweep_paths_are_absolute_so_the_job_finds_its_runs_from_any_directory(t
     raw["run_root"] = "relative/runs"
     sweep.write_text(yaml.safe_dump(raw))
     monkeypatch.chdir(tmp_path)
-    slurm_main([str(sweep), "--dry-run"])
+    written, runs = load_sweep(sweep)
+    write_sweep_files(written, runs, render(written, runs, sweep, Path(written.run_root) / "t"))
     listed = (tmp_path / "relative/runs/t/configs.txt").read_text().splitlines()
     config = yaml.safe_load(Path(listed[0]).read_text())
     assert Path(config["run"]["dir"]).is_absolute()

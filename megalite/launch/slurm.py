@@ -1,8 +1,9 @@
 """`megalite slurm SWEEP.yaml [--dry-run | --submit]` and `megalite sweep-status DIR`.
 
-Writes each point's resolved config to RUN_ROOT/<sweep>/<index>-<short>/config.yaml, their list
-to RUN_ROOT/<sweep>/configs.txt, and ONE sbatch script, RUN_ROOT/<sweep>/sweep.sbatch, whose
-array task i trains config i (launch/sbatch.template).
+--submit writes each point's resolved config to RUN_ROOT/<sweep>/<index>-<short>/config.yaml,
+their list to RUN_ROOT/<sweep>/configs.txt, and ONE sbatch script, RUN_ROOT/<sweep>/sweep.sbatch,
+whose array task i trains config i (launch/sbatch.template), then submits it; --dry-run prints
+the script and the runs and writes nothing.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path)
         workdir=Path.cwd())
 
 
-def write_sweep(sweep_file: Path) -> tuple[SweepFile, list[Run], Path]:
-    sweep, runs = load_sweep(sweep_file)
+def write_sweep(sweep: SweepFile, runs: list[Run], script: str) -> Path:
+    """Each point's config.yaml, their list and the sbatch script; the script's path."""
     sweep_dir = Path(sweep.run_root) / sweep.name
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
     for run in runs:
@@ -50,8 +51,8 @@ def write_sweep(sweep_file: Path) -> tuple[SweepFile, list[Run], Path]:
         (run.directory / "config.yaml").write_text(yaml.safe_dump(to_dict(run.config), sort_keys=False))
     (sweep_dir / "configs.txt").write_text(
         "".join(f"{(run.directory / 'config.yaml').resolve()}\n" for run in runs))
-    (sweep_dir / "sweep.sbatch").write_text(render(sweep, runs, sweep_file, sweep_dir))
-    return sweep, runs, sweep_dir
+    (sweep_dir / "sweep.sbatch").write_text(script)
+    return sweep_dir / "sweep.sbatch"
 
 
 def table(runs: list[Run]) -> str:
@@ -66,16 +67,20 @@ def main(argv: list[str]) -> int:
     parser = command_parser("megalite slurm", __doc__)
     parser.add_argument("sweep", help="a sweep YAML (see configs/sweeps/)")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--dry-run", action="store_true", help="print the script and the runs")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="print the script and the runs; write nothing")
     mode.add_argument("--submit", action="store_true", help="sbatch the array")
     args = parser.parse_args(argv)
-    sweep, runs, sweep_dir = write_sweep(Path(args.sweep))
-    script = sweep_dir / "sweep.sbatch"
+    sweep, runs = load_sweep(Path(args.sweep))
+    sweep_dir = Path(sweep.run_root) / sweep.name
+    text = render(sweep, runs, Path(args.sweep), sweep_dir)
     if args.dry_run:
-        print(script.read_text())
+        print(text)
         print(table(runs))
-        print(f"\nwrote {script}; submit with: sbatch {script}")
+        print(f"\nnothing written: --submit writes the script and each run's config.yaml under "
+              f"{sweep_dir} and submits it")
         return 0
+    script = write_sweep(sweep, runs, text)
     if shutil.which("sbatch") is None:
         raise ConfigError("sbatch not found: run on a Slurm login node, or use --dry-run")
     done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)

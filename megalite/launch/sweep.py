@@ -27,20 +27,22 @@ from megalite.typed_config import ConfigError, from_dict
 
 @dataclass(frozen=True)
 class SlurmConfig:
-    nodes: int = 1
-    gpus_per_node: int = 0  # 0: CPU processes (gloo)
+    nodes: int = 1  # nodes per run (each array task): torchrun's --nnodes
+    gpus_per_node: int = 0  # GPUs per node (#SBATCH --gpus-per-node); 0: CPU processes (gloo)
     procs_per_node: int = 0  # processes per node; 0: gpus_per_node (CPU runs: set it)
+    # CPUs per node's task (#SBATCH and srun --cpus-per-task: since Slurm 22.05 srun does not
+    # inherit it), shared by that node's processes
     cpus_per_task: int = 8
-    time: str = "01:00:00"
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
+    time: str = "01:00:00"  # each array task's time limit (#SBATCH --time)
+    partition: str = ""  # #SBATCH --partition, if set
+    account: str = ""  # #SBATCH --account, if set
+    qos: str = ""  # #SBATCH --qos, if set
+    constraint: str = ""  # #SBATCH --constraint (node features), if set
     throttle: int = 0  # at most this many array tasks at once; 0: no limit
     signal: str = "USR1@90"  # sent ahead of the time limit: checkpoint, requeue, resume
     extra_sbatch: list[str] = field(default_factory=list)  # e.g. ["--exclusive"]
     setup: list[str] = field(default_factory=list)  # shell lines, e.g. module load / venv
-    python: str = "python"
+    python: str = "python"  # the interpreter that runs torchrun on each node
     max_requeues: int = 20  # a run preempted more often than this stays stopped
 
     @property
@@ -50,13 +52,13 @@ class SlurmConfig:
 
 @dataclass(frozen=True)
 class SweepFile:
-    name: str
-    base: str
-    run_root: str = "runs/sweeps"
-    overrides: list[str] = field(default_factory=list)
-    grid: dict = field(default_factory=dict)
-    points: list = field(default_factory=list)
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    name: str  # the sweep's name: the job name, and its directory under run_root
+    base: str  # the run config every point starts from (e.g. configs/demo.yaml)
+    run_root: str = "runs/sweeps"  # each point runs in run_root/NAME/INDEX-POINT
+    overrides: list[str] = field(default_factory=list)  # key=value overrides of every point
+    grid: dict = field(default_factory=dict)  # {key: [values]}: their cartesian product
+    points: list = field(default_factory=list)  # [{key: value}]: each one times the grid
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # the resources (below)
 
 
 @dataclass
