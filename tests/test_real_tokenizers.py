@@ -6,19 +6,28 @@ None has a pad token; their end-of-document tokens are `<|endoftext|>`, `</s>` a
 """
 import hashlib
 import json
+import math
+import shutil
 from itertools import islice, product
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from megalite import evaluate
+from megalite.data import prepare
 from megalite.data.batches import collate
 from megalite.data.sources import EMBEDDED, documents
 from megalite.data.tokenizer import load_tokenizer, save_tokenizer, train_bpe
+from megalite.hf import convert
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
+from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
+from tests.harness import run_distributed
 from tests.models import CONFIGS
+from tests.test_train import run_train
 
 TEXTS = list(islice(documents(EMBEDDED), 400))
 
@@ -213,3 +222,99 @@ def test_padded_batches_train_the_same_whatever_fills_the_padding(arch):
     for losses, grads in results[1:]:
         assert torch.equal(losses, results[0][0])
         assert all(torch.equal(grads[n], results[0][1][n]) for n in grads)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:40]))
+    return path
+
+
+def eval_text(tmp_path, tokenizer) -> tuple[object, list[int]]:
+    """A file of documents not trained on, and its ids as `tokenizer` encodes it."""
+    text = tmp_path / "eval.txt"
+    text.write_text("\n\n".join(TEXTS[300:302]))
+    return text, load_tokenizer(tokenizer).encode(text.read_text())
+
+
+def megalite_eval(ckpt, text, capsys) -> dict:
+    capsys.readouterr()
+    assert evaluate.main(["--ckpt", str(ckpt), "--text", str(text), "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def gpt2_hf(hf_tokenizers, tmp_path_factory):
+    """A random transformers GPT-2 with GPT-2's vocabulary (50,257 rows), in a Hugging Face
+    directory with the GPT-2-shaped tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path_factory.mktemp("gpt2-hf")
+    for f in hf_tokenizers["gpt2"].iterdir():
+        shutil.copyfile(f, directory / f.name)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50_257, n_positions=64, n_embd=32, n_layer=2,
+                                     n_head=4, activation_function="gelu_new")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_gpt2s_vocabulary_imports_and_evaluates_as_transformers(gpt2_hf, tmp_path, capsys):
+    import transformers
+    directory, hf = gpt2_hf
+    assert convert.main_import(["--from-hf", str(directory), "--to", str(tmp_path / "ckpt")]) == 0
+    stored = load_tokenizer(tmp_path / "ckpt")
+    assert (stored.vocab_size, stored.eos_id, stored.pad_id) == (50_257, 50_256, 50_256)
+    assert convert.checkpoint_model_config(tmp_path / "ckpt").vocab_size == 50_257
+
+    text, ids = eval_text(tmp_path, directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)(text.read_text()).input_ids
+    assert ids == theirs and len(ids) > 2 * 64  # both read the directory alike; several windows
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), 64):
+            window = torch.tensor([ids[start:start + 64]])
+            if window.shape[1] > 1:
+                total += hf(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
+                count += window.shape[1] - 1
+    result = megalite_eval(tmp_path / "ckpt", text, capsys)
+    assert result["tokens"] == count
+    assert result["loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+# GPT-2's shape starts from the transformers model (its 50,257 rows); the Llamas from scratch.
+MODES = {"gpt2": "padded", "llama2": "packed", "llama3": "padded"}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_prepare_train_at_tp2_dp2_and_evaluate(hf_tokenizers, corpus, gpt2_hf, tmp_path, name, capsys):
+    tokenizer = hf_tokenizers[name]
+    info = load_tokenizer(tokenizer)
+    out = tmp_path / "prep"
+    assert prepare.main(["--input", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer),
+                         "--workers", "0"]) == 0
+    meta = json.loads((out / "meta.json").read_text())["tokenizer"]
+    assert (meta["eos_id"], meta["bos_id"], meta["pad_id"]) == (info.eos_id, info.bos_id, info.eos_id)
+    docs = prepare.prepare_data(DataConfig(path=str(out), val_fraction=0.0)).train[0].docs
+    first = docs.documents(np.arange(3), 10**6)
+    assert [d.tolist() for d in first] == info.encode_documents(TEXTS[:3])
+    assert all(d[-1] == info.eos_id and (d[0] == info.bos_id) == (name != "gpt2") for d in first)
+
+    run = tmp_path / "run"
+    start = [f"train.init_from={gpt2_hf[0]}"] if name == "gpt2" else \
+        ["model=tiny", "model.hidden=32", "model.dropout=0.0"]
+    argv = start + [f"data.path={out}", f"data.mode={MODES[name]}", "data.seq_len=32",
+                    "train.max_steps=2", "train.warmup_steps=1", "train.global_batch_size=8",
+                    "train.micro_batch_size=2", "parallel.tp=2", "train.eval_tokens=64",
+                    "sample.prompts=[The]", "sample.max_new_tokens=2", f"run.dir={run}"]
+    assert run_distributed(run_train, 4, argv, torchrun_env=True) == [0] * 4
+    ckpt = run / "checkpoints" / "step_00000002"
+    stored = load_tokenizer(ckpt)
+    assert (stored.names, stored.digest) == (info.names, info.digest)
+    assert (stored.eos_id, stored.bos_id, stored.pad_id) == (info.eos_id, info.bos_id, info.eos_id)
+
+    text, ids = eval_text(tmp_path, tokenizer)
+    windows = math.ceil(len(ids) / convert.checkpoint_model_config(ckpt).max_seq_len)
+    result = megalite_eval(ckpt, text, capsys)
+    assert result["tokens"] == len(ids) - windows and math.isfinite(result["loss"])
