@@ -151,6 +151,10 @@ def test_a_stored_tokenizer_keeps_its_specials(hf_tokenizers, tmp_path, name):
     assert (stored.eos_id, stored.bos_id, stored.pad_id) == (info.eos_id, info.bos_id, info.pad_id)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["eos_token"] == EXPECTED[name][0] and "pad_token" not in info.names
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)  # reads it as megalite does
+    assert (theirs.eos_token, theirs.bos_token) == EXPECTED[name]
+    assert theirs(TEXTS[3]).input_ids == info.encode(TEXTS[3])
 
 
 def test_megalites_own_bpe_alone_loads_as_before(tmp_path):
