@@ -1,12 +1,24 @@
 """The command line a new user meets: `megalite --help` and `--version`, every command's
-defaults in its --help, and a wrong --ckpt answered with the path or command to use."""
+defaults in its --help, a wrong --ckpt answered with the path or command to use, files that
+follow the umask, and progress that suits a log file (a Slurm job's output)."""
 import argparse
+import gzip
 import importlib.metadata
+import itertools
+import lzma
+import os
 import re
+import stat
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from megalite import cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_help_lists_every_command_with_what_it_does(capsys):
@@ -88,3 +100,104 @@ def test_a_hugging_face_directory_given_as_ckpt_suggests_import(tmp_path, capsys
     assert cli.main([command, "--ckpt", str(hf), *COMMANDS_WITH_CKPT[command]]) == 2
     assert f"make one of it first with `megalite import --from-hf {hf} --to CKPT`" in \
         capsys.readouterr().err
+
+
+@contextmanager
+def umask(mask: int):
+    before = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
+def assert_modes_follow_umask(root: Path, mask: int) -> None:
+    """Every file 0666 & ~mask, every directory 0777 & ~mask: readable to colleagues at 022."""
+    paths = [root, *root.rglob("*")]
+    assert len(paths) > 3
+    for path in paths:
+        expected = (0o777 if path.is_dir() else 0o666) & ~mask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))
+
+
+@pytest.fixture(scope="module")
+def run_logged_to_a_pipe(tmp_path_factory, cache):
+    """A 6-step run with stdout to a pipe (as a Slurm job's log) under umask 022: (run dir,
+    its stdout)."""
+    from tests.test_train import common
+    run_dir = tmp_path_factory.mktemp("logged") / "run"
+    argv = [sys.executable, "-m", "megalite.train", *common(cache, run_dir, "padded"), "parallel.tp=1",
+            "train.micro_batch_size=8", "train.max_steps=6", "train.log_every=2",
+            "train.eval_every=4", "train.eval_tokens=64", "train.checkpoint_every=0"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: os.umask(0o022))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done.stdout
+
+
+def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
+    _, out = run_logged_to_a_pipe
+    assert "\r" not in out
+    lines = out.splitlines()
+    steps = [line for line in lines if re.match(r"step \d+/6: ", line)]
+    assert [s.split(":")[0] for s in steps] == ["step 2/6", "step 4/6", "step 6/6"]
+    assert all(re.fullmatch(r"step \d+/6: loss \d+\.\d{4}, lr \S+, tok/s [\d,]+, mfu -", s) for s in steps)
+    validations = [line for line in lines if "val_loss" in line]
+    assert [v.split(":")[0] for v in validations] == ["step 4", "step 6"]
+    assert all(v.startswith("step ") for v in validations)  # on a line of its own
+
+
+def test_checkpoints_and_exports_follow_the_umask(run_logged_to_a_pipe, tmp_path):
+    run_dir, _ = run_logged_to_a_pipe
+    assert_modes_follow_umask(run_dir / "checkpoints", 0o022)
+    from megalite.hf.convert import export_hf
+    with umask(0o022):
+        export_hf(run_dir / "checkpoints" / "step_00000006", tmp_path / "hf")
+    assert_modes_follow_umask(tmp_path / "hf", 0o022)
+
+
+@pytest.fixture(scope="module")
+def small_gz(tmp_path_factory):
+    """The first 300 documents of the embedded corpus as .jsonl.gz."""
+    from megalite.data.sources import EMBEDDED
+    with lzma.open(EMBEDDED) as f:
+        text = b"".join(itertools.islice(f, 300))
+    path = tmp_path_factory.mktemp("gz") / "docs.jsonl.gz"
+    path.write_bytes(gzip.compress(text))
+    return path, len(text)
+
+
+def test_reading_counts_the_text_as_decompressed(small_gz):
+    from megalite.data.sources import read_chunks
+    path, text_bytes = small_gz
+    chunks = list(read_chunks(path, "text"))
+    assert sum(c.text_bytes() for c in chunks) == text_bytes
+    assert chunks[-1].read_to == path.stat().st_size < text_bytes
+
+
+def test_prepare_data_in_a_log_file_announces_the_bpe_and_prints_lines(small_gz, tmp_path, capsys):
+    path, _ = small_gz
+    out = tmp_path / "bpe"
+    with umask(0o022):
+        assert cli.main(["prepare-data", "--input", str(path), "--out", str(out), "--workers", "0",
+                         "--bpe-vocab-size", "300"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert lines[0] == "prepare-data: training a byte-level BPE of 300 tokens on up to 100 MB of documents..."
+    assert re.fullmatch(r"prepare-data: BPE trained on 300 documents in [\d.]+ s", lines[1])
+    size = path.stat().st_size / 1e6
+    assert re.fullmatch(rf"prepare: {size:.1f} of {size:.1f} MB of input read \(100%\): "
+                        rf"[\d.]+ MB/s of text, [\d,]+ tok/s, 300 docs", lines[-1]), lines
+
+
+def test_prepared_data_follows_the_umask_whatever_the_tokenizers_mode(small_gz, tmp_path):
+    from megalite.data.tokenizer import train_bpe
+    path, _ = small_gz
+    private = tmp_path / "private.json"  # a colleague's copy of it must still be readable
+    train_bpe(["tensor parallel training of language models " * 20], 300).save(str(private))
+    private.chmod(0o600)
+    with umask(0o022):
+        assert cli.main(["prepare-data", "--input", str(path), "--out", str(tmp_path / "prep"),
+                         "--tokenizer", str(private), "--workers", "0"]) == 0
+    assert_modes_follow_umask(tmp_path / "prep", 0o022)

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import re
 import signal
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -38,11 +39,13 @@ from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_
 from megalite.data.sources import (COUNT_KEYS, Chunk, Counts, check_readable, documents, parse,
                                    read_chunks)
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
+from megalite.progress import Progress
 from megalite.typed_config import ConfigError
 
 FORMAT = "megalite-prepared"
 VERSION = 2
 IN_FLIGHT_PER_WORKER = 2
+LINE_EVERY_S = 10.0  # off a terminal: a progress line at most this often
 
 
 @dataclass(frozen=True)
@@ -149,11 +152,30 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
                           f"field '{settings.text_key}'): give non-empty documents, name the "
                           f"field with --text-key (data.text_key), or give --tokenizer")
     fresh = out / ".bpe.tokenizer.json"
-    train_bpe(chain([first], sample), settings.bpe_vocab_size).save(str(fresh))
+    _train_bpe(chain([first], sample), settings).save(str(fresh))
     write_atomic(trained, json.dumps(bpe))
     save_tokenizer(load_tokenizer(fresh), out)
     fresh.unlink()
     return load_tokenizer(out)
+
+
+def _train_bpe(texts: Iterator[str], settings: PrepareSettings):
+    """train_bpe, announced (it reads and learns for minutes on a large sample, silently)."""
+    if not settings.progress:
+        return train_bpe(texts, settings.bpe_vocab_size)
+    print(f"prepare-data: training a byte-level BPE of {settings.bpe_vocab_size:,} tokens on up to "
+          f"{settings.bpe_sample_mb:g} MB of documents...", file=sys.stderr, flush=True)
+    started, taken = time.perf_counter(), 0
+
+    def counted():
+        nonlocal taken
+        for text in texts:
+            taken += 1
+            yield text
+    tokenizer = train_bpe(counted(), settings.bpe_vocab_size)
+    print(f"prepare-data: BPE trained on {taken:,} documents in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return tokenizer
 
 
 def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: Counts) -> Iterator[str]:
@@ -287,7 +309,8 @@ def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_w
             current = None
             return
         tokens, lengths, counts = future.result()
-        bar.update(current.add(chunk, tokens, lengths, counts), len(tokens), counts.documents)
+        bar.update(current.add(chunk, tokens, lengths, counts), chunk.text_bytes(), len(tokens),
+                   counts.documents)
 
     try:
         for source, prefix in jobs:
@@ -312,20 +335,28 @@ def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_w
 
 
 class _Progress:
-    """MB/s of input (compressed bytes for compressed files), tokens/s and documents, on stderr."""
+    """On stderr: how much of the input is read, in the files' own bytes (compressed for a
+    compressed file: the sizes known ahead), and the rates in what they mean whatever the
+    compression: MB/s of text as decompressed, tokens/s; documents so far."""
 
     def __init__(self, total_bytes: int, enabled: bool):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare",
-                        disable=not enabled, dynamic_ncols=True)
-        self.start, self.tokens, self.documents = time.perf_counter(), 0, 0
+        mb = total_bytes / 1e6
+        self.progress = Progress(
+            total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {mb:,.1f} MB of input read "
+                                      f"({read / max(total_bytes, 1):.0%})",
+            file=sys.stderr, every_s=LINE_EVERY_S, enabled=enabled, desc="prepare", unit="B",
+            unit_scale=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}{postfix}]")
+        self.start = time.perf_counter()
+        self.read = self.text = self.tokens = self.documents = 0
 
-    def update(self, read: int, tokens: int, documents: int) -> None:
+    def update(self, read: int, text: int, tokens: int, documents: int) -> None:
+        self.read += read
+        self.text += text
         self.tokens += tokens
         self.documents += documents
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {self.documents:,} docs", refresh=False)
-        self.bar.update(read)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.progress.show(self.read, f"{self.text / 1e6 / elapsed:,.1f} MB/s of text, "
+                                      f"{self.tokens / elapsed:,.0f} tok/s, {self.documents:,} docs")
 
     def close(self) -> None:
-        self.bar.close()
+        self.progress.close()

@@ -94,6 +94,13 @@ class Chunk:
     records: object
     read_to: int  # bytes of the file read so far (compressed bytes for a compressed file)
 
+    def text_bytes(self) -> int:
+        """The records' bytes as read, decompressed: the measure of a rate of reading."""
+        if self.kind == "arrow":
+            import pyarrow.compute as pc
+            return pc.sum(pc.binary_length(self.records)).as_py() or 0
+        return sum(map(len, self.records))
+
 
 @dataclass
 class Counts:
