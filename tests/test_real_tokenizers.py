@@ -207,6 +207,27 @@ def test_an_ambiguous_or_missing_eos_is_named_with_a_key(tmp_path, hf_tokenizers
         load_tokenizer(hf_tokenizers["llama3"], "<|eot|>")
 
 
+def test_the_eos_named_for_prepare_data_is_the_stored_one(tmp_path, corpus):
+    both = train_bpe(TEXTS[:50], 300)
+    both.add_special_tokens(["<|endoftext|>"])  # and megalite's <|eos|>: two known names
+    both.save(str(tmp_path / "both.json"))
+    argv = ["--input", str(corpus), "--tokenizer", str(tmp_path / "both.json"), "--workers", "0"]
+    with pytest.raises(ConfigError, match=r"several end-of-document tokens .*\(--eos-token NAME"):
+        prepare.main(argv + ["--out", str(tmp_path / "refused")])
+    prepare.main(argv + ["--out", str(tmp_path / "out"), "--eos-token", "<|endoftext|>"])
+    stored = load_tokenizer(tmp_path / "out")
+    eos = both.token_to_id("<|endoftext|>")
+    assert stored.eos_id == eos and stored.pad_id == 2  # its <|pad|> fills
+    data = prepare.prepare_data(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0))
+    docs = data.train[0].docs
+    assert data.tokenizer.eos_id == eos and all(d[-1] == eos for d in docs.documents(np.arange(5), 10**6))
+    with pytest.raises(ConfigError, match=r"data\.eos_token='</s>' names the end of document of "
+                                          r"data\.tokenizer, which is bpe"):
+        prepare.prepare_data(DataConfig(path=str(tmp_path / "out"), eos_token="</s>"))
+    with pytest.raises(ConfigError, match=r"--eos-token </s> names .*: give --tokenizer too"):
+        prepare.main(["--input", str(corpus), "--out", str(tmp_path / "bpe"), "--eos-token", "</s>"])
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_padded_batches_train_the_same_whatever_fills_the_padding(arch):
     """A pad token is not needed: padded positions are masked out of attention and loss, so

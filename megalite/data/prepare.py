@@ -277,6 +277,10 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--input needs --out DIR: where the prepared shards go")
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
+        if args.eos_token is not None and args.tokenizer is None:
+            raise ConfigError(f"--eos-token {args.eos_token} names the end of document of the "
+                              f"--tokenizer given, and none is (megalite's BPE, trained without "
+                              f"one, ends documents with <|eos|>): give --tokenizer too")
         settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
                                    args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
