@@ -157,16 +157,18 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
         # would have to be drawn whole and indexed for every layer to stay the same model.
         problems.append(f"parallel.cp={cp} with model.dropout={model.dropout}: context parallelism "
                         f"trains without dropout (as pretraining does); set model.dropout=0")
-    bad_values = []
+    splittable = model  # a model whose sizes are valid: what tp must divide
     if model is not None:
         bad_values = _model_value_problems(model)
         problems += bad_values
-        if not bad_values:
+        if bad_values:
+            splittable = None
+        else:
             problems += _model_split_problems(model)
     if tp >= 1 and pp >= 1 and cp >= 1:
-        problems += _tp_problem(model if model is not None and not bad_values else None, tp,
-                                world_size, cp * pp, world_misfit and cp == pp == 1)
-        if not bad_values and tp >= 1 and sequence_parallel and model.max_seq_len % tp:
+        problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1)
+    if splittable is not None and tp >= 1:
+        if sequence_parallel and model.max_seq_len % tp:
             # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
             # length must still have positions.
             m = model.max_seq_len

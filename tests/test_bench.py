@@ -185,7 +185,7 @@ def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 1
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
     assert [r["status"] for r in rows] == ["invalid", "timeout"]
-    assert "tp" in rows[0]["error"] and "n_heads" in rows[0]["error"]
+    assert "parallel.tp=3 must divide the model's heads" in rows[0]["error"]
     assert "bench.timeout_s=0.5" in rows[1]["error"]
 
 

@@ -132,7 +132,7 @@ def test_half_written_checkpoint_is_refused(tmp_path):
 def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match=r"model\.n_heads=4 is not divisible by parallel\.tp=3"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=3 must divide the model.s heads \(4\)"):
         GPT(cfg, ParallelState(tp_size=3))
 
 
