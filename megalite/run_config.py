@@ -9,6 +9,7 @@ error naming the nearest valid one. `model` is a preset name, or a mapping whose
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -97,6 +98,10 @@ class TrainConfig:
     # merged into the config megalite derives from this section.
     deepspeed: dict = field(default_factory=dict)
 
+    @property
+    def decay_end(self) -> int:
+        return self.decay_steps or self.max_steps
+
     def __post_init__(self):
         if self.engine == "native" and self.zero_stage == 2:
             raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
@@ -144,7 +149,21 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{override}' is not of the form key.sub=value")
         _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
     raw["model"] = _resolve_preset(raw.get("model", {}))
+    _drop_retired(raw)
     return from_dict(Config, raw)
+
+
+# Keys of earlier versions, which a run's config.yaml may hold (a Slurm task re-reads its own on
+# requeue): dropped with a note, so that such a config still loads.
+RETIRED_KEYS = {"train.eval_batches": "train.eval_tokens (0: the whole held-out set)"}
+
+
+def _drop_retired(raw: dict) -> None:
+    for key, instead in RETIRED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(raw.get(section), dict) and name in raw[section]:
+            del raw[section][name]
+            warnings.warn(f"config key {key} is retired and ignored: see {instead}", stacklevel=3)
 
 
 def to_dict(cfg: Config) -> dict:

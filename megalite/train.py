@@ -101,6 +101,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         clear_marker(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         report_data(data, train_set)
+        # At every start: a decay kept from a checkpoint, or copied in a config.yaml, shows.
+        print(f"lr: {describe_schedule(t)}", flush=True)
     metrics = None
     if ps.is_main:
         wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
@@ -234,7 +236,7 @@ def resume(path: Path | None, model, ps: ParallelState, cfg: Config,
 
 
 def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
-    t, saved = cfg.train, meta.get("layout", {})
+    saved = meta.get("layout", {})
     lines = [f"resumed from {path} at step {meta['step']}"]
     if saved != layout:
         def shown(l: dict) -> str:
@@ -242,9 +244,6 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
         dropout = "; dropout's random streams start afresh" if cfg.model.dropout else ""
         lines.append(f"  layout: saved at {shown(saved)}, now {shown(layout)}: weights and "
                      f"optimizer state resharded{dropout}")
-    stretch = (f" (set train.decay_steps={t.max_steps} to stretch the decay instead)"
-               if t.max_steps > t.decay_steps else "")
-    lines.append(f"  lr: {describe_schedule(t)}{stretch}")
     print("\n".join(lines), flush=True)
 
 

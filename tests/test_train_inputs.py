@@ -89,7 +89,7 @@ def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, 
     (["train.resume={run}/checkpoints/step_00000002", "run.seed=7", "train.max_steps=4"], r"run\.seed: 1234 -> 7\. Resume with the saved values, or train\.init_from=.*step_00000002 to start a new run from its weights"),
     (["run.seed=7", "train.max_steps=4"], r"cannot resume from .*: run\.seed: 1234 -> 7"),
     (["data.bpe_vocab_size=400", "train.max_steps=4"], r"cannot resume from .*data\.bpe_vocab_size: 512 -> 400; the tokenized data \(corpus or tokenizer\) differs"),
-    (["train.resume=/nowhere/step_00000001"], r"train\.resume '/nowhere/step_00000001' is not a complete checkpoint"),
+    (["train.resume=/nowhere/step_00000001"], r"train\.resume: '/nowhere/step_00000001' does not exist; or train\.resume=auto for run\.dir's latest"),
 ])
 def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
@@ -100,6 +100,31 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
         main(small_args(tmp_path, corpus, *(e.format(run=tmp_path / "run") for e in extra)))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path):
+    """Written before rope scaling, decay_steps and eval_tokens existed (with eval_batches): the
+    missing keys mean their defaults, the retired one is dropped with a note, and the schedule
+    is the one the run started with (decay to min_lr at its max_steps)."""
+    import yaml
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    assert main(small_args(tmp_path, corpus, "train.max_steps=4")) == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for section, keys in (("model", [k for k in meta["config"]["model"] if k.startswith("rope_")
+                                     and k != "rope_theta"]), ("train", ["decay_steps", "eval_tokens"])):
+        for key in keys:
+            del meta["config"][section][key]
+    meta["config"]["train"]["eval_batches"] = 4
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    old_config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    old_config["train"] = meta["config"]["train"]
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old_config))
+    with pytest.warns(UserWarning, match="train.eval_batches is retired"):
+        assert main(["--config", str(tmp_path / "old.yaml"), "train.max_steps=6"]) == 0
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+           if "lr" in r}
+    assert sorted(lrs) == [1, 2, 3, 4, 5, 6] and lrs[5] == lrs[6] == 1e-4  # common()'s min_lr
 
 
 def test_one_bad_byte_marks_only_its_own_document(tmp_path):

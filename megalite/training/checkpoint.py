@@ -281,9 +281,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     this rank's RNG state, or None when the checkpoint was written with another layout).
     `read_moments` reads the optimizer state."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise ConfigError(f"checkpoint '{path}' is incomplete or missing (no meta.json): "
-                          f"use train.resume=auto to pick the latest complete one")
+    wrong = not_a_checkpoint(path)
+    if wrong:
+        raise ConfigError(wrong)
     meta = json.loads((path / "meta.json").read_text())
     if _whole_tensors(path):
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:

@@ -15,8 +15,8 @@ from megalite.config import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks
-from megalite.run_config import Config, to_dict
-from megalite.training.checkpoint import checkpoint_step, latest_checkpoint
+from megalite.run_config import Config, TrainConfig, to_dict
+from megalite.training.checkpoint import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
 
@@ -85,7 +85,7 @@ def with_schedule(cfg: Config, resume_from: Path | None) -> Config:
     end = cfg.train.max_steps
     if resume_from is not None:
         saved = json.loads((resume_from / "meta.json").read_text())["config"]["train"]
-        end = saved.get("decay_steps") or saved["max_steps"]  # older checkpoints: no decay_steps
+        end = TrainConfig(max_steps=saved["max_steps"], decay_steps=saved.get("decay_steps", 0)).decay_end
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=end))
 
 
@@ -107,15 +107,16 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     path = latest if resume == "auto" else Path(resume)
     if path is None:
         return None
-    if not (path / "meta.json").is_file():
-        raise ConfigError(f"train.resume '{path}' is not a complete checkpoint (no meta.json): "
-                          f"use train.resume=auto to pick the latest complete one")
+    wrong = not_a_checkpoint(path)
+    if wrong:
+        raise ConfigError(f"train.resume: {wrong}; or train.resume=auto for run.dir's latest")
     saved = json.loads((path / "meta.json").read_text())
     if latest is not None and checkpoint_step(latest) > saved["step"]:
         raise ConfigError(f"run.dir '{run_dir}' holds {latest.name}, later than the step "
                           f"{saved['step']} of train.resume '{path}': resuming there would "
                           f"overwrite it; use another run.dir")
-    now, before = _flat(to_dict(cfg)), _flat(saved["config"])
+    # A key the checkpoint's version did not have had its default's meaning then.
+    now, before = _flat(to_dict(cfg)), {**_flat(to_dict(Config())), **_flat(saved["config"])}
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
                if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
     if saved.get("data_cache_key") != data.meta["cache_key"]:
