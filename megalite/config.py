@@ -237,30 +237,31 @@ def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
                 world_misfit: bool) -> list[str]:
     """At most one line for a tp that does not split the world or the model: what it must
     divide, and the tp values that would."""
-    misfits = ([f"the world size {world_size}"] if world_misfit else []) + (
-        _tp_misfits(model, tp) if model is not None else [])
+    sizes = _tp_misfits(model, tp) if model is not None else {}
+    misfits = [f"the world size {world_size}"] if world_misfit else []
+    if sizes:
+        misfits.append("the model's " + _listed([f"{name} ({n})" for name, n in sizes.items()]))
     if not misfits:
         return []
     room = world_size // cp_pp if world_size % cp_pp == 0 else world_size
     fits = [t for t in _divisors(room) if model is None or not _tp_misfits(model, t)]
     fix = f"use parallel.tp among {fits}"
-    if misfits == [f"the world size {world_size}"]:
+    if not sizes:
         fix += f" or launch a multiple of {tp * cp_pp} processes"
-    if misfits[-1].startswith("the model's padded vocab"):
+    if "padded vocab" in sizes:
         fix += f", or a model.vocab_pad_multiple that is a multiple of {tp}"
     return [f"parallel.tp={tp} must divide {_listed(misfits)}: {fix}"]
 
 
-def _tp_misfits(model: ModelConfig, tp: int) -> list[str]:
+def _tp_misfits(model: ModelConfig, tp: int) -> dict[str, int]:
     """The model's sizes a TP degree must split into equal whole parts, where it does not."""
-    sizes = [(model.n_heads % tp == 0, f"heads ({model.n_heads})"),
-             # GQA with fewer KV heads than ranks: each rank keeps a whole copy of one.
-             (model.kv_heads % tp == 0 or tp % model.kv_heads == 0,
-              f"KV heads ({model.kv_heads})"),
-             (model.ffn % tp == 0, f"ffn_hidden ({model.ffn})"),
-             (model.padded_vocab % tp == 0, f"padded vocab ({model.padded_vocab})")]
-    bad = [what for ok, what in sizes if not ok]
-    return ["the model's " + _listed(bad)] if bad else []
+    return {name: n for name, n, ok in (
+        ("heads", model.n_heads, model.n_heads % tp == 0),
+        # GQA with fewer KV heads than ranks: each rank keeps a whole copy of one.
+        ("KV heads", model.kv_heads, model.kv_heads % tp == 0 or tp % model.kv_heads == 0),
+        ("ffn_hidden", model.ffn, model.ffn % tp == 0),
+        ("padded vocab", model.padded_vocab, model.padded_vocab % tp == 0),
+    ) if not ok}
 
 
 def _listed(items: list[str]) -> str:

@@ -23,7 +23,7 @@ def common(cache: str, run_dir, mode: str) -> list[str]:
     return ["model=tiny", "model.hidden=32", "model.dropout=0.0", f"data.mode={mode}",
             "data.seq_len=32", "data.bpe_vocab_size=512", f"data.cache_dir={cache}",
             f"train.max_steps={STEPS}", "train.global_batch_size=8", "train.warmup_steps=3",
-            # padded: the whole held-out set (65 samples); packed: its first 8 samples of 32.
+            # padded: the whole held-out set; packed: its first 8 samples of 32.
             f"train.eval_tokens={0 if mode == 'padded' else 256}",
             "sample.prompts=[The]", "sample.max_new_tokens=4",
             # Below the gradient norm (~0.3 to 0.6), so clipping acts at every step.
