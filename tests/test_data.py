@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from megalite.data import prepare
 from megalite.data.batches import BatchOrder, Samples
 from megalite.data.prepare import prepare_data
 from megalite.run_config import DataConfig
@@ -58,6 +59,30 @@ def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
                                       + json.dumps({"text": "and more"}) + "\n")
     prepare_data(cfg)
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
+
+
+@pytest.mark.parametrize("given", [True, False])  # a tokenizer given, or a BPE trained here
+def test_a_rerun_with_nothing_to_do_keeps_an_older_directorys_data_key(tmp_path, given):
+    """A directory an earlier version prepared has no bos_id or pad_id in meta.json and no file
+    naming its tokenizer's specials. Its data key, which checkpoints record, is meta.json's
+    hash: a re-run that finds every shard done leaves it byte for byte."""
+    out = tmp_path / "prep"
+    argv = ["--input", str(corpus(tmp_path)), "--out", str(out), "--workers", "0",
+            "--bpe-vocab-size", "300"]
+    if given:  # two known eos names, of which earlier versions took <|eos|>
+        argv += ["--tokenizer", str(user_tokenizer(tmp_path, ["<|eos|>", "</s>", "<pad>"]))]
+    assert prepare.main(argv) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    for key in ("bos_id", "pad_id"):
+        del meta["tokenizer"][key]
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).unlink()
+    older = (out / "meta.json").read_bytes()
+    key = prepare_data(DataConfig(path=str(out))).meta["cache_key"]
+    assert prepare.main(argv) == 0
+    assert (out / "meta.json").read_bytes() == older
+    assert prepare_data(DataConfig(path=str(out))).meta["cache_key"] == key
 
 
 @pytest.mark.parametrize("mode", ["padded", "packed"])

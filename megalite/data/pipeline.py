@@ -80,6 +80,11 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
             (out / "meta.json").unlink(missing_ok=True)
             _run([(files[i], out / names[i]) for i in todo], out, dtype, made_with, settings)
         records = [json.loads((out / f"{name}.json").read_text()) for name in names]
+        kept = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
+        if kept is not None and kept.get("version") == VERSION and kept["shards"] == records:
+            # Nothing changed: meta.json stays byte for byte, as the data key is its hash (an
+            # earlier version's lacks the fields written since, which nothing needs).
+            return kept
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
                 "tokenizer": {"file": "tokenizer.json", "sha256": made_with["tokenizer_sha256"],
                               "vocab_size": info.vocab_size, "eos_id": info.eos_id,
@@ -285,11 +290,11 @@ class _Shard:
             self.writer.abandon()
 
 
-def _run(jobs: list[tuple[Path, Path]], tokenizer: Path, dtype: np.dtype, made_with: dict,
+def _run(jobs: list[tuple[Path, Path]], out: Path, dtype: np.dtype, made_with: dict,
          settings: PrepareSettings) -> None:
     """Each (file, shard prefix) in turn: its chunks tokenized in the pool, written in order.
-    `tokenizer`: the output directory, whose stored tokenizer names its specials."""
-    init = (str(tokenizer), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
+    The workers load the tokenizer stored in `out`, the output directory (its specials named)."""
+    init = (str(out), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
     if settings.workers > 0:
         pool = ProcessPoolExecutor(settings.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker, initargs=init)

@@ -126,14 +126,20 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
 
 def _given_tokenizer(cfg: DataConfig) -> TokenizerInfo | None:
     """data.tokenizer (a clear error if it is missing or unusable); None for bpe."""
-    if cfg.tokenizer != "bpe":
-        return load_tokenizer(Path(cfg.tokenizer), cfg.eos_token)
-    if cfg.eos_token is not None:
-        raise ConfigError(f"data.eos_token={cfg.eos_token!r} names the end of document of "
-                          f"data.tokenizer, which is bpe (megalite's BPE, whose eos is <|eos|>; "
-                          f"prepared data keeps its tokenizer's): give data.tokenizer=the "
-                          f"tokenizer it belongs to, or leave data.eos_token unset")
-    return None
+    given = None if cfg.tokenizer == "bpe" else cfg.tokenizer
+    _check_eos_token(given, cfg.eos_token)
+    return None if given is None else load_tokenizer(Path(given), cfg.eos_token)
+
+
+def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
+    """An eos token names the end of document of a tokenizer given; none given (megalite's BPE)
+    is refused, with data.tokenizer=bpe and with prepare-data without --tokenizer alike."""
+    if eos_token is not None and tokenizer is None:
+        raise ConfigError(f"eos token {eos_token!r} (data.eos_token, --eos-token) names the end "
+                          f"of document of the tokenizer given (data.tokenizer, --tokenizer), and "
+                          f"none is: megalite's BPE ends documents with <|eos|>, and prepared data "
+                          f"keeps its own tokenizer's; give the tokenizer it belongs to, or leave "
+                          f"the eos token unset")
 
 
 def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
@@ -277,10 +283,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--input needs --out DIR: where the prepared shards go")
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
-        if args.eos_token is not None and args.tokenizer is None:
-            raise ConfigError(f"--eos-token {args.eos_token} names the end of document of the "
-                              f"--tokenizer given, and none is (megalite's BPE, trained without "
-                              f"one, ends documents with <|eos|>): give --tokenizer too")
+        _check_eos_token(args.tokenizer, args.eos_token)
         settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
                                    args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)

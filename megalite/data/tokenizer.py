@@ -3,11 +3,14 @@ tokenizer directory (tokenizer.json, with tokenizer_config.json and special_toke
 where present).
 
 End of document (eos): the name given (data.eos_token, --eos-token), else the one the
-directory's files declare, else the one of KNOWN_EOS the vocabulary holds; none, or several
-and none declared, is an error naming the key. Text is encoded as the tokenizer's own template
-says: Llama's post-processor puts bos first, GPT-2's and megalite's BPE add nothing.
+directory's files declare, else the one of KNOWN["eos_token"] the tokenizer holds. None is an
+error naming the key, and so are several in a directory whose files name none; a tokenizer.json
+alone (all that older prepared directories and checkpoints hold) takes the first in KNOWN's
+order, as earlier versions did. Text is encoded as the tokenizer's own template says: Llama's
+post-processor puts bos first, GPT-2's and megalite's BPE add nothing.
 
-Padding needs no token of its own: padded positions are masked out of attention and loss, so
+Padding needs no token of its own: no real token sees a padded position (causal attention
+hides right padding, the attention mask left padding) and its labels are out of the loss, so
 any id may fill them. The fill id (`pad_id`) is the tokenizer's pad token, else eos.
 
 megalite's BPE puts its special tokens first, eos = 0, bos = 1, pad = 2: the pad id is
@@ -21,6 +24,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -28,8 +32,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from megalite.typed_config import ConfigError
 
 SPECIAL = ("<|eos|>", "<|bos|>", "<|pad|>")
-KNOWN = {"eos_token": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eos|>", "<eos>"),
-         "bos_token": ("<|bos|>", "<s>", "<|begin_of_text|>", "<bos>"),
+# In order of preference (earlier versions' order, then the names added since).
+KNOWN = {"eos_token": ("<|eos|>", "</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"),
+         "bos_token": ("<|bos|>", "<s>", "<bos>", "<|begin_of_text|>"),
          "pad_token": ("<|pad|>", "<pad>", "[PAD]")}
 # The files a stored tokenizer is made of; tokenizer.json is written last, so that its presence
 # means the others are there.
@@ -59,8 +64,8 @@ class TokenizerInfo:
 
     @property
     def pad_id(self) -> int:
-        """The id that fills padded positions: any id would do (they are masked out of attention
-        and loss), the pad token where the tokenizer has one, else eos."""
+        """The id that fills padded positions: any id would do (see the module's note), the pad
+        token where the tokenizer has one, else eos."""
         return self.tokenizer.token_to_id(self.names.get("pad_token", self.names["eos_token"]))
 
     def encode(self, text: str) -> list[int]:
@@ -69,12 +74,20 @@ class TokenizerInfo:
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
         """Each document as encode() gives it, then eos unless the template put it there."""
-        eos = [] if _template(self.tokenizer)[-1:] == [self.eos_id] else [self.eos_id]
+        eos = [] if self._template_ends_with_eos else [self.eos_id]
         # The fast variant skips character offsets, which a document never needs.
         return [e.ids + eos for e in self.tokenizer.encode_batch_fast(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    @cached_property
+    def _template_ends_with_eos(self) -> bool:
+        """Whether the template puts eos after a text. Seen around a text of a token or more
+        ("a"): the empty text's template is [eos] too where eos comes first only (OPT's bos
+        is its eos)."""
+        bare = self.tokenizer.encode("a", add_special_tokens=False).ids
+        return self.encode("a")[-1:] == [self.eos_id] and bare[-1:] != [self.eos_id]
 
 
 def train_bpe(documents: list[str], vocab_size: int) -> Tokenizer:
@@ -94,9 +107,9 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
     special tokens (the map overriding the config, as transformers reads them); a file of any
     other name is read alone. `eos_token` names eos over what the files say.
 
-    The digest: tokens depend on tokenizer.json and the eos id. A tokenizer.json whose own
-    names give its eos and whose template adds nothing keeps its file's hash, the key earlier
-    versions gave its data and checkpoints; the others' hash covers the eos too."""
+    The digest: tokens depend on tokenizer.json and the eos id. A tokenizer.json whose eos is
+    the one it gives alone and whose template adds nothing keeps its file's hash, the key
+    earlier versions gave its data and checkpoints; the others' hash covers the eos too."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
@@ -106,6 +119,9 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
                           "one, or data.tokenizer=bpe to train one")
     text = file.read_bytes()
     tokenizer = Tokenizer.from_str(text.decode())
+    # A file saved with truncation or padding on would cut or pad every document.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     beside = file.parent if file.name == "tokenizer.json" else None
     source_files = {name: json.loads((beside / name).read_text()) for name in FILES[:2]
                     if beside is not None and (beside / name).is_file()}
@@ -125,13 +141,15 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
             given = "the eos token given" if key == "eos_token" and eos_token else f"its {key}"
             raise ConfigError(f"tokenizer '{path}': {given} '{name}' is not in its vocabulary: "
                               f"name one of its tokens")
-        if name is None and key == "eos_token" and len(found[key]) != 1:
+        if name is None and key == "eos_token" and (not found[key] or
+                                                     (len(found[key]) > 1 and source_files)):
             raise ConfigError(_no_eos(path, found[key]))
         name = name if name is not None else next(iter(found[key]), None)
         if name is not None:
             names[key] = name
     file_hash = hashlib.sha256(text).hexdigest()
-    plain = found["eos_token"] == [names["eos_token"]] and not _template(tokenizer)
+    # Its eos is the one its tokenizer.json alone gives (the first known name it holds).
+    plain = found["eos_token"][:1] == [names["eos_token"]] and not _template(tokenizer)
     digest = file_hash if plain else \
         hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
     return TokenizerInfo(tokenizer, file, names, source_files, digest)

@@ -23,7 +23,7 @@ import torch
 
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
-from megalite.data.tokenizer import KNOWN, load_tokenizer, save_tokenizer
+from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
 from megalite.hf import gpt2, llama
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter, nbytes
@@ -83,6 +83,15 @@ def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+def special_ids(tokenizer: TokenizerInfo) -> dict[str, int | None]:
+    """config.json's bos/eos/pad_token_id: bos is eos where the tokenizer has none (as GPT-2's
+    config says: 50256 for both); null, not left out, for a pad it lacks (transformers would
+    default to GPT-2's id)."""
+    names = {"bos_token": tokenizer.names["eos_token"], **tokenizer.names}
+    return {f"{key}_id": tokenizer.tokenizer.token_to_id(names[key]) if key in names else None
+            for key in KNOWN}
+
+
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
               max_shard_bytes: int = 5 * GB) -> str:
     """Write a Hugging Face directory: config.json, the tokenizer files, and the weights as
@@ -94,9 +103,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     cfg = checkpoint_model_config(ckpt)
     name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt)
-    # null for a token the tokenizer lacks (GPT-2's pad): transformers' defaults are GPT-2's ids.
-    special = {f"{key}_id": tokenizer.tokenizer.token_to_id(tokenizer.names[key])
-               if key in tokenizer.names else None for key in KNOWN}
+    special = special_ids(tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
                 out / "model.safetensors.index.json"]:
