@@ -195,23 +195,58 @@ def test_a_bpe_is_trained_again_only_where_no_shard_uses_it(tmp_path):
         prepare_directory(files, out, PrepareSettings(bpe_vocab_size=350, text_key="body", progress=False))
 
 
+def process_group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
+        except OSError:  # it ended meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # none left
+        pass
+
+
 def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
+    """Killed as soon as it is seen (a sibling may still be starting): the run ends at once
+    with the error, and no process of it is left."""
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t * 40}) + "\n" for t in TEXTS * 30))
+    # Its own process group: whatever happens, every process of the run can be found and killed.
     proc = subprocess.Popen([sys.executable, "-m", "megalite", "prepare-data", "--input",
                              str(tmp_path / "b.jsonl"), "--tokenizer", str(tokenizer(tmp_path)),
                              "--workers", "2", "--out", str(tmp_path / "out")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline, workers = time.monotonic() + 120, []
-    while not workers and proc.poll() is None and time.monotonic() < deadline:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-        for pid in children.read_text().split() if children.exists() else []:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in command and b"resource_tracker" not in command:
-                workers.append(int(pid))
-        time.sleep(0.01)
-    assert workers, "no worker seen"
-    os.kill(workers[0], signal.SIGKILL)  # as the kernel's OOM killer would
-    _, err = proc.communicate(timeout=120)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+            for pid in children.read_text().split() if children.exists() else []:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in command and b"resource_tracker" not in command:
+                    workers.append(int(pid))
+            time.sleep(0.01)
+        assert workers, "no worker seen"
+        os.kill(workers[0], signal.SIGKILL)  # as the kernel's OOM killer would
+        _, err = proc.communicate(timeout=120)
+    except BaseException:  # hung, or no worker seen: nothing of the run may outlive the test
+        kill_group(proc.pid)
+        proc.communicate()
+        raise
+    deadline = time.monotonic() + 30  # multiprocessing's resource tracker ends once it sees EOF
+    while process_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = process_group(proc.pid)
+    kill_group(proc.pid)
+    assert not left, f"processes left running: {left}"
     assert proc.returncode != 0
     assert re.search(r"a tokenizing worker died while preparing '.*b\.jsonl' \(most often: out of "
                      r"memory\): run again with fewer --workers", err), err[-2000:]
@@ -399,13 +434,13 @@ def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeyp
     seen = {"submitted": 0, "written": 0, "most": 0}
 
     class CountingPool(pipeline._Inline):
-        def __init__(self, *args, **kwargs):
-            pipeline._init_worker(*kwargs["initargs"][:4], False)
+        def __init__(self, workers, init):
+            super().__init__(init[:-1] + (False,))  # in this process: not as a pool's worker
 
-        def submit(self, fn, *args):
+        def submit(self, *args):
             seen["submitted"] += 1
             seen["most"] = max(seen["most"], seen["submitted"] - seen["written"])
-            return super().submit(fn, *args)
+            return super().submit(*args)
 
     add = pipeline._Shard.add
 
@@ -413,7 +448,7 @@ def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeyp
         seen["written"] += 1
         return add(self, *args)
 
-    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", CountingPool)
+    monkeypatch.setattr(pipeline, "_Workers", CountingPool)
     monkeypatch.setattr(pipeline._Shard, "add", counted_add)
     prepare_directory([tmp_path / "long.jsonl"], tmp_path / "out",
                       PrepareSettings(tokenizer=str(tokenizer(tmp_path)), workers=3, progress=False))
