@@ -428,12 +428,12 @@ def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path,
 def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeypatch):
     """The memory bound: at most IN_FLIGHT_PER_WORKER x workers chunks submitted and not yet
     written, however long the file."""
-    from megalite.data import pipeline
+    from megalite.data import pipeline, workers
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 10))
     monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 500)
     seen = {"submitted": 0, "written": 0, "most": 0}
 
-    class CountingPool(pipeline._Inline):
+    class CountingPool(workers.Inline):
         def __init__(self, workers, init):
             super().__init__(init[:-1] + (False,))  # in this process: not as a pool's worker
 
@@ -448,7 +448,7 @@ def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeyp
         seen["written"] += 1
         return add(self, *args)
 
-    monkeypatch.setattr(pipeline, "_Workers", CountingPool)
+    monkeypatch.setattr(workers, "Workers", CountingPool)
     monkeypatch.setattr(pipeline._Shard, "add", counted_add)
     prepare_directory([tmp_path / "long.jsonl"], tmp_path / "out",
                       PrepareSettings(tokenizer=str(tokenizer(tmp_path)), workers=3, progress=False))

@@ -1,0 +1,155 @@
+"""The tokenizing processes of prepare-data: each chunk of documents in, its token ids out.
+
+`Workers` runs them in spawned processes, `Inline` in this one (workers=0); both take chunks
+with submit() and give results, in the order submitted, with result().
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import traceback
+from collections import deque
+from itertools import chain
+from multiprocessing import connection
+from pathlib import Path
+
+import numpy as np
+
+from megalite.data.sources import Chunk, Counts, parse
+from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
+from megalite.typed_config import ConfigError
+
+
+class Inline:
+    """Tokenizes each chunk as it is submitted, in this process (workers=0)."""
+
+    def __init__(self, init: tuple):
+        _init_worker(*init)
+
+    def submit(self, chunk: Chunk, name: str) -> tuple:
+        return _encode(chunk, name)
+
+    def result(self, done: tuple) -> tuple:
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerDied(Exception):
+    """A tokenizing process ended while the run still needed it."""
+
+
+class Workers:
+    """`n` spawned tokenizing processes, each behind its own pipe; results are taken in the
+    order submitted. A chunk goes only to an idle worker (one waiting to receive), so no send
+    waits on a worker that is itself waiting to send; a worker's death is seen through its
+    sentinel whenever this process waits, and close() kills them all. Not a
+    ProcessPoolExecutor: after a worker's death its shutdown can wait forever before Python
+    3.12 (on 3.11, on a sibling it was starting meanwhile, which escaped its clean-up; on 3.10,
+    on sending a chunk to the dead)."""
+
+    def __init__(self, n: int, init: tuple):
+        spawn = multiprocessing.get_context("spawn")
+        self.conns: list = []
+        self.procs: list = []
+        try:
+            for _ in range(n):
+                ours, theirs = spawn.Pipe()
+                proc = spawn.Process(target=_serve, args=(theirs, init), daemon=True)
+                proc.start()
+                theirs.close()  # so that its death ends our sends and reads on the pipe
+                self.conns.append(ours)
+                self.procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
+        self.idle = deque(range(n))
+        self.queued: deque = deque()  # (ticket, chunk, name) not yet sent
+        self.busy: dict[int, int] = {}  # worker -> the ticket it works on
+        self.done: dict[int, tuple] = {}  # ticket -> (ok, the result or the error)
+        self.tickets = 0
+
+    def submit(self, chunk: Chunk, name: str) -> int:
+        self.queued.append((self.tickets, chunk, name))
+        self.tickets += 1
+        self._pump(timeout=0)
+        return self.tickets - 1
+
+    def result(self, ticket: int) -> tuple:
+        while ticket not in self.done:
+            self._pump(timeout=None)
+        ok, value = self.done.pop(ticket)
+        if not ok:
+            raise value
+        return value
+
+    def _pump(self, timeout: float | None) -> None:
+        """Hand queued chunks to idle workers, then take the results ready within `timeout`."""
+        while self.idle and self.queued:
+            worker = self.idle.popleft()
+            ticket, *task = self.queued.popleft()
+            try:
+                self.conns[worker].send(task)
+            except OSError:  # a broken pipe: it died
+                raise WorkerDied from None
+            self.busy[worker] = ticket
+        waiting = {self.conns[w]: w for w in self.busy}
+        ready = connection.wait([*waiting, *(p.sentinel for p in self.procs)], timeout)
+        if any(p.sentinel in ready for p in self.procs):
+            raise WorkerDied
+        for conn in ready:
+            try:
+                self.done[self.busy.pop(waiting[conn])] = conn.recv()
+            except (EOFError, OSError):  # it died while sending
+                raise WorkerDied from None
+            self.idle.append(waiting[conn])
+
+    def close(self) -> None:
+        """Kill every worker: the run is over, finished or failed, and needs nothing of them."""
+        for proc in self.procs:
+            proc.kill()
+        for proc, conn in zip(self.procs, self.conns):
+            proc.join()
+            conn.close()
+
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool, in_pool: bool) -> None:
+    if in_pool:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+        # Die with the parent: a killed prepare-data must not leave its workers running.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        # Ctrl-C reaches the whole process group: the main process stops its workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker.update(info=load_tokenizer(Path(tokenizer)), dtype=np.dtype(dtype),
+                   text_key=text_key, strict=strict)
+
+
+def _serve(conn, init: tuple) -> None:
+    """A worker's life: each chunk received sent back encoded, as (True, result), or
+    (False, the error), until the main process kills it."""
+    _init_worker(*init)
+    while True:
+        chunk, name = conn.recv()
+        try:
+            reply = (True, _encode(chunk, name))
+        except ConfigError as bad:  # bad input (--strict): the main process reports it
+            reply = (False, bad)
+        except Exception:
+            reply = (False, RuntimeError(f"a tokenizing worker failed:\n{traceback.format_exc()}"))
+        conn.send(reply)
+
+
+def _encode(chunk: Chunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
+    """(tokens, document lengths, counts) of one chunk: each document's ids, ending with eos."""
+    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name)
+    info: TokenizerInfo = _worker["info"]
+    ids = info.encode_documents(texts)
+    lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
+    tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
+    return tokens, lengths, counts
