@@ -82,9 +82,13 @@ def _context():
     two cores. The server has run no torch op, so no thread pool is forked with it. It starts
     at the first call, with that moment's environment, working directory and sys.path, which
     every later rank gets: pass what a rank needs as arguments (or torchrun_env), not through
-    os.environ set by the test."""
+    os.environ set by the test. Also preloaded, each a second or so per rank otherwise:
+    torch._dynamo (imported by every optimizer's constructor), inductor's compile_fx (by every
+    torch.compile, DeepSpeed's import included) and matplotlib.pyplot (the trainer's loss plot)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megalite.train", "tests.harness"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "torch._inductor.compile_fx", "matplotlib.pyplot", "megalite.train",
+                                "tests.harness"])
     return ctx
 
 
