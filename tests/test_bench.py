@@ -1,6 +1,11 @@
-"""`megalite bench`: the shipped CPU sweep writes its results and plots, the collectives it
-counts are the ones the Megatron formulas predict, byte for byte, and a bad or stuck point is
-recorded while the sweep goes on, and a crashed one names the rank that crashed and why.
+"""`megalite bench`: a CPU sweep writes its results and plots, the collectives it counts are
+the ones the Megatron formulas predict, byte for byte, for every kind of layout (TP, SP, DP with
+the distributed optimizer, PP, CP), and a bad or stuck point is recorded while the sweep goes on,
+and a crashed one names the rank that crashed and why.
+
+The sweeps here are written by the tests: each kind of layout of the shipped ones
+(configs/bench/), fewer points, shorter and fewer steps, since a point's cost is mostly its
+processes' start; the shipped sweeps' points are checked valid without running them.
 """
 import csv
 import json
@@ -19,13 +24,32 @@ from megalite.parallel.sharding import row_range, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 
-SWEEP = Path(__file__).parent.parent / "configs" / "bench" / "cpu.yaml"
+CONFIGS = Path(__file__).parent.parent / "configs"
+DEMO = str(CONFIGS / "demo.yaml")
+# The shipped CPU sweeps' kinds of layout, on rows of 256 tokens: one process (cpu.yaml's
+# first point, cpu-context.yaml's CP1), TP alone, TP with SP across DP ranks (ZeRO-1, the
+# default) with the global batch grown with them (scaling: weak), and CP2 and CP4 exchanging
+# K/V by all-gather and by ring (CP4's ring has more blocks than CP2's). Two micro-batches per
+# DP rank; buckets of 0.1 MiB, so that the gradients fill several.
+LAYOUTS = {"name": "layouts", "base": DEMO, "batch": "packed",
+           "overrides": ["model=tiny", "model.max_seq_len=256", "data.seq_len=256", "parallel.tp=1",
+                         "train.micro_batch_size=1", "train.global_batch_size=2",
+                         "parallel.dp_bucket_mb=0.1"],
+           "points": [{}, {"parallel.tp": 2},
+                      {"parallel.tp": 2, "parallel.sequence_parallel": True, "dp": 2,
+                       "scaling": "weak"},
+                      {"parallel.cp": 2, "parallel.cp_comm": "all_gather"},
+                      {"parallel.cp": 2, "parallel.cp_comm": "p2p"},
+                      {"parallel.cp": 4, "parallel.cp_comm": "p2p"}],
+           "warmup_steps": 0, "steps": 1}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    code = bench([str(SWEEP), "--out", str(out)])
+    sweep = out / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump(LAYOUTS))
+    code = bench([str(sweep), "--out", str(out)])
     failed = [p for p in json.loads((out / "results.json").read_text())["points"]
               if p["status"] != "ok"]
     # A failed point's log lives in a temporary folder: CI shows only this message.
@@ -40,10 +64,9 @@ def _log_tail(log: Path, lines: int = 60) -> str:
 
 
 def point_config(point: dict):
-    sweep = yaml.safe_load(SWEEP.read_text())
-    overrides = sweep["overrides"] + [f"{k}={v}" for k, v in point["settings"].items()
-                                      if k not in ("dp", "scaling")]
-    return load_config(sweep["base"], overrides)
+    overrides = LAYOUTS["overrides"] + [f"{k}={v}" for k, v in point["settings"].items()
+                                        if k not in ("dp", "scaling")]
+    return load_config(LAYOUTS["base"], overrides)
 
 
 def expected_comm(point: dict) -> dict[tuple[str, str], int]:
@@ -60,10 +83,11 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     those inputs and gathers it again: 2 per layer; the fused LM head + loss makes its input's
     gradient in forward and keeps nothing to gather), and the replicated parameters'
     gradients (norms, row-parallel biases, positions), computed on a shard of the tokens, are
-    all-reduced per micro-batch. DP: see grad_sync.
+    all-reduced per micro-batch. CP: see kv_elements. DP: see grad_sync, over the DP ranks, or
+    with CP over the CP x DP ranks that hold the same parameters.
     """
     cfg = point_config(point)
-    t, d = point["tp"], point["dp"]
+    t, d, c = point["tp"], point["dp"], point["cp"]
     b, s, h, L = point["micro_batch_size"], point["seq_len"], cfg.model.hidden, cfg.model.n_layers
     micro_batches = point["global_batch_size"] // (b * d)
     params = list(GPT(cfg.model, ParallelState(), seed=0).parameters())
@@ -78,7 +102,15 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
             comm[("all_reduce", "tp")] = loss + micro_batches * replicated + 1
         else:
             comm[("all_reduce", "tp")] = bsh + loss + 1
-    return {**comm, **{key: elements for key, (elements, _) in grad_sync(cfg, t, d, "dp").items()}}
+    if c > 1:
+        comm.update(kv_elements(point, cfg))
+    n, group = grad_group(point)
+    return {**comm, **{key: elements for key, (elements, _) in grad_sync(cfg, t, n, group).items()}}
+
+
+def grad_group(point: dict) -> tuple[int, str]:
+    """The ranks that hold the same parameters, and their group's name."""
+    return (point["dp"], "dp") if point["cp"] == 1 else (point["cp"] * point["dp"], "cp_dp")
 
 
 def grad_sync(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str, str], tuple[int, int]]:
@@ -112,13 +144,27 @@ def grad_sync(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str, str], 
             ("all_reduce", group): (2, 1)}
 
 
-def test_cpu_sweep_writes_results_and_plots(results):
+def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
+    """K/V elements the CP group moves per step on one rank, from the formulas: per layer and
+    micro-batch, all_gather gathers K and V of the whole row (b x 2 kv_heads x s x head_dim) and
+    reduce-scatters their gradients; p2p receives cp - 1 K/V blocks of s / cp tokens forward,
+    the same backward, and cp dK/dV accumulators, each a step behind its block, the last one
+    its own block's, home."""
+    m = cfg.model
+    b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
+    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_dim
+    if point["cp_comm"] == "all_gather":
+        return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
+    return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)}
+
+
+def test_a_cpu_sweep_writes_results_and_plots(results):
     data = json.loads((results / "results.json").read_text())
     for key in ("device", "torch", "date", "git_commit", "command"):
         assert data[key], key
     assert data["device"].startswith("cpu") and "bench" in data["command"]
     rows = list(csv.DictReader((results / "results.csv").open()))
-    assert len(rows) == len(data["points"]) == 8
+    assert len(rows) == len(data["points"]) == len(LAYOUTS["points"])
     assert set(COLUMNS) <= set(rows[0])
     for row in rows:
         assert row["status"] == "ok", row
@@ -130,7 +176,8 @@ def test_cpu_sweep_writes_results_and_plots(results):
         if int(row["devices"]) > 1:
             assert float(row["comm_bytes"]) > 0 and float(row["comm_s"]) > 0, row["point"]
     # Sequence parallelism stores less per layer than TP alone, as Korthikanti et al. count.
-    tp2 = {p["sequence_parallel"]: p for p in data["points"] if p["tp"] == 2 and p["dp"] == 1}
+    # (Per layer and micro-batch of the same size: the SP point's DP ranks change nothing.)
+    tp2 = {p["sequence_parallel"]: p for p in data["points"] if p["tp"] == 2}
     assert tp2[True]["activation_bytes_per_layer"] < tp2[False]["activation_bytes_per_layer"]
     assert (tp2[True]["activation_formula_bytes_per_layer"]
             < tp2[False]["activation_formula_bytes_per_layer"])
@@ -143,21 +190,32 @@ def test_counted_communication_equals_the_formulas(results):
     for point in points:
         counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
         assert counted == expected_comm(point), point["point"]
-        dp_calls = {c["op"]: c["calls"] for c in point["comm"] if c["group"] == "dp"}
-        expected = grad_sync(point_config(point), point["tp"], point["dp"], "dp")
-        assert dp_calls == {op: calls for (op, _), (_, calls) in expected.items()}, point["point"]
+        n, group = grad_group(point)
+        grad_calls = {c["op"]: c["calls"] for c in point["comm"] if c["group"] == group}
+        expected = grad_sync(point_config(point), point["tp"], n, group)
+        assert grad_calls == {op: calls for (op, _), (_, calls) in expected.items()}, point["point"]
         for c in point["comm"]:
             assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
+    assert any(c["group"] == "dp" and c["calls"] > 1 for p in points for c in p["comm"])  # buckets
+
+
+def test_context_parallel_shrinks_activations(results):
+    points = json.loads((results / "results.json").read_text())["points"]
+    activations = {(p["cp"], p["cp_comm"]): p["activation_bytes_per_layer"] for p in points
+                   if p["tp"] == 1}
+    # Ring attention keeps its share of the row (and its mask rows): less per rank as cp grows.
+    assert activations[4, "p2p"] < activations[2, "p2p"] < 0.7 * activations[1, None]
+    assert activations[4, "p2p"] < 0.4 * activations[1, None]
 
 
 def test_a_pipeline_point_reports_its_schedule_bubble_and_pipeline_collectives(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({
-        "name": "pp", "base": str(SWEEP.parent.parent / "demo.yaml"), "batch": "packed",
+        "name": "pp", "base": DEMO, "batch": "packed",
         "overrides": ["model.vocab_size=4096", "data.seq_len=64", "train.global_batch_size=8",
                       "train.micro_batch_size=2", "parallel.tp=1"],
         "points": [{"parallel.pp": 2, "parallel.pp_schedule": "interleaved",
-                    "parallel.virtual_stages": 2}], "warmup_steps": 1, "steps": 1}))
+                    "parallel.virtual_stages": 2}], "warmup_steps": 0, "steps": 1}))
     assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 0
     point, = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
     assert point["status"] == "ok" and point["devices"] == point["pp"] == 2
@@ -180,7 +238,7 @@ def test_a_pipeline_point_reports_its_schedule_bubble_and_pipeline_collectives(t
 def test_a_bad_or_stuck_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({
-        "name": "bad", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 0.5,
+        "name": "bad", "base": DEMO, "timeout_s": 0.5,
         "points": [{"parallel.tp": 3}, {"parallel.tp": 1}]}))
     assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 1
     rows = list(csv.DictReader((tmp_path / "out" / "results.csv").open()))
@@ -204,7 +262,7 @@ def test_a_sweep_time_limit_cuts_the_running_point_and_its_workers_and_skips_the
     sweep = tmp_path / "sweep.yaml"
     # Steps enough to be still running when the limit comes, its workers started.
     sweep.write_text(yaml.safe_dump({
-        "name": "lease", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 600,
+        "name": "lease", "base": DEMO, "timeout_s": 600,
         "steps": 100000, "points": [{"parallel.tp": 1}, {"parallel.tp": 2}]}))
     assert bench([str(sweep), "--out", str(tmp_path / "out"), "--time-limit-s", "12"]) == 3
     result = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -215,7 +273,7 @@ def test_a_sweep_time_limit_cuts_the_running_point_and_its_workers_and_skips_the
 
 
 def test_a_resumed_sweep_keeps_the_points_that_ended_and_runs_the_rest(tmp_path):
-    base = {"name": "lease", "base": str(SWEEP.parent.parent / "demo.yaml"), "timeout_s": 600,
+    base = {"name": "lease", "base": DEMO, "timeout_s": 600, "warmup_steps": 0, "steps": 1,
             "overrides": ["model.n_layers=2", "data.seq_len=32", "train.global_batch_size=4",
                           "train.micro_batch_size=4"]}
     first, both = tmp_path / "first.yaml", tmp_path / "both.yaml"
@@ -253,43 +311,8 @@ def test_a_crashed_point_is_reported_by_its_rank_and_cause(tmp_path, how):
 
 
 # scaling.yaml holds the scaling model's inputs, not a sweep.
-@pytest.mark.parametrize("sweep", sorted(p for p in SWEEP.parent.glob("*.yaml") if p.name != "scaling.yaml"),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("sweep", sorted(p for p in (CONFIGS / "bench").glob("*.yaml")
+                                         if p.name != "scaling.yaml"), ids=lambda p: p.name)
 def test_shipped_bench_sweeps_have_only_valid_points(sweep):
     _, points = load_bench(sweep)
     assert points and all(not p.error for p in points), [p.error for p in points if p.error]
-
-
-def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
-    """K/V elements the CP group moves per step on one rank, from the formulas: per layer and
-    micro-batch, all_gather gathers K and V of the whole row (b x 2 kv_heads x s x head_dim) and
-    reduce-scatters their gradients; p2p receives cp - 1 K/V blocks of s / cp tokens forward,
-    the same backward, and cp dK/dV accumulators, each a step behind its block, the last one
-    its own block's, home."""
-    m = cfg.model
-    b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
-    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_dim
-    if point["cp_comm"] == "all_gather":
-        return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
-    return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)}
-
-
-def test_context_parallel_points_count_the_kv_formula_and_shrink_activations(tmp_path):
-    sweep = SWEEP.parent / "cpu-context.yaml"
-    assert bench([str(sweep), "--out", str(tmp_path / "out")]) == 0
-    points = json.loads((tmp_path / "out" / "results.json").read_text())["points"]
-    base_overrides = yaml.safe_load(sweep.read_text())["overrides"]
-    activations = {}
-    for point in points:
-        cfg = load_config(SWEEP.parent.parent / "demo.yaml", base_overrides + [
-            f"{k}={v}" for k, v in point["settings"].items()])
-        counted = {(c["op"], c["group"]): c["elements"] for c in point["comm"]}
-        if point["cp"] > 1:
-            dp = {k: elements for k, (elements, _) in grad_sync(cfg, 1, point["cp"], "cp_dp").items()}
-            assert counted == {**kv_elements(point, cfg), **dp}, point["point"]
-        else:
-            assert counted == {}
-        activations[point["cp"], point["cp_comm"]] = point["activation_bytes_per_layer"]
-    # Ring attention keeps its share of the row (and its mask rows): less per rank as cp grows.
-    assert activations[4, "p2p"] < activations[2, "p2p"] < 0.7 * activations[1, None]
-    assert activations[4, "p2p"] < 0.4 * activations[1, None]
