@@ -248,7 +248,7 @@ def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
     fix = f"use parallel.tp among {fits}"
     if not sizes:
         fix += f" or launch a multiple of {tp * cp_pp} processes"
-    if "padded vocab" in sizes:
+    if list(sizes) == ["padded vocab"]:
         fix += f", or a model.vocab_pad_multiple that is a multiple of {tp}"
     return [f"parallel.tp={tp} must divide {_listed(misfits)}: {fix}"]
 
