@@ -24,19 +24,9 @@ from megalite.training.checkpoint import load_checkpoint
 from megalite.training.engine import build_model
 from megalite.training.setup import with_pretrained, with_tokenizer_vocab
 from tests.harness import run_distributed
-from tests.test_real_tokenizers import SHAPES, TEXTS, write_corpus
+# The shapes' module fixtures, built once per module here too.
+from tests.test_real_tokenizers import SHAPES, TEXTS, corpus, hf_tokenizers  # noqa: F401
 from tests.test_train import losses, run_train
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizers(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tokenizers")
-    return {name: build(root / name) for name, build in SHAPES.items()}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl")
 
 
 def eval_text(tmp_path, tokenizer) -> tuple[object, list[int]]:
