@@ -15,7 +15,8 @@ from megalite.data.sources import EMBEDDED
 from megalite.run_config import DataConfig
 from megalite.training.checkpoint import latest_checkpoint
 from megalite.typed_config import ConfigError
-from tests.test_resume import ROOT, assert_continues_exactly, kill_every_process_of, run
+from tests.test_resume import (ROOT, assert_continues_exactly, kill_every_process_of, one_thread,
+                               run, uninterrupted)
 from tests.test_train import STEPS, assert_same_training, common, losses, train_run
 
 
@@ -81,9 +82,9 @@ def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
 
     import sys
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    run([sys.executable] + args(whole))
+    uninterrupted(1, args(whole))
     proc = subprocess.Popen([sys.executable] + args(killed), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=one_thread())
     deadline = time.monotonic() + 240
     while latest_checkpoint(killed) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -91,7 +92,7 @@ def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
     proc.wait()
     resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
     assert resumed_from < STEPS, "the run finished before it could be killed"
-    run([sys.executable] + args(killed, "train.resume=auto"))
+    run([sys.executable] + args(killed, "train.resume=auto"), env=one_thread())
     assert_continues_exactly(killed, whole, resumed_from)
     expected, got = losses(whole, "tokens_per_source"), losses(killed, "tokens_per_source")
     assert all(got[s] == expected[s] for s in expected if s > resumed_from)

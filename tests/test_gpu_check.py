@@ -3,14 +3,13 @@ the command cannot rot between GPU windows), and a real run of a tiny plan write
 and a summary.md whose numbers are the steps' own JSON."""
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from megalite.bench.gpu_check import PEER_FLAGS, main as gpu_check
+from megalite.cli import main as megalite_main
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("transformers")
@@ -35,8 +34,8 @@ def test_dry_run_plans_and_validates_the_shipped_check(capsys):
 def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml"):
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "base": str(base), "batch": "full",
-                                    "overrides": ["parallel.tp=1", "model=tiny"], "warmup_steps": 1,
-                                    "steps": 2, "timeout_s": 300, "points": points}))
+                                    "overrides": ["parallel.tp=1", "model=tiny"], "warmup_steps": 0,
+                                    "steps": 1, "timeout_s": 300, "points": points}))
     return str(path)
 
 
@@ -49,25 +48,40 @@ TINY = {"model": "tiny", "data.seq_len": 64, "train.micro_batch_size": 2, "train
     ([TINY], "--compile sometimes", "peer-tiny-64-full"),
     ([{**TINY, "model": "no-such-model"}], PEER_FLAGS, "no-such-model"),
 ])
-def test_dry_run_refuses_what_could_not_run(tmp_path, points, flags, named):
-    run = subprocess.run([sys.executable, "-m", "megalite", "gpu-check", "--out", str(tmp_path / "out"),
-                          "--dry-run", "--skip", "tests", "--sweep", _sweep(tmp_path, points),
-                          "--peer-flags", flags], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "megalite: error" in run.stderr and named in run.stderr, run.stderr
+def test_dry_run_refuses_what_could_not_run(tmp_path, capsys, points, flags, named):
+    # The command line's own entry point, in this process (the exit status and stderr as
+    # `python -m megalite gpu-check` gives them, without a new interpreter).
+    assert megalite_main(["gpu-check", "--out", str(tmp_path / "out"), "--dry-run", "--skip", "tests",
+                          "--sweep", _sweep(tmp_path, points), "--peer-flags", flags]) == 2
+    err = capsys.readouterr().err
+    assert "megalite: error" in err and named in err, err
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tiny_check_on_cpu_writes_steps_and_a_summary_of_their_numbers(tmp_path, capsys):
+def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]),
-            "--peer-flags", "--warmup 1 --steps 2"]
-    assert gpu_check(args) == 0
+    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY])]
+    peers = [f"peer-tiny-64-{batch}" for batch in ("full", "packed")]
+    # Steps that cannot run are recorded, and the others go on.
+    assert gpu_check(args + ["--peer-flags", "--compile sometimes"]) == 1
+    steps = json.loads((out / "steps.json").read_text())["steps"]
+    assert steps["bench"]["status"] == "ok"
+    for name in peers:
+        assert steps[name]["status"] == "failed" and "not launched" in steps[name]["reason"] \
+            and "sometimes" in steps[name]["reason"]
+
+    # Run again: the ended steps are kept, not run again, but those --redo names.
+    capsys.readouterr()
+    redo = [arg for name in peers for arg in ("--redo", name)]
+    assert gpu_check(args + ["--peer-flags", "--warmup 0 --steps 1", *redo]) == 0
+    printed = capsys.readouterr().out
+    assert "bench: ok in an earlier run, kept" in printed
+    assert all(f"{name}: running" in printed for name in peers)
     state = json.loads((out / "steps.json").read_text())
-    assert {k: v["status"] for k, v in state["steps"].items()} == {
-        "bench": "ok", "peer-tiny-64-full": "ok", "peer-tiny-64-packed": "ok"}
-    assert state["runs"][0]["device"].startswith("cpu") and state["runs"][0]["torch"]
-    assert state["runs"][0]["missing_packages"] == []  # this machine has what the steps import
+    assert {k: v["status"] for k, v in state["steps"].items()} == {"bench": "ok", **{n: "ok" for n in peers}}
+    assert len(state["runs"]) == 2
+    assert state["runs"][-1]["device"].startswith("cpu") and state["runs"][-1]["torch"]
+    assert state["runs"][-1]["missing_packages"] == []  # this machine has what the steps import
     summary = (out / "summary.md").read_text()
     bench = json.loads((out / "bench" / "results.json").read_text())["points"][0]
     row = next(line for line in summary.splitlines() if line.startswith(f"| {bench['point']} |"))
@@ -81,41 +95,18 @@ def test_a_tiny_check_on_cpu_writes_steps_and_a_summary_of_their_numbers(tmp_pat
             assert f"| {r['tokens_per_s']:,.0f} |" in line
     assert "Not run (--skip tests)" in summary
 
-    # Run again: the ended steps are kept, not run again.
-    capsys.readouterr()
-    assert gpu_check(args) == 0
-    assert "bench: ok in an earlier run, kept" in capsys.readouterr().out
-    assert len(json.loads((out / "steps.json").read_text())["runs"]) == 2
 
-
-def test_a_step_that_cannot_run_is_recorded_and_the_others_go_on(tmp_path):
+def test_a_bench_the_budget_cuts_is_incomplete_and_not_kept(tmp_path, capsys):
     out = tmp_path / "out"
-    assert gpu_check(["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]),
-                      "--peer-flags", "--compile sometimes"]) == 1
-    steps = json.loads((out / "steps.json").read_text())["steps"]
-    assert steps["bench"]["status"] == "ok"
-    for batch in ("full", "packed"):
-        peer = steps[f"peer-tiny-64-{batch}"]
-        assert peer["status"] == "failed" and "not launched" in peer["reason"] and "sometimes" in peer["reason"]
-
-
-def test_a_bench_the_budget_cuts_is_incomplete_and_runs_again(tmp_path, capsys):
-    out = tmp_path / "out"
-    sweep = _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])
+    args = ["--out", str(out), "--skip", "tests", "--skip", "peer",
+            "--sweep", _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])]
     # 40 s: the bench step starts with a limit that leaves its sweep a second or so.
-    args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--budget-min", str(40 / 60),
-            "--sweep", sweep]
-    assert gpu_check(args) == 1
+    assert gpu_check(args + ["--budget-min", str(40 / 60)]) == 1
     assert json.loads((out / "steps.json").read_text())["steps"]["bench"]["status"] == "incomplete"
+    # Run again: not kept as ended, the step is due; the budget spent, it is recorded as not run.
     capsys.readouterr()
-    gpu_check(args)
-    assert "bench: running" in capsys.readouterr().out  # not kept as ended
-
-
-def test_a_spent_budget_records_the_steps_not_run(tmp_path):
-    out = tmp_path / "out"
-    assert gpu_check(["--out", str(out), "--skip", "tests", "--skip", "peer", "--budget-min", "0",
-                      "--sweep", _sweep(tmp_path, [TINY])]) == 1
+    assert gpu_check(args + ["--budget-min", "0"]) == 1
+    assert "kept" not in capsys.readouterr().out
     step = json.loads((out / "steps.json").read_text())["steps"]["bench"]
     assert step["status"] == "not run" and "budget" in step["reason"]
     assert "| bench | not run (the budget of 0.0 min was spent) |" in (out / "summary.md").read_text()

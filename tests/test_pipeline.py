@@ -1,5 +1,5 @@
 """A pipelined TP x PP x DP run is the single-process model: the same logits, every gradient
-of one step, and the losses of 8 optimizer steps (fp32, 1e-5), tied and untied embeddings,
+of one step, and the losses of 4 optimizer steps (fp32, 1e-5), tied and untied embeddings,
 padded and packed batches, each schedule.
 
 The single-process reference trains once per config in the test process, on the whole global
@@ -29,6 +29,7 @@ from tests.models import CONFIGS
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS, SEQ, MICRO = 8, 16, 2
+STEPS = 4  # optimizer steps: Adam's state, the tied copies' sync and the buffers carry over
 LAYERS = 8  # pp x virtual stages up to 8
 FP32 = torch.autocast("cpu", enabled=False)
 
@@ -76,7 +77,7 @@ def engine_for(cfg, ps: ParallelState, recompute: bool = False, seed: int = 7) -
 
 @functools.cache
 def reference(name: str, packed: bool) -> dict:
-    """The single process: step 0's logits, loss and gradients; 8 steps' losses and norms."""
+    """The single process: step 0's logits, loss and gradients; STEPS steps' losses and norms."""
     cfg, ps = model_config(name), ParallelState()
     model, engine = engine_for(cfg, ps)
     batch = global_batch(cfg, 0, packed)
@@ -86,7 +87,7 @@ def reference(name: str, packed: bool) -> dict:
     result = {"logits": model.full_logits(out.logits).detach(), "loss": out.loss.detach(),
               "grads": {n: p.grad for n, p in model.named_parameters()}, "steps": []}
     model, engine = engine_for(cfg, ps)
-    for step in range(8):
+    for step in range(STEPS):
         batch = global_batch(cfg, step, packed)
         engine.set_lr(3e-3)
         result["steps"].append(train_step(engine, micro_batches(batch, ps),
@@ -121,7 +122,7 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp:
         assert_close(gather_full(p.grad, getattr(p, "tp_shard", None), ps), ref["grads"][pname],
                      **TOL, msg=lambda m: f"{pname}: {m}")
 
-    # Eight optimizer steps from a fresh start: the same losses.
+    # STEPS optimizer steps from a fresh start: the same losses.
     model, engine = engine_for(cfg, ps, recompute)
     for step, (ref_loss, ref_norm) in enumerate(ref["steps"]):
         batch = global_batch(cfg, step, packed)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megalite.training.checkpoint import latest_checkpoint, read_whole_state
 from tests.harness import run_distributed
 from tests.test_loop import fill_disk_of_rank_0
-from tests.test_train import STEPS, common, losses
+from tests.test_train import STEPS, common, losses, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,8 +62,21 @@ def kill_every_process_of(run_dir: Path) -> None:
 def whole_tp2(tmp_path_factory, cache):
     """The uninterrupted TP=2 run the interrupted ones are compared with."""
     whole = tmp_path_factory.mktemp("whole") / "run"
-    run(torchrun(2) + args(cache, whole, "parallel.tp=2"))
+    uninterrupted(2, args(cache, whole, "parallel.tp=2"))
     return whole
+
+
+def uninterrupted(world: int, cmd_args: list[str]) -> None:
+    """A reference run on forked ranks (tests/harness.py), not a launch of its own: one thread
+    per rank, as torchrun's workers and one_thread() subprocesses have."""
+    assert cmd_args[:2] == ["-m", "megalite.train"]
+    train_run(world, cmd_args[2:])
+
+
+def one_thread() -> dict[str, str]:
+    """The environment of a single-process run compared bit for bit with an uninterrupted()
+    one: the thread count can change the order of a sum."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def kill_then_resume(cache, whole: Path, killed: Path, *layout: str) -> None:
@@ -175,16 +188,17 @@ def test_a_save_failing_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoi
 
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path, cache):
     whole, crashed = tmp_path / "whole", tmp_path / "crashed"
-    run([sys.executable] + args(cache, whole))
+    uninterrupted(1, args(cache, whole))
     train_args = args(cache, crashed)[2:]
     died = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *train_args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=one_thread())
     assert died.returncode == -signal.SIGKILL
     half = crashed / "checkpoints" / ".tmp_step_00000006"
     assert list(half.glob("*.distcp")) and not (half / "meta.json").exists()
     assert latest_checkpoint(crashed).name == "step_00000003"
 
-    done = run([sys.executable, "-m", "megalite.train", *train_args, "train.resume=auto"])
+    done = run([sys.executable, "-m", "megalite.train", *train_args, "train.resume=auto"],
+               env=one_thread())
     assert "at step 3" in done.stdout
     assert_continues_exactly(crashed, whole, 3)
     assert not half.exists()  # the next save removed the half-written directory

@@ -19,7 +19,7 @@ from megalite.training.checkpoint import (WeightsOnly, load_checkpoint, read_who
                                           save_checkpoint)
 from megalite.typed_config import ConfigError
 from tests.test_reshard import SAVED_AT, resume_and_compare
-from tests.test_resume import args, kill_then_resume, run, torchrun
+from tests.test_resume import args, kill_then_resume, uninterrupted
 from tests.test_train import common, train_run
 
 # Eight layers: four stages of two model chunks each.
@@ -57,7 +57,7 @@ def test_replicas_share_the_writing(tp2dp2_padded):
 def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, cache):
     """DP2 with zero_stage=1 (each rank holds half the rows of Adam's state), dropout on."""
     layout = ("parallel.tp=1", "train.zero_stage=1")
-    run(torchrun(2) + args(cache, tmp_path / "whole", *layout))
+    uninterrupted(2, args(cache, tmp_path / "whole", *layout))
     kill_then_resume(cache, tmp_path / "whole", tmp_path / "killed", *layout)
 
 

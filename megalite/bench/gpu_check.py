@@ -104,19 +104,21 @@ def peer_shapes(sweep: str) -> list[tuple[str, int, int]]:
 def check(steps: list[Step], sweep: str) -> dict[str, str]:
     """What keeps each step from running (none: it can), by step name."""
     problems = {}
-    for step in steps:
-        if step.kind == "tests":
-            path = step.argv[step.argv.index("pytest") + 1]
-            collect = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                      path], cwd=ROOT, capture_output=True, text=True)
+    tests = {step.argv[step.argv.index("pytest") + 1]: step.name for step in steps if step.kind == "tests"}
+    # One pytest collects every test file (each start imports torch); one per file only when that
+    # fails, to say which.
+    if tests and _collect(list(tests)).returncode != 0:
+        for path, name in tests.items():
+            collect = _collect([path])
             if not (ROOT / path).is_file() or collect.returncode != 0:
-                problems[step.name] = f"{path} does not collect: {(collect.stdout + collect.stderr)[-2000:]}"
-        elif step.kind == "bench":
+                problems[name] = f"{path} does not collect: {(collect.stdout + collect.stderr)[-2000:]}"
+    for step in steps:
+        if step.kind == "bench":
             _, points = load_bench(Path(sweep))
             bad = [f"point {p.name}: {p.error}" for p in points if p.error]
             if bad:
                 problems[step.name] = "; ".join(bad)
-        else:
+        elif step.kind == "peer":
             usage = io.StringIO()
             try:
                 with contextlib.redirect_stderr(usage):
@@ -126,6 +128,11 @@ def check(steps: list[Step], sweep: str) -> dict[str, str]:
             except SystemExit:  # argparse's refusal: its message is its last line
                 problems[step.name] = usage.getvalue().strip().splitlines()[-1]
     return problems
+
+
+def _collect(paths: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+                          cwd=ROOT, capture_output=True, text=True)
 
 
 # What the steps import beyond torch: a GPU machine's own Python may lack some, and a step
