@@ -18,7 +18,7 @@ import torch.distributed as dist
 import yaml
 
 from megalite.cli import command_parser
-from megalite.data.batches import Batch, BatchOrder, Mixture, Prefetcher, Samples
+from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
@@ -100,7 +100,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        report_data(data, train_set)
+        report_data(data)
         # At every start: a decay kept from a checkpoint, or copied in a config.yaml, shows.
         print(f"lr: {describe_schedule(t)}", flush=True)
     metrics = None
@@ -244,6 +244,11 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
         dropout = "; dropout's random streams start afresh" if cfg.model.dropout else ""
         lines.append(f"  layout: saved at {shown(saved)}, now {shown(layout)}: weights and "
                      f"optimizer state resharded{dropout}")
+    if meta.get("sample_order") != SAMPLE_ORDER:
+        lines.append("  sample order: the checkpoint's megalite drew each epoch's order from a "
+                     "table (and held out over 1,024 validation documents one by one); this one "
+                     "draws it by shuffle.py's keyed permutation, so the steps from here read "
+                     "other samples than that version would have")
     print("\n".join(lines), flush=True)
 
 
@@ -253,7 +258,8 @@ def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, 
     """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
     meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(tokens.item()),
-            "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"]}
+            "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"],
+            "sample_order": SAMPLE_ORDER}
     writer.save(run_dir, step, model, engine, rng, meta, cfg.train.keep_checkpoints,
                 tokenizer=data.tokenizer)
 
@@ -315,7 +321,7 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
         print(f"samples (temperature {s.temperature}, top-k {s.top_k}):\n{text}", flush=True)
 
 
-def report_data(data: PreparedData, train_set: Mixture) -> None:
+def report_data(data: PreparedData) -> None:
     m = data.meta
     notes = [f"{m['train_documents']} training documents ({m['train_tokens']} tokens), "
              f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)"]
@@ -329,9 +335,10 @@ def report_data(data: PreparedData, train_set: Mixture) -> None:
     if m["invalid_utf8"]:
         notes.append(f"{m['invalid_utf8']} documents had bytes that are not UTF-8 (replaced "
                      f"with U+FFFD)")
-    truncated = sum(p.truncated() for p in train_set.parts)
-    if truncated:
-        notes.append(f"{truncated} documents longer than data.seq_len were truncated")
+    if m["truncated"]:  # counted per shard (cached), so over the sources' held-out part too
+        held = {v.name for v in data.val} & {s.name for s in data.train}
+        notes.append(f"{m['truncated']} documents longer than data.seq_len were truncated"
+                     + (" (held-out documents included)" if held else ""))
     print("data: " + "; ".join(notes), flush=True)
 
 

@@ -102,10 +102,11 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 
 
-def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path):
-    """Written before rope scaling, decay_steps and eval_tokens existed (with eval_batches): the
-    missing keys mean their defaults, the retired one is dropped with a note, and the schedule
-    is the one the run started with (decay to min_lr at its max_steps)."""
+def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys):
+    """Written before rope scaling, decay_steps and eval_tokens existed (with eval_batches) and
+    before the keyed sample order: the missing keys mean their defaults, the retired one is
+    dropped with a note, the schedule is the one the run started with (decay to min_lr at its
+    max_steps), and the resume says the sample order changed (only then)."""
     import yaml
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     assert main(small_args(tmp_path, corpus, "train.max_steps=4")) == 0
@@ -116,6 +117,7 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path):
         for key in keys:
             del meta["config"][section][key]
     meta["config"]["train"]["eval_batches"] = 4
+    assert meta.pop("sample_order") == 2
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     old_config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     old_config["train"] = meta["config"]["train"]
@@ -125,6 +127,9 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path):
     lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "lr" in r}
     assert sorted(lrs) == [1, 2, 3, 4, 5, 6] and lrs[5] == lrs[6] == 1e-4  # common()'s min_lr
+    assert capsys.readouterr().out.count("  sample order: the checkpoint's megalite") == 1
+    assert main(["--config", str(tmp_path / "old.yaml"), "train.max_steps=7"]) == 0
+    assert "sample order" not in capsys.readouterr().out  # step 6 was saved by this version
 
 
 def test_one_bad_byte_marks_only_its_own_document(tmp_path):

@@ -7,10 +7,12 @@ its document id: no attention across documents, positions restart, and the label
 cross into the next document is -100.
 
 The global batch of step k is a pure function of (seed, k): positions k G .. (k+1) G - 1 of an
-endless sequence of seeded epoch permutations (with a blend, each position goes to a source by
-blend.py, and each source has its own epochs). DP rank d reads rows [d G/dp, (d+1) G/dp) of it,
-in micro-batches. So the set of samples per step is the same for every layout, any step can be
-read directly (resume mid-epoch needs only the step), and DP ranks read disjoint rows.
+endless sequence of epochs, each a keyed permutation of the samples (shuffle.py: computed per
+position, no table, so memory and start-up do not grow with the corpus); with a blend, each
+position goes to a source by blend.py, and each source has its own epochs. DP rank d reads rows
+[d G/dp, (d+1) G/dp) of it, in micro-batches. So the set of samples per step is the same for
+every layout, any step can be read directly (resume mid-epoch needs only the step), and DP
+ranks read disjoint rows.
 `Prefetcher` reads step k + 1's batches in a thread while the device runs step k.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from megalite.data.blend import assign
 from megalite.data.docs import DocSet
+from megalite.data.shuffle import key_of, permute
 from megalite.parallel.vocab import IGNORE_INDEX
 
 
@@ -72,14 +75,6 @@ class Samples:
 
     def __len__(self) -> int:
         return self.count
-
-    def truncated(self) -> int:
-        """Documents longer than a padded sample (none are cut in packed mode)."""
-        if self.mode != "padded":
-            return 0
-        step = 1 << 20  # documents at a time: bounded memory on any corpus
-        return sum(int((self.docs.lengths(np.arange(i, min(i + step, self.count))) > self.seq_len + 1).sum())
-                   for i in range(0, self.count, step))
 
     def rows(self, indices) -> list:
         """padded: each document's first seq_len + 1 tokens (every stored document ends with
@@ -154,36 +149,27 @@ class Mixture:
         return batch
 
 
+# Checkpoints record it: a resume across a change of the order says so (train.announce_resume).
+SAMPLE_ORDER = 2  # 2: shuffle.py's keyed permutation
+
+
 class BatchOrder:
     """Which samples form the global batch of each step, and which rows each DP rank reads.
 
     Global sample position p goes to a source by `blend.assign` (exact proportions, a pure
-    function of p), as that source's q-th sample; the source reads its samples in seeded
-    epoch permutations. One source: p is its p-th sample (p // n the epoch, p % n the place).
+    function of p), as that source's q-th sample: place q % n of its epoch q // n, which reads
+    the source's samples in the permutation keyed by (seed, epoch, source).
     """
 
     def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int):
         self.sizes, self.weights, self.global_batch, self.seed = sizes, weights, global_batch, seed
-        self._epochs: dict[int, tuple[int, np.ndarray]] = {}
-
-    def _epoch(self, source: int, epoch: int) -> np.ndarray:
-        cached = self._epochs.get(source)
-        if cached is None or cached[0] != epoch:
-            n = self.sizes[source]
-            order = np.random.default_rng([self.seed, epoch, source]).permutation(n)
-            self._epochs[source] = cached = (epoch, order)
-        return cached[1]
 
     def picks(self, positions: np.ndarray) -> np.ndarray:
         """(source, sample) for each global sample position."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
         n = np.asarray(self.sizes, dtype=np.int64)[source]
-        epoch, place = q // n, q % n
-        out = np.stack([source, np.empty_like(source)], axis=1)
-        for s, e in set(zip(source.tolist(), epoch.tolist())):  # a step spans few (source, epoch)
-            here = (source == s) & (epoch == e)
-            out[here, 1] = self._epoch(s, e)[place[here]]
-        return out
+        sample = permute(q % n, n, key_of(self.seed, q // n, source))
+        return np.stack([source, sample], axis=1)
 
     def global_batch_picks(self, step: int) -> np.ndarray:
         return self.picks(np.arange(step * self.global_batch, (step + 1) * self.global_batch))

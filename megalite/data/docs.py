@@ -26,6 +26,10 @@ class ArrayShard:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
     def starts(self, docs: np.ndarray) -> np.ndarray:
         return self.offsets[np.asarray(docs, dtype=np.int64)]
 
@@ -34,11 +38,13 @@ class ArrayShard:
 
 
 class TokenStore:
+    """Shards end to end. Built from each shard's counts alone (an IndexedShard's come from its
+    header): a shard's files are opened only when a lookup needs its documents."""
+
     def __init__(self, shards: list[IndexedShard | ArrayShard]):
         self.shards = shards
         self.doc_base = np.concatenate([[0], np.cumsum([len(s) for s in shards])]).astype(np.int64)
-        token_counts = [int(s.starts(np.array([len(s)]))[0]) for s in shards]
-        self.token_base = np.concatenate([[0], np.cumsum(token_counts)]).astype(np.int64)
+        self.token_base = np.concatenate([[0], np.cumsum([s.n_tokens for s in shards])]).astype(np.int64)
 
     @property
     def n_docs(self) -> int:
@@ -48,9 +54,14 @@ class TokenStore:
         """Global first token of each global document (n_docs: the end of the store)."""
         docs = np.asarray(docs, dtype=np.int64).ravel()
         shard = np.clip(np.searchsorted(self.doc_base, docs, side="right") - 1, 0, len(self.shards) - 1)
-        out = np.empty(docs.shape, dtype=np.int64)
-        for s, here in _by_shard(shard):
-            out[here] = self.token_base[s] + self.shards[s].starts(docs[here] - self.doc_base[s])
+        local = docs - self.doc_base[shard]
+        # A shard's first document starts at its first token, and the end of a shard is the
+        # next one's start: range bounds (DocSet's) need no shard opened.
+        end = local >= self.doc_base[shard + 1] - self.doc_base[shard]
+        out = np.where(end, self.token_base[shard + 1], self.token_base[shard])
+        inner = np.flatnonzero((local > 0) & ~end)
+        for s, here in _by_shard(shard[inner]):
+            out[inner[here]] += self.shards[s].starts(local[inner[here]])
         return out
 
     def read(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,11 +139,40 @@ class DocSet:
         return self.store.read(self.tok_first[k] + stream - self.token_base[k])
 
 
+# Held-out runs at most: the split's state stays a few KB at any corpus size, and a thousand
+# evenly spread places sample the whole corpus (its sources, shards, dates) about as well as
+# one document per place.
+HELD_OUT_RUNS = 1024
+
+
 def held_out(store: TokenStore, fraction: float) -> tuple["DocSet", "DocSet"]:
     """(train, val): round(fraction x documents) of them for validation (at least one when the
-    fraction is positive and there are two or more), spread evenly over the document numbers."""
+    fraction is positive and there are two or more), spread evenly over the document numbers
+    as `held_out_ranges` places them."""
     n = store.n_docs
+    first, end = held_out_ranges(n, fraction)
+    train = DocSet(store, np.concatenate([[0], end]), np.concatenate([first, [n]]))
+    return train, DocSet(store, first, end)
+
+
+def held_out_ranges(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out documents of n as sorted, disjoint ranges [first[k], end[k]).
+
+    n_val = round(fraction x n) (at least one when the fraction is positive and n > 1, at most
+    n - 1) documents in R = min(n_val, HELD_OUT_RUNS) runs: run k holds places j in
+    [k n_val // R, (k + 1) n_val // R) of the one-document-per-place split (place j at document
+    floor((j + 0.5) n / n_val)), as one contiguous run centred on those documents' mean. With
+    n_val <= HELD_OUT_RUNS every run is one place: exactly the one-document-per-place split.
+    Runs never overlap; with at most half the documents held out they never touch either, and
+    with fewer than half neither corpus end is held out (the training split is R + 1 ranges).
+    """
+    n = int(n)
     n_val = min(max(int(round(fraction * n)), 1 if fraction > 0 else 0), n - 1) if n > 1 else 0
-    val = ((np.arange(n_val) + 0.5) * n / max(n_val, 1)).astype(np.int64)
-    train = DocSet(store, np.concatenate([[0], val + 1]), np.concatenate([val, [n]]))
-    return train, DocSet(store, val, val + 1)
+    runs = min(n_val, HELD_OUT_RUNS)
+    if runs == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    # Python ints (object arrays of R + 1): n x n_val overflows int64 past ~3e9 documents.
+    place = np.arange(runs + 1).astype(object) * n_val // runs
+    length = place[1:] - place[:-1]
+    first = ((place[:-1] + place[1:]) * n - (length - 1) * n_val) // (2 * n_val)
+    return first.astype(np.int64), (first + length).astype(np.int64)

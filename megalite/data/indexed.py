@@ -10,12 +10,16 @@ directions against it), so data prepared for Megatron-LM trains here and ours tr
 megalite writes one sequence per document (the text's tokens, then eos), as Megatron's
 `preprocess_data.py --append-eod` does without sentence splitting.
 
-Everything is memory-mapped: opening a shard allocates nothing that grows with its documents.
+Everything is memory-mapped: opening a shard allocates nothing that grows with its documents,
+and a bounded number of shards is open at once (OPEN_SHARDS), whatever the corpus holds.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -112,73 +116,131 @@ def write_index(path: Path, dtype: np.dtype, blocks: list[np.ndarray]) -> None:
     _close_synced(f)
 
 
-def _counts_up(doc_index: np.ndarray, block: int = 1 << 20) -> bool:
-    """doc_index == 0, 1, 2, ..., compared a block at a time (an index of a billion documents
-    would otherwise need an 8 GB arange on every rank)."""
-    return all(np.array_equal(doc_index[i:i + block], np.arange(i, min(i + block, len(doc_index))))
-               for i in range(0, len(doc_index), block))
-
-
 class IndexedShard:
     """One `.bin`/`.idx` pair, read in place. Documents are numbered 0..len-1 and their tokens
     lie end to end in the .bin (as every Megatron writer lays them): document d is
-    tokens[starts(d) : starts(d + 1)], possibly empty (Megatron keeps empty documents)."""
+    tokens[starts(d) : starts(d + 1)], possibly empty (Megatron keeps empty documents).
+
+    Made from the .idx header and the files' sizes alone (checked here, once), holding no file
+    open: a corpus of thousands of shards costs no descriptor until read. Its maps are opened on
+    the first read and kept among the last OPEN_SHARDS shards read (`_LRU`)."""
 
     def __init__(self, prefix: Path):
         self.prefix = Path(prefix)
-        index = np.memmap(idx_path(self.prefix), dtype=np.uint8, mode="r")
-        head = bytes(index[:34])
-        if head[:9] != HEADER:
-            raise ConfigError(f"'{idx_path(self.prefix)}' is not a Megatron indexed dataset index "
-                              f"(no MMIDIDX header): give the prefix of a .bin/.idx pair")
-        version, code = struct.unpack("<Q", head[9:17])[0], head[17]
-        if version != VERSION or DTYPE_CODES.get(code) not in (np.uint16, np.int32, np.int64, np.uint8):
-            raise ConfigError(f"'{idx_path(self.prefix)}': version {version}, dtype code {code} is "
-                              f"not an integer token index megalite reads (version 1, integer ids)")
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        n_seq, n_doc_index = struct.unpack("<QQ", head[18:34])
-        if len(index) != 34 + 12 * n_seq + 8 * n_doc_index or n_doc_index < 1:
-            raise ConfigError(f"'{idx_path(self.prefix)}' is {len(index)} bytes, not the "
-                              f"{34 + 12 * n_seq + 8 * n_doc_index} its header gives: the index is "
-                              f"truncated or damaged; prepare or copy the data again")
-        lengths = np.frombuffer(index, np.int32, n_seq, 34)
-        pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
-        doc_index = np.frombuffer(index, np.int64, n_doc_index, 34 + 12 * n_seq)
+        with open(idx_path(self.prefix), "rb") as f:
+            head, index_size = f.read(34), os.fstat(f.fileno()).st_size
+            if len(head) < 34 or head[:9] != HEADER:
+                raise ConfigError(f"'{idx_path(self.prefix)}' is not a Megatron indexed dataset "
+                                  f"index (no MMIDIDX header): give the prefix of a .bin/.idx pair")
+            version, code = struct.unpack("<Q", head[9:17])[0], head[17]
+            if version != VERSION or DTYPE_CODES.get(code) not in (np.uint16, np.int32, np.int64, np.uint8):
+                raise ConfigError(f"'{idx_path(self.prefix)}': version {version}, dtype code {code} "
+                                  f"is not an integer token index megalite reads (version 1, integer ids)")
+            self.dtype = np.dtype(DTYPE_CODES[code])
+            n_seq, n_doc_index = struct.unpack("<QQ", head[18:34])
+            if index_size != 34 + 12 * n_seq + 8 * n_doc_index or n_doc_index < 1:
+                raise ConfigError(f"'{idx_path(self.prefix)}' is {index_size} bytes, not the "
+                                  f"{34 + 12 * n_seq + 8 * n_doc_index} its header gives: the index "
+                                  f"is truncated or damaged; prepare or copy the data again")
+            # The data ends where the last sequence does: its length and pointer, 12 bytes.
+            data_end = 0 if not n_seq else \
+                struct.unpack("<q", os.pread(f.fileno(), 8, 34 + 12 * n_seq - 8))[0] + \
+                struct.unpack("<i", os.pread(f.fileno(), 4, 34 + 4 * n_seq - 4))[0] * self.dtype.itemsize
         size = bin_path(self.prefix).stat().st_size
-        data_end = int(pointers[-1]) + int(lengths[-1]) * self.dtype.itemsize if n_seq else 0
         if size != data_end:
             # A half-copied .bin would otherwise read as documents of negative length.
             raise ConfigError(f"'{bin_path(self.prefix)}' is {size} bytes, but its index ends the "
                               f"data at byte {data_end}: the .bin is truncated or not this index's; "
                               f"prepare or copy the data again")
-        self.tokens = np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r") if size \
-            else np.zeros(0, self.dtype)
-        self.n_docs = n_doc_index - 1
-        self.n_tokens = len(self.tokens)
-        end = self.n_tokens * self.dtype.itemsize
-        # One sequence per document (megalite, and Megatron without sentence splitting): the
-        # sequence pointers are the document starts, read in place. Sentence-split data: each
-        # document starts at its first sequence (the end of the data for trailing empty ones).
-        if n_seq == self.n_docs and _counts_up(doc_index):
-            self._starts = pointers
-        else:
-            first = doc_index[:-1]
-            self._starts = np.where(first < n_seq, pointers[np.minimum(first, max(n_seq - 1, 0))]
-                                    if n_seq else end, end)
+        self.n_seq, self.n_docs, self.n_tokens = n_seq, n_doc_index - 1, size // self.dtype.itemsize
 
     def __len__(self) -> int:
         return self.n_docs
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The .bin's token ids, mapped (a view held keeps its map until dropped)."""
+        return _LRU.get(self).tokens
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """The first token of each document in `docs`; `len(self)` gives the end of the data."""
         docs = np.asarray(docs, dtype=np.int64)
         inside = docs < self.n_docs
         out = np.full(docs.shape, self.n_tokens, dtype=np.int64)
-        out[inside] = self._starts[docs[inside]] // self.dtype.itemsize
+        if inside.any():
+            out[inside] = _LRU.get(self).start_bytes(docs[inside]) // self.dtype.itemsize
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:
         """The document each token position lies in (an empty document holds none: the search
         lands on the last document starting at or before the position, the one holding it)."""
-        byte = np.asarray(positions, dtype=np.int64) * self.dtype.itemsize
-        return np.searchsorted(self._starts, byte, side="right") - 1
+        return _LRU.get(self).doc_of_bytes(np.asarray(positions, dtype=np.int64) * self.dtype.itemsize)
+
+
+class _Maps:
+    """A shard's .idx and .bin mapped. Lookups go through the index in place, sequence pointers
+    and document index alike, so opening a shard reads nothing that grows with its documents
+    (one sequence per document, as megalite and Megatron without sentence splitting write, is
+    the document index 0, 1, 2, ...; sentence-split data is read by the same two searches)."""
+
+    def __init__(self, shard: IndexedShard):
+        self._maps = [_map(idx_path(shard.prefix), 34 + 12 * shard.n_seq + 8 * (shard.n_docs + 1))]
+        if shard.n_tokens:
+            self._maps.append(_map(bin_path(shard.prefix), shard.n_tokens * shard.dtype.itemsize))
+            self.tokens = np.frombuffer(self._maps[1], shard.dtype)
+        else:
+            self.tokens = np.zeros(0, shard.dtype)
+        n_seq, index = shard.n_seq, self._maps[0]
+        self.pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
+        self.doc_index = np.frombuffer(index, np.int64, shard.n_docs + 1, 34 + 12 * n_seq)
+        self.end = shard.n_tokens * shard.dtype.itemsize
+
+    def start_bytes(self, docs: np.ndarray) -> np.ndarray:
+        """Each document's first byte: its first sequence's, or the end of the data for an
+        empty document after the last sequence."""
+        first = self.doc_index[docs]
+        inside = first < len(self.pointers)
+        return np.where(inside, self.pointers[np.where(inside, first, 0)] if len(self.pointers) else 0,
+                        self.end)
+
+    def doc_of_bytes(self, byte: np.ndarray) -> np.ndarray:
+        """The document holding each byte: the sequence holding it, then the last document
+        whose first sequence is at or before that one (empty documents hold none)."""
+        seq = np.searchsorted(self.pointers, byte, side="right") - 1
+        return np.searchsorted(self.doc_index, seq, side="right") - 1
+
+
+def _map(path: Path, size: int) -> mmap.mmap:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise ConfigError(f"'{path}' changed size since it was opened (now "
+                              f"{os.fstat(f.fileno()).st_size} bytes, {size} before): the data "
+                              f"was rewritten during the run; run again on data left in place")
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+
+class _OpenShards:
+    """The maps of the shards read last, at most `limit` of them, for the whole process (every
+    store and source shares the bound); the least recently read is closed to open another.
+    Locked: batches are prefetched in a thread while the main one may read too."""
+
+    def __init__(self, limit: int):
+        self.limit, self.open, self.lock = limit, OrderedDict(), threading.Lock()
+
+    def get(self, shard: IndexedShard) -> _Maps:
+        """The shard's maps, opened if they are not."""
+        with self.lock:
+            found = self.open.pop(shard, None)
+            if found is None:
+                while len(self.open) >= self.limit:
+                    self.open.popitem(last=False)  # unmapped and closed with its last user
+                found = _Maps(shard)
+            self.open[shard] = found
+            return found
+
+
+# Each open shard holds 2 descriptors and 2 maps: 64 keeps a rank far below the usual
+# `ulimit -n` of 1,024 and vm.max_map_count (65,530) whatever the corpus's shard count, while a
+# batch spread over more shards only reopens some (a header read and two mmap calls each).
+OPEN_SHARDS = 64
+_LRU = _OpenShards(OPEN_SHARDS)

@@ -2,15 +2,16 @@
 
     out/ tokenizer.json, tokenizer_config.json, special_tokens_map.json (the tokenizer, its
          special tokens named: save_tokenizer), meta.json,
-         NNNNN-<name>.bin/.idx (one shard per input file),
-         NNNNN-<name>.json (that shard's counts: written last, it marks the shard complete)
+         NNNNN-<name>.bin/.idx (a shard: one input file's documents, or with --shard-size-gb
+                               those of consecutive files, named for its first),
+         NNNNN-<name>.json (that shard's files and counts: written last, it marks it complete)
 
 The reader splits each file into chunks (sources.py) and keeps at most two per worker in
 flight, so memory is bounded by the chunk size, not the corpus. Results come back in order, so
 the shards are the same for any number of workers (workers.py). A shard is written under temporary names
 and renamed when whole: a killed run leaves no half shard, and running the same command again
-prepares only the files whose shard is missing, or was made from another version of the file
-or with other settings. One run at a time holds the output directory (a file lock).
+prepares only the files whose shard is missing, or was made from another version of a file it
+holds or with other settings. One run at a time holds the output directory (a file lock).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from typing import Iterator
 import numpy as np
 
 from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
-from megalite.data.sources import (COUNT_KEYS, Chunk, Counts, check_readable, documents,
-                                   read_chunks)
+from megalite.data.shard_records import whole_shards
+from megalite.data.sources import COUNT_KEYS, Chunk, Counts, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.data import workers
 from megalite.progress import Progress
@@ -56,10 +57,16 @@ class PrepareSettings:
     bpe_sample_mb: float = 100.0  # the BPE learns from this many MB of documents
     dtype: str = "auto"  # token ids on disk: auto (uint16 while the vocabulary fits) | uint16 | int32
     progress: bool = True
+    # a shard closes after the input file that brings it to this many GB of tokens (a larger
+    # file is one shard of its own); 0: one shard per input file
+    shard_size_gb: float = 0.0
 
 
 def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -> dict:
     """Prepare `files` into `out` (finishing an earlier run there); returns meta.json's content."""
+    if not settings.shard_size_gb >= 0:
+        raise ConfigError(f"--shard-size-gb {settings.shard_size_gb} must be >= 0 (0: one shard "
+                          f"per input file)")
     for f in files:
         check_readable(f, settings.text_key)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,12 +77,15 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
         made_with = {"dtype": dtype.name, "text_key": settings.text_key, "strict": settings.strict,
                      "tokenizer_sha256": info.digest}
         names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
-        todo = [i for i, (f, n) in enumerate(zip(files, names)) if not _shard_done(out, n, f, made_with)]
+        shards, todo = whole_shards(out, files, names, made_with)
+        for i in set(range(len(files))) - set(shards):  # shards of an earlier run not kept
+            for path in (out / f"{names[i]}.json", bin_path(out / names[i]), idx_path(out / names[i])):
+                path.unlink(missing_ok=True)
         if todo:
             # Until every shard is whole again, no meta.json may describe the directory.
             (out / "meta.json").unlink(missing_ok=True)
-            _run([(files[i], out / names[i]) for i in todo], out, dtype, made_with, settings)
-        records = [json.loads((out / f"{name}.json").read_text()) for name in names]
+            shards.update(_run(todo, files, names, out, dtype, made_with, settings))
+        records = [shards[i] for i in sorted(shards)]
         kept = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
         if kept is not None and kept.get("version") == VERSION and kept["shards"] == records:
             # Nothing changed: meta.json stays byte for byte, as the data key is its hash (an
@@ -194,98 +204,104 @@ def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: C
             yield text
 
 
-def _shard_done(out: Path, name: str, source: Path, made_with: dict) -> bool:
-    """Whether an earlier run wrote this file's whole shard, from the file as it is now and with
-    the settings of this run."""
-    marker = out / f"{name}.json"
-    if not marker.is_file():
-        return False
-    record = json.loads(marker.read_text())
-    stat = source.stat()
-    same = (record["source"], record["bytes"], record["mtime_ns"]) == \
-        (str(source), stat.st_size, stat.st_mtime_ns) and \
-        all(record.get(key) == value for key, value in made_with.items())
-    if not record["documents"]:
-        return same
-    prefix = out / name
-    return same and idx_path(prefix).is_file() and bin_path(prefix).is_file() and \
-        bin_path(prefix).stat().st_size == record["tokens"] * np.dtype(record["dtype"]).itemsize
-
-
 class _Shard:
-    """The shard of one input file while its chunks come back (its file opened at the first)."""
+    """A shard while its files' chunks come back (its .bin opened at the first)."""
 
-    def __init__(self, source: Path, prefix: Path, dtype: np.dtype, made_with: dict):
-        self.source, self.prefix, self.dtype, self.made_with = source, prefix, dtype, made_with
-        # The file as it was when reading began: what the marker records, so that a file
-        # rewritten meanwhile is prepared again by the next run, not taken as done.
-        self.stat = source.stat()
-        self.marker = prefix.with_name(f"{prefix.name}.json")
-        self.marker.unlink(missing_ok=True)
+    def __init__(self, prefix: Path, first: int, dtype: np.dtype, made_with: dict):
+        self.prefix, self.first, self.dtype, self.made_with = prefix, first, dtype, made_with
         self.writer: ShardWriter | None = None
-        self.counts, self.tokens, self.read = Counts(), 0, 0
+        self.counts, self.tokens = Counts(), 0
+        self.sources: list[dict] = []
+        self.file_counts, self.read = Counts(), 0  # of the file being read
 
     def add(self, chunk: Chunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> int:
         """Append a chunk's documents; returns the input bytes it read."""
         if self.writer is None:
             self.writer = ShardWriter(self.prefix, self.dtype)
         self.writer.add(tokens, lengths)
-        self.counts.add(counts)
+        self.file_counts.add(counts)
         self.tokens += len(tokens)
         read, self.read = chunk.read_to - self.read, chunk.read_to
         return read
 
-    def finish(self) -> None:
-        if self.counts.records and self.counts.no_text == self.counts.records:
-            raise ConfigError(f"'{self.source}': none of its {self.counts.records} records has the "
-                              f"text field '{self.made_with['text_key']}' ({self.counts.bad[0]}): "
+    def end_file(self, source: Path, stat: os.stat_result) -> None:
+        """The file's chunks are all in; `stat`: the file as it was when reading began, what the
+        record keeps, so that a file rewritten meanwhile is prepared again by the next run."""
+        counts = self.file_counts
+        if counts.records and counts.no_text == counts.records:
+            raise ConfigError(f"'{source}': none of its {counts.records} records has the "
+                              f"text field '{self.made_with['text_key']}' ({counts.bad[0]}): "
                               f"name the field with --text-key (data.text_key)")
+        self.sources.append({"source": str(source), "bytes": stat.st_size,
+                             "mtime_ns": stat.st_mtime_ns, **asdict(counts)})
+        self.counts.add(counts)
+        self.file_counts, self.read = Counts(), 0
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.dtype.itemsize
+
+    def finish(self) -> dict:
+        """Writes the shard, then its marker; returns the marker's record (each file's counts
+        kept where the shard holds several)."""
         if self.writer is not None:
             self.writer.finish()
-        record = {"name": self.prefix.name, "source": str(self.source), "bytes": self.stat.st_size,
-                  "mtime_ns": self.stat.st_mtime_ns, **self.made_with, "tokens": self.tokens,
+        held = {k: self.sources[0][k] for k in ("source", "bytes", "mtime_ns")} \
+            if len(self.sources) == 1 else {"sources": self.sources}
+        record = {"name": self.prefix.name, **held, **self.made_with, "tokens": self.tokens,
                   **asdict(self.counts)}
-        write_atomic(self.marker, json.dumps(record, indent=1))
+        write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
+        return record
 
     def abandon(self) -> None:
         if self.writer is not None:
             self.writer.abandon()
 
 
-def _run(jobs: list[tuple[Path, Path]], out: Path, dtype: np.dtype, made_with: dict,
-         settings: PrepareSettings) -> None:
-    """Each (file, shard prefix) in turn: its chunks tokenized in the pool, written in order.
+def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: Path,
+         dtype: np.dtype, made_with: dict, settings: PrepareSettings) -> dict[int, dict]:
+    """Each run of files [first, end) in turn: their chunks tokenized in the pool, written in
+    order into shards named for their first file, each closed after the file that brings it to
+    --shard-size-gb (every file at 0) and at the end of the run. Returns {first file: record}.
     The workers load the tokenizer stored in `out`, the output directory (its specials named)."""
     init = (str(out), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
     pool = workers.Workers(settings.workers, init) if settings.workers > 0 else workers.Inline(init)
-    bar = _Progress(sum(source.stat().st_size for source, _ in jobs), settings.progress)
-    # (shard, chunk, its ticket) in reading order; (shard, None, None) ends a shard.
+    jobs = [i for first, end in todo for i in range(first, end)]
+    last = {end - 1 for _, end in todo}
+    bar = _Progress(sum(files[i].stat().st_size for i in jobs), settings.progress)
+    # (file, chunk, its ticket) in reading order; (file, None, its stat) ends a file.
     in_flight: deque = deque()
     current: _Shard | None = None
+    written: dict[int, dict] = {}
+    at = None  # the file whose results are being written
 
     def consume() -> None:
-        nonlocal current
-        current, chunk, ticket = in_flight.popleft()
+        nonlocal current, at
+        at, chunk, work = in_flight.popleft()
+        if current is None:
+            current = _Shard(out / names[at], at, dtype, made_with)
         if chunk is None:
-            current.finish()
-            current = None
+            current.end_file(files[at], work)
+            if at in last or current.bytes >= settings.shard_size_gb * 1e9:
+                written[current.first] = current.finish()
+                current = None
             return
-        tokens, lengths, counts = pool.result(ticket)
+        tokens, lengths, counts = pool.result(work)
         bar.update(current.add(chunk, tokens, lengths, counts), chunk.text_bytes(), len(tokens),
                    counts.documents)
 
     try:
-        for source, prefix in jobs:
-            shard = _Shard(source, prefix, dtype, made_with)
-            for chunk in chain(read_chunks(source, settings.text_key), [None]):
-                work = None if chunk is None else pool.submit(chunk, str(source))
-                in_flight.append((shard, chunk, work))
+        for i in jobs:
+            stat = files[i].stat()
+            for chunk in read_chunks(files[i], settings.text_key):
+                in_flight.append((i, chunk, pool.submit(chunk, str(files[i]))))
                 while len(in_flight) > IN_FLIGHT_PER_WORKER * settings.workers:
                     consume()
+            in_flight.append((i, None, stat))
         while in_flight:
             consume()
     except workers.WorkerDied:
-        dying = current.source if current is not None else source  # the shard being written, or read
+        dying = files[at if at is not None else i]  # the file being written, or read
         raise ConfigError(f"a tokenizing worker died while preparing '{dying}' (most often: out "
                           f"of memory): run again with fewer --workers; the finished shards are "
                           f"kept") from None
@@ -294,6 +310,7 @@ def _run(jobs: list[tuple[Path, Path]], out: Path, dtype: np.dtype, made_with: d
             current.abandon()
         pool.close()
         bar.close()
+    return written
 
 
 class _Progress:

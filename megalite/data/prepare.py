@@ -6,10 +6,11 @@ A path is one of
     made with (and data.eos_token, where its files do not name eos);
   - a glob of either (their shards joined in order);
   - raw files, directories or a glob of them (or "embedded"): prepared once into
-    data.cache_dir/<key>/ by the same streaming code, the key hashing the files and every
-    setting that changes the tokens. Built under a file lock, not a barrier: the first rank to
-    arrive builds, the others wait and read; a rank that fails releases the lock and the others
-    meet the same error themselves, so no rank waits in a collective for one that died.
+    data.cache_dir (raw_cache.py).
+
+Megatron data is checked against the tokenizer given (its largest token id, scanned once per
+shard and cached: shard_facts.py), and padded mode counts the documents it will truncate from the
+same cache, all before any collective.
 
 Validation documents are data.val_path's, or a held-out fraction of each source chosen by
 document number (evenly spread, the same for any sharding), read in place like the rest.
@@ -20,21 +21,19 @@ import glob
 import hashlib
 import json
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from megalite.data.docs import DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
-from megalite.data.pipeline import FORMAT, PrepareSettings, digest, locked, prepare_directory
+from megalite.data.pipeline import FORMAT, PrepareSettings, digest, prepare_directory
+from megalite.data.raw_cache import prepared_in_cache
+from megalite.data.shard_facts import shard_facts, stat_key
 from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 
-CACHE_VERSION = 2
 SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
 
 
@@ -61,7 +60,8 @@ class _Store:
     meta: dict
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
+def prepare_data(cfg: DataConfig, in_run: bool = True) -> PreparedData:
+    """in_run False: for `megalite prepare-data --config`, which prepares raw data of any size."""
     entries = blend_entries(cfg)
     if not 0 <= cfg.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of "
@@ -71,13 +71,14 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
                           f"would score documents the model trains on; give other data, or leave "
                           f"val_path empty to hold out data.val_fraction of each source")
     given = _given_tokenizer(cfg)
-    stores = [_resolve(path, cfg, given) for _, path in entries]
-    val_store = _resolve(cfg.val_path, cfg, given) if cfg.val_path else None
+    stores = [_resolve(path, cfg, given, in_run) for _, path in entries]
+    val_store = _resolve(cfg.val_path, cfg, given, in_run) if cfg.val_path else None
     every = stores + ([val_store] if val_store else [])
     info = _one_tokenizer(every, [p for _, p in entries] + [cfg.val_path], given)
     for s, (_, path) in zip(every, entries + [(0, cfg.val_path)]):
         for shard in s.store.shards:
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
+    _check_ids([s for s in every if s.tokenizer is None], info, cfg)
     total = sum(w for w, _ in entries)
     train, val = [], []
     for (weight, path), s in zip(entries, stores):
@@ -91,7 +92,8 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         val = [Source(cfg.val_path, 1.0, DocSet.whole(val_store.store))]
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
     return PreparedData(info, train, val,
-                        {"cache_key": key, **summary(train, val, [s.meta for s in every])})
+                        {"cache_key": key, **summary(train, val, [s.meta for s in every]),
+                         "truncated": _truncated(stores, cfg)})
 
 
 def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
@@ -131,6 +133,29 @@ def _given_tokenizer(cfg: DataConfig) -> TokenizerInfo | None:
     return None if given is None else load_tokenizer(Path(given), cfg.eos_token)
 
 
+def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> None:
+    """Megatron data does not name its tokenizer: an id the given one lacks would train without
+    a word. Each shard's largest id is scanned once and cached. Prepared directories need no
+    scan: they carry the tokenizer they were made with."""
+    shards = [shard for s in megatron for shard in s.store.shards]
+    for shard, facts in zip(shards, shard_facts(shards, cfg.cache_dir, max_id=True)):
+        if facts.max_id >= info.vocab_size:
+            raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
+                              f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
+                              f"{info.vocab_size} tokens (ids 0..{info.vocab_size - 1}): give "
+                              f"data.tokenizer=the tokenizer the data was made with")
+
+
+def _truncated(stores: list[_Store], cfg: DataConfig) -> int:
+    """Padded mode: the training sources' documents longer than a sample (seq_len + 1 tokens),
+    their held-out documents included (counted per shard and cached: no pass over documents)."""
+    if cfg.mode != "padded":
+        return 0
+    limit = cfg.seq_len + 1
+    shards = [shard for s in stores for shard in s.store.shards]
+    return sum(f.longer_than[limit] for f in shard_facts(shards, cfg.cache_dir, longer_than=limit))
+
+
 def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
     """An eos token names the end of document of a tokenizer given; none given (megalite's BPE)
     is refused, with data.tokenizer=bpe and with prepare-data without --tokenizer alike."""
@@ -142,9 +167,9 @@ def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
                           f"the eos token unset")
 
 
-def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
+def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
     if path == "embedded":
-        return _raw([EMBEDDED], cfg, given)
+        return _raw([EMBEDDED], cfg, given, in_run, path)
     if not glob.has_magic(path) and not Path(path).exists() and not is_indexed(Path(path)):
         raise ConfigError(f"data path '{path}' does not exist: give raw files ({SUPPORTED}, a "
                           f"directory or a glob), a prepared directory, a Megatron .bin/.idx "
@@ -162,7 +187,7 @@ def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
                               f"({', '.join((others or [str(prefixes[0])])[:5])}; an unfinished "
                               f"prepare-data leaves no meta.json): point it at one kind of data")
         return _prepared(prepared) if prepared else _megatron(prefixes)
-    return _raw(expand_inputs([path]), cfg, given)
+    return _raw(expand_inputs([path]), cfg, given, in_run, path)
 
 
 def _prepared(directories: list[Path]) -> _Store:
@@ -185,48 +210,15 @@ def _prepared(directories: list[Path]) -> _Store:
 
 def _megatron(prefixes: list[Path]) -> _Store:
     return _Store(TokenStore([IndexedShard(p) for p in prefixes]), None,
-                  _stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
+                  stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
 
 
-def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> _Store:
-    settings = PrepareSettings(tokenizer=None if given is None else cfg.tokenizer,
-                               eos_token=cfg.eos_token, workers=cfg.workers, text_key=cfg.text_key, strict=cfg.strict,
-                               bpe_vocab_size=cfg.bpe_vocab_size, bpe_sample_mb=cfg.bpe_sample_mb,
-                               progress=False)
-    key = _cache_key(files, settings, given)
-    root = Path(cfg.cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / key
-    with locked(root / f"{key}.lock"):
-        if not (target / "meta.json").is_file():
-            partial = root / f".{key}.partial"  # a killed build resumes here
-            meta = prepare_directory(files, partial, settings)
-            if meta["documents"] == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise ConfigError(f"data path '{', '.join(map(str, files))}' holds "
-                                  f"no text ({meta['records']} records, {meta['empty']} empty, "
-                                  f"{meta['not_json'] + meta['no_text']} without text): give it "
-                                  f"at least one non-empty document")
-            partial.rename(target)
+def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run: bool,
+         path: str) -> _Store:
+    target, key = prepared_in_cache(files, cfg, given, in_run, path)
     store = _prepared([target])
     store.key = key
     return store
-
-
-def _cache_key(files: list[Path], settings: PrepareSettings, given: TokenizerInfo | None) -> str:
-    tokenizer = "bpe" if given is None else given.digest
-    return _stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
-                            f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
-
-
-def _stat_key(files: list[Path], settings: str = "") -> str:
-    """Files by name, size and modification time: any rewrite changes the key, and no rank
-    reads a whole corpus to compute it at every start."""
-    h = hashlib.sha256(settings.encode())
-    for f in files:
-        stat = f.stat()
-        h.update(f"|{f.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return h.hexdigest()
 
 
 def _one_tokenizer(stores: list[_Store], paths: list[str],
@@ -275,6 +267,10 @@ def main(argv: list[str]) -> int:
                         help="MB of documents the BPE is trained on")
     parser.add_argument("--dtype", choices=("auto", "uint16", "int32"), default="auto",
                         help="token ids on disk (auto: uint16 while the vocabulary fits)")
+    parser.add_argument("--shard-size-gb", type=float, default=0.0,
+                        help="merge consecutive input files into shards of about this many GB of "
+                             "tokens, each closed after the file that reaches it (a larger file "
+                             "is a shard of its own); 0: one shard per input file")
     parser.add_argument("--config", help="a run config: prepare its data into data.cache_dir")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. data.seq_len=512")
     args = parser.parse_args(argv)
@@ -285,10 +281,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
         _check_eos_token(args.tokenizer, args.eos_token)
         settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
-                                   args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype)
+                                   args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype,
+                                   shard_size_gb=args.shard_size_gb)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
         return 0
-    data = prepare_data(load_config(args.config, args.overrides).data)
+    data = prepare_data(load_config(args.config, args.overrides).data, in_run=False)
     print(json.dumps(data.meta, indent=1))
     return 0
