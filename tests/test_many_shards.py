@@ -190,3 +190,12 @@ def test_shard_size_gb_merges_small_inputs_into_fewer_shards_of_the_same_documen
     same_contents(contents(tmp_path / "together", again), contents(tmp_path / "fresh", fresh))
     assert again["documents"] == fresh["documents"] == 10 * 20 + 3  # file 5 has none
 
+
+
+def test_the_index_search_equals_numpys_without_copying_the_index():
+    from megalite.data.indexed import _search_right
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 7, 1000):
+        a = np.sort(rng.integers(0, 50, n))
+        keys = rng.integers(-5, 60, 500)
+        np.testing.assert_array_equal(_search_right(a, keys), np.searchsorted(a, keys, side="right"))

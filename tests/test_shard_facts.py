@@ -110,6 +110,25 @@ def test_facts_equal_an_independent_count_and_are_read_from_the_cache(tmp_path, 
         facts_of([IndexedShard(prefixes[0])], tmp_path / "cache", max_id=True)
 
 
+def test_a_cache_built_by_one_layout_is_read_by_another(tmp_path, monkeypatch):
+    """The facts are keyed by the shard's files alone: written by the ranks of a 4-rank run,
+    read by every rank of a 2-rank run and by one process, none of which scans."""
+    prefixes, written = write_shards(tmp_path / "data", 6, 300)
+    shards = [IndexedShard(p) for p in prefixes]
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        facts_of(shards, tmp_path / "cache", max_id=True, longer_than=9)
+    monkeypatch.setattr(shard_facts, "largest_id", lambda shard: 1 / 0)
+    monkeypatch.setattr(shard_facts, "count_longer", lambda shard, limit: 1 / 0)
+    for rank, world in ((0, 2), (1, 2), (0, 1)):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        got = facts_of(shards, tmp_path / "cache", max_id=True, longer_than=9)
+        assert [(f.max_id, f.longer_than[9]) for f in got] == \
+            [(int(t.max()), int((n > 9).sum())) for t, n in written]
+
+
 def test_padded_runs_count_truncated_documents_from_the_cache(tmp_path, capsys):
     tok = tokenizer(tmp_path)
     prefixes, written = write_shards(tmp_path / "data", 3, load_tokenizer(tok).vocab_size)

@@ -206,8 +206,24 @@ class _Maps:
     def doc_of_bytes(self, byte: np.ndarray) -> np.ndarray:
         """The document holding each byte: the sequence holding it, then the last document
         whose first sequence is at or before that one (empty documents hold none)."""
-        seq = np.searchsorted(self.pointers, byte, side="right") - 1
-        return np.searchsorted(self.doc_index, seq, side="right") - 1
+        seq = _search_right(self.pointers, byte) - 1
+        return _search_right(self.doc_index, seq) - 1
+
+
+def _search_right(a: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """np.searchsorted(a, keys, side="right") for `a` mapped from an index: numpy's would first
+    copy all of `a` (read-only, and unaligned in the .idx), a pass over every document per
+    call; this reads about log2(len(a)) elements per key."""
+    keys = np.asarray(keys)
+    lo, hi = np.zeros(keys.shape, np.int64), np.full(keys.shape, len(a), np.int64)
+    open_ = np.flatnonzero(lo < hi)
+    while len(open_):
+        mid = (lo[open_] + hi[open_]) // 2
+        right = a[mid] <= keys[open_]
+        lo[open_[right]] = mid[right] + 1
+        hi[open_[~right]] = mid[~right]
+        open_ = open_[lo[open_] < hi[open_]]
+    return lo
 
 
 def _map(path: Path, size: int) -> mmap.mmap:
