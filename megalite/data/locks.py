@@ -1,4 +1,5 @@
-"""File locks between the ranks of a run (and between runs sharing a cache).
+"""File locks between the ranks of a run, and between runs sharing a cache or a prepare-data
+output directory.
 
 fcntl.flock locks belong to the open file: a process that dies, however it dies, releases them,
 so a rank never waits forever for one that is gone. Ranks meet here before any collective exists,

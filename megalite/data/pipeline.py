@@ -15,7 +15,6 @@ holds or with other settings. One run at a time holds the output directory (a fi
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +22,6 @@ import re
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
+from megalite.data.locks import lock_waiting
 from megalite.data.shard_records import whole_shards
 from megalite.data.sources import COUNT_KEYS, Chunk, Counts, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
@@ -70,7 +69,7 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
     for f in files:
         check_readable(f, settings.text_key)
     out.mkdir(parents=True, exist_ok=True)
-    with locked(out / ".lock"):
+    with lock_waiting(out / ".lock", f"prepare-data waits for another run preparing into {out}"):
         info = _tokenizer(files, out, settings)
         dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
         check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
@@ -107,16 +106,6 @@ def digest(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-@contextmanager
-def locked(path: Path):
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, text: str) -> None:
