@@ -24,7 +24,7 @@ COMMANDS = {
     "bench": ("megalite.bench.runner", "main", "a throughput sweep: tokens/s, MFU, communication"),
     "peer-bench": ("megalite.bench.peer", "main", "megalite against Hugging Face transformers"),
     "gpu-check": ("megalite.bench.gpu_check", "main", "the GPU tests and benchmarks in one command"),
-    "scale-model": ("megalite.bench.scaling_model", "main",
+    "scale-model": ("megalite.bench.scaling_cli", "main",
                     "predicted step time of a layout across nodes"),
 }
 USAGE = 2  # the exit status of bad input, as argparse's

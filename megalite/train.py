@@ -30,7 +30,8 @@ from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_moments)
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.engine import autocast_for, build_engine, build_model, train_step
+from megalite.training.build import build_engine, build_model
+from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at

@@ -50,7 +50,7 @@ def worker(args) -> None:
     from megalite.parallel.state import ParallelState
     from megalite.run_config import TrainConfig
     from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
-    from megalite.training.engine import build_engine
+    from megalite.training.build import build_engine
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     ps = ParallelState.from_world(args.tp)

@@ -1,6 +1,18 @@
 """Fixtures shared across test modules: built once per session."""
 import pytest
 
+# The files that take longest (launch-level runs: Slurm, README, bench, real torchrun) start
+# first, so that pytest-xdist's two workers, handed whole files in order, end together.
+LONGEST_FIRST = ("test_slurm.py", "test_bench.py", "test_readme.py", "test_gpu_check.py",
+                 "test_resume.py", "test_sharded_checkpoint.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):

@@ -50,7 +50,7 @@ def check_replicas_stay_identical(stage: int) -> None:
     holds the same parameters, and they moved."""
     from megalite.model import GPT
     from megalite.parallel.state import init_parallel
-    from megalite.training.engine import build_engine
+    from megalite.training.build import build_engine
     ps = init_parallel(ParallelConfig(tp=2))  # from torchrun's environment, as DeepSpeed wants
     model = GPT(ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=96, max_seq_len=16), ps, seed=0)
     before = [p.detach().clone() for p in model.parameters()]

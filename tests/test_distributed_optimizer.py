@@ -23,7 +23,8 @@ from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig, load_config
 from megalite.training.distributed_optimizer import DistributedOptimizer
-from megalite.training.engine import NativeEngine, autocast_for, build_engine, train_step
+from megalite.training.build import build_engine
+from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
 from tests.models import CONFIGS

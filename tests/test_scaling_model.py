@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from megalite.bench.scaling_check import ERROR_BOUND, check_file, layout_of, markdown
+from megalite.bench.scaling_cli import main
 from megalite.bench.scaling_config import load_scaling_file
 from megalite.bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per_microbatch,
                                           dp_bytes_per_step,
                                           efficiency_from_single_device, executed_flops_per_step,
-                                          main, model_flops_per_step, p2p_bytes_per_step, predict,
+                                          model_flops_per_step, p2p_bytes_per_step, predict,
                                           tp_bytes_per_layer_per_microbatch)
 from megalite.config import ModelConfig
 from megalite.typed_config import ConfigError

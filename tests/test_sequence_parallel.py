@@ -246,7 +246,7 @@ def test_formulas_agree_without_parallelism():
 def check_deepspeed_zero2_with_sequence_parallel():
     """ZeRO-2 with SP at TP2 x DP2 trains as the native engine without SP: the replicated
     parameters' gradients are summed over TP inside backward, before ZeRO partitions them."""
-    from megalite.training.engine import build_engine
+    from megalite.training.build import build_engine
     sp = init_parallel(ParallelConfig(tp=2, sequence_parallel=True))
     assert sp.sequence_parallel
     plain = dataclasses.replace(sp, sequence_parallel=False)

@@ -12,7 +12,7 @@ from megalite.config import ParallelConfig, load_model_config
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
-from megalite.training.engine import build_engine
+from megalite.training.build import build_engine
 from tests.harness import run_distributed
 from tests.models import CONFIGS
 

@@ -68,7 +68,7 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
         # log (-v, --durations) even when the step runs out of time.
         for name, path in TESTS.items():
             steps.append(Step(name, "tests", ["-m", "pytest", path, "-v", "-rfEs", "--durations=0",
-                                              "-p", "no:cacheprovider", "--junitxml", str(out / f"{name}.xml")],
+                                              "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", str(out / f"{name}.xml")],
                               f"{name}.xml"))
     if "bench" not in skip:
         # --resume: a second call keeps the points the first finished.
@@ -131,7 +131,8 @@ def check(steps: list[Step], sweep: str) -> dict[str, str]:
 
 
 def _collect(paths: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-o", "addopts=", *paths],
                           cwd=ROOT, capture_output=True, text=True)
 
 

@@ -33,7 +33,8 @@ from megalite.model.activation_memory import formula_bytes_per_layer, saved_byte
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.engine import autocast_for, build_engine, build_model, train_step
+from megalite.training.build import build_engine, build_model
+from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import flops_per_token, matmul_params, peak_flops
 from megalite.training.setup import check_batch_layout
 

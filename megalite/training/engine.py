@@ -1,6 +1,6 @@
 """The data-parallel engine: how gradients cross DP ranks and how the optimizer steps.
 
-`train.engine` picks one; the training loop sees only these calls, in this order per step:
+`train.engine` picks one (build.py); the training loop sees only these calls, in this order per step:
 
     engine.set_lr(lr)
     engine.module(...)                      the model's forward, once per micro-batch
@@ -28,10 +28,8 @@ from typing import Iterable
 import torch
 
 from megalite.config import ParallelConfig
-from megalite.parallel.random import seed_replicated_dropout
 from megalite.parallel.state import ParallelState
-from megalite.model import GPT
-from megalite.run_config import Config, TrainConfig
+from megalite.run_config import TrainConfig
 from megalite.training.checkpoint import MOMENTS
 from megalite.pipeline.runner import train_pipelined
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
@@ -120,20 +118,6 @@ class NativeEngine(AdamEngine):
         return norm
 
 
-def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
-    """The model as a training run (or a benchmark of one) uses it (init=False: weights to be
-    loaded, see GPT)."""
-    seed_replicated_dropout(cfg.run.seed, pstate)
-    model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
-    if cfg.train.compile:
-        # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
-        # at TP=1 (tests/test_compile.py); the TP collectives split it into several.
-        model.compile()
-    return model
-
-
 def autocast_for(device: torch.device, precision: str):
     """bf16 autocast for precision=bf16, or auto on a GPU; otherwise no context: fp32, or
     pure_bf16, whose parameters are bf16 already."""
@@ -163,15 +147,3 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
         engine.backward(micro_loss, last=i == len(batches) - 1)
         loss += micro_loss.detach()
     return loss, engine.step()
-
-
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
-                 parallel: ParallelConfig = ParallelConfig()):
-    """`parallel` sets the native engine's DP buckets (DeepSpeed has its own)."""
-    if cfg.engine == "deepspeed":
-        from megalite.training.deepspeed_engine import DeepSpeedEngine
-        return DeepSpeedEngine(model, cfg, pstate)
-    if cfg.zero_stage == 1 and pstate.grad_size > 1:
-        from megalite.training.distributed_optimizer import DistributedOptimizer
-        return DistributedOptimizer(model, cfg, pstate, parallel)
-    return NativeEngine(model, cfg, pstate, parallel)

@@ -1,0 +1,37 @@
+"""What a run trains: the model, and the engine `train.engine` picks (engine.py)."""
+from __future__ import annotations
+
+import torch
+
+from megalite.config import ParallelConfig
+from megalite.model import GPT
+from megalite.parallel.random import seed_replicated_dropout
+from megalite.parallel.state import ParallelState
+from megalite.run_config import Config, TrainConfig
+from megalite.training.deepspeed_engine import DeepSpeedEngine
+from megalite.training.distributed_optimizer import DistributedOptimizer
+from megalite.training.engine import NativeEngine
+
+
+def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
+    """The model as a training run (or a benchmark of one) uses it (init=False: weights to be
+    loaded, see GPT)."""
+    seed_replicated_dropout(cfg.run.seed, pstate)
+    model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    if cfg.train.compile:
+        # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
+        # at TP=1 (tests/test_compile.py); the TP collectives split it into several.
+        model.compile()
+    return model
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
+                 parallel: ParallelConfig = ParallelConfig()):
+    """`parallel` sets the native engine's DP buckets (DeepSpeed has its own)."""
+    if cfg.engine == "deepspeed":
+        return DeepSpeedEngine(model, cfg, pstate)
+    if cfg.zero_stage == 1 and pstate.grad_size > 1:
+        return DistributedOptimizer(model, cfg, pstate, parallel)
+    return NativeEngine(model, cfg, pstate, parallel)
