@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY megalite ./megalite
 COPY configs ./configs
 COPY launch ./launch
+COPY bench ./bench
 RUN pip install --no-cache-dir -e ".[wandb]" \
  && pip install --no-cache-dir --no-build-isolation "deepspeed>=0.19.8"
 

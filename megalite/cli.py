@@ -21,11 +21,6 @@ COMMANDS = {
     "generate": ("megalite.generate", "main", "sample text from a checkpoint (KV cache, TP, PP)"),
     "slurm": ("megalite.launch.slurm", "main", "a YAML sweep as a Slurm job array: print or submit"),
     "sweep-status": ("megalite.launch.slurm", "main_status", "the state of a submitted sweep's runs"),
-    "bench": ("megalite.bench.runner", "main", "a throughput sweep: tokens/s, MFU, communication"),
-    "peer-bench": ("megalite.bench.peer", "main", "megalite against Hugging Face transformers"),
-    "gpu-check": ("megalite.bench.gpu_check", "main", "the GPU tests and benchmarks in one command"),
-    "scale-model": ("megalite.bench.scaling_cli", "main",
-                    "predicted step time of a layout across nodes"),
 }
 USAGE = 2  # the exit status of bad input, as argparse's
 # Set by `megalite torchrun` for its workers: the directory where a rank leaves its error line.
@@ -36,31 +31,35 @@ QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    return dispatch("megalite", COMMANDS, sys.argv[1:] if argv is None else argv)
+
+
+def dispatch(prog: str, commands: dict, argv: list[str]) -> int:
+    """Run `prog <command> ...` from a table like COMMANDS (also the measuring tools' table)."""
     first = argv[0] if argv else None
     if first in ("-h", "--help"):
-        print(overview())
+        print(overview(prog, commands))
         return 0
     if first == "--version":
         print(f"megalite {version()}")
         return 0
-    if first not in COMMANDS:
+    if first not in commands:
         if first is not None:
-            near = difflib.get_close_matches(first, COMMANDS, n=1)
-            print(f"megalite: unknown command '{first}'" + (f" (did you mean '{near[0]}'?)" if near else ""),
+            near = difflib.get_close_matches(first, commands, n=1)
+            print(f"{prog}: unknown command '{first}'" + (f" (did you mean '{near[0]}'?)" if near else ""),
                   file=sys.stderr)
-        print(overview(), file=sys.stderr)
+        print(overview(prog, commands), file=sys.stderr)
         return USAGE
-    module, function, _ = COMMANDS[first]
+    module, function, _ = commands[first]
     entry = getattr(__import__(module, fromlist=[function]), function)
     return run_reporting_errors(entry, argv[1:])
 
 
-def overview() -> str:
-    width = max(map(len, COMMANDS)) + 2
-    lines = ["usage: megalite <command> [options]    (megalite <command> --help: its options)",
+def overview(prog: str = "megalite", commands: dict = COMMANDS) -> str:
+    width = max(map(len, commands)) + 2
+    lines = [f"usage: {prog} <command> [options]    ({prog} <command> --help: its options)",
              "", "commands:"]
-    lines += [f"  {name.ljust(width)}{what}" for name, (_, _, what) in COMMANDS.items()]
+    lines += [f"  {name.ljust(width)}{what}" for name, (_, _, what) in commands.items()]
     lines += ["", "options:", f"  {'-h, --help'.ljust(width)}this list",
               f"  {'--version'.ljust(width)}megalite's version"]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Run one `megalite bench` sweep at an earlier commit and at the working tree, back to back on
+"""Run one `python -m bench sweep` sweep at an earlier commit and at the working tree, back to back on
 this machine, and write both results side by side with their ratios.
 
     python scripts/bench_against.py 4db1574 configs/bench/head-memory.yaml \
@@ -31,14 +31,16 @@ def git(*args: str, cwd: Path = ROOT) -> str:
 
 
 def run_bench(tree: Path, sweep: Path, out: Path) -> list[dict]:
-    """`megalite bench` with `tree`'s megalite (the working directory comes first on the path
+    """`python -m bench sweep` with `tree`'s megalite (the working directory comes first on the path
     of `python -m`, and the bench's torchrun workers inherit both)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     imported = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
                               cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
     if not Path(imported.strip()).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree} would import megalite from {imported.strip()}")
-    subprocess.run([sys.executable, "-m", "megalite.cli", "bench", str(sweep), "--out", str(out)],
+    # The sweep command of that tree: `megalite bench` before the tools left the package.
+    sweep_command = ["bench", "sweep"] if (tree / "bench" / "__main__.py").is_file() else ["megalite.cli", "bench"]
+    subprocess.run([sys.executable, "-m", *sweep_command, str(sweep), "--out", str(out)],
                    cwd=tree, env=env, check=True)
     return json.loads((out / "results.json").read_text())["points"]
 

@@ -1,4 +1,4 @@
-"""`megalite bench`: a CPU sweep writes its results and plots, the collectives it counts are
+"""`python -m bench sweep`: a CPU sweep writes its results and plots, the collectives it counts are
 the ones the Megatron formulas predict, byte for byte, for every kind of layout (TP, SP, DP with
 the distributed optimizer, PP, CP), and a bad or stuck point is recorded while the sweep goes on,
 and a crashed one names the rank that crashed and why.
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megalite.bench.report import COLUMNS
-from megalite.bench.runner import _reason, load_bench, main as bench
+from bench.report import COLUMNS
+from bench.runner import _reason, load_bench, main as bench
 from megalite.model import GPT
 from megalite.parallel.sharding import row_range, shard_of
 from megalite.parallel.state import ParallelState

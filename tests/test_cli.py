@@ -16,15 +16,18 @@ from pathlib import Path
 
 import pytest
 
+from bench.__main__ import COMMANDS as BENCH_COMMANDS
 from megalite import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_help_lists_every_command_with_what_it_does(capsys):
-    assert cli.main(["--help"]) == 0
+@pytest.mark.parametrize("prog,table", [("megalite", cli.COMMANDS), ("python -m bench", BENCH_COMMANDS)])
+def test_help_lists_every_command_with_what_it_does(capsys, prog, table):
+    assert cli.dispatch(prog, table, ["--help"]) == 0
     out = capsys.readouterr().out
-    for name in cli.COMMANDS:
+    assert out.startswith(f"usage: {prog} <command>")
+    for name in table:
         assert re.search(rf"^  {re.escape(name)} +\w", out, flags=re.M), name
 
 
@@ -42,8 +45,9 @@ def test_version_is_the_installed_packages(capsys):
     assert capsys.readouterr().out == f"megalite {importlib.metadata.version('megalite')}\n"
 
 
-@pytest.mark.parametrize("command", [c for c in cli.COMMANDS if c != "torchrun"])  # torchrun's own
-def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, command):
+@pytest.mark.parametrize("table,command", [(cli.COMMANDS, c) for c in cli.COMMANDS if c != "torchrun"]
+                         + [(BENCH_COMMANDS, c) for c in BENCH_COMMANDS])  # torchrun's help is its own
+def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, table, command):
     parsers = []
     parse = argparse.ArgumentParser.parse_args
 
@@ -52,7 +56,7 @@ def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, comma
         return parse(parser, *args, **kwargs)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
     with pytest.raises(SystemExit) as stop:
-        cli.main([command, "--help"])
+        cli.dispatch("prog", table, [command, "--help"])
     assert stop.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())
     parser = parsers[0]

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megalite.bench.comm import CommLog
+from bench.comm import CommLog
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed

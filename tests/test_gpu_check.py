@@ -1,4 +1,4 @@
-"""`megalite gpu-check` on CPU: the dry run validates everything the GPU run would launch (so
+"""`python -m bench gpu-check` on CPU: the dry run validates everything the GPU run would launch (so
 the command cannot rot between GPU windows), and a real run of a tiny plan writes steps.json
 and a summary.md whose numbers are the steps' own JSON."""
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megalite.bench.gpu_check import PEER_FLAGS, main as gpu_check
-from megalite.cli import main as megalite_main
+from bench.gpu_check import PEER_FLAGS, main as gpu_check
+from bench.__main__ import COMMANDS
+from megalite.cli import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("transformers")
@@ -50,8 +51,8 @@ TINY = {"model": "tiny", "data.seq_len": 64, "train.micro_batch_size": 2, "train
 ])
 def test_dry_run_refuses_what_could_not_run(tmp_path, capsys, points, flags, named):
     # The command line's own entry point, in this process (the exit status and stderr as
-    # `python -m megalite gpu-check` gives them, without a new interpreter).
-    assert megalite_main(["gpu-check", "--out", str(tmp_path / "out"), "--dry-run", "--skip", "tests",
+    # `python -m bench gpu-check` gives them, without a new interpreter).
+    assert dispatch("python -m bench", COMMANDS, ["gpu-check", "--out", str(tmp_path / "out"), "--dry-run", "--skip", "tests",
                           "--sweep", _sweep(tmp_path, points), "--peer-flags", flags]) == 2
     err = capsys.readouterr().err
     assert "megalite: error" in err and named in err, err

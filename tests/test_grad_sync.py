@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.testing import assert_close
 
-from megalite.bench.comm import CommLog
+from bench.comm import CommLog
 from megalite.model import GPT
 from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState

@@ -12,8 +12,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules that `path` imports (`from a import b` names a.b where b is one)."""
+def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
+    """What `path` imports (`from a import b` names a.b where that is one of `modules`)."""
     here = module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
     found = set()
@@ -25,7 +25,7 @@ def imported(path: Path, modules: set[str]) -> set[str]:
                 if node.level else node.module
             found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                          for alias in node.names)
-    return {name for name in found if name in modules} - {module_name(path)}
+    return found - {module_name(path)}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -33,7 +33,7 @@ def import_graph() -> dict[str, set[str]]:
     modules = {module_name(p) for p in paths}
     # A package's __init__ runs before any of its modules: an import of megalite.a.b imports
     # megalite.a too, but that edge is the language's, not a choice of the importer's.
-    return {module_name(p): imported(p, modules) for p in paths}
+    return {module_name(p): imported(p, modules) & modules for p in paths}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -81,3 +81,10 @@ def test_the_walk_sees_module_level_and_deferred_imports():
 def test_the_package_has_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_trainer_never_imports_the_measuring_tools():
+    """bench/ runs megalite from outside; nothing in the package reaches back into it."""
+    reaching = {module_name(p): sorted(n for n in imported(p) if n.split(".")[0] == "bench")
+                for p in sorted(PACKAGE.rglob("*.py"))}
+    assert not {m: names for m, names in reaching.items() if names}

@@ -1,11 +1,11 @@
-"""`megalite peer-bench` on CPU at a tiny shape: megalite and Hugging Face's GPT-2 train the
+"""`python -m bench peer` on CPU at a tiny shape: megalite and Hugging Face's GPT-2 train the
 same shape in the same process, and the JSON says what was measured, where and how.
 (The speed goal itself needs a GPU.)"""
 import json
 
 import pytest
 
-from megalite.bench.peer import largest_micro_batch, main as peer_bench
+from bench.peer import largest_micro_batch, main as peer_bench
 
 pytest.importorskip("transformers")
 
@@ -58,7 +58,7 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
     import torch
     import transformers
 
-    from megalite.bench.peer import hf_inputs, rows_of
+    from bench.peer import hf_inputs, rows_of
     from megalite.config import load_model_config
     from megalite.hf.convert import exportable_as
     from megalite.model import GPT
@@ -88,7 +88,7 @@ def test_hf_rebuilds_its_inputs_for_new_rows_only(monkeypatch):
     first rows it saw (its inputs are cached per rows, as they do not change between steps)."""
     import torch
 
-    from megalite.bench import peer
+    from bench import peer
     from megalite.config import load_model_config
     cfg = load_model_config("tiny", vocab_size=300, max_seq_len=64)
     built = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands this machine cannot run (8 processes, other nodes, sbatch, long benchmarks).
-ELSEWHERE = ("--nproc_per_node 8", "--nnodes", "--submit", "gpu_check.sh", "megalite bench",
+ELSEWHERE = ("--nproc_per_node 8", "--nnodes", "--submit", "gpu_check.sh", "python -m bench sweep",
              "pip install", "pytest")
 STEPS_PER_README_STEP = 1 / 50  # the demo's 150 steps become 3, a resume to 300 becomes 6
 
@@ -39,6 +39,8 @@ def shortened(command: str) -> list[str]:
         argv[:1] = [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}"]
     elif argv[0] == "megalite":
         argv[:1] = [sys.executable, "-m", "megalite"]
+    elif argv[0] == "python":
+        argv[0] = sys.executable
     if "megalite.train" in argv:
         steps = next((int(a.split("=")[1]) for a in argv if a.startswith("train.max_steps=")), 150)
         argv += [f"train.max_steps={round(steps * STEPS_PER_README_STEP)}", "sample.max_new_tokens=4"]
@@ -54,7 +56,7 @@ def free_port() -> int:
 
 
 def test_readme_commands_run_in_order_in_a_fresh_directory(tmp_path):
-    for shipped in ("configs", "docs", "megalite"):  # what a clone holds that the commands name
+    for shipped in ("bench", "configs", "docs", "megalite"):  # what a clone holds that the commands name
         (tmp_path / shipped).symlink_to(ROOT / shipped)
     ran = []
     for command in readme_commands():

@@ -1,4 +1,4 @@
-"""The scaling model (megalite/bench/scaling_model.py): one published row recomputed by hand
+"""The scaling model (bench/scaling_model.py): one published row recomputed by hand
 from configs/bench/scaling.yaml, the pipeline bubble and point-to-point terms recomputed by hand,
 every row of the shipped table within the stated bound, and layouts that cannot run refused
 with the value named."""
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from megalite.bench.scaling_check import ERROR_BOUND, check_file, layout_of, markdown
-from megalite.bench.scaling_cli import main
-from megalite.bench.scaling_config import load_scaling_file
-from megalite.bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per_microbatch,
+from bench.scaling_check import ERROR_BOUND, check_file, layout_of, markdown
+from bench.scaling_cli import main
+from bench.scaling_config import load_scaling_file
+from bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per_microbatch,
                                           dp_bytes_per_step,
                                           efficiency_from_single_device, executed_flops_per_step,
                                           model_flops_per_step, p2p_bytes_per_step, predict,
@@ -87,7 +87,7 @@ def test_the_7_5b_t4_row_recomputed_by_hand_is_within_the_bound(scaling):
 def test_every_row_of_the_shipped_table_is_within_the_bound(scaling):
     checks = check_file(scaling)
     assert (ROOT / "benchmarks" / "scaling_table.md").read_text() == markdown(checks), \
-        "stale table: run megalite scale-model --out benchmarks/scaling_table.md"
+        "stale table: run python -m bench scale-model --out benchmarks/scaling_table.md"
     rows = [(c, r) for c in checks for r in c.rows]
     assert [r.row.name for _, r in rows] == ["1.7B", "3.6B", "7.5B", "18.4B", "39.1B", "76.1B",
                                              "145.6B", "310.1B", "529.6B", "1008.0B", "1.7B"]

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from megalite.config import ModelConfig, ParallelConfig, check_layout
 from megalite.model import GPT
-from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
+from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState, init_parallel

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalite.bench.state_size import (GB, layer_params, model_params, rank_params, state_bytes,
+from bench.state_size import (GB, layer_params, model_params, rank_params, state_bytes,
                                        table)
 from megalite.config import ParallelConfig, load_model_config
 from megalite.model import GPT

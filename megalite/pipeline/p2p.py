@@ -30,7 +30,7 @@ class Message:
 
 class PipeComm:
     def __init__(self, pstate: ParallelState, group: str = "pp", process_group=None):
-        """group: whose messages these are, as megalite bench reports them (pp; cp: ring
+        """group: whose messages these are, as the bench sweep reports them (pp; cp: ring
         attention's). process_group: the group whose communicator carries them (default the
         world's), so that NCCL never orders one kind of message behind the other."""
         self.device, self.group, self.process_group = pstate.device, group, process_group

@@ -1,5 +1,5 @@
 """configs/bench/scaling.yaml as typed dataclasses: the hardware profiles of the scaling model
-(megalite.bench.scaling_model) and the published throughput rows it is checked against.
+(bench.scaling_model) and the published throughput rows it is checked against.
 
     scaling = load_scaling_file("configs/bench/scaling.yaml")
     scaling.profile("A100"), scaling.sources[0].rows

@@ -1,4 +1,4 @@
-"""`megalite scale-model`: the scaling model's table against the published rows, or one
+"""`python -m bench scale-model`: the scaling model's table against the published rows, or one
 layout's predicted throughput (scaling_model.py holds the model, scaling_check.py the check)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from megalite.bench.scaling_check import check_file, markdown
-from megalite.bench.scaling_config import Hardware, load_scaling_file
-from megalite.bench.scaling_model import (Layout, check_fits, efficiency_from_single_device,
+from bench.scaling_check import check_file, markdown
+from bench.scaling_config import Hardware, load_scaling_file
+from bench.scaling_model import (Layout, check_fits, efficiency_from_single_device,
                                           executed_flops_per_step, model_flops_per_step, predict)
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
@@ -77,7 +77,7 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = command_parser("megalite scale-model",
+    parser = command_parser("python -m bench scale-model",
                             "Predict the throughput of TP x PP x DP layouts; without --hardware, "
                             "check the model against the published rows of the config.")
     parser.add_argument("--config", default="configs/bench/scaling.yaml",

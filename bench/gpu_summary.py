@@ -1,4 +1,4 @@
-"""summary.md of a `megalite gpu-check` directory: one page of tables from the JSON the steps
+"""summary.md of a `python -m bench gpu-check` directory: one page of tables from the JSON the steps
 wrote (nothing is measured here). MFU is each tool's own: the PaLM count over the device's
 peak from training/metrics.py (989 TF/s for H100/H200 bf16)."""
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _tests(paths: list[Path]) -> list[str]:
 
 
 def _bench(path: Path) -> list[str]:
-    lines = ["## megalite bench", ""]
+    lines = ["## bench sweep", ""]
     if not path.is_file():
         return lines + ["No bench/results.json: the bench step did not write its report."]
     result = json.loads(path.read_text())

@@ -1,6 +1,6 @@
-"""One benchmark point, on every rank of a torchrun launch (megalite bench starts it):
+"""One benchmark point, on every rank of a torchrun launch (`python -m bench sweep` starts it):
 
-    torchrun --standalone --nproc_per_node W -m megalite.bench.point SPEC.json
+    torchrun --standalone --nproc_per_node W -m bench.point SPEC.json
 
 SPEC names the run config, its overrides, the rows (`batch`), the warm-up and timed steps and
 where rank 0 writes the result. The step is the trainer's own (`train_step` through the
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.bench.comm import CommLog
-from megalite.bench.timing import synchronize, time_steps
+from bench.comm import CommLog
+from bench.timing import synchronize, time_steps
 from megalite.data.batches import Batch, Samples
 from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.model import GPT
-from megalite.model.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
+from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.deepspeed_engine import check_deepspeed

@@ -1,4 +1,4 @@
-"""`megalite bench SWEEP.yaml --out DIR`: run a throughput sweep, one torchrun launch per point.
+"""`python -m bench sweep SWEEP.yaml --out DIR`: run a throughput sweep, one torchrun launch per point.
 
     name: cpu-tiny
     base: configs/demo.yaml                     # the run config every point starts from
@@ -36,7 +36,8 @@ from typing import Literal
 
 import yaml
 
-from megalite.bench.report import write_report
+from bench import on_path
+from bench.report import write_report
 from megalite.cli import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
@@ -153,12 +154,12 @@ def run_point(sweep: BenchSweep, point: Point, out: Path, time_left: float | Non
 def _run_spec(row: dict, point: Point, directory: Path, timeout: float, limit: str) -> dict:
     spec = directory / "spec.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={point.world}", "-m", "megalite.bench.point", str(spec)]
+               f"--nproc_per_node={point.world}", "-m", "bench.point", str(spec)]
     # One thread per process unless the user says otherwise, also for a single process, so
     # that points with different process counts compare like with like. A rank that crashes
     # prints its threads' Python stacks into the log (faulthandler).
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONFAULTHANDLER": "1"}
+    env = on_path({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                   "PYTHONFAULTHANDLER": "1"})
     log = directory / "log.txt"
     with log.open("w") as f:
         # Its own session: stop_session ends it with everything it started.
@@ -219,7 +220,7 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser("megalite bench", __doc__)
+    parser = command_parser("python -m bench sweep", __doc__)
     parser.add_argument("sweep", help="bench sweep YAML (see configs/bench/)")
     parser.add_argument("--out", required=True, help="directory for results and plots")
     parser.add_argument("--time-limit-s", type=float, default=None,
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = (f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_s'] * 1e3:.1f} ms/step"
                  if row["status"] == "ok" else row["error"])
         print(f"[{point.index + 1}/{len(points)}] {point.name}: {row['status']}: {shown}", flush=True)
-    command = "megalite bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench sweep " + " ".join(sys.argv[1:] if argv is None else argv)
     write_report(out, rows, dataclasses.asdict(sweep), command)
     print(f"wrote {out / 'results.csv'}, {out / 'results.json'} and plots", flush=True)
     if all(r["status"] == "ok" for r in rows):

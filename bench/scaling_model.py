@@ -1,7 +1,7 @@
 """Predicted step time of a TP x CP x PP x DP layout across nodes, from one efficiency per GPU type.
 
-    megalite scale-model --out benchmarks/scaling_table.md      # checked against published rows
-    megalite scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
+    python -m bench scale-model --out benchmarks/scaling_table.md      # checked against published rows
+    python -m bench scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
         --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 \\
         [--pp 2 [--virtual-stages 2]] [--cp 2 [--cp-comm p2p]] [--mfu 0.41]
 
@@ -59,7 +59,7 @@ the embedding, the last the LM head, and their DP all-reduces carry them), the e
 sending fewer messages, and the NVLink all-gather after a scattered send (about 2/3 of the
 send's time at t=8 on A100, under 1% of any step of the shipped table).
 
-Against the published rows (benchmarks/scaling_table.md, megalite.bench.scaling_check) every
+Against the published rows (benchmarks/scaling_table.md, bench.scaling_check) every
 row is within ERROR_BOUND = ±15%, the worst -14.8%. The TP rows all come out low (-6% to -15%):
 at a constant efficiency the model's TP communication (4% of the predicted step at t=2, 9% at
 t=4, 13% at t=8) costs throughput one for one, while the published per-GPU rate stays flat
@@ -77,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megalite.bench.scaling_config import Hardware
+from bench.scaling_config import Hardware
 from megalite.config import ModelConfig
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.typed_config import ConfigError

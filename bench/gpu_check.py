@@ -1,8 +1,8 @@
-"""`megalite gpu-check --out DIR` (scripts/gpu_check.sh): the GPU proof in one command.
+"""`python -m bench gpu-check --out DIR` (scripts/gpu_check.sh): the GPU proof in one command.
 
-On one H100/H200, within --budget-min (20): the GPU tests (tests/test_gpu*.py), `megalite
-bench` on configs/bench/gpu-check.yaml (GPT-2 small at 1024, the 1B Llama at 2048; eager and
-compiled; full and packed rows), then `megalite peer-bench` at each of that sweep's shapes on
+On one H100/H200, within --budget-min (20): the GPU tests (tests/test_gpu*.py), `python -m
+bench sweep` on configs/bench/gpu-check.yaml (GPT-2 small at 1024, the 1B Llama at 2048; eager and
+compiled; full and packed rows), then `python -m bench peer` at each of that sweep's shapes on
 full and on packed rows (--compile both --max-batch --profile). Every JSON goes into DIR with
 the device, torch and CUDA versions, date, commit and command, and one DIR/summary.md table
 (bench/gpu_summary.py) is written at the end and printed.
@@ -33,15 +33,14 @@ from pathlib import Path
 
 import torch
 
-from megalite.bench import peer
-from megalite.bench.gpu_summary import write_summary
-from megalite.bench.point import device_name
-from megalite.bench.report import git_commit
-from megalite.bench.runner import INCOMPLETE, load_bench, stop_session
+from bench import ROOT, on_path, peer
+from bench.gpu_summary import write_summary
+from bench.point import device_name
+from bench.report import git_commit
+from bench.runner import INCOMPLETE, load_bench, stop_session
 from megalite.cli import command_parser
 from megalite.typed_config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-train": "tests/test_gpu_train.py"}
 SWEEP = "configs/bench/gpu-check.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
@@ -72,13 +71,13 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
                               f"{name}.xml"))
     if "bench" not in skip:
         # --resume: a second call keeps the points the first finished.
-        steps.append(Step("bench", "bench", ["-m", "megalite", "bench", sweep, "--out", str(out / "bench"),
+        steps.append(Step("bench", "bench", ["-m", "bench", "sweep", sweep, "--out", str(out / "bench"),
                                              "--resume"], "bench/results.json"))
     if "peer" not in skip:
         for batch in ("full", "packed"):
             for model, seq, micro in peer_shapes(sweep):
                 name = f"peer-{model}-{seq}-{batch}"
-                steps.append(Step(name, "peer", ["-m", "megalite", "peer-bench", "--model", model, "--seq-len", str(seq),
+                steps.append(Step(name, "peer", ["-m", "bench", "peer", "--model", model, "--seq-len", str(seq),
                                                  "--micro-batch", str(micro), "--batch", batch,
                                                  *peer_flags.split(), "--out", str(out / f"{name}.json")],
                                   f"{name}.json"))
@@ -122,7 +121,7 @@ def check(steps: list[Step], sweep: str) -> dict[str, str]:
             usage = io.StringIO()
             try:
                 with contextlib.redirect_stderr(usage):
-                    peer.parse_args(step.argv[step.argv.index("peer-bench") + 1:])
+                    peer.parse_args(step.argv[step.argv.index("peer") + 1:])
             except ConfigError as err:
                 problems[step.name] = str(err)
             except SystemExit:  # argparse's refusal: its message is its last line
@@ -150,7 +149,7 @@ def environment(argv: list[str]) -> dict:
     return {"device": device_name(torch.device("cuda" if cuda else "cpu")), "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(), "nvidia_smi": driver,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "command": "megalite gpu-check " + " ".join(argv),
+            "git_commit": git_commit(), "command": "python -m bench gpu-check " + " ".join(argv),
             "missing_packages": [p for p in PACKAGES if importlib.util.find_spec(p) is None]}
 
 
@@ -160,8 +159,7 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
               "limit_s": round(limit)}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     # The repository on the path: the machine's own Python runs megalite uninstalled.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+    env = on_path({**os.environ, "PYTHONUNBUFFERED": "1"})
     started = time.monotonic()
     with (out / record["log"]).open("w") as log:
         # Its own session, so that a step over its limit is killed with every process it started.
@@ -180,7 +178,7 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = command_parser("megalite gpu-check", __doc__)
+    parser = command_parser("python -m bench gpu-check", __doc__)
     parser.add_argument("--out", required=True, help="directory for every result and summary.md")
     parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
     parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")

@@ -1,7 +1,7 @@
 """Per-rank bytes of training state at scale, on paper: what a checkpoint writes and stages in
 host memory, and what the optimizer keeps, for a model config and a TP x CP x PP x DP layout.
 
-    python -m megalite.bench.state_size      # the table of docs/checkpoints.md
+    python -m bench.state_size      # the table of docs/checkpoints.md
 
 The counts follow the model's own shapes (tests/test_state_size.py checks them against built
 models, and the bytes against benchmarks/checkpoint's measured writes). A checkpoint holds

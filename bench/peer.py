@@ -1,7 +1,7 @@
-"""`megalite peer-bench`: megalite against Hugging Face transformers, same process, same run.
+"""`python -m bench peer`: megalite against Hugging Face transformers, same process, same run.
 
-    megalite peer-bench --model gpt2-small --seq-len 1024 --micro-batch 16 --out peer.json
-    megalite peer-bench --model llama-1b --seq-len 2048 --micro-batch 4 --compile both --out ...
+    python -m bench peer --model gpt2-small --seq-len 1024 --micro-batch 16 --out peer.json
+    python -m bench peer --model llama-1b --seq-len 2048 --micro-batch 4 --compile both --out ...
 
 One device, TP=1. Both models get the same shape (HF's config is written by megalite's own
 exporter: GPT-2 with gelu_pytorch_tanh and no dropout, Llama with its GQA and rotary), SDPA
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from megalite.bench.point import device_name, random_batches
-from megalite.bench.profile import profile_steps
-from megalite.bench.timing import time_steps
-from megalite.bench.report import git_commit
+from bench.point import device_name, random_batches
+from bench.profile import profile_steps
+from bench.timing import time_steps
+from bench.report import git_commit
 from megalite.cli import command_parser
 from megalite.config import load_model_config
 from megalite.data.batches import Batch
@@ -103,7 +103,7 @@ SYSTEMS = {"megalite": megalite_step, "hf": hf_step}
 
 
 def rows_of(cfg, seq: int, micro: int, batch: str, device) -> Batch:
-    """One micro-batch of random rows, `full` or `packed`, as megalite bench makes them."""
+    """One micro-batch of random rows, `full` or `packed`, as `python -m bench sweep` makes them."""
     run = Config(model=cfg, data=DataConfig(seq_len=seq),
                  train=TrainConfig(micro_batch_size=micro, global_batch_size=micro))
     return random_batches(run, 0, 1, batch)[0].to(device)
@@ -162,7 +162,7 @@ def _fits(step, cfg, device, seq, batch):
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = command_parser("megalite peer-bench", __doc__)
+    parser = command_parser("python -m bench peer", __doc__)
     parser.add_argument("--model", default="gpt2-small", help="a model preset (configs/model/)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per step")
@@ -181,7 +181,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The arguments, the model preset loaded and checked exportable: a ConfigError naming the
-    problem before anything is measured (megalite gpu-check --dry-run calls this too)."""
+    problem before anything is measured (python -m bench gpu-check --dry-run calls this too)."""
     args = parser().parse_args(argv)
     args.cfg = load_model_config(args.model)
     exportable_as(args.cfg)  # a shape HF can build, or a ConfigError naming why not
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
               "transformers": transformers.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git_commit": git_commit(), "command": "megalite peer-bench " + " ".join(argv),
+              "git_commit": git_commit(), "command": "python -m bench peer " + " ".join(argv),
               "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "batch": args.batch,
               "warmup": args.warmup, "steps": args.steps, "rows": []}
     out = Path(args.out)

@@ -30,7 +30,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megalite.bench.timing import synchronize
+from bench.timing import synchronize
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.p2p import Received
 

@@ -13,7 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megalite.bench.timing import synchronize
+from bench.timing import synchronize
 
 CLASSES = [  # first match wins
     ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|gloo|c10d", re.I)),

@@ -1,1 +1,0 @@
-"""Benchmarks: throughput sweeps (`megalite bench`), communication accounting, the scaling model."""
