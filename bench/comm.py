@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from bench.timing import synchronize
 from megalite.parallel.state import ParallelState
-from megalite.pipeline.p2p import Received
+from megalite.parallel.p2p import Received
 
 # name -> (position and keyword of the payload argument, ring traffic in units of (n-1)/n)
 WRAPPED = {"all_reduce": (0, "tensor", 2), "broadcast": (0, "tensor", 1),

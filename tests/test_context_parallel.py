@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from megalite.config import ParallelConfig
 from megalite.model import GPT
-from megalite.parallel.context import attention_work, zigzag_index, zigzag_order
+from megalite.parallel.context import gather_sequence, zigzag_index, zigzag_order
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import gather_full, shard_of
@@ -24,6 +24,26 @@ from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ = 16  # cuts into 2 x cp x tp = 8 chunks at CP4, and at CP2 x TP2 with SP
+
+
+def full_sequence(model: GPT, t: torch.Tensor) -> torch.Tensor:
+    """A per-token output of this CP rank ([batch, seq share, ...]: logits, token losses) for
+    the whole rows, in order (a collective over CP; no autograd)."""
+    return gather_sequence(t, 1, model.pstate.cp_group)
+
+
+def attention_work(seq: int, cp: int, zigzag: bool = True) -> list[int]:
+    """Causal (query, key) pairs each CP rank's queries attend, zig-zag or contiguous split:
+    the attention FLOPs per rank, counted."""
+    work = []
+    for rank in range(cp):
+        if zigzag:
+            index = zigzag_index(seq, cp, rank)
+        else:
+            index = torch.arange(rank * seq // cp, (rank + 1) * seq // cp)
+        work.append(int((index + 1).sum()))
+    return work
+
 
 
 def batch(kind: str, cfg):
@@ -55,8 +75,8 @@ def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str)
     out = model(mine[0], attention_mask=mine[1], doc_ids=mine[2], labels=mine[3])
     loss = out.token_losses.sum() / (labels != -100).sum()
     loss.backward()
-    logits = model.full_sequence(model.full_logits(out.logits.detach()))
-    losses = model.full_sequence(out.token_losses.detach())
+    logits = full_sequence(model, model.full_logits(out.logits.detach()))
+    losses = full_sequence(model, out.token_losses.detach())
     if ps.dp_size > 1:
         logits, losses = all_gather(logits, 0, ps.dp_group), all_gather(losses, 0, ps.dp_group)
     real = labels != -100
@@ -110,9 +130,9 @@ def check_flex_rule(config_name: str):
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(cp=2))
     ids, mask, docs, labels = packed_batch(cfg.vocab_size, SEQ)
     model = GPT(cfg, ps, seed=3)
-    dense = model.full_sequence(model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
+    dense = full_sequence(model, model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
     with flex_on_cpu() as used:
-        flex = model.full_sequence(model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
+        flex = full_sequence(model, model(ids, attention_mask=mask, doc_ids=docs).logits.detach())
     assert torch_flex.flex_attention in used  # the flex path ran
     real = mask.bool()
     assert_close(flex[real], dense[real], **TOL)

@@ -20,6 +20,7 @@ from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
+from tests.test_context_parallel import full_sequence
 
 VOCAB = 320  # the models that need no tokenizer
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -120,7 +121,7 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
         load_checkpoint(ckpt, model, cp2)
         with torch.no_grad():
             logits = model(windows(ids, cfg.max_seq_len)[0]).logits
-            cp_logits = model.full_sequence(model.full_logits(logits))
+            cp_logits = full_sequence(model, model.full_logits(logits))
         out[name] = dict(same=same, loss=loss_sum / count, count=count, tp=tp_tokens, pp=pp_tokens,
                          cp=cp_logits)
     return out

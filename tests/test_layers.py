@@ -8,10 +8,36 @@ from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.sharding import gather_full, local_slice, shard_of
 from megalite.parallel.state import ParallelState
-from megalite.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from megalite.parallel.vocab import VocabParallelEmbedding, softmax_grad_, softmax_stats_
 from tests.harness import run_distributed
 
 SINGLE = ParallelState()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses from logits split by vocab: the softmax statistics forward, softmax -
+    one_hot backward, entirely local."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, group):
+        z = logits.to(torch.float32, copy=True)
+        stats = softmax_stats_(z, labels, vocab_start, group)
+        ctx.stats = stats
+        ctx.save_for_backward(z)
+        return stats.loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, = ctx.saved_tensors
+        return softmax_grad_(exp, ctx.stats, grad_loss), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                                 tp_group) -> torch.Tensor:
+    """Per-token losses (0 where labels == -100) from this rank's vocab slice of given logits:
+    vocab.py's statistics on logits that are whole here (the model never holds its logits)."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, tp_group)
+
 
 
 def randn(*shape, seed: int) -> torch.Tensor:

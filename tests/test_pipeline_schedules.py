@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.parallel.state import ParallelState
-from megalite.pipeline.p2p import Message, PipeComm
+from megalite.parallel.p2p import Message, PipeComm
 from megalite.pipeline.schedules import (Action, Exchange, dependencies, message_in, message_out,
                                          plan, schedule)
 from megalite.pipeline.stages import chunks_of

@@ -5,7 +5,7 @@
         x = x + dropout(attention(norm(x)))        heads split: f ... g
         x = x + dropout(mlp(norm(x)))              A by columns, B by rows: f ... g
     logits_r = f(norm(x)) E_r^T                    this rank's vocab columns, never gathered
-    loss = vocab_parallel_cross_entropy(logits_r, labels)
+    loss = cross_entropy(logits_r, labels)         vocab-parallel (three all-reduces of [tokens]),
                                                    fused with the head, in chunks of tokens:
                                                    the logits are never whole (head_loss.py)
 
@@ -54,7 +54,7 @@ from megalite.model.layout import SequenceLayout, cached_layout, context_layout,
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
-from megalite.parallel.context import context_chunks, gather_sequence, zigzag_index
+from megalite.parallel.context import context_chunks, zigzag_index
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
@@ -265,11 +265,6 @@ class GPT(nn.Module):
         layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
                                 input_ids.shape[0], seq, dense=self.pstate.cp_comm == "p2p")
         return input_ids[:, index], None if labels is None else labels[:, index], layout
-
-    def full_sequence(self, t: torch.Tensor) -> torch.Tensor:
-        """A per-token output of this rank ([batch, seq share, ...]: logits, token losses) for
-        the whole rows, in order (a collective over CP; no autograd)."""
-        return gather_sequence(t, 1, self.pstate.cp_group)
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)

@@ -4,7 +4,7 @@ The zig-zag (head-tail) split: a row of S tokens is cut into 2 x cp chunks of S 
 rank r holds chunks r and 2 cp - 1 - r. Under the causal mask, a query at position i attends
 i + 1 keys, so chunk j costs about j + 1/2 chunk-pairs of work: the pair (r, 2 cp - 1 - r)
 costs 2 cp of them on every rank, where the contiguous split (rank r: chunks 2r, 2r + 1) gives
-the last rank about 2 cp - 1 times the first's work (`attention_work` counts both).
+the last rank about 2 cp - 1 times the first's work (tests/test_context_parallel.py counts both).
 
 Everything position-dependent (positions, padding and document masks, labels) is computed on
 the whole row first and then taken at `zigzag_index`: a rank's tokens are the same tokens the
@@ -74,16 +74,3 @@ def _scatter_kv_grads(grad: torch.Tensor, group) -> torch.Tensor:
 # name                                      forward        backward
 gather_from_context_parallel_region = primitive(
     "gather_from_context_parallel_region",  _gather_kv,    _scatter_kv_grads)
-
-
-def attention_work(seq: int, cp: int, zigzag: bool = True) -> list[int]:
-    """Causal (query, key) pairs each CP rank's queries attend, zig-zag or contiguous split:
-    the attention FLOPs per rank, counted."""
-    work = []
-    for rank in range(cp):
-        if zigzag:
-            index = zigzag_index(seq, cp, rank)
-        else:
-            index = torch.arange(rank * seq // cp, (rank + 1) * seq // cp)
-        work.append(int((index + 1).sum()))
-    return work

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.context import zigzag_index
-from megalite.pipeline.p2p import Message, PipeComm
+from megalite.parallel.p2p import Message, PipeComm
 
 KV_TAG, GRAD_TAG = 71, 72
 

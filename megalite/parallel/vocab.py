@@ -1,4 +1,5 @@
-"""The vocabulary split across TP ranks: embedding, and a cross-entropy on split logits.
+"""The vocabulary split across TP ranks: embedding, and the softmax statistics of a
+cross-entropy on split logits (head_loss.py fuses them with the LM head).
 
 Rank r owns vocab rows [r V/t, (r+1) V/t) of the (padded) vocabulary V. The LM head produces
 only those columns of the logits, and the loss is computed without ever gathering them: for a
@@ -94,28 +95,3 @@ def softmax_grad_(exp: torch.Tensor, stats: SoftmaxStats, grad_loss: torch.Tenso
 def _all_reduce(x: torch.Tensor, op, group) -> None:
     if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token losses from logits split by vocab: the softmax statistics forward, softmax -
-    one_hot backward, entirely local."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, vocab_start, group):
-        z = logits.to(torch.float32, copy=True)
-        stats = softmax_stats_(z, labels, vocab_start, group)
-        ctx.stats = stats
-        ctx.save_for_backward(z)
-        return stats.loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        exp, = ctx.saved_tensors
-        return softmax_grad_(exp, ctx.stats, grad_loss), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                                 tp_group) -> torch.Tensor:
-    """Per-token losses (0 where labels == -100) from this rank's vocab slice of given logits.
-    The model does not hold its logits: it uses the chunked head + loss of head_loss.py."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, tp_group)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from megalite.pipeline.p2p import Message, PipeComm
+from megalite.parallel.p2p import Message, PipeComm
 from megalite.pipeline.schedules import Action, Exchange, message_in, message_out, plan
 
 

@@ -1,4 +1,5 @@
-"""Activations forward and gradients backward between neighbouring pipeline stages.
+"""Point-to-point messages between ranks: activations forward and gradients backward between
+neighbouring pipeline stages, and ring attention's K/V blocks around the CP ring.
 
 A message is one tensor from one rank to its pipeline neighbour, named by a tag that says what
 it is (kind, destination chunk, micro-batch). The runner posts the messages of each exchange of
