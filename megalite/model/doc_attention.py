@@ -7,10 +7,9 @@ evaluates the rule only on the blocks a document boundary crosses.
 
 Where: CUDA only (FLEX_DEVICES). On CPU torch 2.13's flex_attention refuses backward, eager or
 compiled ("FlexAttention does not support backward on CPU"), and would lose anyway: eager it is
-an unfused reference (the tiny model's forward and backward on a packed [4, 128] batch: ~170 ms
-against ~24 ms with the dense mask, plus ~3 s on the first call); compiled, inductor's CPU
-template takes ~25 s per process and fails to lower inside a larger compiled graph. So on CPU
-the same rule is materialised as a dense mask for SDPA, exactly as before FlexAttention.
+an unfused reference, slower than SDPA with the dense mask; compiled, inductor's CPU template
+is slow to build and fails to lower inside a larger compiled graph. So on CPU the same rule is
+materialised as a dense mask for SDPA, exactly as before FlexAttention.
 
 On GPU both flex_attention and create_block_mask run compiled: uncompiled, flex_attention is
 that unfused reference and create_block_mask materialises the whole [batch, seq, seq] mask.
