@@ -1,5 +1,9 @@
 """Fixtures shared across test modules: built once per session."""
+import shutil
+from pathlib import Path
+
 import pytest
+from filelock import FileLock
 
 # The files that take longest (launch-level runs: Slurm, README, bench, real torchrun) start
 # first, so that pytest-xdist's two workers, handed whole files in order, end together.
@@ -15,16 +19,33 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def cache(tmp_path_factory):
-    """One tokenized-data cache for every training test (same corpus and tokenizer settings)."""
-    return str(tmp_path_factory.mktemp("data-cache"))
+def shared(tmp_path_factory, worker_id) -> Path:
+    """A directory that every pytest-xdist worker of this session sees (without xdist, this
+    process's own)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
 
 
 @pytest.fixture(scope="session")
-def tp2dp2_padded(tmp_path_factory, cache):
+def cache(shared):
+    """One tokenized-data cache for every training test (same corpus and tokenizer settings),
+    shared by the workers as runs share a data.cache_dir: the first to need an entry builds it
+    under megalite's lock, the others wait and read it."""
+    path = shared / "data-cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tp2dp2_padded(shared, cache):
     """The TP=2 x DP=2 training run of tests/test_train.py (padded, 2 micro-batches per step),
-    with a checkpoint at step 5: the reference of the trainer, DeepSpeed and resharding tests."""
+    with a checkpoint at step 5: the reference of the trainer, DeepSpeed and resharding tests.
+    Run once per session: the first worker to ask trains it, the others wait for it."""
     from tests.test_train import LAYOUT, common, train_run
-    run_dir = tmp_path_factory.mktemp("tp2dp2-padded")
-    train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])
+    run_dir, done = shared / "tp2dp2-padded", shared / "tp2dp2-padded.done"
+    with FileLock(shared / "tp2dp2-padded.lock"):
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])
+            done.touch()
     return run_dir
