@@ -36,7 +36,7 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import flops_per_token, matmul_params, peak_flops
-from megalite.training.setup import check_batch_layout
+from megalite.run_setup import check_batch_layout
 
 
 def main(argv: list[str]) -> int:

@@ -42,7 +42,7 @@ from megalite.cli import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.training.setup import check_batch_layout
+from megalite.run_setup import check_batch_layout
 from megalite.typed_config import ConfigError, from_dict
 
 BENCH_KEYS = ("dp", "scaling", "batch")

@@ -36,7 +36,7 @@ from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, 
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
-from megalite.training.setup import (check_batch_layout, find_resume, with_pretrained,
+from megalite.run_setup import (check_batch_layout, find_resume, with_pretrained,
                                      with_schedule, with_tokenizer_vocab)
 from megalite.typed_config import ConfigError
 

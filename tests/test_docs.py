@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megalite.run_config import load_config
-from megalite.training.setup import check_batch_layout
+from megalite.run_setup import check_batch_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

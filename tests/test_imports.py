@@ -83,6 +83,21 @@ def test_the_package_has_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def part_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_package_s_parts_import_one_way():
+    """Folders (parallel/, model/, pipeline/, training/, data/, hf/, launch/) and top-level
+    modules as single nodes: none imports one that imports it back."""
+    parts: dict[str, set[str]] = {}
+    for module, names in import_graph().items():
+        mine = part_of(module)
+        parts.setdefault(mine, set()).update(part_of(n) for n in names if part_of(n) != mine)
+    found = cycles(parts)
+    assert not found, "cycles between parts:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
 def test_the_trainer_never_imports_the_measuring_tools():
     """bench/ runs megalite from outside; nothing in the package reaches back into it."""
     reaching = {module_name(p): sorted(n for n in imported(p) if n.split(".")[0] == "bench")

@@ -22,7 +22,7 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import DataConfig, load_config
 from megalite.training.checkpoint import load_checkpoint
 from megalite.training.build import build_model
-from megalite.training.setup import with_pretrained, with_tokenizer_vocab
+from megalite.run_setup import with_pretrained, with_tokenizer_vocab
 from tests.harness import run_distributed
 # The shapes' module fixtures, built once per module here too.
 from tests.test_real_tokenizers import SHAPES, TEXTS, corpus, hf_tokenizers  # noqa: F401

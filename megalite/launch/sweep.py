@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from megalite.run_config import Config, load_config
-from megalite.training.setup import check_batch_layout
+from megalite.run_setup import check_batch_layout
 from megalite.typed_config import ConfigError, from_dict
 
 

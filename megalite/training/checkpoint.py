@@ -259,7 +259,7 @@ def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: Tokenizer
     os.replace(tmp, final)
     _fsync(root)
     # The newest `keep` by step; the run refuses to start below a later checkpoint
-    # (setup.find_resume), so the one just written is among them.
+    # (run_setup.find_resume), so the one just written is among them.
     for old in _step_dirs(root)[:-keep]:
         shutil.rmtree(old)
 
