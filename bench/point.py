@@ -32,19 +32,17 @@ from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
-from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import flops_per_token, matmul_params, peak_flops
-from megalite.run_setup import check_batch_layout
+from megalite.run_setup import validate
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     cfg = load_config(spec["config"], spec["overrides"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_batch_layout(cfg, world)
-    check_deepspeed(cfg.train, cfg.model, cfg.parallel, world)
+    validate(cfg, world)
     ps = init_parallel(cfg.parallel, cfg.model)
     try:
         result = measure(cfg, ps, spec["warmup"], spec["steps"], spec["batch"])

@@ -41,8 +41,7 @@ from bench.report import write_report
 from megalite.cli import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
-from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.run_setup import check_batch_layout
+from megalite.run_setup import validate
 from megalite.typed_config import ConfigError, from_dict
 
 BENCH_KEYS = ("dp", "scaling", "batch")
@@ -104,8 +103,7 @@ def _point(sweep: BenchSweep, index: int, settings: dict) -> Point:
             point.overrides.append(f"train.global_batch_size={batch}")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=batch))
         point.world = cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * dp
-        check_batch_layout(cfg, point.world)
-        check_deepspeed(cfg.train, cfg.model, cfg.parallel, point.world)
+        validate(cfg, point.world)
     except ConfigError as err:
         point.error = str(err)
     return point

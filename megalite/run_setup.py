@@ -17,10 +17,14 @@ from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, TrainConfig, to_dict
 from megalite.training.checkpoint import checkpoint_step, latest_checkpoint, not_a_checkpoint
+from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 
 
-def check_batch_layout(cfg: Config, world: int) -> None:
+def validate(cfg: Config, world: int, launched: bool = True) -> None:
+    """Every rule a run's config must meet on `world` processes (launched: under torchrun or
+    Slurm, with a process group to come), checked by every entry point that runs or plans a
+    run (train, a bench point, a sweep) before it reads data or joins a collective."""
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(p, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
@@ -54,6 +58,18 @@ def check_batch_layout(cfg: Config, world: int) -> None:
     for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
+    check_deepspeed(t, cfg.model, p, world if launched else None)
+
+
+def check_samples(cfg: Config, data: PreparedData, sizes: list[int]) -> None:
+    """One source must fill a global batch; in a blend each source must have a sample to give."""
+    least = cfg.train.global_batch_size if len(data.train) == 1 else 1
+    for source, n in zip(data.train, sizes):
+        if n < least:
+            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
+                              f"{n} training samples of data path {source.name} "
+                              f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
+                              f"a smaller global batch or more data")
 
 
 def with_pretrained(cfg: Config) -> Config:

@@ -29,16 +29,14 @@ from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_moments)
-from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
-from megalite.run_setup import (check_batch_layout, find_resume, with_pretrained,
-                                     with_schedule, with_tokenizer_vocab)
-from megalite.typed_config import ConfigError
+from megalite.run_setup import (check_samples, find_resume, validate, with_pretrained,
+                                with_schedule, with_tokenizer_vocab)
 
 
 def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
@@ -54,20 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = with_pretrained(cfg)
-    check_batch_layout(cfg, world)
-    check_deepspeed(cfg.train, cfg.model, cfg.parallel,
-                    world if "WORLD_SIZE" in os.environ else None)
+    validate(cfg, world, launched="WORLD_SIZE" in os.environ)
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = sample_sets(data.train, cfg, data)
-    # One source must fill a global batch; in a blend each source must have a sample to give.
-    least = cfg.train.global_batch_size if len(data.train) == 1 else 1
-    for source, n in zip(data.train, train_set.sizes):
-        if n < least:
-            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
-                              f"{n} training samples of data path {source.name} "
-                              f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
-                              f"a smaller global batch or more data")
+    check_samples(cfg, data, train_set.sizes)
     resume_from = find_resume(cfg, data)
     cfg = with_schedule(cfg, resume_from)
     with StopRequest() as stop:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megalite.run_config import load_config
-from megalite.run_setup import check_batch_layout
+from megalite.run_setup import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -42,7 +42,7 @@ def test_the_pages_show_training_commands():
 def test_a_shown_training_command_is_valid(page, words):
     argv = words[words.index("--config") + 1:]
     config, overrides = argv[0], [w for w in argv[1:] if "=" in w]
-    check_batch_layout(load_config(ROOT / config, overrides), world_of(words))
+    validate(load_config(ROOT / config, overrides), world_of(words))
 
 
 def slug(heading: str) -> str:

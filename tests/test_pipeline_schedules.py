@@ -13,7 +13,7 @@ from megalite.pipeline.schedules import (Action, Exchange, dependencies, message
                                          plan, schedule)
 from megalite.pipeline.stages import chunks_of
 from megalite.run_config import load_config
-from megalite.run_setup import check_batch_layout
+from megalite.run_setup import validate
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
 
@@ -170,7 +170,7 @@ BAD = {
 def test_bad_pipeline_configs_are_refused_before_launch(overrides):
     cfg = load_config("configs/demo.yaml", ["parallel.tp=1", *overrides.split()])
     with pytest.raises(ConfigError, match=BAD[overrides].replace("[", r"\[").replace("]", r"\]")):
-        check_batch_layout(cfg, 4)
+        validate(cfg, 4)
 
 
 def test_good_pipeline_configs_pass():
@@ -178,7 +178,7 @@ def test_good_pipeline_configs_pass():
                       ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"],
                       ["parallel.tp=1", "parallel.pp=4", "parallel.pp_schedule=gpipe"],
                       ["parallel.tp=1", "parallel.pp=2", "parallel.pp_layers=[1,3]"]):
-        check_batch_layout(load_config("configs/demo.yaml", overrides), 4)
+        validate(load_config("configs/demo.yaml", overrides), 4)
 
 
 class CoalescedWork:

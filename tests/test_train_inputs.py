@@ -181,10 +181,10 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_run_configs_load_and_fit_their_layout(config):
     from megalite.run_config import load_config
-    from megalite.run_setup import check_batch_layout
+    from megalite.run_setup import validate
     cfg = load_config(ROOT / "configs" / config)
     dp = cfg.train.global_batch_size // cfg.train.micro_batch_size
-    check_batch_layout(cfg, cfg.parallel.tp * min(dp, 2))
+    validate(cfg, cfg.parallel.tp * min(dp, 2))
 
 
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):

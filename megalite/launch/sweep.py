@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from megalite.run_config import Config, load_config
-from megalite.run_setup import check_batch_layout
+from megalite.run_setup import validate
 from megalite.typed_config import ConfigError, from_dict
 
 
@@ -113,7 +113,7 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
         try:
             config = load_config(sweep.base, overrides)
-            check_batch_layout(config, world)
+            validate(config, world)
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
                               f"{sweep.slurm.procs} processes: {err}") from None
