@@ -43,7 +43,7 @@ def saved_bytes_per_block(model: GPT, *args, **kwargs) -> list[int]:
     own that hide what the block saves from these.
     """
     if model.activation_checkpointing and model.training:
-        raise ValueError("measure with model.activation_checkpointing = False: recomputed "
+        raise ValueError("measure a GPT built with activation_checkpointing=False: recomputed "
                          "blocks hide what they save")
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: list[dict[int, int]] = [{} for _ in model.blocks]

@@ -78,8 +78,7 @@ def check_activation_checkpointing_replays_dropout():
     grads = []
     for recompute in (False, True):
         torch.manual_seed(1)
-        model = GPT(cfg, ps, seed=4).train()
-        model.activation_checkpointing = recompute
+        model = GPT(cfg, ps, seed=4, activation_checkpointing=recompute).train()
         model(ids, labels=labels).token_losses.sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in grads[0].items():

@@ -49,8 +49,7 @@ def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False):
 
     tokens = ids.numel()
     for chunk in (7, 10 * tokens):  # uneven chunks; one chunk larger than the batch
-        model = GPT(cfg, ps, seed=1)
-        model.loss_chunk_tokens = chunk
+        model = GPT(cfg, ps, seed=1, loss_chunk_tokens=chunk)
         out = model(ids, attention_mask=mask, labels=labels, loss_scale=1.0 / count)
         out.loss.backward()
         assert not out.token_losses.requires_grad

@@ -70,8 +70,7 @@ def model_config(name: str):
 
 
 def engine_for(cfg, ps: ParallelState, recompute: bool = False, seed: int = 7) -> tuple[GPT, NativeEngine]:
-    model = GPT(cfg, ps, seed=seed)
-    model.activation_checkpointing = recompute
+    model = GPT(cfg, ps, seed=seed, activation_checkpointing=recompute)
     return model, NativeEngine(model, TrainConfig(precision="fp32", grad_clip=1.0), ps)
 
 

@@ -151,8 +151,7 @@ def check_recompute_replays_sequence_parallel_dropout(config_name: str):
         grads = []
         for recompute in (False, True):
             torch.manual_seed(1)
-            model = GPT(cfg, ps, seed=4).train()
-            model.activation_checkpointing = recompute
+            model = GPT(cfg, ps, seed=4, activation_checkpointing=recompute).train()
             model(ids, attention_mask=mask, doc_ids=docs, labels=labels).token_losses.sum().backward()
             grads.append({n: p.grad for n, p in model.named_parameters()})
         for param, grad in grads[0].items():
@@ -161,8 +160,7 @@ def check_recompute_replays_sequence_parallel_dropout(config_name: str):
     # A few steps of training with dropout and recomputation: the replicated parameters stay
     # identical on both TP ranks (their gradients are whole on each), and the loss goes down.
     torch.manual_seed(1)
-    model = GPT(cfg, ps, seed=4).train()
-    model.activation_checkpointing = True
+    model = GPT(cfg, ps, seed=4, activation_checkpointing=True).train()
     engine = NativeEngine(model, TrainConfig(lr=3e-3, warmup_steps=0), ps)
     ids, mask, _, labels = batches(cfg)["left, length 11"]
     losses = []

@@ -128,10 +128,13 @@ class Layers(nn.ModuleDict):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0, init: bool = True):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0, init: bool = True,
+                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096):
         """init=False leaves the parameters unset, for a model whose every weight is loaded next
         (a checkpoint, Hugging Face weights): the TP-invariant init draws each full tensor on
-        every rank, which is wasted there."""
+        every rank, which is wasted there. activation_checkpointing: recompute each block's
+        activations in backward instead of storing them (in training mode). loss_chunk_tokens:
+        tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
         super().__init__()
         check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.cp_size * pstate.dp_size, pstate.sequence_parallel,
                      ParallelConfig(cp=pstate.cp_size) if pstate.cp_size > 1 else None)
@@ -162,10 +165,7 @@ class GPT(nn.Module):
         self.vocab_start = pstate.tp_rank * local_vocab
         padded_from = max(0, cfg.vocab_size - self.vocab_start)
         self.padded_from = padded_from if padded_from < local_vocab else None
-        # Recompute each block's activations in backward instead of storing them.
-        self.activation_checkpointing = False
-        # Tokens per chunk of the fused head + loss: its logits are chunk x padded_vocab / tp.
-        self.loss_chunk_tokens = 4096
+        self.activation_checkpointing, self.loss_chunk_tokens = activation_checkpointing, loss_chunk_tokens
         if init:
             init_parameters_(self, seed)
 

@@ -17,9 +17,9 @@ def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
     """The model as a training run (or a benchmark of one) uses it (init=False: weights to be
     loaded, see GPT)."""
     seed_replicated_dropout(cfg.run.seed, pstate)
-    model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init,
+                activation_checkpointing=cfg.train.activation_checkpointing,
+                loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     if cfg.train.compile:
         # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
         # at TP=1 (tests/test_compile.py); the TP collectives split it into several.
