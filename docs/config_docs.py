@@ -1,8 +1,8 @@
 """docs/config.md, the configuration reference, generated from the typed configs so it cannot
 drift: every key of every section with its type, default and the comment it has in the source.
 
-    python docs/config_docs.py --out docs/config.md      # regenerate
-    python docs/config_docs.py --check docs/config.md    # exit 1 if it is stale
+    python -m docs.config_docs --out docs/config.md      # regenerate
+    python -m docs.config_docs --check docs/config.md    # exit 1 if it is stale
 
 A key's comment is the `#` comment on its line or the block of `#` lines right above it
 (tests/test_config_docs.py fails when a key has neither).
@@ -96,7 +96,7 @@ def markdown() -> str:
              "`model` may also be a preset name (`model=gpt2-small`, from `configs/model/`), or a "
              "mapping whose `preset` key names the preset its other keys override.", "",
              "Generated from the typed configs (`megalite/config.py`, `megalite/run_config.py`) by "
-             "`python docs/config_docs.py --out docs/config.md`; "
+             "`python -m docs.config_docs --out docs/config.md`; "
              "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
     for name, cls in sections():
         lines += [f"## {name}", ""] + table(name, cls)
@@ -109,7 +109,7 @@ def markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python docs/config_docs.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m docs.config_docs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--out", help="write the page here")
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
         return 0
     if Path(args.check).read_text() != text:
-        print(f"{args.check} is stale: run python docs/config_docs.py --out {args.check}",
+        print(f"{args.check} is stale: run python -m docs.config_docs --out {args.check}",
               file=sys.stderr)
         return 1
     return 0

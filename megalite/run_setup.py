@@ -21,10 +21,12 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 
 
-def validate(cfg: Config, world: int, launched: bool = True) -> None:
+def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True) -> None:
     """Every rule a run's config must meet on `world` processes (launched: under torchrun or
     Slurm, with a process group to come), checked by every entry point that runs or plans a
-    run (train, a bench point, a sweep) before it reads data or joins a collective."""
+    run (train, a bench point, a sweep) before it reads data or joins a collective.
+    installed: also that the packages it needs (wandb, deepspeed) are installed here; false
+    where the run happens elsewhere (a sweep planned on a login node)."""
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(p, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
@@ -49,7 +51,7 @@ def validate(cfg: Config, world: int, launched: bool = True) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={p.cp}: each row is cut "
                           f"into 2 x parallel.cp{sp} = {chunks} equal chunks, so data.seq_len must be a "
                           f"multiple of {chunks}: use data.seq_len={cfg.data.seq_len + chunks - cfg.data.seq_len % chunks}")
-    if cfg.run.wandb and importlib.util.find_spec("wandb") is None:
+    if installed and cfg.run.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
                           "or set run.wandb=false")
     for key in ("max_steps", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
@@ -58,7 +60,7 @@ def validate(cfg: Config, world: int, launched: bool = True) -> None:
     for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
-    check_deepspeed(t, cfg.model, p, world if launched else None)
+    check_deepspeed(t, cfg.model, p, world if launched else None, installed)
 
 
 def check_samples(cfg: Config, data: PreparedData, sizes: list[int]) -> None:

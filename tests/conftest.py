@@ -5,25 +5,13 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-# The files that take longest (launch-level runs: Slurm, README, bench, real torchrun) start
-# first, so that pytest-xdist's two workers, handed whole files in order, end together.
-LONGEST_FIRST = ("test_slurm.py", "test_bench.py", "test_readme.py", "test_gpu_check.py",
-                 "test_resume.py", "test_sharded_checkpoint.py")
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-    items.sort(key=rank)  # stable: each file's tests keep their order
-
 
 @pytest.fixture(scope="session")
-def shared(tmp_path_factory, worker_id) -> Path:
-    """A directory that every pytest-xdist worker of this session sees (without xdist, this
-    process's own)."""
+def shared(tmp_path_factory, request) -> Path:
+    """A directory that every pytest-xdist worker of this session sees (without xdist, or where
+    it is not installed, as on a GPU machine's own Python: this process's own)."""
     base = tmp_path_factory.getbasetemp()
-    return base if worker_id == "master" else base.parent
+    return base.parent if hasattr(request.config, "workerinput") else base
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 import torch
 
 from megalite.config import ModelConfig, load_model_config
+from megalite.parallel.context import gather_sequence
 
 PAD_ID = 5  # deliberately not 0; also a real token id, so only the mask may say what is padding
 
@@ -35,3 +36,9 @@ def sequences(cfg: ModelConfig, lengths=LENGTHS, seed: int = 0) -> list[torch.Te
     """The unpadded sequences of padded_batch(cfg, side, lengths, seed), one [1, n] tensor each."""
     ids, mask, _ = padded_batch(cfg, "right", lengths, seed)
     return [ids[row, : int(mask[row].sum())].unsqueeze(0) for row in range(len(lengths))]
+
+
+def full_sequence(model, t: torch.Tensor) -> torch.Tensor:
+    """A per-token output of this CP rank ([batch, seq share, ...]: logits, token losses) for
+    the whole rows, in order (a collective over CP; no autograd)."""
+    return gather_sequence(t, 1, model.pstate.cp_group)

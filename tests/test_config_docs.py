@@ -19,7 +19,7 @@ def test_every_key_of_every_section_has_a_comment():
 
 
 def test_the_committed_page_is_current(capsys):
-    assert PAGE.read_text() == markdown(), "run: python docs/config_docs.py --out docs/config.md"
+    assert PAGE.read_text() == markdown(), "run: python -m docs.config_docs --out docs/config.md"
     assert main(["--check", str(PAGE)]) == 0
 
 
@@ -27,7 +27,7 @@ def test_a_stale_page_is_reported(tmp_path, capsys):
     stale = tmp_path / "config.md"
     stale.write_text(markdown().replace("parallel.cp_comm", "parallel.cp_mode"))
     assert main(["--check", str(stale)]) == 1
-    assert "python docs/config_docs.py --out" in capsys.readouterr().err
+    assert "python -m docs.config_docs --out" in capsys.readouterr().err
 
 
 def test_the_documented_keys_are_the_keys_a_config_accepts():

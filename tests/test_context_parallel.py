@@ -13,23 +13,17 @@ from torch.testing import assert_close
 
 from megalite.config import ParallelConfig
 from megalite.model import GPT
-from megalite.parallel.context import gather_sequence, zigzag_index, zigzag_order
+from megalite.parallel.context import zigzag_index, zigzag_order
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.models import CONFIGS, full_sequence, padded_batch
 from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ = 16  # cuts into 2 x cp x tp = 8 chunks at CP4, and at CP2 x TP2 with SP
-
-
-def full_sequence(model: GPT, t: torch.Tensor) -> torch.Tensor:
-    """A per-token output of this CP rank ([batch, seq share, ...]: logits, token losses) for
-    the whole rows, in order (a collective over CP; no autograd)."""
-    return gather_sequence(t, 1, model.pstate.cp_group)
 
 
 def attention_work(seq: int, cp: int, zigzag: bool = True) -> list[int]:

@@ -10,8 +10,8 @@
   sized vocabulary, autocast (fp32 weights) and pure bf16 tensors, both its paths;
 - greedy generation with the KV cache on the GPU = without the cache = on the CPU.
 
-Skipped where there is no CUDA device; on a GPU machine: `python -m pytest tests/test_gpu.py
--q` (`python -m bench gpu-check` runs it with tests/test_gpu_train.py). Each check is a function of the
+Skipped where there is no CUDA device; on a GPU machine: `python -m pytest -o addopts=
+tests/test_gpu.py -q` (one process: no pytest-xdist needed) (`python -m bench gpu-check` runs it with tests/test_gpu_train.py). Each check is a function of the
 device, so its logic can be exercised on a CPU as well (FlexAttention there through
 tests/test_doc_attention.py's flex_on_cpu, the compile with a cheap backend).
 

@@ -10,8 +10,8 @@
   validation loss, the final weights and the samples. Both runs up to the kill are compared
   first, so that a GPU run that is not deterministic fails as that, not as a bad resume.
 
-Skipped where there is no CUDA device; on a GPU machine `python -m pytest
-tests/test_gpu_train.py -q`. The checks are functions of the device: on a CPU they run the
+Skipped where there is no CUDA device; on a GPU machine `python -m pytest -o addopts=
+tests/test_gpu_train.py -q` (one process: no pytest-xdist needed). The checks are functions of the device: on a CPU they run the
 same trainer on gloo.
 """
 from __future__ import annotations

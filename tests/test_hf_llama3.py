@@ -20,7 +20,7 @@ from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
-from tests.test_context_parallel import full_sequence
+from tests.models import full_sequence
 
 VOCAB = 320  # the models that need no tokenizer
 TOL = dict(atol=1e-5, rtol=1e-5)

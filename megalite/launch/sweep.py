@@ -113,7 +113,7 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
         try:
             config = load_config(sweep.base, overrides)
-            validate(config, world)
+            validate(config, world, installed=False)  # its packages: the nodes' business
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
                               f"{sweep.slurm.procs} processes: {err}") from None

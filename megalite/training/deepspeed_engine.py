@@ -92,8 +92,9 @@ class ModelParallelUnit:
 
 
 def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
-                    world: int | None) -> None:
-    """Every way engine=deepspeed can be misconfigured, before any process group exists."""
+                    world: int | None, installed: bool = True) -> None:
+    """Every way engine=deepspeed can be misconfigured, before any process group exists
+    (installed: the deepspeed package too, where the run will import it)."""
     if train.engine != "deepspeed":
         return
     tp, pp = parallel.tp, parallel.pp
@@ -110,7 +111,7 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
                           f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
                           f"clipping would count the other stages' replicated weights wrongly): "
                           f"use train.engine=native, or train.zero_stage=1")
-    if importlib.util.find_spec("deepspeed") is None:
+    if installed and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
                           "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "
                           "train.engine=native")
