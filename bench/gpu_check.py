@@ -66,8 +66,10 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
         # One step per file: each has its own limit and result, and a test's time shows in its
         # log (-v, --durations) even when the step runs out of time.
         for name, path in TESTS.items():
+            # -o addopts=: one process (the suite's own -n 2 would share the one GPU).
             steps.append(Step(name, "tests", ["-m", "pytest", path, "-v", "-rfEs", "--durations=0",
-                                              "-p", "no:cacheprovider", "-o", "addopts=", "--junitxml", str(out / f"{name}.xml")],
+                                              "-p", "no:cacheprovider", "-o", "addopts=",
+                                              "--junitxml", str(out / f"{name}.xml")],
                               f"{name}.xml"))
     if "bench" not in skip:
         # --resume: a second call keeps the points the first finished.

@@ -55,7 +55,7 @@ def dispatch(prog: str, commands: dict, argv: list[str]) -> int:
     return run_reporting_errors(entry, argv[1:])
 
 
-def overview(prog: str = "megalite", commands: dict = COMMANDS) -> str:
+def overview(prog: str, commands: dict) -> str:
     width = max(map(len, commands)) + 2
     lines = [f"usage: {prog} <command> [options]    ({prog} <command> --help: its options)",
              "", "commands:"]

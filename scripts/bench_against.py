@@ -39,7 +39,8 @@ def run_bench(tree: Path, sweep: Path, out: Path) -> list[dict]:
     if not Path(imported.strip()).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree} would import megalite from {imported.strip()}")
     # The sweep command of that tree: `megalite bench` before the tools left the package.
-    sweep_command = ["bench", "sweep"] if (tree / "bench" / "__main__.py").is_file() else ["megalite.cli", "bench"]
+    moved = (tree / "bench" / "__main__.py").is_file()
+    sweep_command = ["bench", "sweep"] if moved else ["megalite.cli", "bench"]
     subprocess.run([sys.executable, "-m", *sweep_command, str(sweep), "--out", str(out)],
                    cwd=tree, env=env, check=True)
     return json.loads((out / "results.json").read_text())["points"]

@@ -52,8 +52,9 @@ TINY = {"model": "tiny", "data.seq_len": 64, "train.micro_batch_size": 2, "train
 def test_dry_run_refuses_what_could_not_run(tmp_path, capsys, points, flags, named):
     # The command line's own entry point, in this process (the exit status and stderr as
     # `python -m bench gpu-check` gives them, without a new interpreter).
-    assert dispatch("python -m bench", COMMANDS, ["gpu-check", "--out", str(tmp_path / "out"), "--dry-run", "--skip", "tests",
-                          "--sweep", _sweep(tmp_path, points), "--peer-flags", flags]) == 2
+    assert dispatch("python -m bench", COMMANDS,
+                    ["gpu-check", "--out", str(tmp_path / "out"), "--dry-run", "--skip", "tests",
+                     "--sweep", _sweep(tmp_path, points), "--peer-flags", flags]) == 2
     err = capsys.readouterr().err
     assert "megalite: error" in err and named in err, err
     assert not (tmp_path / "out").exists()
