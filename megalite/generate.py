@@ -10,7 +10,6 @@ the others.
 """
 from __future__ import annotations
 
-import argparse
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -18,15 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.cli import command_parser
-from megalite.config import ParallelConfig
 from megalite.data.batches import Batch
-from megalite.data.tokenizer import load_tokenizer
-from megalite.hf.convert import checkpoint_model_config
 from megalite.model import GPT
 from megalite.model.kv_cache import KVCache
-from megalite.parallel.state import ParallelState, init_parallel
+from megalite.inference import add_layout_arguments, layout_of, loaded
+from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
-from megalite.training.checkpoint import load_checkpoint
 
 
 @torch.no_grad()
@@ -111,24 +107,12 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
-def _layer_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not layer counts separated by commas, "
-                                         f"e.g. 3,2") from None
-
-
 def main(argv: list[str]) -> int:
     parser = command_parser("megalite generate", __doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt; repeat for a batch of several")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (under torchrun)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    parser.add_argument("--pp-layers", type=_layer_counts, default=None,
-                        help="layers per stage, e.g. 3,2 (parallel.pp_layers): stages that "
-                             "model.n_layers does not divide evenly")
+    add_layout_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (the most likely token each time); above 0: sampling")
@@ -138,19 +122,11 @@ def main(argv: list[str]) -> int:
                         help="sample among the most likely tokens of this total probability")
     parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
-    cfg = checkpoint_model_config(Path(args.ckpt))
-    tokenizer = load_tokenizer(Path(args.ckpt))
-    ps = init_parallel(ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers), cfg)
-    try:
-        model = GPT(cfg, ps, init=False)
-        load_checkpoint(Path(args.ckpt), model, ps)
+    with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
         outputs = generate(model, [tokenizer.encode(p) for p in args.prompt], args.max_new_tokens,
                            pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, eos_id=tokenizer.eos_id, seed=args.seed)
-        if ps.is_main:
+        if model.pstate.is_main:
             for prompt, new in zip(args.prompt, outputs):
                 print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(new)}", flush=True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0

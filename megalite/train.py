@@ -24,13 +24,13 @@ from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
 from megalite.parallel.state import ParallelState, init_parallel
-from megalite.pipeline.runner import forward_pipelined
 from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_moments)
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
+from megalite.training.evaluation import all_reduce_dp, all_reduce_loss, loss_sum
 from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
@@ -179,23 +179,6 @@ class Preempted(Exception):
     """Raised on every rank after the checkpoint of an agreed early stop."""
 
 
-def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.dp_size > 1:
-        dist.all_reduce(x, group=ps.dp_group)
-    return x
-
-
-def all_reduce_loss(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """The sum over DP ranks, CP ranks (each holds its share of every row's tokens) and
-    pipeline stages: a loss, which only the last stage computes, on every rank (so every rank
-    and metrics.jsonl see the real value)."""
-    x = all_reduce_dp(x, ps)
-    for size, group in ((ps.cp_size, ps.cp_group), (ps.pp_size, ps.pp_group)):
-        if size > 1:
-            dist.all_reduce(x, group=group)
-    return x
-
-
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
     p = cfg.parallel
     chunks = context_chunks(p.cp, p.tp, p.sequence_parallel)  # padded rows widen to whole chunks
@@ -263,23 +246,14 @@ def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int,
     if sum(val_set.sizes) == 0:
         return
     picks = val_set.leading_picks(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None)
-    model.eval()
     mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
-    total = torch.zeros(2, device=ps.device)
+    total = torch.zeros(2, dtype=torch.float64, device=ps.device)
     # A step's worth of micro-batches on the device at a time: memory stays a step's.
     chunk = t.global_batch_size // ps.dp_size
     for first in range(0, len(mine), chunk):
         part = mine[first:first + chunk]
-        batches = [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
-                   for start in range(0, len(part), t.micro_batch_size)]
-
-        def add(micro: int, out) -> None:
-            total[0] += out.token_losses.sum().float()  # this CP rank's tokens of the rows
-            total[1] += batches[micro].target_count().float()  # the whole rows'
-
-        forward_pipelined(model, batches, autocast, add)  # at pp=1: each micro-batch in turn
-    if ps.cp_rank > 0:
-        total[1] = 0  # every CP rank counted the whole rows: the sum counts them once
+        total += loss_sum(model, [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
+                                  for start in range(0, len(part), t.micro_batch_size)], autocast)
     total = all_reduce_loss(total, ps)
     val_loss, val_tokens = (total[0] / total[1]).item(), int(total[1].item())
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow

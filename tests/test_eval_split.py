@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tokenizers import processors
 
 from megalite import evaluate
+from megalite.config import ParallelConfig
 from megalite.data import text_pieces
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.model import GPT
@@ -141,7 +142,8 @@ def expected_loss(model: GPT, tokenizer: TokenizerInfo, pieces: list[bytes]) -> 
     return total / count, count
 
 
-def eval_on_rank(ckpt: str, path: str, piece_bytes: int, patch=setattr) -> tuple[str, list[str]]:
+def eval_on_rank(ckpt: str, path: str, piece_bytes: int, patch=setattr,
+                 layout: tuple[str, ...] = ()) -> tuple[str, list[str]]:
     """What `megalite eval` prints on this rank, and the texts it tokenized (`patch`: how to
     set PIECE_BYTES and the recording encode; monkeypatch.setattr in the test's process)."""
     patch(text_pieces, "PIECE_BYTES", piece_bytes)
@@ -149,7 +151,7 @@ def eval_on_rank(ckpt: str, path: str, piece_bytes: int, patch=setattr) -> tuple
     patch(TokenizerInfo, "encode", lambda self, t: seen.append(t) or encode(self, t))
     out = io.StringIO()
     with redirect_stdout(out):
-        assert evaluate.main(["--ckpt", ckpt, "--text", path, "--json"]) == 0
+        assert evaluate.main(["--ckpt", ckpt, "--text", path, "--json", *layout]) == 0
     return out.getvalue(), seen
 
 
@@ -172,6 +174,26 @@ def test_the_loss_at_dp2_equals_dp1_and_the_pieces_scored_here(checkpoint, tmp_p
 
     loss, count = expected_loss(model, load_tokenizer(ckpt), pieces)
     assert one["tokens"] == count and one["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", [("--pp", "2"), ("--cp", "2")])
+def test_the_loss_at_pp2_and_cp2_equals_one_process(checkpoint, tmp_path, monkeypatch, layout):
+    """Training's validation and `megalite eval` share one loss (training/evaluation.py): eval
+    runs the layouts training does."""
+    path = tmp_path / "eval.txt"
+    path.write_text(text(7, 50))
+    one = json.loads(eval_on_rank(str(checkpoint[0]), str(path), SMALL, monkeypatch.setattr)[0])
+    ranks = run_distributed(eval_on_rank, 2, str(checkpoint[0]), str(path), SMALL, setattr, layout,
+                            torchrun_env=True)
+    two = json.loads(ranks[0][0])
+    assert ranks[1][0] == ""  # printed once
+    assert two["tokens"] == one["tokens"] and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+def test_a_cp_that_widens_a_window_past_the_positions_is_refused():
+    evaluate.check_windows_split(32, ParallelConfig(cp=2))  # 31 tokens widen to 32
+    with pytest.raises(ConfigError, match=r"--cp 2 cuts each window into 4 equal chunks.*max_seq_len=30"):
+        evaluate.check_windows_split(30, ParallelConfig(cp=2))  # 29 widen to 32
 
 
 def test_a_text_under_the_piece_size_is_scored_whole(checkpoint, tmp_path, capsys):

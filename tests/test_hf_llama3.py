@@ -95,7 +95,7 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
     """Per model: the text loss at TP2 (megalite eval's computation), greedy tokens at TP2 and at
     PP2 (the KV cache), the first window's logits at CP2; and whether train.init_from's sliced
     read of the Hugging Face directory gives the imported weights at TP2."""
-    from megalite.evaluate import text_loss
+    from megalite.evaluate import windows_loss
     from megalite.generate import generate
     tp2 = ParallelState.from_world(2)
     cp2 = ParallelState.from_world(1, pipeline=ParallelConfig(cp=2))
@@ -110,7 +110,7 @@ def on_two_ranks(models: dict[str, tuple[str, str]], ids: list[int]) -> dict:
         load_pretrained(hf_dir, from_hf, tp2)
         same = all(torch.equal(p, dict(from_hf.named_parameters())[k])
                    for k, p in model.named_parameters())
-        loss_sum, count = text_loss(model, ids)
+        loss_sum, count = windows_loss(model, ids, pad).tolist()
         tp_tokens = generate(model, prompts(ids), NEW_TOKENS, pad_id=pad)
 
         model = GPT(cfg, pp2, init=False)
