@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(spec["config"], spec["overrides"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
-    ps = init_parallel(cfg.parallel, cfg.model)
+    ps = init_parallel(cfg.parallel)
     try:
         result = measure(cfg, ps, spec["warmup"], spec["steps"], spec["batch"])
         if ps.is_main:

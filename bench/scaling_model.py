@@ -78,7 +78,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from bench.scaling_config import Hardware
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.run_config import Config, DataConfig, TrainConfig
+from megalite.run_setup import validate
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.typed_config import ConfigError
 
@@ -116,45 +118,26 @@ class Layout:
 
 
 def check_fits(layout: Layout, hw: Hardware) -> None:
-    """Raise ConfigError, naming the values, for a layout that cannot run on this hardware."""
-    t, p, v, n = layout.tp, layout.pp, layout.virtual_stages, layout.gpus
-    b, batch, layers = layout.micro_batch, layout.global_batch, layout.model.n_layers
-    if min(t, p, v, n, b, batch) < 1:
-        raise ConfigError(f"tp={t}, pp={p}, virtual_stages={v}, gpus={n}, micro_batch={b} and "
-                          f"global_batch={batch} must be >= 1")
-    if t > hw.gpus_per_node or hw.gpus_per_node % t:
-        raise ConfigError(f"tp={t} does not fit in a node of {hw.gpus_per_node} GPUs ({hw.name}): "
-                          f"TP stays within a node, use a tp that divides {hw.gpus_per_node}")
-    c = layout.cp
-    if c < 1 or layout.cp_comm not in ("all_gather", "p2p"):
-        raise ConfigError(f"cp={c} must be >= 1 and cp_comm={layout.cp_comm} all_gather or p2p")
-    if n % (t * c * p):
-        split = f"tp={t} x pp={p}" if c == 1 else f"tp={t} x cp={c} x pp={p}"
-        raise ConfigError(f"gpus={n} is not divisible by {split} = {t * c * p}: use a "
-                          f"multiple of {t * c * p} GPUs")
-    if layout.seq_len % (2 * c):
-        raise ConfigError(f"seq_len={layout.seq_len} does not cut into 2 x cp={c} equal chunks")
-    if layers % (p * v):
-        raise ConfigError(f"layers={layers} is not divisible by pp={p} x virtual_stages={v} = "
-                          f"{p * v}: every model chunk needs as many layers, use a multiple of "
-                          f"{p * v} layers or another pp or virtual_stages")
-    if v > 1 and p == 1:
-        raise ConfigError(f"virtual_stages={v} interleaves pipeline stages: it needs pp > 1")
-    if batch < b * layout.dp:
-        raise ConfigError(f"global_batch={batch} is less than micro_batch={b} x dp={layout.dp}: "
-                          f"every DP rank needs a micro-batch per step, use a global_batch of at "
-                          f"least {b * layout.dp}")
-    if batch % (b * layout.dp):
-        raise ConfigError(f"global_batch={batch} is not divisible by micro_batch="
-                          f"{b} x dp={layout.dp}")
-    if v > 1 and layout.micro_batches % p:
-        raise ConfigError(f"virtual_stages={v} (interleaved 1F1B) needs the micro-batches per "
-                          f"step, global_batch / (micro_batch x dp) = {layout.micro_batches}, to "
-                          f"be a multiple of pp={p}: use a global_batch that is a multiple of "
-                          f"{b * layout.dp * p}, or virtual_stages=1")
-    if layout.model.n_heads % t or layout.model.hidden % layout.model.n_heads:
-        raise ConfigError(f"heads={layout.model.n_heads} must divide hidden={layout.model.hidden} "
-                          f"and be divisible by tp={t}")
+    """Raise ConfigError, naming the values, for a layout that cannot run on this hardware: TP
+    inside a node, and megalite's own rules (run_setup.validate) for the run it describes."""
+    if layout.gpus < 1 or layout.tp < 1:
+        raise ConfigError(f"gpus={layout.gpus} and tp={layout.tp} must be >= 1")
+    if layout.tp > hw.gpus_per_node or hw.gpus_per_node % layout.tp:
+        raise ConfigError(f"tp={layout.tp} does not fit in a node of {hw.gpus_per_node} GPUs "
+                          f"({hw.name}): TP stays within a node, use a tp that divides "
+                          f"{hw.gpus_per_node}")
+    validate(as_run(layout), layout.gpus, installed=False)
+
+
+def as_run(layout: Layout) -> Config:
+    """The megalite run a layout describes (interleaved 1F1B where it has virtual stages)."""
+    v = layout.virtual_stages
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_comm=layout.cp_comm,
+                              virtual_stages=v, pp_schedule="interleaved" if v > 1 else "1f1b")
+    train = TrainConfig(global_batch_size=layout.global_batch, micro_batch_size=layout.micro_batch,
+                        activation_checkpointing=layout.activation_recompute)
+    return Config(model=dataclasses.replace(layout.model, max_seq_len=layout.seq_len),
+                  parallel=parallel, data=DataConfig(seq_len=layout.seq_len), train=train)
 
 
 def model_flops_per_step(layout: Layout) -> float:

@@ -100,11 +100,6 @@ class ParallelConfig:
     # all_gather (K/V gathered) or p2p (ring attention)
     cp_comm: Literal["all_gather", "p2p"] = "all_gather"
 
-    def __post_init__(self):
-        if not self.dp_bucket_mb > 0:
-            raise ConfigError(f"parallel.dp_bucket_mb={self.dp_bucket_mb} must be > 0: it is the "
-                              f"size of a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's "
-                              f"default)")
 
 
 def read_preset(name: str) -> dict:
@@ -125,17 +120,16 @@ def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
     return from_dict(ModelConfig, {**data, **overrides}, "model.")
 
 
-def check_layout(model: ModelConfig | None, tp: int, world_size: int,
-                 sequence_parallel: bool = False, pipeline: ParallelConfig | None = None,
+def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
                  micro_batches: int | None = None) -> None:
-    """Raise ONE ConfigError listing every way `model` cannot run at this TP and world size
-    (and pipeline layout: `pipeline`'s pp keys, with `micro_batches` per step if known).
+    """Raise ONE ConfigError listing every way `model` cannot run on `parallel`'s layout of
+    `world_size` processes (with `micro_batches` per step, if known; model None: not known yet).
 
-    Runs before any collective, so a bad config fails on every rank with the same message
-    instead of deadlocking the ranks that did not fail.
+    Every entry point calls it before any collective (run_setup.validate for a run, inference
+    for generate and eval), so a bad config fails on every rank with the same message instead
+    of deadlocking the ranks that did not fail; GPT calls it for the split it is built on.
     """
-    pp = 1 if pipeline is None else pipeline.pp
-    cp = 1 if pipeline is None else pipeline.cp
+    tp, pp, cp, sequence_parallel = parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel
     problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
     if cp < 1:
         problems.append(f"parallel.cp={cp} must be >= 1")
@@ -144,13 +138,11 @@ def check_layout(model: ModelConfig | None, tp: int, world_size: int,
         split = {"tp": tp, "cp": cp, "pp": pp}
         named = [k for k, v in split.items() if k == "tp" or v > 1]
         what = " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(str(split[k]) for k in named)
-        problems.append(f"world size {world_size} is not divisible by {what}: use "
-                        f"parallel.tp among {_divisors(world_size // (pp * cp) or 1)} or launch a "
+        tps = (f"use parallel.tp among {_divisors(world_size // (pp * cp))} or "
+               if world_size % (pp * cp) == 0 else "")  # else no tp fits
+        problems.append(f"world size {world_size} is not divisible by {what}: {tps}launch a "
                         f"multiple of {tp * cp * pp} processes")
-    if pipeline is not None:
-        n_layers = None if model is None else model.n_layers
-        problems += pipeline_problems(n_layers, pp, pipeline.virtual_stages, pipeline.pp_layers,
-                                      pipeline.pp_schedule, micro_batches)
+    problems += pipeline_problems(None if model is None else model.n_layers, parallel, micro_batches)
     if model is not None and cp > 1 and model.dropout > 0:
         # A CP rank holds a zig-zag subset of the tokens: the single process's dropout masks
         # would have to be drawn whole and indexed for every layer to stay the same model.
@@ -277,10 +269,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def pipeline_problems(n_layers: int | None, pp: int, virtual: int, explicit: tuple[int, ...] | None,
-                      schedule: str, micro_batches: int | None) -> list[str]:
+def pipeline_problems(n_layers: int | None, parallel: ParallelConfig,
+                      micro_batches: int | None) -> list[str]:
     """Every way this pipeline layout cannot run, one line each (empty: it can); n_layers None:
     the model is not known yet."""
+    pp, virtual, explicit = parallel.pp, parallel.virtual_stages, parallel.pp_layers
+    schedule = parallel.pp_schedule
     if pp < 1 or virtual < 1:
         return [f"parallel.pp={pp} and parallel.virtual_stages={virtual} must be >= 1"]
     stages = pp * virtual
@@ -288,6 +282,9 @@ def pipeline_problems(n_layers: int | None, pp: int, virtual: int, explicit: tup
     if virtual > 1 and schedule != "interleaved":
         problems.append(f"parallel.virtual_stages={virtual} needs parallel.pp_schedule=interleaved "
                         f"(got {schedule}): set it, or virtual_stages=1")
+    if virtual > 1 and pp == 1:
+        problems.append(f"parallel.virtual_stages={virtual} interleaves pipeline stages: it needs "
+                        f"parallel.pp > 1")
     if schedule == "interleaved" and pp > 1 and virtual < 2:
         problems.append("parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2 "
                         "model chunks per rank: set it, or use pp_schedule=1f1b")

@@ -3,13 +3,14 @@ the checkpoint's model on that layout, its process group destroyed on the way ou
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch.distributed as dist
 
-from megalite.config import ParallelConfig
+from megalite.config import ParallelConfig, check_layout
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.hf.convert import checkpoint_model_config
 from megalite.model import GPT
@@ -39,7 +40,8 @@ def loaded(ckpt: Path, parallel: ParallelConfig) -> Iterator[tuple[GPT, Tokenize
     (checked before any collective)."""
     cfg = checkpoint_model_config(ckpt)
     tokenizer = load_tokenizer(ckpt)
-    ps = init_parallel(parallel, cfg)
+    check_layout(cfg, parallel, int(os.environ.get("WORLD_SIZE", "1")))
+    ps = init_parallel(parallel)
     try:
         model = GPT(cfg, ps, init=False)
         load_checkpoint(ckpt, model, ps)

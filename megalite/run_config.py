@@ -102,12 +102,6 @@ class TrainConfig:
     def decay_end(self) -> int:
         return self.decay_steps or self.max_steps
 
-    def __post_init__(self):
-        if self.engine == "native" and self.zero_stage == 2:
-            raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
-                              "partitions the optimizer state (stage 1), not the gradients; use "
-                              "train.zero_stage=1, or train.engine=deepspeed for stage 2")
-
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -30,7 +30,14 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     p, t = cfg.parallel, cfg.train
     dp = data_parallel_size(p, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
-    check_layout(cfg.model, p.tp, world, p.sequence_parallel, p, micro_batches)
+    check_layout(cfg.model, p, world, micro_batches)
+    if not p.dp_bucket_mb > 0:
+        raise ConfigError(f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0: it is the size of "
+                          f"a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's default)")
+    if t.engine == "native" and t.zero_stage == 2:
+        raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
+                          "partitions the optimizer state (stage 1), not the gradients; use "
+                          "train.zero_stage=1, or train.engine=deepspeed for stage 2")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
                           f"train.micro_batch_size={t.micro_batch_size} must be >= 1")

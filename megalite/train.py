@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = find_resume(cfg, data)
     cfg = with_schedule(cfg, resume_from)
     with StopRequest() as stop:
-        pstate = init_parallel(cfg.parallel, cfg.model)
+        pstate = init_parallel(cfg.parallel)
         try:
             train(cfg, pstate, data, train_set, resume_from, stop)
         except Preempted:

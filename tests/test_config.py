@@ -15,13 +15,13 @@ BASE = ModelConfig(vocab_size=1000, hidden=64, n_heads=8, n_layers=2, max_seq_le
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt2-medium", "llama-1b"])
 def test_presets_load_and_are_valid(preset):
     cfg = load_model_config(preset)
-    check_layout(cfg, 1, 1)
+    check_layout(cfg, ParallelConfig(), 1)
 
 
 def test_llama_1b_preset_has_the_expected_shape():
     cfg = load_model_config("llama-1b")
     assert (cfg.kv_heads, cfg.head_dim, cfg.padded_vocab) == (8, 64, 128256)
-    check_layout(cfg, 8, 16)
+    check_layout(cfg, ParallelConfig(tp=8), 16)
 
 
 def test_unknown_key_names_the_nearest_valid_key():
@@ -82,31 +82,32 @@ def test_missing_preset_lists_the_available_ones():
 def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
     cfg = dataclasses.replace(BASE, **changes)
     if message is None:
-        check_layout(cfg, tp, world)
+        check_layout(cfg, ParallelConfig(tp=tp), world)
         return
     with pytest.raises(ConfigError, match=message):
-        check_layout(cfg, tp, world)
+        check_layout(cfg, ParallelConfig(tp=tp), world)
 
 
 def test_all_problems_come_in_one_error():
     """Each problem once: a tp that fits neither the world nor the model is one line."""
     cfg = dataclasses.replace(BASE, n_heads=5, hidden=64, dropout=2.0)
     with pytest.raises(ConfigError) as err:
-        check_layout(cfg, 2, 3, pipeline=ParallelConfig(tp=2, cp=2))
+        check_layout(cfg, ParallelConfig(tp=2, cp=2), 3)
     lines = str(err.value).splitlines()
     assert lines[0] == "invalid config:" and len(lines) == 4, lines
 
 
-def test_init_parallel_rejects_a_bad_layout_before_any_process_group(monkeypatch):
+def test_the_entry_point_rejects_a_bad_layout_before_any_process_group(monkeypatch):
+    from megalite.train import main
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="parallel.tp=2 must divide the world size 3"):
-        init_parallel(ParallelConfig(tp=2), BASE)
+        main(["parallel.tp=2"])
     assert not dist.is_initialized()
 
 
 def test_without_torchrun_init_parallel_is_a_plain_single_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ps = init_parallel(ParallelConfig(tp=1), BASE)
+    ps = init_parallel(ParallelConfig(tp=1))
     assert (ps.tp_size, ps.dp_size, ps.tp_group, ps.dp_group) == (1, 1, None, None)
     assert not dist.is_initialized()

@@ -7,7 +7,7 @@ across stages), PP2xDP2 interleaved (2 virtual stages), CP2xDP2 and DP4 with 3 a
 micro-batches and rows that do not split evenly; and under pure_bf16 (bf16 tolerance, below).
 Each rank's Adam moments and fp32 masters are 1/dp of the replicated engine's, to a row per
 tensor. Moments read from one engine (`held_rows`, `master`, `moments`) and loaded into a fresh
-one (`load_moments`) give the same next step, bitwise. zero_stage=2 is refused at config load.
+one (`load_moments`) give the same next step, bitwise. zero_stage=2 is refused before the run (run_setup.validate).
 """
 import dataclasses
 
@@ -22,6 +22,7 @@ from megalite.model import GPT
 from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig, load_config
+from megalite.run_setup import validate
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
 from megalite.training.engine import NativeEngine, autocast_for, train_step
@@ -221,9 +222,9 @@ def test_a_single_replica_keeps_the_replicated_engine():
     assert all(engine.held_rows(p) == (0, p.shape[0]) for p in engine.model.parameters())
 
 
-def test_zero_stage_2_under_the_native_engine_is_refused_at_config_load():
+def test_zero_stage_2_under_the_native_engine_is_refused_before_the_run():
     with pytest.raises(ConfigError, match="train.zero_stage=2 with train.engine=native.*"
                                           "use train.zero_stage=1, or train.engine=deepspeed"):
-        load_config(None, ["train.zero_stage=2"])
+        validate(load_config(None, ["train.zero_stage=2"]), 1)
     assert load_config(None, ["train.zero_stage=2", "train.engine=deepspeed"]).train.zero_stage == 2
     assert load_config(None).train.zero_stage == 1

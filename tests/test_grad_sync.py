@@ -21,6 +21,7 @@ from megalite.model import GPT
 from megalite.parallel.sharding import gather_full, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
+from megalite.run_setup import validate
 from megalite.training.grads import MIB, DataParallelGradSync, bucket_params, clip_grad_norm_
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
@@ -166,6 +167,6 @@ def test_buckets_follow_backward_order_one_dtype_each_up_to_the_cap():
 def test_bucket_size_and_reduce_dtype_are_checked():
     assert load_config(None, []).parallel.dp_bucket_mb == 25.0
     with pytest.raises(ConfigError, match=r"parallel.dp_bucket_mb=0.0 must be > 0"):
-        load_config(None, ["parallel.dp_bucket_mb=0"])
+        validate(load_config(None, ["parallel.dp_bucket_mb=0"]), 1)
     with pytest.raises(ConfigError, match="parallel.dp_reduce_dtype"):
         load_config(None, ["parallel.dp_reduce_dtype=fp16"])

@@ -272,4 +272,4 @@ def test_unsupported_rope_is_refused_naming_it(tmp_path, rope, message):
 def test_bad_rope_scaling_values_are_config_errors(changes, message):
     cfg = dataclasses.replace(ModelConfig(position="rotary"), **changes)
     with pytest.raises(ConfigError, match=message):
-        check_layout(cfg, 1, 1)
+        check_layout(cfg, ParallelConfig(), 1)

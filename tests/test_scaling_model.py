@@ -163,7 +163,7 @@ def test_a_layout_prints_step_time_tokens_tflops_and_mfu(capsys):
     ("B200", "2", "64", r"hardware 'B200' is not a profile of the scaling config "
                         r"\(profiles: A100, H100\)"),
     ("H100", "16", "64", r"tp=16 does not fit in a node of 8 GPUs \(H100\)"),
-    ("H100", "8", "12", r"gpus=12 is not divisible by tp=8"),
+    ("H100", "8", "12", r"parallel\.tp=8 must divide the world size 12"),
 ])
 def test_a_layout_that_cannot_run_names_the_value(hardware, tp, gpus, message):
     with pytest.raises(ConfigError, match=message):
@@ -179,17 +179,20 @@ def test_a_pipeline_layout_prints_its_bubble_and_p2p(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--pp", "16"], r"layers=24 is not divisible by pp=16 x virtual_stages=1 = 16"),
+    (["--pp", "16"], r"model\.n_layers=24 does not split evenly into pp x virtual_stages = 16"),
     (["--pp", "4", "--virtual-stages", "4"],
-     r"layers=24 is not divisible by pp=4 x virtual_stages=4 = 16"),
-    (["--pp", "3"], r"gpus=64 is not divisible by tp=2 x pp=3 = 6"),
-    (["--pp", "0"], r"pp=0, virtual_stages=1, .* must be >= 1"),
-    (["--virtual-stages", "2"], r"virtual_stages=2 interleaves pipeline stages: it needs pp > 1"),
+     r"model\.n_layers=24 does not split evenly into pp x virtual_stages = 16"),
+    (["--pp", "3"], r"world size 64 is not divisible by parallel\.tp x parallel\.pp = 2 x 3: "
+                    r"launch a multiple of 6 processes"),
+    (["--pp", "0"], r"parallel\.pp=0 and parallel\.virtual_stages=1 must be >= 1"),
+    (["--virtual-stages", "2"],
+     r"parallel\.virtual_stages=2 interleaves pipeline stages: it needs parallel\.pp > 1"),
     (["--pp", "4", "--global-batch", "8"],
-     r"global_batch=8 is less than micro_batch=2 x dp=8: .* at least 16"),
+     r"train\.global_batch_size=8 is not a multiple of train\.micro_batch_size=2 x DP=8 .* "
+     r"a multiple of 16"),
     (["--pp", "4", "--virtual-stages", "2", "--global-batch", "48"],
-     r"virtual_stages=2 \(interleaved 1F1B\) needs .* = 3, to be a multiple of pp=4: use a "
-     r"global_batch that is a multiple of 64"),
+     r"pp_schedule=interleaved needs the micro-batches per step \(3 = .*\) to be a multiple of "
+     r"parallel\.pp=4"),
 ])
 def test_a_pipeline_that_cannot_run_names_the_value(args, message):
     with pytest.raises(ConfigError, match=message):

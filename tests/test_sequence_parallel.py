@@ -279,11 +279,13 @@ def test_max_seq_len_not_divisible_by_tp_is_refused_before_any_collective(monkey
                r"shards, so model\.max_seq_len=30 must be a multiple of 4: use "
                r"max_seq_len=32, or parallel\.sequence_parallel=false")
     with pytest.raises(ConfigError, match=message):
-        check_layout(cfg, 4, 8, sequence_parallel=True)
-    check_layout(cfg, 4, 8)
-    check_layout(cfg, 2, 8, sequence_parallel=True)
-    # init_parallel checks before init_process_group, on every rank
+        check_layout(cfg, ParallelConfig(tp=4, sequence_parallel=True), 8)
+    check_layout(cfg, ParallelConfig(tp=4), 8)
+    check_layout(cfg, ParallelConfig(tp=2, sequence_parallel=True), 8)
+    # the entry point checks before init_process_group, on every rank
+    from megalite.train import main
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=message):
-        init_parallel(ParallelConfig(tp=4, sequence_parallel=True), cfg)
+        main(["parallel.tp=4", "parallel.sequence_parallel=true", "model.n_heads=4",
+              "model.hidden=32", "model.max_seq_len=30", "data.seq_len=30"])
     assert not dist.is_initialized()

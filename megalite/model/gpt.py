@@ -136,8 +136,9 @@ class GPT(nn.Module):
         activations in backward instead of storing them (in training mode). loss_chunk_tokens:
         tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
         super().__init__()
-        check_layout(cfg, pstate.tp_size, pstate.tp_size * pstate.cp_size * pstate.dp_size, pstate.sequence_parallel,
-                     ParallelConfig(cp=pstate.cp_size) if pstate.cp_size > 1 else None)
+        check_layout(cfg, ParallelConfig(tp=pstate.tp_size, cp=pstate.cp_size,
+                                         sequence_parallel=pstate.sequence_parallel),
+                     pstate.tp_size * pstate.cp_size * pstate.dp_size)
         self.cfg, self.pstate = cfg, pstate
         # At tp=1 there is nothing to split: the same model, on the default generator.
         self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite.config import ModelConfig, ParallelConfig, check_layout
+from megalite.config import ParallelConfig
 from megalite.typed_config import ConfigError
 
 
@@ -84,12 +84,11 @@ class ParallelState:
                    device: torch.device | None = None, sequence_parallel: bool = False,
                    pipeline: ParallelConfig | None = None) -> "ParallelState":
         """Build the TP, DP and (pipeline's pp > 1) PP and (cp > 1) CP groups of an initialised
-        torch.distributed world.
+        torch.distributed world, on a layout config.check_layout has passed.
 
         Every rank creates every group, in the same order, as new_group requires.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
-        check_layout(None, tp, world, pipeline=pipeline)
         pp = 1 if pipeline is None else pipeline.pp
         cp = 1 if pipeline is None else pipeline.cp
         dp = world // (tp * cp * pp)
@@ -158,15 +157,13 @@ class ParallelState:
         return self._blocks[size]
 
 
-def init_parallel(parallel: ParallelConfig, model: ModelConfig | None = None) -> ParallelState:
-    """Initialise torch.distributed from torchrun's environment and build the TP x DP layout.
+def init_parallel(parallel: ParallelConfig) -> ParallelState:
+    """Initialise torch.distributed from torchrun's environment and build the layout, which the
+    entry point has checked (config.check_layout) on every rank before this first collective.
 
     Without torchrun (no WORLD_SIZE in the environment) this is a plain single process,
-    TP=1 x DP=1, with no process group at all. The layout is validated from the environment
-    BEFORE init_process_group, so a bad config fails on every rank without a collective.
+    TP=1 x DP=1, with no process group at all.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_layout(model, parallel.tp, world, parallel.sequence_parallel, parallel)
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
