@@ -22,6 +22,8 @@ COMMANDS = {
     "slurm": ("megalite.launch.slurm", "main", "a YAML sweep as a Slurm job array: print or submit"),
     "sweep-status": ("megalite.launch.slurm", "main_status", "the state of a submitted sweep's runs"),
 }
+# Commands that left the package with the measuring tools: their name under `python -m bench`.
+MOVED = {"bench": "sweep", "peer-bench": "peer", "gpu-check": "gpu-check", "scale-model": "scale-model"}
 USAGE = 2  # the exit status of bad input, as argparse's
 # Set by `megalite torchrun` for its workers: the directory where a rank leaves its error line.
 ERROR_DIR = "MEGALITE_ERROR_DIR"
@@ -31,12 +33,16 @@ QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return dispatch("megalite", COMMANDS, sys.argv[1:] if argv is None else argv)
+    return dispatch("megalite", COMMANDS, sys.argv[1:] if argv is None else argv, MOVED)
 
 
-def dispatch(prog: str, commands: dict, argv: list[str]) -> int:
+def dispatch(prog: str, commands: dict, argv: list[str], moved: dict | None = None) -> int:
     """Run `prog <command> ...` from a table like COMMANDS (also the measuring tools' table)."""
     first = argv[0] if argv else None
+    if moved and first in moved:
+        print(f"{prog}: '{first}' moved out of the package with the measuring tools: from a "
+              f"clone's root, run `python -m bench {moved[first]}`", file=sys.stderr)
+        return USAGE
     if first in ("-h", "--help"):
         print(overview(prog, commands))
         return 0

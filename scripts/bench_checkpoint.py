@@ -49,7 +49,7 @@ def worker(args) -> None:
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     from megalite.run_config import TrainConfig
-    from megalite.training.checkpoint import load_checkpoint, read_moments, save_checkpoint
+    from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_moments
     from megalite.training.build import build_engine
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -71,7 +71,9 @@ def worker(args) -> None:
         before, io, start = proc_status("VmRSS"), proc_io(), time.perf_counter()
         meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size, "pp": 1}, "tokens": 0,
                 "config": {"model": {}}}
-        save_checkpoint(path.parent.parent, 1, model, engine, {"cpu": torch.get_rng_state()}, meta, ps, keep=1)
+        with CheckpointWriter(ps) as writer:
+            writer.save(path.parent.parent, 1, model, engine, {"cpu": torch.get_rng_state()}, meta, keep=1)
+            writer.finish()
         after = proc_io()
         row.update(seconds=time.perf_counter() - start, rss_before_gb=before / GB,
                    peak_rss_gb=proc_status("VmHWM") / GB,

@@ -3,6 +3,9 @@ import torch
 
 from megalite.config import ModelConfig, load_model_config
 from megalite.parallel.context import gather_sequence
+from megalite.parallel.mappings import all_gather, group_size
+from megalite.parallel.sharding import Shard
+from megalite.parallel.state import ParallelState
 
 PAD_ID = 5  # deliberately not 0; also a real token id, so only the mask may say what is padding
 
@@ -42,3 +45,15 @@ def full_sequence(model, t: torch.Tensor) -> torch.Tensor:
     """A per-token output of this CP rank ([batch, seq share, ...]: logits, token losses) for
     the whole rows, in order (a collective over CP; no autograd)."""
     return gather_sequence(t, 1, model.pstate.cp_group)
+
+
+def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState) -> torch.Tensor:
+    """The full tensor (weight, gradient, optimizer moment) whose slice `local` is, on every rank.
+
+    A collective over the TP group when `shard` is not None: every TP rank must call it.
+    """
+    if shard is None or group_size(pstate.tp_group) == 1:
+        return local
+    parts = all_gather(local.unsqueeze(0), 0, pstate.tp_group)
+    copies = pstate.tp_size // shard.count
+    return torch.cat(list(parts[::copies]), dim=shard.dim)

@@ -40,6 +40,14 @@ def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
         assert "unknown command 'trian' (did you mean 'train'?)" in err
 
 
+@pytest.mark.parametrize("old", sorted(cli.MOVED))
+def test_a_command_that_moved_to_the_measuring_tools_says_where(capsys, old):
+    assert cli.main([old]) == 2
+    new = cli.MOVED[old]
+    assert new in BENCH_COMMANDS
+    assert f"run `python -m bench {new}`" in capsys.readouterr().err
+
+
 def test_version_is_the_installed_packages(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"megalite {importlib.metadata.version('megalite')}\n"

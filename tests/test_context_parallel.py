@@ -16,10 +16,10 @@ from megalite.model import GPT
 from megalite.parallel.context import zigzag_index, zigzag_order
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
-from megalite.parallel.sharding import gather_full, shard_of
+from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
-from tests.models import CONFIGS, full_sequence, padded_batch
+from tests.models import CONFIGS, full_sequence, gather_full, padded_batch
 from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -146,7 +146,7 @@ def test_context_parallel_refuses_dropout_and_short_rows():
         model(torch.zeros(1, 10, dtype=torch.long))  # before any collective
     # A later pipeline stage sizes its receive by hidden_len: it refuses too, not waiting.
     with pytest.raises(ValueError, match="does not cut into 4 equal chunks"):
-        model.hidden_len(10)
+        model.split.hidden_len(10)
 
 
 def check_ring_mask_rows_are_built_once_per_forward(flex: bool) -> None:

@@ -7,12 +7,12 @@ process starts.
 import pytest
 import torch
 import torch.distributed as dist
-from megalite.training.checkpoint import read_whole_state
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
+from tests.checkpoints import read_whole_state
 from tests.harness import run_distributed
 from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 

@@ -20,8 +20,8 @@ from megalite.data import text_pieces
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from megalite.training.checkpoint import WeightsOnly, save_checkpoint
 from megalite.typed_config import ConfigError
+from tests.checkpoints import save_checkpoint, WeightsOnly
 from tests.harness import run_distributed
 from tests.models import CONFIGS
 

@@ -14,9 +14,9 @@ from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.checkpoint import (WeightsOnly, load_checkpoint,  # noqa: E402
-                                          read_whole_state, save_checkpoint)
+from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
+from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.harness import run_distributed  # noqa: E402
 from tests.models import CONFIGS, padded_batch  # noqa: E402
 

@@ -20,8 +20,8 @@ from megalite.hf.convert import (checkpoint_model_config, export_hf, import_hf,
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from megalite.training.checkpoint import (WeightsOnly, load_checkpoint,
-                                          load_full_weights, save_checkpoint)
+from megalite.training.checkpoint import load_checkpoint, load_full_weights
+from tests.checkpoints import save_checkpoint, WeightsOnly
 from tests.harness import run_distributed
 from tests.models import padded_batch
 

@@ -6,10 +6,11 @@ from torch.testing import assert_close
 
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.sharding import gather_full, local_slice, shard_of
+from megalite.parallel.sharding import local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import VocabParallelEmbedding, softmax_grad_, softmax_stats_
 from tests.harness import run_distributed
+from tests.models import gather_full
 
 SINGLE = ParallelState()
 

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint.filesystem as dcp_files
 from megalite import train as train_module
 from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
-from megalite.training.checkpoint import (CheckpointError, CheckpointWriter, WeightsOnly,
-                                          latest_checkpoint, read_whole_state)
+from megalite.training.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
+from tests.checkpoints import read_whole_state, WeightsOnly
 from tests.harness import run_distributed
 from tests.test_train import STEPS, common, losses
 

@@ -11,10 +11,10 @@ from torch.testing import assert_close
 
 from megalite.model import GPT
 from megalite.parallel.mappings import all_gather
-from megalite.parallel.sharding import gather_full, local_slice, shard_of
+from megalite.parallel.sharding import local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.models import CONFIGS, gather_full, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

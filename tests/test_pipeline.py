@@ -17,15 +17,16 @@ from torch.testing import assert_close
 from megalite.config import ParallelConfig
 from megalite.data.batches import Batch
 from megalite.model import GPT
-from megalite.parallel.sharding import gather_full, local_slice
+from megalite.parallel.sharding import local_slice
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined, train_pipelined
 from megalite.run_config import TrainConfig
-from megalite.training.checkpoint import load_checkpoint, save_checkpoint
+from megalite.training.checkpoint import load_checkpoint
 from megalite.training.engine import NativeEngine, train_step
 from megalite.training.grads import sum_embedding_copies
+from tests.checkpoints import save_checkpoint
 from tests.harness import run_distributed
-from tests.models import CONFIGS
+from tests.models import CONFIGS, gather_full
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS, SEQ, MICRO = 8, 16, 2

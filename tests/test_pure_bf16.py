@@ -14,7 +14,6 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from megalite.training.checkpoint import read_whole_state
 from torch.testing import assert_close
 
 from megalite.config import ModelConfig, ParallelConfig
@@ -26,6 +25,7 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.mixed_precision import MasterWeights
 from megalite.typed_config import ConfigError
+from tests.checkpoints import read_whole_state
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
 

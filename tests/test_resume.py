@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.training.checkpoint import latest_checkpoint, read_whole_state
+from megalite.training.checkpoint import latest_checkpoint
+from tests.checkpoints import read_whole_state
 from tests.harness import run_distributed
 from tests.test_loop import fill_disk_of_rank_0
 from tests.test_train import STEPS, common, losses, train_run

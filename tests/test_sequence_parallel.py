@@ -23,13 +23,13 @@ from megalite.config import ModelConfig, ParallelConfig, check_layout
 from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.mappings import all_gather
-from megalite.parallel.sharding import gather_full, shard_of
+from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.models import CONFIGS, gather_full, padded_batch
 from tests.test_collectives import count_collectives
 from tests.test_dropout_rng import same_on_all_ranks
 from tests.test_generate import check_cache_and_batching

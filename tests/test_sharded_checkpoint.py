@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megalite.training.checkpoint import (WeightsOnly, load_checkpoint, read_whole_state,
-                                          save_checkpoint)
+from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
+from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.test_reshard import SAVED_AT, resume_and_compare
 from tests.test_resume import args, kill_then_resume, uninterrupted
 from tests.test_train import common, train_run

@@ -11,8 +11,8 @@ import torch
 from megalite import train as train_module
 from megalite.data.prepare import prepare_data
 from megalite.run_config import load_config
-from megalite.training.checkpoint import read_whole_state
 from megalite.training.metrics import read_records
+from tests.checkpoints import read_whole_state
 from tests.harness import run_distributed
 
 STEPS = 10

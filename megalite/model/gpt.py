@@ -15,7 +15,7 @@ embedding's g becomes the SP paper's g-bar (reduce-scatter), every f becomes its
 the shards; reduce-scatter backward) and every g its g-bar, so norms, dropout and residual adds
 run on the shard. Dropout there uses the per-rank generator; replicated parameters used on the
 shard (norms, row-parallel biases, positions) sum their gradients over TP. Inputs are padded
-to a multiple of tp tokens at the end, which causal attention hides from every real token, and
+to a multiple of tp tokens at the end (model/inputs.py: what each rank runs of a batch), and
 the padding is cut from the logits. A forward with a KV cache (generation) runs without it.
 
 What is split how:
@@ -50,11 +50,11 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig, ParallelConfig, check_layout
 from megalite.model.attention import Attention
 from megalite.model.kv_cache import KVCache
-from megalite.model.layout import SequenceLayout, cached_layout, context_layout, sequence_layout
+from megalite.model.inputs import RankSplit
+from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import MLP
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
-from megalite.parallel.context import context_chunks, zigzag_index
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
@@ -141,7 +141,7 @@ class GPT(nn.Module):
                      pstate.tp_size * pstate.cp_size * pstate.dp_size)
         self.cfg, self.pstate = cfg, pstate
         # At tp=1 there is nothing to split: the same model, on the default generator.
-        self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
+        self.split = RankSplit(pstate, pstate.sequence_parallel and pstate.tp_size > 1, cfg.max_seq_len)
         self.rng = TensorParallelRNG(seed, pstate)
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 pstate.virtual_stages, pstate.pp_layers)
@@ -175,34 +175,18 @@ class GPT(nn.Module):
                 cache: KVCache | None = None,
                 loss_scale: torch.Tensor | float | None = None,
                 chunk: int = 0, hidden: torch.Tensor | None = None) -> Output:
-        """cache: decode incrementally; then attention_mask, if given, covers the cached tokens
-        and the new ones (left-padded prompts). loss_scale (with labels): also return
-        loss = sum(token_losses) * loss_scale, whose gradients the head + loss make in forward
-        (training: 1 / the global batch's token count); token_losses are then not
-        differentiable.
+        """The batch's rows (laid out for this rank by model/inputs.py). cache: decode
+        incrementally. loss_scale (with labels): also return loss = sum(token_losses) *
+        loss_scale, whose gradients the head + loss make in forward (training: 1 / the global
+        batch's token count); token_losses are then not differentiable.
 
-        Pipelined: run this rank's model chunk `chunk` on the batch; `hidden` is the previous
-        stage's output (unless the chunk embeds), and the Output has only `hidden` unless the
-        chunk ends the model."""
-        stage = self.chunks[chunk]
-        start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
-        if start + seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {start + seq} exceeds "
-                             f"model.max_seq_len={self.cfg.max_seq_len}: truncate the input or "
-                             f"raise max_seq_len")
-        sp = self.splits_sequence(cache)
-        if self.pstate.cp_size > 1:
-            input_ids, labels, layout = self._context_shard(input_ids, attention_mask, doc_ids, labels, cache)
-            seq = input_ids.shape[1]
-        else:
-            if sp:
-                input_ids, attention_mask, doc_ids = pad_to_shards(
-                    self.pstate.tp_size, input_ids, attention_mask, doc_ids)
-            if cache is None:
-                layout = sequence_layout(input_ids, attention_mask, doc_ids)
-            else:
-                layout = cached_layout(input_ids, attention_mask, start)
-        x = self._embed(input_ids, layout, sp) if stage.is_first else hidden
+        Pipelined: run this rank's model chunk `chunk`; `hidden` is the previous stage's output
+        (unless the chunk embeds), and the Output has only `hidden` unless the chunk ends the
+        model."""
+        stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
+                                                                labels, cache)
+        layout, sp = inputs.layout, inputs.sp
+        x = self._embed(inputs.ids, layout, sp) if stage.is_first else hidden
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
             if self.activation_checkpointing and self.training:
@@ -211,61 +195,25 @@ class GPT(nn.Module):
             else:
                 x = block(x, layout, rotary, cache, sp)
         if cache is not None and chunk == len(self.chunks) - 1:
-            cache.offset += seq  # every chunk of this rank has written at the same offset
+            cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
         if not stage.is_last:
             return Output(hidden=x)
         x = self.norm(x, sp)
-        make_logits = partial(self._logits, x, seq, sp)
+        make_logits = partial(self._logits, x, inputs.seq, sp)
         if labels is None:
             return Output(make_logits)
         # The head's input enters the TP region: f, or sequence parallel the SP paper's g.
         group = self.pstate.tp_group
         x = gather_from_sequence_parallel_region(x, group) if sp else copy_to_tensor_parallel_region(x, group)
         batch, padded_seq = x.shape[:2]
-        labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # the shards' padding
+        labels = F.pad(inputs.labels, (0, padded_seq - inputs.seq), value=IGNORE_INDEX)  # SP's padding
         x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
         shard = HeadShard(self.vocab_start, self.padded_from, group, self.loss_chunk_tokens)
         if loss_scale is None:
             losses, loss = head_token_losses(x, self.head_weight, labels, shard), None
         else:
             loss, losses = head_loss_sum(x, self.head_weight, labels, loss_scale, shard)
-        return Output(make_logits, losses.view(batch, padded_seq)[:, :seq], loss)
-
-    def splits_sequence(self, cache: KVCache | None) -> bool:
-        """Whether a forward runs on sequence shards: sequence parallel, but not when decoding,
-        which appends a token or a few to the cache (nothing to split)."""
-        return self.sequence_parallel and cache is None
-
-    def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
-        """The sequence length of this rank's hidden states for rows of `seq` tokens: its
-        context-parallel share, then its sequence-parallel shard (padded to shards)."""
-        if self.pstate.cp_size > 1:
-            # Also on later pipeline stages, which size their receives by it: every stage
-            # refuses a length the first stage cannot cut, instead of waiting for its message.
-            self._check_context_cut(seq, cache)
-        seq //= self.pstate.cp_size
-        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
-
-    def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
-        cp = self.pstate.cp_size
-        if cache is not None:
-            raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
-                             f"parallelism; generate from the checkpoint at parallel.cp=1")
-        chunks = context_chunks(cp, self.pstate.tp_size, self.sequence_parallel)
-        if seq % chunks:
-            raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
-                             f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
-                             f"use a length that is a multiple of {chunks}")
-
-    def _context_shard(self, input_ids, attention_mask, doc_ids, labels, cache) -> tuple:
-        """This CP rank's zig-zag share of the rows (parallel/context.py): its tokens and labels,
-        and their layout against the whole row, computed on the whole row first."""
-        cp, seq = self.pstate.cp_size, input_ids.shape[1]
-        self._check_context_cut(seq, cache)
-        index = zigzag_index(seq, cp, self.pstate.cp_rank, input_ids.device)
-        layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
-                                input_ids.shape[0], seq, dense=self.pstate.cp_comm == "p2p")
-        return input_ids[:, index], None if labels is None else labels[:, index], layout
+        return Output(make_logits, losses.view(batch, padded_seq)[:, :inputs.seq], loss)
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)
@@ -303,16 +251,3 @@ class GPT(nn.Module):
             logits = all_gather(logits, -1, self.pstate.tp_group)
         return logits[..., : self.cfg.vocab_size]
 
-
-def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  doc_ids: torch.Tensor | None) -> tuple:
-    """The batch with tokens appended until the length is a multiple of tp, so it splits into
-    tp equal sequence shards. They come after every real token, so causal attention hides them
-    from all of those, and their logits are cut off: exact. The mask, if any, marks them as
-    padding, and they get a document of their own."""
-    extra = -input_ids.shape[1] % tp
-
-    def pad(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
-        return t if t is None or extra == 0 else F.pad(t, (0, extra), value=value)
-
-    return pad(input_ids, 0), pad(attention_mask, 0), pad(doc_ids, -1)

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.parallel.mappings import all_gather, group_size
-from megalite.parallel.state import ParallelState
 
 
 @dataclass(frozen=True)
@@ -62,15 +60,3 @@ def row_range(rows: int, index: int, count: int) -> tuple[int, int]:
     base, extra = divmod(rows, count)
     start = index * base + min(index, extra)
     return start, start + base + (index < extra)
-
-
-def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState) -> torch.Tensor:
-    """The full tensor (weight, gradient, optimizer moment) whose slice `local` is, on every rank.
-
-    A collective over the TP group when `shard` is not None: every TP rank must call it.
-    """
-    if shard is None or group_size(pstate.tp_group) == 1:
-        return local
-    parts = all_gather(local.unsqueeze(0), 0, pstate.tp_group)
-    copies = pstate.tp_size // shard.count
-    return torch.cat(list(parts[::copies]), dim=shard.dim)

@@ -33,7 +33,7 @@ class PipelineRun:
 
     def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
         ids = self.batches[micro].input_ids
-        seq = self.model.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
+        seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
         dtype = next(self.model.parameters()).dtype
         return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
 
@@ -64,6 +64,8 @@ class PipelineRun:
 
     def _forward(self, a: Action, hidden: torch.Tensor | None, **kwargs):
         batch = self.batches[a.micro]
+        # Training and eval pass no attention mask: their padded batches are right-padded, where
+        # causal attention alone is exact at every real position (model/layout.py) and fused.
         with self.autocast:
             return self.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
                                chunk=a.chunk, hidden=hidden, **self.forward_kwargs, **kwargs)
@@ -71,9 +73,10 @@ class PipelineRun:
 
 def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
                     schedule_name: str) -> torch.Tensor:
-    """Forwards and backwards of this rank's micro-batches in the schedule's order; returns the
-    sum of the micro-batch losses on the last stage (zero on the others). `last` tells the engine
-    a chunk's last backward (where the native engine starts that chunk's DP buckets)."""
+    """Forwards and backwards of this rank's micro-batches in the schedule's order (at pp=1 too:
+    the one micro-batch loop); returns the sum of the micro-batch losses on the last stage (zero
+    on the others). `last` tells the engine a chunk's last backward (where the native engine
+    starts that chunk's DP buckets)."""
     model = engine.model
     run = PipelineRun(model, batches, autocast, engine.module)
     ps = model.pstate

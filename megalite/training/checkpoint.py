@@ -44,19 +44,6 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
 
 
-class WeightsOnly:
-    """The state of a model without an optimizer (an import, a test), as an engine gives it."""
-
-    def held_rows(self, p: torch.nn.Parameter) -> tuple[int, int]:
-        return 0, p.shape[0]
-
-    def master(self, p: torch.nn.Parameter) -> torch.Tensor:
-        return p
-
-    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        return {}
-
-
 class CheckpointError(RuntimeError):
     """A save failed on some rank (a full disk, say); every rank raises it together."""
 
@@ -126,16 +113,6 @@ def not_a_checkpoint(path: Path) -> str | None:
     return f"'{path}' is not a complete megalite checkpoint (no meta.json)"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, engine,
-                    rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
-                    keep: int, tokenizer: TokenizerInfo | None = None) -> Path:
-    """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
-    with CheckpointWriter(pstate) as writer:
-        path = writer.save(run_dir, step, model, engine, rng_state, meta, keep, tokenizer)
-        writer.finish()
-    return path
-
-
 class CheckpointWriter:
     """Saves checkpoints while training goes on: what needs the training's process group or the
     device (creating the directory, the engine's state, the copy to host memory, each rank's RNG
@@ -175,7 +152,7 @@ class CheckpointWriter:
         """Start saving; return the directory the checkpoint will have once written.
 
         `engine`: the weights and Adam state (`held_rows`, `master`, `moments`: see
-        training/engine.py; `WeightsOnly()` for a model alone). `engine.moments` may be a
+        training/engine.py). `engine.moments` may be a
         collective (DeepSpeed's ZeRO), so every rank saves every parameter in the same order.
         `tokenizer`: stored in (with its special tokens named), so the checkpoint is self-contained."""
         self.finish()
@@ -333,12 +310,6 @@ class CheckpointTensors:
                 return f.get_tensor(name)
         key = f"{self.part}/{name}"
         return self.dcp.read([key])[key]
-
-
-def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's `part` whole (see CheckpointTensors)."""
-    tensors = CheckpointTensors(path, part)
-    return {name: tensors.read(name) for name in tensors.shapes}
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:

@@ -4,7 +4,7 @@
 
     engine.set_lr(lr)
     engine.module(...)                      the model's forward, once per micro-batch
-    engine.backward(micro_loss, last=...)   (pipelined: the schedule's order, pipeline/)
+    engine.backward(micro_loss, last=...)   in the schedule's order (pipeline/runner.py)
     grad_norm = engine.step()               clip, update, zero the gradients
 
 native (the default): torch's AdamW and the TP-aware clipping of grads.py. With
@@ -134,16 +134,6 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
     so the sum over micro-batches and DP ranks is the same number for any layout. The returned
     loss is this rank's part of it (zero off the last pipeline stage).
     """
-    if engine.pstate.pp_size > 1:
-        loss = train_pipelined(engine, batches, n_tokens, autocast, pp_schedule)
-        return loss, engine.step()
-    loss = torch.zeros((), device=n_tokens.device)
-    for i, batch in enumerate(batches):
-        with autocast:
-            # No attention mask: padded batches are right-padded, where causal attention
-            # alone is exact at every real position (model/layout.py) and stays fused.
-            micro_loss = engine.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
-                                       loss_scale=1.0 / n_tokens).loss
-        engine.backward(micro_loss, last=i == len(batches) - 1)
-        loss += micro_loss.detach()
-    return loss, engine.step()
+    # One stage runs every schedule in 1F1B's order: each backward right after its forward.
+    schedule = pp_schedule if engine.pstate.pp_size > 1 else "1f1b"
+    return train_pipelined(engine, batches, n_tokens, autocast, schedule), engine.step()

@@ -1,0 +1,100 @@
+"""What this rank runs of a batch: the one place that turns rows of token ids (with their
+padding mask, document ids and labels) into this rank's tokens, labels, positions and masks.
+
+Context parallel (cp > 1): the rank's zig-zag share of every row (parallel/context.py), its
+layout computed on the whole row first. Sequence parallel: the whole rows, padded at the end to
+a multiple of tp tokens so they cut into equal shards; causal attention hides the padding from
+every real token and the head cuts it off, so it is exact. Decoding with a KV cache: the new
+tokens after the cached ones, never split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megalite.model.kv_cache import KVCache
+from megalite.model.layout import SequenceLayout, cached_layout, context_layout, sequence_layout
+from megalite.parallel.context import context_chunks, zigzag_index
+from megalite.parallel.state import ParallelState
+
+
+@dataclass
+class RankInputs:
+    ids: torch.Tensor  # [batch, tokens]: this rank's (its CP share; padded to SP shards)
+    labels: torch.Tensor | None  # the same tokens' labels, unpadded
+    layout: SequenceLayout
+    seq: int  # real tokens per row here: the ids past it pad to SP shards
+    sp: bool  # the forward runs on sequence shards
+
+
+class RankSplit:
+    """How a rank cuts a batch: its CP share, SP's shards (sequence_parallel: at tp > 1)."""
+
+    def __init__(self, pstate: ParallelState, sequence_parallel: bool, max_seq_len: int):
+        self.pstate, self.sequence_parallel, self.max_seq_len = pstate, sequence_parallel, max_seq_len
+
+    def inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+               cache: KVCache | None = None) -> RankInputs:
+        """cache: the new tokens follow its cached ones; attention_mask, if given, then covers
+        both (left-padded prompts)."""
+        ps = self.pstate
+        start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
+        if start + seq > self.max_seq_len:
+            raise ValueError(f"sequence length {start + seq} exceeds "
+                             f"model.max_seq_len={self.max_seq_len}: truncate the input or "
+                             f"raise max_seq_len")
+        sp = self.splits_sequence(cache)
+        if ps.cp_size > 1:
+            self._check_context_cut(seq, cache)
+            index = zigzag_index(seq, ps.cp_size, ps.cp_rank, input_ids.device)
+            layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
+                                    input_ids.shape[0], seq, dense=ps.cp_comm == "p2p")
+            return RankInputs(input_ids[:, index], None if labels is None else labels[:, index],
+                              layout, len(index), sp)
+        if sp:
+            input_ids, attention_mask, doc_ids = pad_to_shards(ps.tp_size, input_ids,
+                                                               attention_mask, doc_ids)
+        layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
+                  else cached_layout(input_ids, attention_mask, start))
+        return RankInputs(input_ids, labels, layout, seq, sp)
+
+    def splits_sequence(self, cache: KVCache | None) -> bool:
+        """Sequence parallel, but not when decoding, which appends a token or a few to the
+        cache (nothing to split)."""
+        return self.sequence_parallel and cache is None
+
+    def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
+        """The sequence length of this rank's hidden states for rows of `seq` tokens: its
+        context-parallel share, then its sequence-parallel shard (padded to shards)."""
+        if self.pstate.cp_size > 1:
+            # Also on later pipeline stages, which size their receives by it: every stage
+            # refuses a length the first stage cannot cut, instead of waiting for its message.
+            self._check_context_cut(seq, cache)
+        seq //= self.pstate.cp_size
+        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
+
+    def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
+        cp = self.pstate.cp_size
+        if cache is not None:
+            raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
+                             f"parallelism; generate from the checkpoint at parallel.cp=1")
+        chunks = context_chunks(cp, self.pstate.tp_size, self.sequence_parallel)
+        if seq % chunks:
+            raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
+                             f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
+                             f"use a length that is a multiple of {chunks}")
+
+
+def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  doc_ids: torch.Tensor | None) -> tuple:
+    """The batch with tokens appended until the length is a multiple of tp. The mask, if any,
+    marks them as padding, and they get a document of their own."""
+    extra = -input_ids.shape[1] % tp
+
+    def pad(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
+        return t if t is None or extra == 0 else F.pad(t, (0, extra), value=value)
+
+    return pad(input_ids, 0), pad(attention_mask, 0), pad(doc_ids, -1)

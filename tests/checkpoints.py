@@ -1,0 +1,40 @@
+"""Checkpoint helpers the tests share: a model's state without an optimizer, a save that waits
+until the checkpoint is complete, and a checkpoint's tensors read whole."""
+from pathlib import Path
+
+import torch
+
+from megalite.data.tokenizer import TokenizerInfo
+from megalite.parallel.state import ParallelState
+from megalite.training.checkpoint import CheckpointTensors, CheckpointWriter
+
+
+class WeightsOnly:
+    """The state of a model without an optimizer (an import, a test), as an engine gives it."""
+
+    def held_rows(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        return 0, p.shape[0]
+
+    def master(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return p
+
+    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        return {}
+
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, engine,
+                    rng_state: dict[str, torch.Tensor], meta: dict, pstate: ParallelState,
+                    keep: int, tokenizer: TokenizerInfo | None = None) -> Path:
+    """Save and wait until the checkpoint is complete on disk (see `CheckpointWriter.save`)."""
+    with CheckpointWriter(pstate) as writer:
+        path = writer.save(run_dir, step, model, engine, rng_state, meta, keep, tokenizer)
+        writer.finish()
+    return path
+
+
+
+def read_whole_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's `part` whole (see CheckpointTensors)."""
+    tensors = CheckpointTensors(path, part)
+    return {name: tensors.read(name) for name in tensors.shapes}
