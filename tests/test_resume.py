@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.training.checkpoint import latest_checkpoint
-from tests.checkpoints import read_whole_state
+from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.harness import run_distributed
 from tests.test_loop import fill_disk_of_rank_0
 from tests.test_train import STEPS, common, losses, train_run
@@ -166,8 +166,8 @@ def check_save_failing_on_one_rank(tmp):
     from tests.models import CONFIGS
     ps = ParallelState.from_world(2)
     model = GPT(CONFIGS["gpt2"], ps, seed=0)
-    save = lambda step: checkpoint.save_checkpoint(tmp, step, model, checkpoint.WeightsOnly(),  # noqa: E731
-                                                   {"x": torch.zeros(1)}, {}, ps, keep=3)
+    save = lambda step: save_checkpoint(tmp, step, model, WeightsOnly(),  # noqa: E731
+                                        {"x": torch.zeros(1)}, {}, ps, keep=3)
     save(1)
     fill_disk_of_rank_0(lambda key: True)
     try:
