@@ -11,7 +11,6 @@ ENV PYTHONUNBUFFERED=1
 COPY pyproject.toml README.md ./
 COPY megalite ./megalite
 COPY configs ./configs
-COPY launch ./launch
 COPY bench ./bench
 RUN pip install --no-cache-dir -e ".[wandb]" \
  && pip install --no-cache-dir --no-build-isolation "deepspeed>=0.19.8"

@@ -163,7 +163,7 @@ def _fits(step, cfg, device, seq, batch):
 
 def parser() -> argparse.ArgumentParser:
     parser = command_parser("python -m bench peer", __doc__)
-    parser.add_argument("--model", default="gpt2-small", help="a model preset (configs/model/)")
+    parser.add_argument("--model", default="gpt2-small", help="a model preset (megalite/presets/)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per step")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")

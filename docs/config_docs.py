@@ -93,7 +93,7 @@ def markdown() -> str:
              "torchrun --nproc_per_node 4 -m megalite.train --config configs/demo.yaml "
              "parallel.tp=2 train.max_steps=100",
              "```", "",
-             "`model` may also be a preset name (`model=gpt2-small`, from `configs/model/`), or a "
+             "`model` may also be a preset name (`model=gpt2-small`, from `megalite/presets/`), or a "
              "mapping whose `preset` key names the preset its other keys override.", "",
              "Generated from the typed configs (`megalite/config.py`, `megalite/run_config.py`) by "
              "`python -m docs.config_docs --out docs/config.md`; "

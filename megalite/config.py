@@ -10,7 +10,7 @@ import yaml
 
 from megalite.typed_config import ConfigError, from_dict
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: installed with it
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class ParallelConfig:
 
 
 def read_preset(name: str) -> dict:
-    """The raw mapping of a model preset under configs/model/ (e.g. 'gpt2-small')."""
+    """The raw mapping of a model preset under megalite/presets/ (e.g. 'gpt2-small')."""
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
@@ -112,7 +112,7 @@ def read_preset(name: str) -> dict:
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
-    """A preset name from configs/model/ or a path to a YAML file, with keyword overrides."""
+    """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
     path = Path(name_or_path)
     if path.suffix and not path.is_file():
         raise ConfigError(f"model config file '{path}' not found")

@@ -2,6 +2,9 @@
 imports it back. Every import counts, a deferred one inside a function too: deferring an
 import hides a cycle from Python, not from the reader."""
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
@@ -103,3 +106,24 @@ def test_the_trainer_never_imports_the_measuring_tools():
     reaching = {module_name(p): sorted(n for n in imported(p) if n.split(".")[0] == "bench")
                 for p in sorted(PACKAGE.rglob("*.py"))}
     assert not {m: names for m, names in reaching.items() if names}
+
+
+def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
+    """`pip install .` (not editable) puts in site-packages the model presets, the sbatch
+    template and the embedded corpus: a run from anywhere finds them, not only from a clone."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(site), str(PACKAGE.parent)],
+                   check=True, capture_output=True)
+    code = """
+import megalite, sys
+from megalite.config import PRESET_DIR, load_model_config
+from megalite.data.sources import EMBEDDED
+from megalite.launch.slurm import TEMPLATE
+assert megalite.__file__.startswith(sys.argv[1]), megalite.__file__
+for name in ("tiny", "gpt2-small", "gpt2-medium", "llama-1b"):
+    load_model_config(name)
+assert TEMPLATE.is_file() and EMBEDDED.is_file(), (TEMPLATE, EMBEDDED)
+"""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    subprocess.run([sys.executable, "-c", code, str(site)], check=True, cwd=tmp_path, env=env)

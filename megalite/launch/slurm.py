@@ -2,7 +2,7 @@
 
 --submit writes each point's resolved config to RUN_ROOT/<sweep>/<index>-<short>/config.yaml,
 their list to RUN_ROOT/<sweep>/configs.txt, and ONE sbatch script, RUN_ROOT/<sweep>/sweep.sbatch,
-whose array task i trains config i (launch/sbatch.template), then submits it; --dry-run prints
+whose array task i trains config i (megalite/launch/sbatch.template), then submits it; --dry-run prints
 the script and the runs and writes nothing.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megalite.training.checkpoint import latest_checkpoint
 from megalite.training.metrics import read_records
 from megalite.typed_config import ConfigError
 
-TEMPLATE = Path(__file__).resolve().parent.parent.parent / "launch" / "sbatch.template"
+TEMPLATE = Path(__file__).resolve().parent / "sbatch.template"  # package data
 
 
 def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path) -> str:

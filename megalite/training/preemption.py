@@ -5,7 +5,7 @@ A handler only records the request; after each step the ranks agree (a MAX all-r
 the signal reaches them at different moments), so all of them finish the same step, save the
 same checkpoint and exit together. The agreement lags one step, so that it never makes the host
 wait for the device (see `agreed`). The exit status PREEMPTED and the file RUN_DIR/PREEMPTED
-tell the launcher (launch/sbatch template) to requeue the job, which then resumes.
+tell the launcher (megalite/launch/sbatch.template) to requeue the job, which then resumes.
 """
 from __future__ import annotations
 
