@@ -98,7 +98,9 @@ class CommLog:
         def recorded(received: Received) -> torch.Tensor:
             tensor, seconds = self._timed(lambda: wait(received))
             nbytes = tensor.numel() * tensor.element_size()
-            self.records.append({"op": "recv", "group": received.group, "ranks": 2, "elements": tensor.numel(),
+            # Pipeline stages' messages travel on the world's communicator, the CP ring's on its own.
+            group = "pp" if received.process_group is None else self.group_name(received.process_group)
+            self.records.append({"op": "recv", "group": group, "ranks": 2, "elements": tensor.numel(),
                                  "bytes": nbytes, "wire_bytes": nbytes, "seconds": seconds})
             return tensor
         return recorded

@@ -107,9 +107,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     # stay on the device and the stop agreement lags a step, so the host queues step N+1
     # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
     # thread meanwhile, and checkpoints are written to disk in another.
-    tokens = torch.tensor(float(tokens_seen), dtype=torch.float64, device=ps.device)
-    per_source = torch.tensor(source_tokens, dtype=torch.float64, device=ps.device)
-    since, interval_tokens = time.perf_counter(), torch.zeros((), dtype=torch.float64, device=ps.device)
+    counted = TokenCount(tokens_seen, source_tokens, ps.device)
 
     def host_batches(step: int) -> list[Batch]:
         batches = [train_set.collate(r)
@@ -117,18 +115,17 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         return [b.pinned() for b in batches] if ps.device.type == "cuda" else batches
 
     with CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps:
+        def save(step: int) -> None:
+            checkpoint(writer, cfg, run_dir, step, model, engine, ps, data, counted)
+
         for step, batches in steps:
             lr = lr_at(step, t)
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]
-            # Counted on the device: a tensor made from a host number would wait for it.
-            counts = all_reduce_dp(sum(b.target_count_per_source(len(data.train)) for b in batches), ps)
-            n_tokens = counts.sum()
-            per_source += counts
+            n_tokens = counted.add(all_reduce_dp(sum(b.target_count_per_source(len(data.train))
+                                                     for b in batches), ps))
             model.train()
             loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
-            tokens += n_tokens
-            interval_tokens += n_tokens
 
             done = step + 1
             logged = done % t.log_every == 0 or done == t.max_steps
@@ -136,9 +133,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 loss_value = all_reduce_loss(loss, ps).item()  # waits for the device
                 # Throughput since the last log: the real tokens trained on (padding excluded),
                 # all ranks together; MFU divides it by the peak of all devices.
-                tokens_per_s = interval_tokens.item() / (time.perf_counter() - since)
+                tokens_per_s = counted.rate()
                 record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens": int(tokens.item()), **tokens_by_source(data, per_source),
+                          "tokens": int(counted.total.item()), **tokens_by_source(data, counted.per_source),
                           "tokens_per_s": tokens_per_s,
                           "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
                           "time": time.time()}
@@ -151,12 +148,12 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     evaluate(cfg, model, val_set, ps, done, metrics, autocast)
             saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
             if saved:
-                checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, tokens, per_source)
+                save(done)
             if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
-                since, interval_tokens = time.perf_counter(), torch.zeros_like(interval_tokens)
+                counted.restart()
             if done != t.max_steps and stop.agreed(ps):
                 if not saved:
-                    checkpoint(writer, cfg, run_dir, done, model, engine, ps, data, tokens, per_source)
+                    save(done)
                 writer.finish()  # the requeued run resumes from it: complete on every rank
                 if ps.is_main:
                     bar.close()
@@ -164,7 +161,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     print(f"stopped after step {done} on request; checkpoint saved", flush=True)
                 raise Preempted()
         bar.close()
-        checkpoint(writer, cfg, run_dir, t.max_steps, model, engine, ps, data, tokens, per_source)
+        save(t.max_steps)
         # Written while the model is evaluated and sampled; complete on every rank before the end.
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
         samples(cfg, model, data, ps, run_dir)
@@ -173,6 +170,31 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
+
+
+class TokenCount:
+    """The real target tokens trained on, on the device (read on logging steps only): in all,
+    per blend source, and since the current interval began (tokens/s)."""
+
+    def __init__(self, seen: int, per_source: list, device: torch.device):
+        self.total = torch.tensor(float(seen), dtype=torch.float64, device=device)
+        self.per_source = torch.tensor(per_source, dtype=torch.float64, device=device)
+        self.restart()
+
+    def add(self, per_source: torch.Tensor) -> torch.Tensor:
+        """Count a step's tokens of each source (all DP ranks'); returns their sum."""
+        n = per_source.sum()
+        self.per_source += per_source
+        self.total += n
+        self.interval += n
+        return n
+
+    def restart(self) -> None:
+        self.since, self.interval = time.perf_counter(), torch.zeros_like(self.total)
+
+    def rate(self) -> float:
+        """Tokens per second since the interval began (waits for the device)."""
+        return self.interval.item() / (time.perf_counter() - self.since)
 
 
 class Preempted(Exception):
@@ -226,12 +248,11 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
 
 
 def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, model, engine,
-               ps: ParallelState, data: PreparedData, tokens: torch.Tensor,
-               per_source: torch.Tensor) -> None:
+               ps: ParallelState, data: PreparedData, counted: TokenCount) -> None:
     """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
     rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-    meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(tokens.item()),
-            "tokens_per_source": per_source.tolist(), "data_cache_key": data.meta["cache_key"],
+    meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(counted.total.item()),
+            "tokens_per_source": counted.per_source.tolist(), "data_cache_key": data.meta["cache_key"],
             "sample_order": SAMPLE_ORDER}
     writer.save(run_dir, step, model, engine, rng, meta, cfg.train.keep_checkpoints,
                 tokenizer=data.tokenizer)

@@ -9,7 +9,7 @@ import pytest
 
 from megalite.data.batches import BatchOrder, Mixture, Samples
 from megalite.data.blend import assign
-from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.prepare import prepare_data
 from megalite.data.sources import EMBEDDED
 from megalite.run_config import DataConfig

@@ -14,7 +14,7 @@ import pytest
 from megalite.data import indexed
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import OPEN_SHARDS, IndexedShard, ShardWriter
-from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.prepare import main as prepare_main
 from megalite.data.tokenizer import train_bpe
 from tests.harness import run_distributed

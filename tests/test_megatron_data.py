@@ -13,7 +13,7 @@ with warnings.catch_warnings():
 
 from megalite.data.docs import DocSet, TokenStore  # noqa: E402
 from megalite.data.indexed import IndexedShard  # noqa: E402
-from megalite.data.pipeline import PrepareSettings, prepare_directory  # noqa: E402
+from megalite.data.prepare_shards import PrepareSettings, prepare_directory  # noqa: E402
 from megalite.data.prepare import prepare_data  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.run_config import DataConfig  # noqa: E402

@@ -18,7 +18,7 @@ import zstandard
 
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import IndexedShard
-from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.docs import held_out
 from megalite.data.sources import expand_inputs
 from megalite.data.tokenizer import load_tokenizer, train_bpe
@@ -254,10 +254,10 @@ def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
 
 
 def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run(tmp_path, monkeypatch):
-    import megalite.data.pipeline as pipeline
+    import megalite.data.prepare_shards as prepare_shards
     source = tmp_path / "x.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    read = pipeline.read_chunks
+    read = prepare_shards.read_chunks
 
     def appended_while_read(path, text_key):
         yield from read(path, text_key)  # the file as it was: TEXTS
@@ -266,7 +266,7 @@ def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run
 
     settings = PrepareSettings(tokenizer=str(tokenizer(tmp_path)), progress=False)
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline, "read_chunks", appended_while_read)
+        patch.setattr(prepare_shards, "read_chunks", appended_while_read)
         assert prepare_directory([source], tmp_path / "out", settings)["documents"] == len(TEXTS)
     assert prepare_directory([source], tmp_path / "out", settings)["documents"] == len(TEXTS) + 1
 
@@ -428,7 +428,7 @@ def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path,
 def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeypatch):
     """The memory bound: at most IN_FLIGHT_PER_WORKER x workers chunks submitted and not yet
     written, however long the file."""
-    from megalite.data import pipeline, workers
+    from megalite.data import prepare_shards, workers
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 10))
     monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 500)
     seen = {"submitted": 0, "written": 0, "most": 0}
@@ -442,15 +442,15 @@ def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeyp
             seen["most"] = max(seen["most"], seen["submitted"] - seen["written"])
             return super().submit(*args)
 
-    add = pipeline._Shard.add
+    add = prepare_shards._Shard.add
 
     def counted_add(self, *args):
         seen["written"] += 1
         return add(self, *args)
 
     monkeypatch.setattr(workers, "Workers", CountingPool)
-    monkeypatch.setattr(pipeline._Shard, "add", counted_add)
+    monkeypatch.setattr(prepare_shards._Shard, "add", counted_add)
     prepare_directory([tmp_path / "long.jsonl"], tmp_path / "out",
                       PrepareSettings(tokenizer=str(tokenizer(tmp_path)), workers=3, progress=False))
     assert seen["submitted"] > 50 and seen["written"] == seen["submitted"]
-    assert seen["most"] == pipeline.IN_FLIGHT_PER_WORKER * 3 + 1
+    assert seen["most"] == prepare_shards.IN_FLIGHT_PER_WORKER * 3 + 1

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from megalite.data.docs import DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
-from megalite.data.pipeline import FORMAT, PrepareSettings, digest, prepare_directory
+from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
 from megalite.data.raw_cache import prepared_in_cache
 from megalite.data.shard_facts import shard_facts, stat_key
 from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from megalite.data.locks import lock_waiting
-from megalite.data.pipeline import PrepareSettings, prepare_directory
+from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.shard_facts import stat_key
 from megalite.data.tokenizer import TokenizerInfo
 from megalite.run_config import DataConfig

@@ -88,7 +88,7 @@ def check_readable(path: Path, text_key: str) -> None:
 
 
 @dataclass
-class Chunk:
+class RawChunk:
     first: int  # line (1-based, jsonl) or row (0-based, parquet) or document of its first record
     kind: str  # "json" lines | "text" documents (bytes) | "arrow" strings
     records: object
@@ -134,7 +134,7 @@ def _damage_named(path: Path):
                           f"the file is truncated or corrupt; fetch it again, or leave it out") from None
 
 
-def read_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
+def read_chunks(path: Path, text_key: str) -> Iterator[RawChunk]:
     kind = kind_of(path)
     if kind == ".parquet":
         with _damage_named(path):
@@ -198,7 +198,7 @@ class _ZstdStream(io.RawIOBase):
         return n
 
 
-def _json_chunks(stream, raw) -> Iterator[Chunk]:
+def _json_chunks(stream, raw) -> Iterator[RawChunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
         if number == 1 and line.startswith(BOM):
@@ -206,13 +206,13 @@ def _json_chunks(stream, raw) -> Iterator[Chunk]:
         lines.append(line)
         size += len(line)
         if size >= CHUNK_BYTES:
-            yield Chunk(first, "json", lines, raw.tell())
+            yield RawChunk(first, "json", lines, raw.tell())
             lines, size, first = [], 0, number + 1
     if lines:
-        yield Chunk(first, "json", lines, raw.tell())
+        yield RawChunk(first, "json", lines, raw.tell())
 
 
-def _text_chunks(stream, raw) -> Iterator[Chunk]:
+def _text_chunks(stream, raw) -> Iterator[RawChunk]:
     """Line by line (linear in the file, a document at most in memory): a document ends at the
     second of two blank lines."""
     docs, size, first, current, blanks = [], 0, 0, [], 0
@@ -225,22 +225,22 @@ def _text_chunks(stream, raw) -> Iterator[Chunk]:
             size += len(docs[-1])
             current, blanks = [], 0
             if size >= CHUNK_BYTES:
-                yield Chunk(first, "text", docs, raw.tell())
+                yield RawChunk(first, "text", docs, raw.tell())
                 first, docs, size = first + len(docs), [], 0
     # What follows the last separator, unless nothing does (no record of its own).
-    yield Chunk(first, "text", docs + ([b"".join(current)] if current else []), raw.tell())
+    yield RawChunk(first, "text", docs + ([b"".join(current)] if current else []), raw.tell())
 
 
-def _parquet_chunks(path: Path, text_key: str) -> Iterator[Chunk]:
+def _parquet_chunks(path: Path, text_key: str) -> Iterator[RawChunk]:
     import pyarrow.parquet as pq
     source = pq.ParquetFile(path)
     size, rows, first = path.stat().st_size, max(1, source.metadata.num_rows), 0
     for batch in source.iter_batches(batch_size=256, columns=[text_key]):
-        yield Chunk(first, "arrow", batch.column(0), size * (first + len(batch)) // rows)
+        yield RawChunk(first, "arrow", batch.column(0), size * (first + len(batch)) // rows)
         first += len(batch)
 
 
-def parse(chunk: Chunk, text_key: str, strict: bool, name: str) -> tuple[list[str], Counts]:
+def parse(chunk: RawChunk, text_key: str, strict: bool, name: str) -> tuple[list[str], Counts]:
     """The chunk's documents and its counts; whitespace-only documents are skipped."""
     counts, texts = Counts(), []
 

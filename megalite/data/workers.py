@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.sources import Chunk, Counts, parse
+from megalite.data.sources import RawChunk, Counts, parse
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
@@ -28,7 +28,7 @@ class Inline:
     def __init__(self, init: tuple):
         _init_worker(*init)
 
-    def submit(self, chunk: Chunk, name: str) -> tuple:
+    def submit(self, chunk: RawChunk, name: str) -> tuple:
         return _encode(chunk, name)
 
     def result(self, done: tuple) -> tuple:
@@ -72,7 +72,7 @@ class Workers:
         self.done: dict[int, tuple] = {}  # ticket -> (ok, the result or the error)
         self.tickets = 0
 
-    def submit(self, chunk: Chunk, name: str) -> int:
+    def submit(self, chunk: RawChunk, name: str) -> int:
         self.queued.append((self.tickets, chunk, name))
         self.tickets += 1
         self._pump(timeout=0)
@@ -145,7 +145,7 @@ def _serve(conn, init: tuple) -> None:
         conn.send(reply)
 
 
-def _encode(chunk: Chunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
+def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
     """(tokens, document lengths, counts) of one chunk: each document's ids, ending with eos."""
     texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name)
     info: TokenizerInfo = _worker["info"]

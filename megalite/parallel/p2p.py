@@ -30,11 +30,11 @@ class Message:
 
 
 class PipeComm:
-    def __init__(self, pstate: ParallelState, group: str = "pp", process_group=None):
-        """group: whose messages these are, as the bench sweep reports them (pp; cp: ring
-        attention's). process_group: the group whose communicator carries them (default the
-        world's), so that NCCL never orders one kind of message behind the other."""
-        self.device, self.group, self.process_group = pstate.device, group, process_group
+    def __init__(self, pstate: ParallelState, process_group=None):
+        """process_group: the group whose communicator carries the messages (default the
+        world's: pipeline stages'; ring attention's: the CP group), so that NCCL never orders
+        one kind of message behind the other."""
+        self.device, self.process_group = pstate.device, process_group
         # No process group at all in a single process, which never exchanges anything.
         self.batched = dist.is_initialized() and dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end
@@ -52,10 +52,10 @@ class PipeComm:
             # each receive, and the sends, wait for that group.
             group = Together(dist.batch_isend_irecv(ops) if ops else [])
             self.sends += [(group, s.tensor) for s in sends]
-            return [Received(b, group, self.group) for b in buffers]
+            return [Received(b, group, pg) for b in buffers]
         pg = self.process_group
         self.sends += [(dist.isend(s.tensor, s.peer, group=pg, tag=s.tag), s.tensor) for s in sends]
-        return [Received(b, dist.irecv(b, r.peer, group=pg, tag=r.tag), self.group)
+        return [Received(b, dist.irecv(b, r.peer, group=pg, tag=r.tag), pg)
                 for b, r in zip(buffers, recvs)]
 
     def finish(self) -> None:
@@ -68,8 +68,8 @@ class PipeComm:
 class Received:
     """A posted receive: `wait` returns its tensor once it has arrived."""
 
-    def __init__(self, buffer: torch.Tensor, work, group: str = "pp"):
-        self.buffer, self.work, self.group = buffer, work, group
+    def __init__(self, buffer: torch.Tensor, work, process_group=None):
+        self.buffer, self.work, self.process_group = buffer, work, process_group
 
     def wait(self) -> torch.Tensor:
         self.work.wait()

@@ -34,7 +34,7 @@ class Ring:
         ranks = dist.get_process_group_ranks(group)
         self.cp, self.rank = len(ranks), pstate.cp_rank
         self.next, self.prev = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
-        self.comm = PipeComm(pstate, group="cp", process_group=group)
+        self.comm = PipeComm(pstate, process_group=group)
 
     def pass_on(self, tensor: torch.Tensor, tag: int):
         """Send `tensor` to the next rank, receive the previous rank's (a handle to wait on)."""

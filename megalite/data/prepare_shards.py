@@ -32,7 +32,7 @@ import numpy as np
 from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
 from megalite.data.locks import lock_waiting
 from megalite.data.shard_records import whole_shards
-from megalite.data.sources import COUNT_KEYS, Chunk, Counts, check_readable, documents, read_chunks
+from megalite.data.sources import COUNT_KEYS, RawChunk, Counts, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.data import workers
 from megalite.progress import Progress
@@ -203,7 +203,7 @@ class _Shard:
         self.sources: list[dict] = []
         self.file_counts, self.read = Counts(), 0  # of the file being read
 
-    def add(self, chunk: Chunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> int:
+    def add(self, chunk: RawChunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> int:
         """Append a chunk's documents; returns the input bytes it read."""
         if self.writer is None:
             self.writer = ShardWriter(self.prefix, self.dtype)
