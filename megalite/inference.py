@@ -3,6 +3,7 @@ the checkpoint's model on that layout, its process group destroyed on the way ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,7 +39,8 @@ def layout_of(args: argparse.Namespace) -> ParallelConfig:
 def loaded(ckpt: Path, parallel: ParallelConfig) -> Iterator[tuple[GPT, TokenizerInfo]]:
     """The checkpoint's model (this rank's part of it) and tokenizer, on `parallel`'s layout
     (checked before any collective)."""
-    cfg = checkpoint_model_config(ckpt)
+    # Forward only, in eval mode: no dropout, which context parallelism would refuse.
+    cfg = dataclasses.replace(checkpoint_model_config(ckpt), dropout=0.0)
     tokenizer = load_tokenizer(ckpt)
     check_layout(cfg, parallel, int(os.environ.get("WORLD_SIZE", "1")))
     ps = init_parallel(parallel)
