@@ -60,6 +60,11 @@ class Step:
     output: str  # what it writes, relative to DIR
 
 
+def shown(argv: list[str]) -> str:
+    """A step's command line as steps.json and the dry run show it."""
+    return " ".join(["python", *argv])
+
+
 def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
     steps = []
     if "tests" not in skip:
@@ -157,7 +162,7 @@ def environment(argv: list[str]) -> dict:
 
 def run_step(step: Step, out: Path, limit: float) -> dict:
     argv = step.argv + (["--time-limit-s", f"{max(limit - REPORT_MARGIN_S, 1):.0f}"] if step.kind == "bench" else [])
-    record = {"command": " ".join(["python", *argv]), "output": step.output, "log": f"logs/{step.name}.log",
+    record = {"command": shown(argv), "output": step.output, "log": f"logs/{step.name}.log",
               "limit_s": round(limit)}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     # The repository on the path: the machine's own Python runs megalite uninstalled.
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("gpu-check would launch what cannot run:\n  " +
                               "\n  ".join(f"{name}: {why}" for name, why in problems.items()))
         for step in steps:
-            print(f"{step.name}: python {' '.join(step.argv)}")
+            print(f"{step.name}: {shown(step.argv)}")
         print(f"gpu-check: {len(steps)} steps valid (dry run: nothing launched)")
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -213,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         left = deadline - time.monotonic()
         if step.name in problems:  # one step that cannot run does not stop the others
             state["steps"][step.name] = {"status": "failed", "output": step.output,
-                                         "command": " ".join(["python", *step.argv]),
+                                         "command": shown(step.argv),
                                          "reason": f"not launched: {problems[step.name]}"}
         elif left < 30:
             state["steps"][step.name] = {"status": "not run", "output": step.output,
-                                         "command": " ".join(["python", *step.argv]),
+                                         "command": shown(step.argv),
                                          "reason": f"the budget of {args.budget_min} min was spent"}
         else:
             print(f"{step.name}: running (limit {min(CAPS[step.kind], left):.0f} s)", flush=True)
