@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from megalite.cli import command_parser
-from megalite.data.batches import collate
 from megalite.config import ParallelConfig
+from megalite.data.batches import collate
 from megalite.data.text_pieces import rank_pieces
 from megalite.hf.convert import checkpoint_model_config
 from megalite.inference import add_layout_arguments, layout_of, loaded
@@ -31,14 +31,21 @@ from megalite.parallel.context import context_chunks
 from megalite.training.evaluation import all_reduce_loss, loss_sum
 from megalite.typed_config import ConfigError
 
+WINDOWS_PER_PASS = 8
+
 
 def windows_loss(model: GPT, ids: list[int], pad_id: int) -> torch.Tensor:
-    """loss_sum over the windows of one piece's ids, a window per micro-batch."""
+    """loss_sum over the windows of one piece's ids, a window per micro-batch, WINDOWS_PER_PASS
+    micro-batches per pipelined pass (a pass keeps its activations sent until it ends)."""
     ps, length = model.pstate, model.cfg.max_seq_len
     chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
     rows = [np.asarray(ids[start:start + length]) for start in range(0, len(ids), length)]
-    return loss_sum(model, [collate("padded", [row], pad_id, chunks).to(ps.device) for row in rows],
-                    nullcontext())
+    total = torch.zeros(2, dtype=torch.float64, device=ps.device)
+    for first in range(0, len(rows), WINDOWS_PER_PASS):
+        batches = [collate("padded", [row], pad_id, chunks).to(ps.device)
+                   for row in rows[first:first + WINDOWS_PER_PASS]]
+        total += loss_sum(model, batches, nullcontext())
+    return total
 
 
 def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:

@@ -70,8 +70,11 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     check_deepspeed(t, cfg.model, p, world if launched else None, installed)
 
 
-def check_samples(cfg: Config, data: PreparedData, sizes: list[int]) -> None:
-    """One source must fill a global batch; in a blend each source must have a sample to give."""
+def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:
+    """The rules the data decides, once it is indexed (before any collective still): the layout
+    again with the tokenizer's vocabulary (tp must split it padded), and one source must fill a
+    global batch; in a blend each source must have a sample to give."""
+    check_layout(cfg.model, cfg.parallel, world)
     least = cfg.train.global_batch_size if len(data.train) == 1 else 1
     for source, n in zip(data.train, sizes):
         if n < least:

@@ -35,7 +35,7 @@ from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, 
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
-from megalite.run_setup import (check_samples, find_resume, validate, with_pretrained,
+from megalite.run_setup import (check_data, find_resume, validate, with_pretrained,
                                 with_schedule, with_tokenizer_vocab)
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     data = prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = sample_sets(data.train, cfg, data)
-    check_samples(cfg, data, train_set.sizes)
+    check_data(cfg, world, data, train_set.sizes)
     resume_from = find_resume(cfg, data)
     cfg = with_schedule(cfg, resume_from)
     with StopRequest() as stop:

@@ -45,13 +45,14 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from megalite.config import ParallelConfig, load_model_config
+    from megalite.config import ParallelConfig, check_layout, load_model_config
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     from megalite.run_config import TrainConfig
     from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_moments
     from megalite.training.build import build_engine
     torch.set_num_threads(1)
+    check_layout(None, ParallelConfig(tp=args.tp), int(os.environ["WORLD_SIZE"]))  # before any collective
     dist.init_process_group("gloo")
     ps = ParallelState.from_world(args.tp)
     cfg = load_model_config("gpt2-medium", n_layers=args.layers)

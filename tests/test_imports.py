@@ -3,6 +3,7 @@ imports it back. Every import counts, a deferred one inside a function too: defe
 import hides a cycle from Python, not from the reader."""
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,9 +112,12 @@ def test_the_trainer_never_imports_the_measuring_tools():
 def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
     """`pip install .` (not editable) puts in site-packages the model presets, the sbatch
     template and the embedded corpus: a run from anywhere finds them, not only from a clone."""
-    site = tmp_path / "site"
+    source, site = tmp_path / "source", tmp_path / "site"
+    shutil.copytree(PACKAGE, source / "megalite", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):  # built from a copy: no build/ left in the tree
+        shutil.copy(PACKAGE.parent / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(site), str(PACKAGE.parent)],
+                    "--no-build-isolation", "--target", str(site), str(source)],
                    check=True, capture_output=True)
     code = """
 import megalite, sys

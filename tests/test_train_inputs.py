@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from megalite.data.batches import BatchOrder, Samples
 from megalite.data.prepare import prepare_data
@@ -44,6 +45,17 @@ def test_bad_config_is_one_clear_error(tmp_path, extra, message):
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     with pytest.raises(ConfigError, match=message):
         main(small_args(tmp_path, corpus) + extra)
+
+
+def test_a_tokenizer_vocabulary_tp_cannot_split_is_refused_before_any_collective(tmp_path, monkeypatch):
+    """The layout passes with the config's vocabulary and fails with the tokenizer's, which is
+    known once the data is prepared: still before the process group exists."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2 must divide the model's padded vocab \(511\)"):
+        main(small_args(tmp_path, corpus, "parallel.tp=2", "model.vocab_size=512",
+                        "model.vocab_pad_multiple=1", "data.bpe_vocab_size=511"))
+    assert not dist.is_initialized()
 
 
 def test_signal_handlers_are_restored_after_a_run(tmp_path):
