@@ -52,9 +52,9 @@ def test_a_tokenizer_vocabulary_tp_cannot_split_is_refused_before_any_collective
     known once the data is prepared: still before the process group exists."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
-    with pytest.raises(ConfigError, match=r"parallel\.tp=2 must divide the model's padded vocab \(511\)"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2 must divide the model's padded vocab \(301\)"):
         main(small_args(tmp_path, corpus, "parallel.tp=2", "model.vocab_size=512",
-                        "model.vocab_pad_multiple=1", "data.bpe_vocab_size=511"))
+                        "model.vocab_pad_multiple=1", "data.bpe_vocab_size=301"))
     assert not dist.is_initialized()
 
 
