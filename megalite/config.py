@@ -101,7 +101,6 @@ class ParallelConfig:
     cp_comm: Literal["all_gather", "p2p"] = "all_gather"
 
 
-
 def read_preset(name: str) -> dict:
     """The raw mapping of a model preset under megalite/presets/ (e.g. 'gpt2-small')."""
     path = PRESET_DIR / f"{name}.yaml"

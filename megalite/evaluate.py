@@ -65,12 +65,13 @@ def main(argv: list[str]) -> int:
     add_layout_arguments(parser, cp=True)
     parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
     args = parser.parse_args(argv)
-    check_windows_split(checkpoint_model_config(Path(args.ckpt)).max_seq_len, layout_of(args))
+    parallel = layout_of(args)
+    check_windows_split(checkpoint_model_config(Path(args.ckpt)).max_seq_len, parallel)
     text_file = Path(args.text)
     if not text_file.is_file() or not text_file.stat().st_size:
         raise ConfigError(f"--text '{text_file}' " + ("is empty: nothing to predict" if text_file.is_file()
                                                       else "not found"))
-    with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
+    with loaded(Path(args.ckpt), parallel) as (model, tokenizer):
         ps = model.pstate
         total = torch.zeros(2, dtype=torch.float64, device=ps.device)
         for piece in rank_pieces(text_file, ps.dp_rank, ps.dp_size):  # one at a time in memory

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from megalite.cli import command_parser
 from megalite.data.batches import Batch
+from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.model import GPT
 from megalite.model.kv_cache import KVCache
-from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
 

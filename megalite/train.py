@@ -122,6 +122,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             lr = lr_at(step, t)
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]
+            # Counted on the device: a tensor made from a host number would wait for it.
             n_tokens = counted.add(all_reduce_dp(sum(b.target_count_per_source(len(data.train))
                                                      for b in batches), ps))
             model.train()

@@ -140,8 +140,7 @@ class GPT(nn.Module):
                                          sequence_parallel=pstate.sequence_parallel),
                      pstate.tp_size * pstate.cp_size * pstate.dp_size)
         self.cfg, self.pstate = cfg, pstate
-        # At tp=1 there is nothing to split: the same model, on the default generator.
-        self.split = RankSplit(pstate, pstate.sequence_parallel and pstate.tp_size > 1, cfg.max_seq_len)
+        self.split = RankSplit(pstate, cfg.max_seq_len)
         self.rng = TensorParallelRNG(seed, pstate)
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 pstate.virtual_stages, pstate.pp_layers)

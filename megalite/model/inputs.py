@@ -30,10 +30,12 @@ class RankInputs:
 
 
 class RankSplit:
-    """How a rank cuts a batch: its CP share, SP's shards (sequence_parallel: at tp > 1)."""
+    """How a rank cuts a batch: its CP share, SP's shards."""
 
-    def __init__(self, pstate: ParallelState, sequence_parallel: bool, max_seq_len: int):
-        self.pstate, self.sequence_parallel, self.max_seq_len = pstate, sequence_parallel, max_seq_len
+    def __init__(self, pstate: ParallelState, max_seq_len: int):
+        self.pstate, self.max_seq_len = pstate, max_seq_len
+        # At tp=1 there is nothing to split: the same model, on the default generator.
+        self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
 
     def inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
