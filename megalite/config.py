@@ -50,6 +50,25 @@ class ModelConfig:
     tie_embeddings: bool = True  # the LM head is the embedding matrix
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
     init_std: float = 0.02  # normal init's std; projections into the residual / sqrt(2 n_layers)
+    # Mixture of experts (model/moe.py): 0 keeps the dense MLP in every layer. Otherwise layers
+    # i with (i + 1) % moe_every == 0 route each token to its moe_top_k best of n_experts MLPs.
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_hidden: Optional[int] = None  # each expert's hidden width (None: ffn_hidden)
+    moe_every: int = 1
+    # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"
+    moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
+    # Switch-style load-balancing loss coefficient (Fedus et al. 2021), per MoE layer
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0  # router z-loss (Zoph et al. 2022): mean logsumexp^2
+    # Tokens an expert takes per micro-batch: capacity_factor x tokens x top_k / n_experts;
+    # later ones (by position) are dropped. None: dropless.
+    moe_capacity_factor: Optional[float] = None
+    # Shared experts every token passes (DeepSeek-V3, Qwen2-MoE): one TP-split MLP of
+    # n_shared_experts x moe_ffn_hidden, scaled by a sigmoid gate if moe_shared_gate (Qwen2-MoE).
+    n_shared_experts: int = 0
+    moe_shared_gate: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -62,6 +81,18 @@ class ModelConfig:
     @property
     def ffn(self) -> int:
         return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.ffn if self.moe_ffn_hidden is None else self.moe_ffn_hidden
+
+    @property
+    def shared_ffn(self) -> int:
+        """The shared experts' MLP width (0: none)."""
+        return self.n_shared_experts * self.expert_ffn if self.n_experts else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def padded_vocab(self) -> int:
@@ -99,6 +130,10 @@ class ParallelConfig:
     cp: int = 1
     # all_gather (K/V gathered) or p2p (ring attention)
     cp_comm: Literal["all_gather", "p2p"] = "all_gather"
+    # Expert parallelism: each MoE layer's experts split over `ep` ranks carved out of the CP x DP
+    # ranks (Megatron's parallel folding); tokens travel to their experts' ranks and back by
+    # all-to-all. Attention and the dense layers keep their TP x CP x DP layout.
+    ep: int = 1
 
 
 def read_preset(name: str) -> dict:
@@ -166,6 +201,7 @@ def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size
                             f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
                             f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
                             f"parallel.sequence_parallel=false")
+    problems += _expert_parallel_problems(splittable, parallel, world_size, world_misfit)
     if len(problems) == 1:
         raise ConfigError(f"invalid config: {problems[0]}")
     if problems:
@@ -183,7 +219,51 @@ def _model_value_problems(model: ModelConfig) -> list[str]:
         (model.init_std > 0, f"model.init_std={model.init_std} must be > 0"),
         (model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be > 0"),
     ]
-    return problems + [message for ok, message in checks if not ok] + _rope_scaling_problems(model)
+    return (problems + [message for ok, message in checks if not ok] + _rope_scaling_problems(model)
+            + _moe_problems(model))
+
+
+def _moe_problems(model: ModelConfig) -> list[str]:
+    if model.n_experts < 0:
+        return [f"model.n_experts={model.n_experts} must be >= 0 (0: dense)"]
+    if model.n_experts == 0:
+        return []
+    cf = model.moe_capacity_factor
+    checks = [
+        (1 <= model.moe_top_k <= model.n_experts, f"model.moe_top_k={model.moe_top_k} must be "
+                                                  f"in [1, model.n_experts={model.n_experts}]"),
+        (model.moe_every >= 1, f"model.moe_every={model.moe_every} must be >= 1"),
+        (model.expert_ffn >= 1, f"model.moe_ffn_hidden={model.moe_ffn_hidden} must be >= 1"),
+        (model.n_shared_experts >= 0, f"model.n_shared_experts={model.n_shared_experts} must be >= 0"),
+        (not model.moe_shared_gate or model.n_shared_experts > 0,
+         "model.moe_shared_gate=true gates the shared experts: set model.n_shared_experts >= 1"),
+        (cf is None or cf > 0, f"model.moe_capacity_factor={cf} must be > 0 (or null: dropless)"),
+        (model.moe_aux_loss_coeff >= 0 and model.moe_z_loss_coeff >= 0,
+         "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
+                              world_misfit: bool) -> list[str]:
+    ep = parallel.ep
+    if ep < 1:
+        return [f"parallel.ep={ep} must be >= 1"]
+    if ep == 1:
+        return []
+    problems = []
+    if model is not None and model.n_experts == 0:
+        problems.append(f"parallel.ep={ep} splits a mixture of experts, but model.n_experts=0: "
+                        f"set n_experts, or parallel.ep=1")
+    elif model is not None and model.n_experts % ep:
+        problems.append(f"parallel.ep={ep} must divide model.n_experts={model.n_experts} (each EP "
+                        f"rank holds n_experts / ep experts): use ep among "
+                        f"{_divisors(model.n_experts)}")
+    grad_ranks = parallel.cp * data_parallel_size(parallel, world_size)
+    if not world_misfit and grad_ranks % ep:
+        problems.append(f"parallel.ep={ep} must divide the CP x DP ranks ({grad_ranks} = world "
+                        f"{world_size} / (tp x pp)): use ep among {_divisors(grad_ranks)}")
+    return problems
 
 
 def _rope_scaling_problems(model: ModelConfig) -> list[str]:
@@ -250,6 +330,7 @@ def _tp_misfits(model: ModelConfig, tp: int) -> dict[str, int]:
         # GQA with fewer KV heads than ranks: each rank keeps a whole copy of one.
         ("KV heads", model.kv_heads, model.kv_heads % tp == 0 or tp % model.kv_heads == 0),
         ("ffn_hidden", model.ffn, model.ffn % tp == 0),
+        ("shared experts' width", model.shared_ffn, model.shared_ffn % tp == 0),
         ("padded vocab", model.padded_vocab, model.padded_vocab % tp == 0),
     ) if not ok}
 

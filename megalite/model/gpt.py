@@ -50,9 +50,10 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig, ParallelConfig, check_layout
 from megalite.model.attention import Attention
 from megalite.model.kv_cache import KVCache
-from megalite.model.inputs import RankSplit
+from megalite.model.inputs import RankInputs, RankSplit
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import MLP
+from megalite.model.moe import MoE
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
 from megalite.parallel.init import init_parameters_
@@ -101,19 +102,21 @@ class Block(nn.Module):
         self.attn_norm = Norm(cfg, pstate)
         self.attn = Attention(cfg, pstate, rng, layer)
         self.mlp_norm = Norm(cfg, pstate)
-        self.mlp = MLP(cfg, pstate)
+        self.mlp = MoE(cfg, pstate) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
         self.rng = rng
         self.dropout = cfg.dropout
 
-    def forward(self, x, layout: SequenceLayout, rotary, cache: KVCache | None = None,
-                sequence_parallel: bool = False):
-        """x: the residual stream, or this rank's sequence shard of it (sequence_parallel)."""
-        sp = sequence_parallel
-        h = self.attn(self.attn_norm(x, sp), layout, rotary, cache, sp)
+    def forward(self, x, inputs: RankInputs, rotary, cache: KVCache | None = None,
+                loss_scale: torch.Tensor | float | None = None):
+        """x: the residual stream, or this rank's sequence shard of it (inputs.sp). loss_scale:
+        a training forward's (an MoE layer's balancing losses are scaled by it)."""
+        sp = inputs.sp
+        h = self.attn(self.attn_norm(x, sp), inputs.layout, rotary, cache, sp)
         # Residual dropout: the same mask on every TP rank for the replicated stream, its own
         # mask on each rank's shard (rng.dropout).
         x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
-        h = self.mlp(self.mlp_norm(x, sp), sp)
+        h = self.mlp_norm(x, sp)
+        h = self.mlp(h, inputs.tokens, sp, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h, sp)
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
 
 
@@ -136,7 +139,7 @@ class GPT(nn.Module):
         activations in backward instead of storing them (in training mode). loss_chunk_tokens:
         tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
         super().__init__()
-        check_layout(cfg, ParallelConfig(tp=pstate.tp_size, cp=pstate.cp_size,
+        check_layout(cfg, ParallelConfig(tp=pstate.tp_size, cp=pstate.cp_size, ep=pstate.ep_size,
                                          sequence_parallel=pstate.sequence_parallel),
                      pstate.tp_size * pstate.cp_size * pstate.dp_size)
         self.cfg, self.pstate = cfg, pstate
@@ -189,10 +192,10 @@ class GPT(nn.Module):
         rotary = self.rotary(layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, layout, rotary, sequence_parallel=sp, use_reentrant=False,
+                x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
                                context_fn=self.rng.recompute_contexts)
             else:
-                x = block(x, layout, rotary, cache, sp)
+                x = block(x, inputs, rotary, cache, loss_scale)
         if cache is not None and chunk == len(self.chunks) - 1:
             cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
         if not stage.is_last:

@@ -21,12 +21,21 @@ from megalite.parallel.state import ParallelState
 
 
 @dataclass
+class HiddenTokens:
+    """This rank's tokens between the TP regions (its CP share, its SP shard), for what counts
+    tokens across ranks (the MoE router)."""
+    real: torch.Tensor  # [batch, hidden_len] bool: neither masked out nor SP's padding
+    key: torch.Tensor  # [batch, hidden_len] int64: the token's place in the batch (row-major)
+
+
+@dataclass
 class RankInputs:
     ids: torch.Tensor  # [batch, tokens]: this rank's (its CP share; padded to SP shards)
     labels: torch.Tensor | None  # the same tokens' labels, unpadded
     layout: SequenceLayout
     seq: int  # real tokens per row here: the ids past it pad to SP shards
     sp: bool  # the forward runs on sequence shards
+    tokens: HiddenTokens
 
 
 class RankSplit:
@@ -54,14 +63,21 @@ class RankSplit:
             index = zigzag_index(seq, ps.cp_size, ps.cp_rank, input_ids.device)
             layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
                                     input_ids.shape[0], seq, dense=ps.cp_comm == "p2p")
-            return RankInputs(input_ids[:, index], None if labels is None else labels[:, index],
-                              layout, len(index), sp)
-        if sp:
-            input_ids, attention_mask, doc_ids = pad_to_shards(ps.tp_size, input_ids,
-                                                               attention_mask, doc_ids)
-        layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
-                  else cached_layout(input_ids, attention_mask, start))
-        return RankInputs(input_ids, labels, layout, seq, sp)
+            real, key = (t[:, index] for t in _token_facts(input_ids, attention_mask, start))
+            input_ids, seq = input_ids[:, index], len(index)
+            labels = None if labels is None else labels[:, index]
+        else:
+            real, key = _token_facts(input_ids, attention_mask, start)
+            if sp:
+                input_ids, attention_mask, doc_ids = pad_to_shards(ps.tp_size, input_ids,
+                                                                   attention_mask, doc_ids)
+                extra = input_ids.shape[1] - seq
+                real, key = F.pad(real, (0, extra), value=False), F.pad(key, (0, extra), value=-1)
+            layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
+                      else cached_layout(input_ids, attention_mask, start))
+        if sp:  # the hidden states are this rank's shard of the (CP share of the) sequence
+            real, key = (t.chunk(ps.tp_size, dim=1)[ps.tp_rank] for t in (real, key))
+        return RankInputs(input_ids, labels, layout, seq, sp, HiddenTokens(real, key))
 
     def splits_sequence(self, cache: KVCache | None) -> bool:
         """Sequence parallel, but not when decoding, which appends a token or a few to the
@@ -88,6 +104,18 @@ class RankSplit:
             raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
                              f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
                              f"use a length that is a multiple of {chunks}")
+
+
+def _token_facts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HiddenTokens' real and key for whole rows (tokens start.. of a cached sequence)."""
+    batch, seq = input_ids.shape
+    device = input_ids.device
+    real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+            else attention_mask[:, start:].bool())
+    key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
+           + torch.arange(start, start + seq, device=device))
+    return real, key
 
 
 def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -18,27 +18,38 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, co
 from megalite.parallel.state import ParallelState
 
 
+def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The MLP's element-wise middle (gate: SwiGLU's second projection)."""
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    return F.gelu(up, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def down_init_std(cfg: ModelConfig) -> float:
+    """Projections into the residual stream: GPT-2's init_std / sqrt(2 n_layers)."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, ffn: int | None = None):
+        """ffn: the hidden width (default cfg.ffn; MoE's shared experts set their own)."""
         super().__init__()
         self.activation = cfg.activation
         self.tp_group = pstate.tp_group
-        std = cfg.init_std
+        ffn = cfg.ffn if ffn is None else ffn
 
         def column() -> ColumnParallelLinear:
-            return ColumnParallelLinear(cfg.hidden, cfg.ffn, pstate, bias=cfg.bias, init_std=std)
+            return ColumnParallelLinear(cfg.hidden, ffn, pstate, bias=cfg.bias, init_std=cfg.init_std)
 
         self.gate = column() if cfg.activation == "swiglu" else None
         self.up = column()
-        self.down = RowParallelLinear(cfg.ffn, cfg.hidden, pstate, bias=cfg.bias,
-                                      init_std=std / math.sqrt(2 * cfg.n_layers))
+        self.down = RowParallelLinear(ffn, cfg.hidden, pstate, bias=cfg.bias,
+                                      init_std=down_init_std(cfg))
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if self.gate is not None:
             gate, up = column_parallel_linears(x, self.tp_group, sequence_parallel,
                                                self.gate.weight_and_bias(), self.up.weight_and_bias())
-            y = F.silu(gate) * up
         else:
-            y = F.gelu(self.up(x, sequence_parallel),
-                       approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.down(y, sequence_parallel)
+            gate, up = None, self.up(x, sequence_parallel)
+        return self.down(activate(self.activation, up, gate), sequence_parallel)

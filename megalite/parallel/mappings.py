@@ -13,6 +13,7 @@ call Megatron-LM's g "f-bar"):
 | gather_from_tensor_parallel_region  | all-gather last    | split last dim    |       |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter | all-gather seq | SP paper: g-bar |
 | gather_from_sequence_parallel_region | all-gather seq   | reduce-scatter    | SP paper: g |
+| all_to_all (expert parallelism)     | rows to ranks      | rows back         |       |
 
 Activations are [batch, seq, hidden], so the sequence dim is 1. A group of None or of size 1
 makes every primitive the identity, with no autograd node and no collective. The model applies
@@ -139,3 +140,27 @@ def sum_grad_over_shards(param: torch.Tensor, group, sequence_parallel: bool) ->
     once per step after backward instead: fewer, larger messages, but every engine must call
     it, and ZeRO-2 has already partitioned the gradients by then)."""
     return copy_to_tensor_parallel_region(param, group) if sequence_parallel else param
+
+
+def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (input_splits, output_splits)
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, *ctx.splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    """Rows of x to the group's ranks: the first input_splits[0] to rank 0, and so on; rank r's
+    rows for this rank arrive in its order, output_splits[r] of them. Backward sends the
+    gradients back the same way (uneven splits, zero rows included)."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, group, output_splits, input_splits)

@@ -41,15 +41,24 @@ def shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "tp_shard", None)
 
 
+def mark_expert_sharded(param: torch.nn.Parameter, index: int, count: int) -> None:
+    """Experts stacked along dim 0, split over the EP group (replicated over TP)."""
+    param.ep_shard = Shard(0, index, count)
+
+
+def expert_shard_of(param: torch.Tensor) -> Shard | None:
+    return getattr(param, "ep_shard", None)
+
+
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the whole tensor whose slice `param` holds (its own, if replicated)."""
-    shard = shard_of(param)
+    shard = shard_of(param) or expert_shard_of(param)
     return shard.full_shape(param.shape) if shard else param.shape
 
 
 def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of `full` (a weight, gradient or moment of param's shape) that this rank holds."""
-    shard = shard_of(param)
+    shard = shard_of(param) or expert_shard_of(param)
     return shard.take(full) if shard else full
 
 

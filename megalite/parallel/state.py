@@ -47,6 +47,13 @@ class ParallelState:
     # group when cp = 1).
     cp_dp_group: dist.ProcessGroup | None = None
     cp_comm: str = "all_gather"
+    # Expert parallelism: blocks of ep consecutive ranks of grad_group each hold a share of
+    # every MoE layer's experts (ep_group, tokens all-to-all); the ranks holding the same share
+    # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them).
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None  # when ep > 1
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -69,6 +76,19 @@ class ParallelState:
     def grad_rank(self) -> int:
         """This rank's index in `grad_group` (DP-major, CP-minor, as the group lists its ranks)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def expert_grad_group(self) -> dist.ProcessGroup | None:
+        return self.grad_group if self.ep_size == 1 else self.expert_dp_group
+
+    @property
+    def token_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold parts of the same rows' tokens between the TP regions: CP's
+        shares, and with sequence parallelism TP's shards (consecutive ranks: tp x cp of them)."""
+        tp = self.tp_size if self.sequence_parallel else 1
+        if tp == 1:
+            return self.cp_group
+        return self.tp_group if self.cp_size == 1 else self.block_group(tp * self.cp_size)
 
     def stage_rank(self, pp_rank: int) -> int:
         """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
@@ -121,6 +141,16 @@ class ParallelState:
                                for d in range(dp) for s in range(pp) for t in range(tp)])
             cp_dp_group = groups([[at(d, s, c, t) for d in range(dp) for c in range(cp)]
                                   for s in range(pp) for t in range(tp)])
+        ep = 1 if pipeline is None else pipeline.ep
+        ep_group = expert_dp_group = None
+        if ep > 1:
+            def grad_rank(g: int, s: int, t: int) -> int:
+                return at(g // cp, s, g % cp, t)
+            ep_group = groups([[grad_rank(g, s, t) for g in range(b * ep, (b + 1) * ep)]
+                               for s in range(pp) for t in range(tp) for b in range(dp * cp // ep)])
+            if dp * cp > ep:
+                expert_dp_group = groups([[grad_rank(g, s, t) for g in range(e, dp * cp, ep)]
+                                            for s in range(pp) for t in range(tp) for e in range(ep)])
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -131,7 +161,9 @@ class ParallelState:
                    virtual_stages=1 if pipeline is None else pipeline.virtual_stages,
                    pp_layers=None if pipeline is None else pipeline.pp_layers,
                    cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, cp_dp_group=cp_dp_group,
-                   cp_comm="all_gather" if pipeline is None else pipeline.cp_comm)
+                   cp_comm="all_gather" if pipeline is None else pipeline.cp_comm,
+                   ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
+                   expert_dp_group=expert_dp_group)
 
     def block_group(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks that contains this rank (size dividing the TP

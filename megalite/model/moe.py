@@ -1,0 +1,124 @@
+"""A mixture-of-experts layer in place of the dense MLP (Shazeer et al. 2017; Mixtral, DeepSeek-V3).
+
+    experts, weights = router(x)                    top-k per token (model/router.py)
+    y_t = sum_j weights_tj E_{experts_tj}(x_t)      j = 0 .. k-1, in that order
+        [+ shared(x_t) [x sigmoid(g x_t)]]          shared experts: a TP-split MLP every token passes
+
+What is split how: attention and the shared experts keep the TP split; the routed experts are
+whole matrices, replicated over TP and split over the EP ranks (expert parallelism, carved out
+of CP x DP): rank r of the EP group holds experts [r E/ep, (r+1) E/ep). Each rank routes its own
+tokens (with sequence parallelism its shard, so TP ranks share the experts' work; without, every
+TP rank repeats it), sends each chosen copy to its expert's rank (parallel/expert_dispatch.py)
+and gets the outputs back. Splitting the experts over TP as well would add a TP all-reduce per
+layer to matrices already small (Megatron recommends expert TP = 1). Expert gradients are summed
+over the ranks holding the same experts (ParallelState.expert_grad_group) and, under sequence
+parallelism, over TP (each TP rank ran its own tokens).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.model.inputs import HiddenTokens
+from megalite.model.mlp import MLP, activate, down_init_std
+from megalite.model.router import Router
+from megalite.parallel.expert_dispatch import ExpertExchange
+from megalite.parallel.init import Init, set_init
+from megalite.parallel.mappings import sum_grad_over_shards
+from megalite.parallel.sharding import mark_expert_sharded
+from megalite.parallel.state import ParallelState
+
+
+class Experts(nn.Module):
+    """This EP rank's experts, stacked: [local experts, out, in] (nn.Linear's layout), no biases."""
+
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+        super().__init__()
+        self.activation, self.pstate = cfg.activation, pstate
+        local = cfg.n_experts // pstate.ep_size
+
+        def stacked(out: int, into: int, std: float) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(local, out, into, device=pstate.device))
+            mark_expert_sharded(p, pstate.ep_rank, pstate.ep_size)
+            return set_init(p, Init(std=std))
+
+        ffn, hidden = cfg.expert_ffn, cfg.hidden
+        self.gate = stacked(ffn, hidden, cfg.init_std) if cfg.activation == "swiglu" else None
+        self.up = stacked(ffn, hidden, cfg.init_std)
+        self.down = stacked(hidden, ffn, down_init_std(cfg))
+
+    def forward(self, rows: torch.Tensor, per_expert: list[int], sp: bool) -> torch.Tensor:
+        """rows: expert-major, per_expert[e] of them for local expert e."""
+        group = self.pstate.tp_group
+        up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
+        gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
+        outputs = [F.linear(activate(self.activation, F.linear(part, up[e]),
+                                     None if gate is None else F.linear(part, gate[e])), down[e])
+                   for e, part in enumerate(rows.split(per_expert))]
+        return torch.cat(outputs)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer's output whose backward also starts the balancing losses' (Megatron's
+    MoEAuxLossAutoScaler): a loss made inside a layer reaches the gradients through the
+    ordinary backward, at every pipeline stage, without the training loop knowing of it."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(ctx.aux_shape, dtype=torch.float32)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+        super().__init__()
+        self.cfg, self.pstate = cfg, pstate
+        self.router = Router(cfg, pstate)
+        self.experts = Experts(cfg, pstate)
+        self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.n_shared_experts else None
+        self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
+                                     Init(std=cfg.init_std)) if cfg.moe_shared_gate else None)
+        self.load = torch.zeros(cfg.n_experts, dtype=torch.long, device=pstate.device)
+        self.aux_loss = torch.zeros((), device=pstate.device)
+
+    def forward(self, x: torch.Tensor, tokens: HiddenTokens, sp: bool,
+                loss_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+        """x: [batch, hidden_len, hidden], this rank's tokens (sequence shard under SP)."""
+        batch, seq, hidden = x.shape
+        flat, k = x.reshape(-1, hidden), self.cfg.moe_top_k
+        route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), sp, loss_scale)
+        # Kept copies (token t's choice j at t*k + j), sorted by expert, then by token and choice.
+        copies = route.kept.flatten().nonzero().squeeze(1)
+        expert_of = route.experts.flatten()[copies]
+        copies = copies[torch.sort(expert_of, stable=True).indices]
+        exchange = ExpertExchange(torch.bincount(expert_of, minlength=self.cfg.n_experts),
+                                  self.pstate.ep_group)
+        rows = exchange.dispatch(flat[copies // k])
+        out = exchange.combine(self.experts(rows, exchange.per_expert, sp))
+        outputs = out.new_zeros(flat.shape[0] * k, hidden).index_copy(0, copies, out).view(-1, k, hidden)
+        weights = route.weights.to(out.dtype)
+        y = outputs[:, 0] * weights[:, :1]
+        for j in range(1, k):  # a fixed order, whatever the layout
+            y = y + outputs[:, j] * weights[:, j:j + 1]
+        y = y.view(batch, seq, hidden)
+        if self.shared is not None:
+            shared = self.shared(x, sp)
+            if self.shared_gate is not None:
+                gate = sum_grad_over_shards(self.shared_gate, self.pstate.tp_group, sp)
+                shared = shared * torch.sigmoid(F.linear(x, gate))
+            y = y + shared
+        self._record(route)
+        return y if route.aux_loss is None else _AuxLossGrad.apply(y, route.aux_loss)
+
+    @torch.no_grad()
+    def _record(self, route) -> None:
+        """Accumulate the step's statistics (read and reset by the trainer's metrics)."""
+        self.load += route.load
+        if route.aux_loss is not None:
+            self.aux_loss += route.aux_loss.detach()

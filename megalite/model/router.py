@@ -1,0 +1,104 @@
+"""The MoE router: which experts each token goes to, with what weights, and the balancing losses.
+
+Layout-independent by construction, so that every parallel layout routes every token alike:
+- logits in fp32 from the token's own hidden state (replicated weight), ties broken toward the
+  lower expert index (a stable sort, not topk);
+- what counts tokens (the capacity's queue, the load-balancing loss) counts the micro-batch's
+  real tokens over the ranks that share them (`token_group`: CP's shares, SP's shards), never
+  SP's padding, and orders them by their place in the batch.
+
+Losses are per micro-batch, weighted by its real tokens x the step's loss_scale (1 / the
+step's tokens), so summing micro-batches and ranks gives the same total on every layout:
+- load balancing (Switch, Fedus et al. 2021): coeff x E x sum_e f_e P_e, f_e the fraction of
+  the k x T copies routed to e, P_e the mean score of e (sigmoid scores: normalised per token);
+- z-loss (Zoph et al. 2022): coeff x mean over tokens of logsumexp(logits)^2.
+Each rank adds the part its own tokens' scores make (counts are all-reduced, with no gradient),
+so the parts add up to the micro-batch's loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.parallel.init import Init, set_init
+from megalite.parallel.mappings import all_gather, group_size, sum_grad_over_shards
+from megalite.parallel.state import ParallelState
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # [tokens, k] the chosen experts, best first
+    weights: torch.Tensor  # [tokens, k] fp32 combine weights
+    kept: torch.Tensor  # [tokens, k] the copies that run: real tokens, within capacity
+    load: torch.Tensor  # [n_experts] copies routed to each expert in the micro-batch (all ranks)
+    aux_loss: torch.Tensor | None  # this rank's part of the balancing losses (with loss_scale)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+        super().__init__()
+        self.cfg, self.pstate = cfg, pstate
+        self.weight = set_init(nn.Parameter(torch.empty(cfg.n_experts, cfg.hidden, device=pstate.device)),
+                               Init(std=cfg.init_std))
+
+    def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor, sp: bool,
+                loss_scale: torch.Tensor | float | None) -> Routing:
+        """x: [tokens, hidden] this rank's; real, key: HiddenTokens' (flattened)."""
+        cfg, group = self.cfg, self.pstate.token_group
+        weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sp)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), weight.float())
+        scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
+        k = cfg.moe_top_k
+        experts = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+        weights = scores.gather(1, experts)
+        if cfg.moe_renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
+        totals = torch.cat([chosen.sum(0), real.sum().view(1)])
+        if group_size(group) > 1:
+            dist.all_reduce(totals, group=group)
+        load, n_tokens = totals[:-1], max(int(totals[-1]), 1)
+        kept = real.unsqueeze(1).expand_as(experts)
+        if cfg.moe_capacity_factor is not None:
+            capacity = math.ceil(cfg.moe_capacity_factor * n_tokens * k / cfg.n_experts)
+            kept = kept & (self._queue_position(experts, real, key) < capacity)
+        aux = None
+        if loss_scale is not None and torch.is_grad_enabled():
+            aux = self._losses(logits, scores, real, load, n_tokens) * loss_scale
+        return Routing(experts, weights, kept, load, aux)
+
+    def _queue_position(self, experts: torch.Tensor, real: torch.Tensor,
+                        key: torch.Tensor) -> torch.Tensor:
+        """[tokens, k] how many copies routed to the same expert come before each one in the
+        micro-batch (ordered by token place, then choice rank), over the token group."""
+        group, k = self.pstate.token_group, experts.shape[1]
+        local = experts.shape[0]
+        mine = torch.cat([experts, real.unsqueeze(1).long(), key.unsqueeze(1)], dim=1)
+        every = all_gather(mine, 0, group) if group_size(group) > 1 else mine
+        everyone = every[:, :k].masked_fill(every[:, k:k + 1] == 0, self.cfg.n_experts)  # padding: nowhere
+        order = torch.argsort(every[:, -1], stable=True)  # token place; choice rank is the column
+        onehot = F.one_hot(everyone[order].flatten(), self.cfg.n_experts + 1)
+        before = (onehot.cumsum(0) - onehot).gather(1, everyone[order].flatten().unsqueeze(1))
+        position = torch.empty_like(before).scatter_(
+            0, (order.unsqueeze(1) * k + torch.arange(k, device=order.device)).flatten().unsqueeze(1), before)
+        start = (dist.get_rank(group) if group_size(group) > 1 else 0) * local
+        return position.view(-1, k)[start:start + local]
+
+    def _losses(self, logits, scores, real, load, n_tokens) -> torch.Tensor:
+        cfg, realf = self.cfg, real.unsqueeze(1).float()
+        total = logits.new_zeros(())
+        if cfg.moe_aux_loss_coeff:
+            probs = scores if cfg.moe_router == "softmax" else scores / scores.sum(-1, keepdim=True)
+            # n_tokens x (E / (k T^2)) sum_e load_e sum_t p_te: the micro-batch's loss x its tokens
+            total = total + (cfg.moe_aux_loss_coeff * cfg.n_experts / (cfg.moe_top_k * n_tokens)
+                             * (load.float() * (probs * realf).sum(0)).sum())
+        if cfg.moe_z_loss_coeff:
+            total = total + cfg.moe_z_loss_coeff * (logits.logsumexp(-1).square() * real).sum()
+        return total

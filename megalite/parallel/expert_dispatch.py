@@ -1,0 +1,51 @@
+"""Expert parallelism's token exchange (Megatron's alltoall dispatcher): the copies of tokens
+routed to an expert travel to the EP rank that holds it, and their outputs travel back.
+
+Each rank sends its copies sorted by expert, so one all-to-all (uneven splits) delivers, from
+every source rank, the rows of each of this rank's experts. They are regrouped expert-major,
+ordered by (source rank, source order) within an expert: an expert sees the same rows in the
+same order however many ranks share the work, and a rank or an expert with no rows is an
+ordinary case (empty splits). A first all-to-all of the counts sizes the second.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel.mappings import all_to_all, group_size
+
+
+class ExpertExchange:
+    """One dispatch and its combine for a micro-batch of one MoE layer.
+
+    counts: [n_experts] copies this rank sends to each expert (its rows sorted by expert);
+    every rank of `group` (the EP group) holds n_experts / ep consecutive experts."""
+
+    def __init__(self, counts: torch.Tensor, group):
+        ep = group_size(group)
+        local = counts.numel() // ep
+        self.group = group
+        self.sent = counts.view(ep, local).sum(1).tolist()  # rows to each EP rank
+        received = counts.view(ep, local)  # [source rank, local expert]
+        if ep > 1:
+            received = torch.empty_like(received)
+            dist.all_to_all_single(received, counts.view(ep, local).contiguous(), group=group)
+        self.received = received.sum(1).tolist()  # rows from each EP rank
+        self.per_expert = received.sum(0).tolist()  # rows for each local expert
+        # Received rows are source-major; position k of the expert-major order takes row
+        # order[k] (expert by expert, source by source).
+        starts = torch.cat([received.new_zeros(1), received.flatten().cumsum(0)[:-1]]).view(ep, local)
+        self.order = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
+                                for e in range(local) for s in range(ep)] or [torch.zeros(0, dtype=torch.long)])
+        self.order = self.order.to(counts.device)
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's copies sorted by expert -> its experts' rows, expert-major."""
+        return all_to_all(rows, self.group, self.received, self.sent)[self.order]
+
+    def combine(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs (expert-major) -> the outputs of this rank's copies, in the
+        order they were sent."""
+        back = torch.empty_like(self.order)
+        back[self.order] = torch.arange(len(self.order), device=self.order.device)
+        return all_to_all(outputs[back], self.group, self.sent, self.received)

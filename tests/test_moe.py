@@ -1,0 +1,170 @@
+"""Mixture of experts: every expert-parallel layout is the single-process model.
+
+- routing: ties go to the lower expert index; capacity drops the later copies (by place in the
+  batch) and counts only real tokens;
+- one step (logits, loss with the balancing losses, every gradient) equals one process in fp32
+  to 1e-5 at EP2, EP4, EP2 x TP2 with SP, EP2 x CP2; top-1 and top-2, softmax and sigmoid
+  routers, shared experts, dropless and with a capacity factor; a batch where one EP rank and
+  two experts receive no token at all;
+- a layout expert parallelism cannot split is refused before any collective.
+"""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from megalite.config import ParallelConfig, check_layout
+from megalite.model import GPT
+from megalite.model.moe import MoE
+from megalite.parallel.mappings import all_gather, group_size
+from megalite.parallel.sharding import expert_shard_of, shard_of
+from megalite.parallel.state import ParallelState
+from megalite.typed_config import ConfigError
+from tests.harness import run_distributed
+from tests.models import CONFIGS, full_sequence, gather_full, padded_batch
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+BALANCING = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+MOE = {
+    # Mixtral's shape: SwiGLU experts, softmax top-2 renormalised.
+    "top2": dataclasses.replace(CONFIGS["llama"], n_experts=4, moe_top_k=2, moe_ffn_hidden=24,
+                                **BALANCING),
+    # DeepSeek-V3's: sigmoid scores, a shared expert; Qwen2-MoE's sigmoid gate on it; every
+    # other layer dense.
+    "top1 sigmoid shared": dataclasses.replace(
+        CONFIGS["gpt2"], n_layers=2, n_experts=4, moe_top_k=1, moe_router="sigmoid",
+        moe_renormalize=False, moe_every=2, n_shared_experts=1, moe_shared_gate=True,
+        moe_ffn_hidden=16, **BALANCING),
+}
+
+
+def moe_layers(model: GPT) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def force_routing(model: GPT, scores: list[float]) -> None:
+    """Every token's router logits become `scores`: the MoE layers' norms output one vector v
+    (weight 0, bias v) and the router's rows are scores_e v / |v|^2."""
+    v = torch.linspace(-1.0, 1.0, model.cfg.hidden)
+    with torch.no_grad():
+        for name, block in model.blocks.items():
+            if isinstance(block.mlp, MoE):
+                block.mlp_norm.weight.zero_()
+                block.mlp_norm.bias.copy_(v)
+                block.mlp.router.weight.copy_(torch.tensor(scores).unsqueeze(1) * v / v.square().sum())
+
+
+def step(model: GPT, chunks: list, scale: torch.Tensor, ps: ParallelState) -> tuple:
+    """This rank's micro-batches through forward and backward (loss_scale: the global batch's
+    1 / tokens, as training does): their logits (whole: TP's vocab, CP's shares), their loss and
+    this rank's part of the balancing losses."""
+    logits, loss = [], torch.zeros(())
+    for ids, mask, labels in chunks:
+        out = model(ids, attention_mask=mask, labels=labels, loss_scale=scale)
+        out.loss.backward()
+        loss += out.loss.detach()
+        full = model.full_logits(out.logits.detach())
+        logits.append(full_sequence(model, full) if ps.cp_size > 1 else full)
+    aux = sum((m.aux_loss for m in moe_layers(model)), torch.zeros(()))
+    return logits, loss, aux
+
+
+def whole_grads(model: GPT, ps: ParallelState) -> dict:
+    """Every parameter's gradient summed over its replicas, each whole (TP's and EP's slices)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        if expert_shard_of(p) is not None:
+            if group_size(ps.expert_grad_group) > 1:
+                dist.all_reduce(grad, group=ps.expert_grad_group)
+            grads[name] = all_gather(grad, 0, ps.ep_group) if ps.ep_size > 1 else grad
+            continue
+        if group_size(ps.grad_group) > 1:
+            dist.all_reduce(grad, group=ps.grad_group)
+        grads[name] = gather_full(grad, shard_of(p), ps)
+    return grads
+
+
+def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: dict,
+                   scores: list[float] | None = None):
+    cfg = dataclasses.replace(MOE[config], **overrides)
+    ps = ParallelState.from_world(parallel.tp, sequence_parallel=parallel.sequence_parallel,
+                                  pipeline=parallel)
+    ids, mask, labels = padded_batch(cfg, side, lengths=(12, 7, 3, 10, 8, 12, 5, 1))
+    scale = 1.0 / (labels != -100).sum()
+    rows = len(ids) // ps.dp_size
+    chunk = lambda d: tuple(t[d * rows:(d + 1) * rows] for t in (ids, mask, labels))  # noqa: E731
+    single, model = GPT(cfg, ParallelState(), seed=3), GPT(cfg, ps, seed=3)
+    if scores is not None:
+        force_routing(single, scores)
+        force_routing(model, scores)
+    ref_logits, ref_loss, ref_aux = step(single, [chunk(d) for d in range(ps.dp_size)], scale, ParallelState())
+    logits, loss, aux = step(model, [chunk(ps.dp_rank)], scale, ps)
+    assert_close(logits[0], ref_logits[ps.dp_rank], **TOL)
+    if group_size(ps.grad_group) > 1:
+        dist.all_reduce(loss, group=ps.grad_group)
+        dist.all_reduce(aux, group=ps.grad_group)
+    if ps.sequence_parallel and ps.tp_size > 1:  # each TP rank routed its own shard
+        dist.all_reduce(aux, group=ps.tp_group)
+    assert_close(loss, ref_loss, **TOL)
+    assert_close(aux, ref_aux, **TOL)
+    assert ref_aux > 0
+    ref_grads = {n: p.grad for n, p in single.named_parameters()}
+    for name, grad in whole_grads(model, ps).items():
+        assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+    loads = [layer.load for layer in moe_layers(single)]
+    return [load.tolist() for load in loads]
+
+
+LAYOUTS = {
+    "EP2": (2, ParallelConfig(ep=2)),
+    "EP4": (4, ParallelConfig(ep=4)),
+    "EP2 x TP2, SP": (4, ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
+    "EP2 x CP2": (2, ParallelConfig(cp=2, ep=2)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_step_equals_one_process(layout):
+    world, parallel = LAYOUTS[layout]
+    side = "right" if parallel.cp > 1 else "left"
+    for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
+        run_distributed(check_moe_step, world, config, parallel, side,
+                        {"moe_capacity_factor": capacity})
+
+
+def test_a_rank_and_experts_with_no_tokens():
+    """Every token picks experts 0 and 1 (top-2; the tie of experts 1, 2 and 3 goes to the
+    lower index): EP rank 1 (experts 2 and 3) receives nothing."""
+    loads = run_distributed(check_moe_step, 2, "top1 sigmoid shared", ParallelConfig(ep=2), "left",
+                            {"moe_top_k": 2}, [2.0, 1.0, 1.0, 1.0])
+    assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
+
+
+def test_capacity_drops_by_place_in_the_batch():
+    """Capacity 1 / 4 of the copies per expert, every token routed to expert 0 first: the
+    first quarter of the real tokens keep their first choice, in batch order."""
+    cfg = dataclasses.replace(MOE["top1 sigmoid shared"], moe_top_k=2, moe_capacity_factor=0.5)
+    model = GPT(cfg, ParallelState(), seed=3)
+    force_routing(model, [3.0, 2.0, 1.0, 0.0])
+    ids, mask, _ = padded_batch(cfg, "left", lengths=(12, 7, 3, 10))
+    real, key = mask.bool().flatten(), torch.arange(ids.numel())
+    x = torch.linspace(-1.0, 1.0, cfg.hidden).expand(ids.numel(), -1)  # what force_routing's norm gives
+    route = moe_layers(model)[0].router(x, real, key, sp=False, loss_scale=None)
+    n_real = int(real.sum())  # 32 tokens, 2 copies each, 4 experts: capacity 8 per expert
+    assert route.experts.tolist() == [[0, 1]] * len(x)
+    kept_rows = route.kept[:, 0].nonzero().squeeze(1)
+    assert kept_rows.tolist() == real.nonzero().squeeze(1)[:8].tolist()
+    assert route.load.tolist() == [n_real, n_real, 0, 0]
+
+
+def test_expert_parallel_layout_is_checked():
+    cfg = MOE["top2"]
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.n_experts=4"):
+        check_layout(cfg, ParallelConfig(ep=3), 3)
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the CP x DP ranks \(2"):
+        check_layout(cfg, ParallelConfig(tp=2, ep=4), 4)
+    with pytest.raises(ConfigError, match=r"model.n_experts=0"):
+        check_layout(CONFIGS["gpt2"], ParallelConfig(ep=2), 2)
