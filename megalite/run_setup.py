@@ -38,6 +38,10 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
         raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
                           "partitions the optimizer state (stage 1), not the gradients; use "
                           "train.zero_stage=1, or train.engine=deepspeed for stage 2")
+    if p.ep > 1 and t.engine == "deepspeed":
+        raise ConfigError(f"parallel.ep={p.ep} with train.engine=deepspeed: DeepSpeed's ZeRO would "
+                          f"sum the experts' gradients over every DP rank, not the ranks holding "
+                          f"the same experts; use train.engine=native (train.zero_stage 0 or 1)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
                           f"train.micro_batch_size={t.micro_batch_size} must be >= 1")

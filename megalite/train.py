@@ -31,7 +31,7 @@ from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_chec
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_dp, all_reduce_loss, loss_sum
-from megalite.training.metrics import (MetricsLog, flops_per_token, peak_flops, plot_losses,
+from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops, plot_losses,
                                        start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
@@ -108,6 +108,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
     # thread meanwhile, and checkpoints are written to disk in another.
     counted = TokenCount(tokens_seen, source_tokens, ps.device)
+    logged_at = start
 
     def host_batches(step: int) -> list[Batch]:
         batches = [train_set.collate(r)
@@ -139,7 +140,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                           "tokens": int(counted.total.item()), **tokens_by_source(data, counted.per_source),
                           "tokens_per_s": tokens_per_s,
                           "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
-                          "time": time.time()}
+                          "time": time.time(), **moe_metrics(model, ps, done - logged_at)}
+                logged_at = done
                 if metrics:
                     metrics.write(record)
                 update_bar(bar, record)

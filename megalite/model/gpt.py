@@ -102,7 +102,7 @@ class Block(nn.Module):
         self.attn_norm = Norm(cfg, pstate)
         self.attn = Attention(cfg, pstate, rng, layer)
         self.mlp_norm = Norm(cfg, pstate)
-        self.mlp = MoE(cfg, pstate) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
+        self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
         self.rng = rng
         self.dropout = cfg.dropout
 

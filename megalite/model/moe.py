@@ -27,6 +27,7 @@ from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import sum_grad_over_shards
+from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
 from megalite.parallel.state import ParallelState
 
@@ -76,7 +77,7 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
         super().__init__()
         self.cfg, self.pstate = cfg, pstate
         self.router = Router(cfg, pstate)
@@ -84,8 +85,16 @@ class MoE(nn.Module):
         self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.n_shared_experts else None
         self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
                                      Init(std=cfg.init_std)) if cfg.moe_shared_gate else None)
-        self.load = torch.zeros(cfg.n_experts, dtype=torch.long, device=pstate.device)
-        self.aux_loss = torch.zeros((), device=pstate.device)
+        self.rng = rng
+        self.reset_statistics()
+
+    def reset_statistics(self) -> None:
+        """Since the last reset: copies routed to each expert (the micro-batches' whole counts),
+        this rank's part of the balancing losses and its copies dropped over capacity."""
+        device = self.pstate.device
+        self.load = torch.zeros(self.cfg.n_experts, dtype=torch.long, device=device)
+        self.aux_loss = torch.zeros((), device=device)
+        self.dropped = torch.zeros((), dtype=torch.long, device=device)
 
     def forward(self, x: torch.Tensor, tokens: HiddenTokens, sp: bool,
                 loss_scale: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -113,12 +122,14 @@ class MoE(nn.Module):
                 gate = sum_grad_over_shards(self.shared_gate, self.pstate.tp_group, sp)
                 shared = shared * torch.sigmoid(F.linear(x, gate))
             y = y + shared
-        self._record(route)
+        self._record(route, tokens.real.flatten())
         return y if route.aux_loss is None else _AuxLossGrad.apply(y, route.aux_loss)
 
     @torch.no_grad()
-    def _record(self, route) -> None:
-        """Accumulate the step's statistics (read and reset by the trainer's metrics)."""
+    def _record(self, route, real: torch.Tensor) -> None:
+        if self.rng.replaying or not self.training:  # recomputation: counted once
+            return
         self.load += route.load
+        self.dropped += real.sum() * self.cfg.moe_top_k - route.kept.sum()
         if route.aux_loss is not None:
             self.aux_loss += route.aux_loss.detach()

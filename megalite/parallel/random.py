@@ -50,6 +50,7 @@ class TensorParallelRNG:
         generator.manual_seed(seed + _TP_SEED_OFFSET + pstate.pp_rank * pstate.tp_size
                               + pstate.tp_rank)
         self.state = generator.get_state()
+        self.replaying = False  # inside activation checkpointing's recompute
 
     @contextmanager
     def fork(self):
@@ -83,10 +84,11 @@ class TensorParallelRNG:
         @contextmanager
         def recompute():
             current, self.state = self.state, recorded["state"].clone()
+            self.replaying = True
             try:
                 yield
             finally:
-                self.state = current
+                self.state, self.replaying = current, False
 
         return forward(), recompute()
 

@@ -37,7 +37,8 @@ from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
-from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
+from megalite.training.grads import (DataParallelGradSync, clip_grad_norm_, replica_rank,
+                                     sum_embedding_copies)
 from megalite.training.mixed_precision import MasterWeights, copy_marks
 from megalite.training.optim import build_optimizer
 
@@ -146,11 +147,8 @@ class DistributedOptimizer(NativeEngine):
                  parallel: ParallelConfig = ParallelConfig()):
         self.model = self.module = model
         self.cfg, self.pstate = cfg, pstate
-        rank, size = pstate.grad_rank, pstate.grad_size
-        # The regions of the reduce-scatter are in the group's rank order.
-        assert dist.get_rank(pstate.grad_group) == rank, (dist.get_rank(pstate.grad_group), rank)
         params = list(model.parameters())
-        self.rows = {id(p): row_range(p.shape[0], rank, size) for p in params}
+        self.rows = {id(p): row_range(p.shape[0], *replica_rank(p, pstate)) for p in params}
         if cfg.precision == "pure_bf16":
             self.masters = MasterWeights(model, rows=self.held_rows)  # casts the model to bf16
             shards = list(self.masters.params)
@@ -166,7 +164,8 @@ class DistributedOptimizer(NativeEngine):
         bucket_mb = parallel.dp_bucket_mb * params[0].element_size() / 4
         self.grad_sync = DataParallelGradSync(
             model, pstate, bucket_mb, parallel.dp_reduce_dtype,
-            make_bucket=lambda bucket: ShardedBucket(bucket, self.shard, rank, size))
+            make_bucket=lambda bucket, group: ShardedBucket(bucket, self.shard,
+                                                            *replica_rank(bucket[0], pstate)))
 
     def held_rows(self, p: nn.Parameter) -> tuple[int, int]:
         return self.rows[id(p)]
@@ -178,14 +177,13 @@ class DistributedOptimizer(NativeEngine):
         self.grad_sync.wait()
         # The two copies hold the same rows: summing the rows sums the copies.
         sum_embedding_copies(self.model, self.master, self.pstate)
-        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate,
-                               rows_group=self.pstate.grad_group)
+        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate, rows_sharded=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # the reduce-scatters' outputs
         # Two buckets in flight at most: each gather's buffer holds its bucket's whole parameters.
         in_flight: list = []
-        for bucket in self.grad_sync.buckets:
-            in_flight.append(bucket.gather(self.grad_sync.group))
+        for bucket, group in zip(self.grad_sync.buckets, self.grad_sync.groups):
+            in_flight.append(bucket.gather(group))
             if len(in_flight) > 2:
                 in_flight.pop(0)()
         for finish in in_flight:

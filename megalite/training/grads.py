@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.mappings import group_size
-from megalite.parallel.sharding import shard_of
+from megalite.parallel.sharding import expert_shard_of, shard_of
 from megalite.parallel.state import ParallelState
 
 MIB = 1024 * 1024
@@ -30,19 +30,39 @@ REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradients' o
 
 def bucket_params(params: list[torch.nn.Parameter], cap_bytes: float) -> list[list]:
     """Group params into buckets in the order backward produces their gradients (the reverse of
-    definition order, as DDP assumes): a bucket holds one dtype and takes parameters until the
-    next would pass cap_bytes; a parameter larger than the cap has a bucket to itself."""
+    definition order, as DDP assumes): a bucket holds one dtype and one kind (experts' or the
+    rest: they are summed over different groups) and takes parameters until the next would pass
+    cap_bytes; a parameter larger than the cap has a bucket to itself."""
     buckets: list[list] = []
-    filling: dict[torch.dtype, tuple[list, int]] = {}
+    filling: dict[tuple, tuple[list, int]] = {}
     for p in reversed(params):
-        bucket, used = filling.get(p.dtype, (None, 0))
+        kind = (p.dtype, is_expert(p))
+        bucket, used = filling.get(kind, (None, 0))
         size = p.numel() * p.element_size()
         if bucket is None or used + size > cap_bytes:
             bucket, used = [], 0
             buckets.append(bucket)
         bucket.append(p)
-        filling[p.dtype] = (bucket, used + size)
+        filling[kind] = (bucket, used + size)
     return buckets
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return expert_shard_of(p) is not None
+
+
+def replica_group(p: torch.Tensor, pstate: ParallelState):
+    """The ranks holding replicas of p, over which its gradient is summed: CP x DP, or for an
+    MoE expert the ranks of CP x DP that hold the same experts."""
+    return pstate.expert_grad_group if is_expert(p) else pstate.grad_group
+
+
+def replica_rank(p: torch.Tensor, pstate: ParallelState) -> tuple[int, int]:
+    """This rank's index in replica_group(p), and the group's size (the expert group lists
+    every ep-th rank of the gradient group)."""
+    if is_expert(p):
+        return pstate.grad_rank // pstate.ep_size, pstate.grad_size // pstate.ep_size
+    return pstate.grad_rank, pstate.grad_size
 
 
 class Bucket:
@@ -100,22 +120,24 @@ class DataParallelGradSync:
 
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
                  reduce_dtype: str = "fp32", hooks: bool = True,
-                 make_bucket: Callable[[list], Bucket] = Bucket):
-        self.group = pstate.grad_group  # DP, or CP x DP: both hold replicas of the parameters
+                 make_bucket: Callable[[list, dist.ProcessGroup | None], Bucket] = lambda b, g: Bucket(b)):
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
         self.buckets: list[Bucket] = []
+        self.groups: list = []  # each bucket's replica group
         self.slot_of: dict[int, tuple[Bucket, int]] = {}
         self.started = 0
         self.pending: list = []
-        if group_size(self.group) > 1:
-            params = [p for p in model.parameters() if p.requires_grad]
-            self.buckets = [make_bucket(b) for b in bucket_params(params, bucket_mb * MIB)]
-            for bucket in self.buckets:
-                for index, p in enumerate(bucket.params):
-                    self.slot_of[id(p)] = (bucket, index)
-                    if hooks:
-                        p.register_post_accumulate_grad_hook(self.grad_ready)
+        params = [p for p in model.parameters()
+                  if p.requires_grad and group_size(replica_group(p, pstate)) > 1]
+        for params_of_bucket in bucket_params(params, bucket_mb * MIB):
+            self.groups.append(replica_group(params_of_bucket[0], pstate))
+            self.buckets.append(make_bucket(params_of_bucket, self.groups[-1]))
+        for bucket in self.buckets:
+            for index, p in enumerate(bucket.params):
+                self.slot_of[id(p)] = (bucket, index)
+                if hooks:
+                    p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """p.grad holds this micro-batch's gradient: make it p's slot, and on the last
@@ -132,7 +154,8 @@ class DataParallelGradSync:
                 self._start(self.buckets[self.started])
 
     def _start(self, bucket: Bucket) -> None:
-        self.pending.append(bucket.start(self.group, self.reduce_dtype))
+        """Start the next bucket (in bucket order, every rank alike)."""
+        self.pending.append(bucket.start(self.groups[self.started], self.reduce_dtype))
         self.started += 1
 
     @contextmanager
@@ -180,40 +203,44 @@ def sum_embedding_copies(model: torch.nn.Module, master, pstate: ParallelState) 
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelState,
-                    rows_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                    rows_sharded: bool = False) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm (0: no clipping); return the norm.
 
     Pipeline stages hold disjoint parameters: their squares add up over the PP group, but for
     the last stage's copy of a tied embedding (`pipeline_copy`), which the first stage counts.
-    rows_group: the group whose ranks hold disjoint rows of each gradient (the distributed
-    optimizer's gradient group, where `model` holds this rank's rows): their squares add up
-    over it first."""
-    split, weights, replicated, copies = [], [], [], []
+    MoE experts are disjoint over the EP group and whole on every TP rank. rows_sharded: `model`
+    holds this rank's rows of each gradient (the distributed optimizer), disjoint over each
+    parameter's replica group, where their squares add up first."""
+    split, weights, replicated, experts, copies = [], [], [], [], []
     for p in model.parameters():
         if p.grad is None:
             continue
+        shard = shard_of(p)
         if getattr(p, "pipeline_copy", False):
             copies.append(p.grad)  # clipped with the rest, counted by the first stage
-            continue
-        shard = shard_of(p)
-        if shard is None:
+        elif is_expert(p):
+            experts.append(p.grad)
+        elif shard is None:
             replicated.append(p.grad)
         else:
             split.append(p.grad)
             weights.append(shard.count / pstate.tp_size)
-    split_squares = _sum_of_squares(split, weights, pstate.device)
-    replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
-    if group_size(rows_group) > 1:
-        both = torch.stack([split_squares, replicated_squares])
-        dist.all_reduce(both, group=rows_group)
-        split_squares, replicated_squares = both.unbind()
+    squares = torch.stack([_sum_of_squares(split, weights, pstate.device),
+                           _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device),
+                           _sum_of_squares(experts, [1.0] * len(experts), pstate.device)])
+    if rows_sharded and group_size(pstate.grad_group) > 1:
+        dist.all_reduce(squares[:2], group=pstate.grad_group)
+    if rows_sharded and group_size(pstate.expert_grad_group) > 1:
+        dist.all_reduce(squares[2:], group=pstate.expert_grad_group)
+    if group_size(pstate.ep_group) > 1:
+        dist.all_reduce(squares[2:], group=pstate.ep_group)
     if group_size(pstate.tp_group) > 1:
-        dist.all_reduce(split_squares, group=pstate.tp_group)
-    squares = split_squares + replicated_squares
+        dist.all_reduce(squares[:1], group=pstate.tp_group)
+    total = squares.sum()
     if group_size(pstate.pp_group) > 1:
-        dist.all_reduce(squares, group=pstate.pp_group)
-    norm = squares.sqrt()
+        dist.all_reduce(total, group=pstate.pp_group)
+    norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(split + replicated + copies, scale)
+        torch._foreach_mul_(split + replicated + experts + copies, scale)
     return norm

@@ -5,8 +5,11 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.parallel.mappings import group_size
+from megalite.parallel.state import ParallelState
 
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -14,10 +17,14 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e1
 
 def matmul_params(cfg: ModelConfig) -> int:
     """N of the PaLM formula: every weight used in a matmul, the LM head once even if tied;
-    embedding and position lookups excluded."""
+    embedding and position lookups excluded. MoE layers count what a token uses: the router,
+    its top-k experts and the shared ones."""
     attention = cfg.hidden * cfg.n_heads * cfg.head_dim * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_dim
-    mlp = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden * cfg.ffn
-    return cfg.n_layers * (attention + mlp) + cfg.vocab_size * cfg.hidden
+    per_width = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden
+    moe = (cfg.hidden * cfg.n_experts + per_width * (cfg.moe_top_k * cfg.expert_ffn + cfg.shared_ffn)
+           + cfg.hidden * cfg.moe_shared_gate)
+    mlps = sum(moe if cfg.is_moe_layer(i) else per_width * cfg.ffn for i in range(cfg.n_layers))
+    return cfg.n_layers * attention + mlps + cfg.vocab_size * cfg.hidden
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -91,3 +98,30 @@ def plot_losses(metrics: Path, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def moe_metrics(model, pstate: ParallelState, steps: int) -> dict:
+    """The MoE layers' statistics over the `steps` training steps since the last call, all
+    ranks together (a collective over DP, CP, TP and PP; empty for a dense model), then reset:
+    moe_aux_loss, the balancing losses added to the loss (per step); moe_dropped, copies over
+    capacity; moe_load, copies routed to each expert, per MoE layer."""
+    layers = [i for i in range(model.cfg.n_layers) if model.cfg.is_moe_layer(i)]
+    if not layers:
+        return {}
+    load = torch.zeros(len(layers), model.cfg.n_experts, dtype=torch.long, device=pstate.device)
+    parts = torch.zeros(2, dtype=torch.float64, device=pstate.device)  # aux loss, dropped
+    for row, layer in enumerate(layers):
+        if str(layer) in model.blocks:
+            moe = model.blocks[layer].mlp
+            load[row] = moe.load
+            parts += torch.stack([moe.aux_loss.double(), moe.dropped.double()])
+            moe.reset_statistics()
+    # load: whole micro-batches' counts, once per DP rank; parts: each rank's own tokens' share.
+    for tensor, groups in ((load, [pstate.dp_group, pstate.pp_group]),
+                           (parts, [pstate.grad_group, pstate.pp_group,
+                                    pstate.tp_group if pstate.sequence_parallel else None])):
+        for group in groups:
+            if group_size(group) > 1:
+                dist.all_reduce(tensor, group=group)
+    return {"moe_aux_loss": parts[0].item() / steps, "moe_dropped": int(parts[1].item()),
+            "moe_load": load.tolist()}

@@ -68,11 +68,11 @@ class MasterWeights(nn.Module):
 
 
 def copy_marks(tensor: torch.Tensor, p: torch.Tensor) -> None:
-    """Give `tensor` (p's master, or a block of p's rows) p's TP shard and tied-copy marks, which
-    the clipping norm reads."""
-    shard = shard_of(p)
-    if shard is not None:
-        mark_sharded(tensor, shard.dim, shard.index, shard.count)
+    """Give `tensor` (p's master, or a block of p's rows) p's TP or EP shard and tied-copy marks,
+    which the clipping norm reads."""
+    for mark in ("tp_shard", "ep_shard"):
+        if hasattr(p, mark):
+            setattr(tensor, mark, getattr(p, mark))
     tensor.pipeline_copy = getattr(p, "pipeline_copy", False)
 
 

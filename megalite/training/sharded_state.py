@@ -7,9 +7,9 @@ its metadata, and on load reads, for each piece a rank asks for, only the stored
 overlap it: a checkpoint loads at any TP x CP x PP x DP layout and any zero stage.
 
 Who writes what: each tensor of a TP slice (weight, Adam moments) is held by the slice's
-replicas, the CP x DP ranks of the gradient group and, for GQA's KV heads, several TP ranks.
-Replica k of the gradient group writes rows `row_range(rows, k, grad_size)` (the rows the
-distributed optimizer gives it), split again between the TP ranks that hold the same slice
+replicas, the CP x DP ranks of the gradient group (MoE experts: those holding the same experts,
+grads.replica_group) and, for GQA's KV heads, several TP ranks. Replica k of n writes rows
+`row_range(rows, k, n)` (the rows the distributed optimizer gives it), split again between the TP ranks that hold the same slice
 (a replicated tensor, GQA's KV heads), so every rank writes about its share; the last pipeline
 stage's copy of a tied embedding writes nothing.
 Pieces are cut into blocks of rows (`BLOCKS` per tensor at most), so that a reader wanting a
@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.parallel.sharding import full_shape, row_range, shard_of
+from megalite.parallel.sharding import expert_shard_of, full_shape, row_range, shard_of
 from megalite.parallel.state import ParallelState
+from megalite.training.grads import replica_rank
 from megalite.typed_config import ConfigError
 
 # DCP warns whenever it runs in one process, which tools and single-process runs mean to do.
@@ -65,7 +66,7 @@ def moment_key(name: str, moment: str) -> str:
 def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
     """Where row `first_row` of p's local tensor (its TP slice) sits in the global tensor."""
     offsets = [0] * p.dim()
-    shard = shard_of(p)
+    shard = shard_of(p) or expert_shard_of(p)
     if shard is not None:
         offsets[shard.dim] = shard.bounds(full_shape(p)[shard.dim])[0]
     offsets[0] += first_row
@@ -88,7 +89,7 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         if getattr(p, "pipeline_copy", False):
             continue
         held = engine.held_rows(p)
-        start, stop = row_range(p.shape[0], pstate.grad_rank, pstate.grad_size)
+        start, stop = row_range(p.shape[0], *replica_rank(p, pstate))
         first, last = row_range(stop - start, pstate.tp_rank % copies, copies)  # TP copies split them
         start, stop = start + first, start + last
         if start == stop:
