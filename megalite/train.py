@@ -24,6 +24,7 @@ from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
 from megalite.parallel.state import ParallelState, init_parallel
+from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
@@ -271,13 +272,20 @@ def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int,
         return
     picks = val_set.leading_picks(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None)
     mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
+    # Experts split over DP ranks pair every rank's forwards (all-to-alls): a rank one sample
+    # short runs one more, without targets.
+    filler = -(-len(picks) // ps.dp_size) - len(mine) if ps.ep_size > 1 else 0
+    mine = np.concatenate([mine, picks[:filler]])
     total = torch.zeros(2, dtype=torch.float64, device=ps.device)
     # A step's worth of micro-batches on the device at a time: memory stays a step's.
     chunk = t.global_batch_size // ps.dp_size
     for first in range(0, len(mine), chunk):
         part = mine[first:first + chunk]
-        total += loss_sum(model, [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
-                                  for start in range(0, len(part), t.micro_batch_size)], autocast)
+        batches = [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
+                   for start in range(0, len(part), t.micro_batch_size)]
+        if filler and first + chunk >= len(mine):
+            batches[-1].labels[-filler:] = IGNORE_INDEX
+        total += loss_sum(model, batches, autocast)
     total = all_reduce_loss(total, ps)
     val_loss, val_tokens = (total[0] / total[1]).item(), int(total[1].item())
     val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow

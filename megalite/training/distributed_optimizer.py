@@ -154,7 +154,10 @@ class DistributedOptimizer(NativeEngine):
             shards = list(self.masters.params)
         else:
             self.masters = None
-            shards = [_rows_of(p, *self.held_rows(p)) for p in params]
+            # Experts with no replica (ep = CP x DP) are whole here, outside the buckets: the
+            # optimizer steps the parameter itself, which backward fills.
+            shards = [_rows_of(p, *self.held_rows(p)) if replica_rank(p, pstate)[1] > 1 else p
+                      for p in params]
         self.shard = {id(p): s for p, s in zip(params, shards)}
         # What the optimizer steps and the clipping scales: the rows. Decay groups by dim, which
         # rows of a tensor share with it.

@@ -1,0 +1,64 @@
+"""The trainer with a mixture of experts: expert-parallel layouts train the single process's
+model step for step (losses, gradient norms, final weights, 1e-5), and an EP2 checkpoint resumes
+at EP1 and EP4 with the original's losses.
+
+Each distributed run combines layouts to keep the suite short: EP4 over CP2 x DP2; EP2 x TP2
+with sequence parallelism; EP2 x PP2 with the distributed optimizer (and the capacity factor,
+which drops copies at this batch).
+"""
+import pytest
+
+from tests.test_reshard import SAVED_AT
+from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+
+MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
+       "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
+       "train.micro_batch_size=2", "train.checkpoint_every=5"]
+LAYOUTS = {
+    "EP4 x CP2": (4, ["parallel.cp=2", "parallel.ep=4"]),
+    "EP2 x TP2, SP": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    "EP2 x PP2, distributed optimizer, capacity": (
+        4, ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.moe_capacity_factor=1.0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    runs = {}
+
+    def run(capacity: bool):
+        if capacity not in runs:
+            run_dir = tmp_path_factory.mktemp(f"moe-single-{capacity}")
+            train_run(1, common(cache, run_dir, "padded") + MOE
+                      + (["model.moe_capacity_factor=1.0"] if capacity else []))
+            runs[capacity] = run_dir
+        return runs[capacity]
+    return run
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, layout):
+    world, settings = LAYOUTS[layout]
+    run_dir = tmp_path / "run"
+    train_run(world, common(cache, run_dir, "padded") + MOE + settings)
+    reference = single("model.moe_capacity_factor=1.0" in settings)
+    assert_same_training(reference, run_dir)
+    for key in ("moe_aux_loss", "moe_load", "moe_dropped"):  # the same routing at every step
+        expected, got = losses(reference, key), losses(run_dir, key)
+        assert got.keys() == expected.keys() == set(range(1, STEPS + 1)), key
+        for step in got:
+            same = got[step] == (pytest.approx(expected[step], rel=1e-5) if key == "moe_aux_loss"
+                                 else expected[step])
+            assert same, (key, step, got[step], expected[step])
+    if "capacity" in layout:
+        assert sum(losses(run_dir, "moe_dropped").values()) > 0  # the capacity acted
+    if layout == "EP2 x TP2, SP":
+        checkpoint = run_dir / "checkpoints" / f"step_{SAVED_AT:08d}"
+        for world, ep in ((1, 1), (4, 4)):
+            resumed = tmp_path / f"ep{ep}-resumed"
+            train_run(world, common(cache, resumed, "padded") + MOE + [
+                f"parallel.ep={ep}", f"train.resume={checkpoint}"])
+            expected, got = losses(run_dir), losses(resumed)
+            assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
+            for step in got:
+                assert abs(got[step] - expected[step]) <= 1e-5, (ep, step, got[step], expected[step])
