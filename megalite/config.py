@@ -62,6 +62,9 @@ class ModelConfig:
     # Switch-style load-balancing loss coefficient (Fedus et al. 2021), per MoE layer
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0  # router z-loss (Zoph et al. 2022): mean logsumexp^2
+    # Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias
+    # moves by this much toward balance (up if it took fewer copies than the mean). 0: off.
+    moe_bias_update_rate: float = 0.0
     # Tokens an expert takes per micro-batch: capacity_factor x tokens x top_k / n_experts;
     # later ones (by position) are dropped. None: dropless.
     moe_capacity_factor: Optional[float] = None
@@ -238,8 +241,8 @@ def _moe_problems(model: ModelConfig) -> list[str]:
         (not model.moe_shared_gate or model.n_shared_experts > 0,
          "model.moe_shared_gate=true gates the shared experts: set model.n_shared_experts >= 1"),
         (cf is None or cf > 0, f"model.moe_capacity_factor={cf} must be > 0 (or null: dropless)"),
-        (model.moe_aux_loss_coeff >= 0 and model.moe_z_loss_coeff >= 0,
-         "model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0"),
+        (min(model.moe_aux_loss_coeff, model.moe_z_loss_coeff, model.moe_bias_update_rate) >= 0,
+         "model.moe_aux_loss_coeff, moe_z_loss_coeff and moe_bias_update_rate must be >= 0"),
     ]
     return [message for ok, message in checks if not ok]
 

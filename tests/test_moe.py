@@ -75,6 +75,8 @@ def whole_grads(model: GPT, ps: ParallelState) -> dict:
     """Every parameter's gradient summed over its replicas, each whole (TP's and EP's slices)."""
     grads = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # the expert bias
+            continue
         grad = p.grad.clone()
         if expert_shard_of(p) is not None:
             if group_size(ps.expert_grad_group) > 1:
@@ -111,7 +113,7 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     assert_close(loss, ref_loss, **TOL)
     assert_close(aux, ref_aux, **TOL)
     assert ref_aux > 0
-    ref_grads = {n: p.grad for n, p in single.named_parameters()}
+    ref_grads = {n: p.grad for n, p in single.named_parameters() if p.requires_grad}
     for name, grad in whole_grads(model, ps).items():
         assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
     loads = [layer.load for layer in moe_layers(single)]

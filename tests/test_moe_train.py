@@ -2,9 +2,9 @@
 model step for step (losses, gradient norms, final weights, 1e-5), and an EP2 checkpoint resumes
 at EP1 and EP4 with the original's losses.
 
-Each distributed run combines layouts to keep the suite short: EP4 over CP2 x DP2; EP2 x TP2
-with sequence parallelism; EP2 x PP2 with the distributed optimizer (and the capacity factor,
-which drops copies at this batch).
+Each distributed run combines layouts to keep the suite short: EP4 over CP2 x DP2 with the
+auxiliary-loss-free expert bias; EP2 x TP2 with sequence parallelism; EP2 x PP2 with the
+distributed optimizer and a capacity factor (which drops copies at this batch).
 """
 import pytest
 
@@ -14,11 +14,13 @@ from tests.test_train import STEPS, assert_same_training, common, losses, train_
 MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
        "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
        "train.micro_batch_size=2", "train.checkpoint_every=5"]
+# layout: (world, its settings, model settings the single-process reference shares)
 LAYOUTS = {
-    "EP4 x CP2": (4, ["parallel.cp=2", "parallel.ep=4"]),
-    "EP2 x TP2, SP": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    "EP4 x CP2, expert bias": (4, ["parallel.cp=2", "parallel.ep=4"],
+                               ["model.moe_bias_update_rate=0.01"]),
+    "EP2 x TP2, SP": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], []),
     "EP2 x PP2, distributed optimizer, capacity": (
-        4, ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.moe_capacity_factor=1.0"]),
+        4, ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1"], ["model.moe_capacity_factor=1.0"]),
 }
 
 
@@ -26,22 +28,21 @@ LAYOUTS = {
 def single(tmp_path_factory, cache):
     runs = {}
 
-    def run(capacity: bool):
-        if capacity not in runs:
-            run_dir = tmp_path_factory.mktemp(f"moe-single-{capacity}")
-            train_run(1, common(cache, run_dir, "padded") + MOE
-                      + (["model.moe_capacity_factor=1.0"] if capacity else []))
-            runs[capacity] = run_dir
-        return runs[capacity]
+    def run(model_settings: list[str]):
+        key = tuple(model_settings)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("moe-single")
+            train_run(1, common(cache, runs[key], "padded") + MOE + model_settings)
+        return runs[key]
     return run
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, layout):
-    world, settings = LAYOUTS[layout]
+    world, settings, model_settings = LAYOUTS[layout]
     run_dir = tmp_path / "run"
-    train_run(world, common(cache, run_dir, "padded") + MOE + settings)
-    reference = single("model.moe_capacity_factor=1.0" in settings)
+    train_run(world, common(cache, run_dir, "padded") + MOE + settings + model_settings)
+    reference = single(model_settings)
     assert_same_training(reference, run_dir)
     for key in ("moe_aux_loss", "moe_load", "moe_dropped"):  # the same routing at every step
         expected, got = losses(reference, key), losses(run_dir, key)
@@ -52,6 +53,8 @@ def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, la
             assert same, (key, step, got[step], expected[step])
     if "capacity" in layout:
         assert sum(losses(run_dir, "moe_dropped").values()) > 0  # the capacity acted
+    if "bias" in layout:  # the bias moved the routing: the loads part from the run without it
+        assert losses(run_dir, "moe_load")[STEPS] != losses(single([]), "moe_load")[STEPS]
     if layout == "EP2 x TP2, SP":
         checkpoint = run_dir / "checkpoints" / f"step_{SAVED_AT:08d}"
         for world, ep in ((1, 1), (4, 4)):

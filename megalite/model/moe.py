@@ -17,6 +17,7 @@ parallelism, over TP (each TP rank ran its own tokens).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,7 +27,7 @@ from megalite.model.mlp import MLP, activate, down_init_std
 from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import sum_grad_over_shards
+from megalite.parallel.mappings import group_size, sum_grad_over_shards
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
 from megalite.parallel.state import ParallelState
@@ -93,6 +94,7 @@ class MoE(nn.Module):
         this rank's part of the balancing losses and its copies dropped over capacity."""
         device = self.pstate.device
         self.load = torch.zeros(self.cfg.n_experts, dtype=torch.long, device=device)
+        self.step_load = torch.zeros_like(self.load)  # since the last expert-bias update
         self.aux_loss = torch.zeros((), device=device)
         self.dropped = torch.zeros((), dtype=torch.long, device=device)
 
@@ -130,6 +132,24 @@ class MoE(nn.Module):
         if self.rng.replaying or not self.training:  # recomputation: counted once
             return
         self.load += route.load
+        self.step_load += route.load
         self.dropped += real.sum() * self.cfg.moe_top_k - route.kept.sum()
         if route.aux_loss is not None:
             self.aux_loss += route.aux_loss.detach()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
+    """After a step, DeepSeek-V3's auxiliary-loss-free balancing: each MoE layer's expert bias
+    moves by model.moe_bias_update_rate toward balance, by the sign of (mean load - load) over
+    the step's whole batch (all DP ranks), the same on every rank and layout."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    rate = model.cfg.moe_bias_update_rate
+    if not layers or not rate:
+        return
+    loads = torch.stack([m.step_load for m in layers]).float()
+    if group_size(pstate.dp_group) > 1:
+        dist.all_reduce(loads, group=pstate.dp_group)
+    for m, load in zip(layers, loads):
+        m.router.expert_bias += rate * torch.sign(load.mean() - load)
+        m.step_load.zero_()

@@ -46,6 +46,11 @@ class Router(nn.Module):
         self.cfg, self.pstate = cfg, pstate
         self.weight = set_init(nn.Parameter(torch.empty(cfg.n_experts, cfg.hidden, device=pstate.device)),
                                Init(std=cfg.init_std))
+        # Added to the scores to pick experts, never to weigh them; moved by the trainer after
+        # each step (update_expert_bias), not by gradients. A parameter so that checkpoints
+        # hold it like every weight.
+        self.expert_bias = set_init(nn.Parameter(torch.zeros(cfg.n_experts, device=pstate.device),
+                                                 requires_grad=False), Init(fill=0.0))
 
     def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor, sp: bool,
                 loss_scale: torch.Tensor | float | None) -> Routing:
@@ -56,7 +61,8 @@ class Router(nn.Module):
             logits = F.linear(x.float(), weight.float())
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
         k = cfg.moe_top_k
-        experts = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+        picking = scores.detach() + self.expert_bias.float()
+        experts = torch.sort(picking, dim=-1, descending=True, stable=True).indices[:, :k]
         weights = scores.gather(1, experts)
         if cfg.moe_renormalize:
             weights = weights / weights.sum(-1, keepdim=True)

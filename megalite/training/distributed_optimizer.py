@@ -151,7 +151,7 @@ class DistributedOptimizer(NativeEngine):
         self.rows = {id(p): row_range(p.shape[0], *replica_rank(p, pstate)) for p in params}
         if cfg.precision == "pure_bf16":
             self.masters = MasterWeights(model, rows=self.held_rows)  # casts the model to bf16
-            shards = list(self.masters.params)
+            shards = [self.masters.master(p) for p in params]
         else:
             self.masters = None
             # Experts with no replica (ep = CP x DP) are whole here, outside the buckets: the

@@ -32,6 +32,7 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.checkpoint import MOMENTS
 from megalite.pipeline.runner import train_pipelined
+from megalite.model.moe import update_expert_bias
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
 from megalite.training.mixed_precision import MasterWeights
 from megalite.training.optim import build_optimizer
@@ -136,4 +137,7 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
     """
     # One stage runs every schedule in 1F1B's order: each backward right after its forward.
     schedule = pp_schedule if engine.pstate.pp_size > 1 else "1f1b"
-    return train_pipelined(engine, batches, n_tokens, autocast, schedule), engine.step()
+    loss = train_pipelined(engine, batches, n_tokens, autocast, schedule)
+    norm = engine.step()
+    update_expert_bias(engine.model, engine.pstate)
+    return loss, norm

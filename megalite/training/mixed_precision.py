@@ -35,12 +35,12 @@ class MasterWeights(nn.Module):
     def __init__(self, model: nn.Module,
                  rows: Callable[[torch.Tensor], tuple[int, int]] | None = None):
         super().__init__()
-        self.model_params = list(model.parameters())
+        # Frozen parameters (MoE's expert bias, moved by the trainer) stay fp32, their own master.
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
         self.params = nn.ParameterList()
         for p in self.model_params:
             start, stop = (0, p.shape[0]) if rows is None else rows(p)
-            master = nn.Parameter(p.detach()[start:stop].float().clone(),
-                                  requires_grad=p.requires_grad)
+            master = nn.Parameter(p.detach()[start:stop].float().clone())
             copy_marks(master, p)
             if rows is None:
                 master.grad = torch.zeros_like(master)
@@ -51,14 +51,13 @@ class MasterWeights(nn.Module):
 
     def master(self, p: torch.Tensor) -> nn.Parameter:
         """The fp32 master of model parameter p."""
-        return self.by_model_param[id(p)]
+        return self.by_model_param.get(id(p), p)
 
     def accumulate_grads(self, then: Callable[[nn.Parameter], None]) -> None:
         """From now on, as soon as backward has accumulated a model parameter's gradient, add it
         into its master's gradient, free it, and call then(master)."""
         for p, master in zip(self.model_params, self.params):
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(partial(_accumulate, master, then))
+            p.register_post_accumulate_grad_hook(partial(_accumulate, master, then))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
