@@ -20,7 +20,8 @@ waiting for its neighbour, the pipeline bubble plus the transfer. Ring attention
 `bytes` is the payload of one rank's call: the reduced tensor of an all-reduce, the gathered
 (full) tensor of an all-gather, the input of a reduce-scatter. `wire_bytes` is what a ring
 algorithm sends per rank for it: 2(n-1)/n of the payload for an all-reduce, (n-1)/n for an
-all-gather or reduce-scatter (n: the group's size).
+all-gather or reduce-scatter (n: the group's size); an all-to-all's input, of which it sends
+what is not its own split (MoE's token exchange over the EP group: uneven splits).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ from megalite.parallel.p2p import Received
 # name -> (position and keyword of the payload argument, ring traffic in units of (n-1)/n)
 WRAPPED = {"all_reduce": (0, "tensor", 2), "broadcast": (0, "tensor", 1),
            "all_gather": (0, "tensor_list", 1), "all_gather_into_tensor": (0, "output_tensor", 1),
-           "reduce_scatter": (1, "input_list", 1), "reduce_scatter_tensor": (1, "input", 1)}
+           "reduce_scatter": (1, "input_list", 1), "reduce_scatter_tensor": (1, "input", 1),
+           "all_to_all_single": (1, "input", 1)}
 
 
 def _payload(name: str, args, kwargs) -> torch.Tensor | list:
@@ -71,6 +73,10 @@ class CommLog:
             return "cp_dp"  # gradients, summed over the CP and DP ranks
         if group is self.ps.embedding_group:
             return "embedding"  # tied embeddings' first and last pipeline stage
+        if group is self.ps.ep_group:
+            return "ep"  # MoE experts' tokens
+        if group is self.ps.expert_dp_group:
+            return "expert_dp"  # experts' gradients, summed over the ranks holding the same
         return f"tp-sub{dist.get_world_size(group)}"  # GQA's KV-head copies
 
     def __enter__(self) -> "CommLog":
@@ -119,10 +125,12 @@ class CommLog:
                 return work
 
             work, seconds = self._timed(call)
-            factor = WRAPPED[name][2] * (n - 1) / n
+            wire = nbytes * WRAPPED[name][2] * (n - 1) / n
+            splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+            if name == "all_to_all_single" and splits:  # all but this rank's own split
+                wire = nbytes * (1 - splits[dist.get_rank(group)] / max(1, sum(splits)))
             self.records.append({"op": name, "group": self.group_name(group), "ranks": n,
-                                 "elements": numel,
-                                 "bytes": nbytes, "wire_bytes": nbytes * factor,
+                                 "elements": numel, "bytes": nbytes, "wire_bytes": wire,
                                  "seconds": seconds})
             return work
         return recorded

@@ -173,6 +173,15 @@ def tp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     return all_reduces * ring_factor(layout.tp) * message
 
 
+def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, element_size: int) -> int:
+    """The bytes one rank's all-to-alls take as input for one MoE layer, forward and backward,
+    of a micro-batch of which it routes `tokens` (dropless; on average over the EP ranks, as
+    the outputs a rank sends back are its experts' rows): the top-k copies of each token's
+    hidden state out to the experts and their outputs back, each way again in backward, and
+    the counts that size them (int64, forward)."""
+    return 4 * cfg.moe_top_k * tokens * cfg.hidden * element_size + cfg.n_experts * 8
+
+
 def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     """Bytes each GPU sends for one layer's K/V traffic over its CP group, one micro-batch."""
     c, m = layout.cp, layout.model

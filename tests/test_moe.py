@@ -6,6 +6,8 @@
   to 1e-5 at EP2, EP4, EP2 x TP2 with SP, EP2 x CP2; top-1 and top-2, softmax and sigmoid
   routers, shared experts, dropless and with a capacity factor; a batch where one EP rank and
   two experts receive no token at all;
+- the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
+  model uses, at EP2 and EP4;
 - a layout expert parallelism cannot split is refused before any collective.
 """
 import dataclasses
@@ -15,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
+from bench.comm import CommLog
+from bench.scaling_model import moe_all_to_all_bytes
 from megalite.config import ParallelConfig, check_layout
 from megalite.model import GPT
 from megalite.model.moe import MoE
@@ -143,6 +147,27 @@ def test_a_rank_and_experts_with_no_tokens():
     loads = run_distributed(check_moe_step, 2, "top1 sigmoid shared", ParallelConfig(ep=2), "left",
                             {"moe_top_k": 2}, [2.0, 1.0, 1.0, 1.0])
     assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
+
+
+def count_all_to_all_bytes(ep: int) -> tuple[int, int]:
+    """(bytes this rank's all-to-alls took over the EP group in one forward and backward,
+    the formula's for its MoE layers)."""
+    cfg = MOE["top2"]
+    ps = ParallelState.from_world(1, pipeline=ParallelConfig(ep=ep))
+    model = GPT(cfg, ps, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ps.dp_rank))
+    with CommLog(ps) as log:
+        model(ids, labels=ids, loss_scale=0.01).loss.backward()
+    measured = sum(r["bytes"] for r in log.records if r["op"] == "all_to_all_single" and r["group"] == "ep")
+    return measured, len(moe_layers(model)) * moe_all_to_all_bytes(cfg, ids.numel(), 4)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_all_bytes_per_layer_equal_the_formula(ep):
+    """Summed over the EP ranks: a rank's outputs going back are its experts' rows, which only
+    balanced routing makes equal to its own tokens' copies."""
+    measured, formula = (sum(column) for column in zip(*run_distributed(count_all_to_all_bytes, ep, ep)))
+    assert measured == formula > 0
 
 
 def test_capacity_drops_by_place_in_the_batch():
