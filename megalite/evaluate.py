@@ -1,5 +1,5 @@
-"""`megalite eval --ckpt CKPT --text FILE [--tp N] [--pp N] [--cp N] [--json]`: the loss of a
-model on a text, at any layout training runs (DP over the ranks the others leave).
+"""`megalite eval --ckpt CKPT --text FILE [--tp N] [--pp N] [--cp N] [--ep N] [--json]`: the
+loss of a model on a text, at any layout training runs (DP over the ranks the others leave).
 
 The file is cut into pieces at line boundaries (megalite/data/text_pieces.py: about 1 MiB
 each, the same for any number of ranks; a file under that size is one piece). Each DP rank
@@ -8,7 +8,10 @@ or its ids; the other ranks of a DP group take the same pieces. Each piece is to
 own, with the checkpoint's tokenizer as its template says (Llama's bos first; GPT-2's and
 megalite's BPE add nothing), and cut into consecutive, non-overlapping windows of the model's
 context length, the last one shorter. Every token after the first of its window is predicted
-from the ones before it in that window; the loss is the mean over all of them.
+from the ones before it in that window; the loss is the mean over all of them. With experts
+split over DP ranks (--ep), whose all-to-alls pair every rank's forwards, each rank tokenizes
+its pieces first and runs as many windows as the rank with the most, adding windows without
+targets.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from megalite.cli import command_parser
 from megalite.config import ParallelConfig
@@ -28,15 +32,17 @@ from megalite.hf.convert import checkpoint_model_config
 from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.model import GPT
 from megalite.parallel.context import context_chunks
+from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.training.evaluation import all_reduce_loss, loss_sum
 from megalite.typed_config import ConfigError
 
 WINDOWS_PER_PASS = 8
 
 
-def windows_loss(model: GPT, ids: list[int], pad_id: int) -> torch.Tensor:
+def windows_loss(model: GPT, ids: list[int], pad_id: int, targets: bool = True) -> torch.Tensor:
     """loss_sum over the windows of one piece's ids, a window per micro-batch, WINDOWS_PER_PASS
-    micro-batches per pipelined pass (a pass keeps its activations sent until it ends)."""
+    micro-batches per pipelined pass (a pass keeps its activations sent until it ends).
+    targets=False: forwards that predict nothing (loss and count 0)."""
     ps, length = model.pstate, model.cfg.max_seq_len
     chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
     rows = [np.asarray(ids[start:start + length]) for start in range(0, len(ids), length)]
@@ -44,8 +50,15 @@ def windows_loss(model: GPT, ids: list[int], pad_id: int) -> torch.Tensor:
     for first in range(0, len(rows), WINDOWS_PER_PASS):
         batches = [collate("padded", [row], pad_id, chunks).to(ps.device)
                    for row in rows[first:first + WINDOWS_PER_PASS]]
+        if not targets:
+            for batch in batches:
+                batch.labels.fill_(IGNORE_INDEX)
         total += loss_sum(model, batches, nullcontext())
     return total
+
+
+def window_count(n_ids: int, length: int) -> int:
+    return -(-n_ids // length)
 
 
 def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:
@@ -62,7 +75,7 @@ def main(argv: list[str]) -> int:
     parser = command_parser("megalite eval", __doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
     parser.add_argument("--text", required=True, help="a UTF-8 text file")
-    add_layout_arguments(parser, cp=True)
+    add_layout_arguments(parser, cp=True, ep=True)
     parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
     args = parser.parse_args(argv)
     parallel = layout_of(args)
@@ -74,8 +87,19 @@ def main(argv: list[str]) -> int:
     with loaded(Path(args.ckpt), parallel) as (model, tokenizer):
         ps = model.pstate
         total = torch.zeros(2, dtype=torch.float64, device=ps.device)
-        for piece in rank_pieces(text_file, ps.dp_rank, ps.dp_size):  # one at a time in memory
-            total += windows_loss(model, tokenizer.encode(piece), tokenizer.pad_id)
+        pieces = (tokenizer.encode(piece) for piece in rank_pieces(text_file, ps.dp_rank, ps.dp_size))
+        length, spare = model.cfg.max_seq_len, 0
+        if ps.ep_size > 1:  # kept: the windows are counted before the first forward
+            pieces = list(pieces)
+            mine = sum(window_count(len(ids), length) for ids in pieces)
+            most = torch.tensor(mine, device=ps.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.ep_group)
+            spare = int(most) - mine
+        for ids in pieces:  # without EP one at a time in memory
+            total += windows_loss(model, ids, tokenizer.pad_id)
+        if spare:
+            total += windows_loss(model, [tokenizer.pad_id] * (spare * length), tokenizer.pad_id,
+                                  targets=False)
         loss_sum_, count = all_reduce_loss(total, ps).tolist()
         if count == 0:
             raise ConfigError(f"--text '{text_file}' has no token to predict: give a text of "

@@ -17,7 +17,7 @@ ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 def check_exportable(cfg: ModelConfig) -> None:
     wanted = {"position": "learned", "norm": "layernorm", "bias": True, "tie_embeddings": True,
-              "kv_heads": cfg.n_heads}
+              "kv_heads": cfg.n_heads, "n_experts": 0}
     wrong = [f"model.{k}={getattr(cfg, k)!r} (GPT-2 needs {v!r})" for k, v in wanted.items()
              if getattr(cfg, k) != v]
     if cfg.activation not in ACTIVATIONS:

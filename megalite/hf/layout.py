@@ -5,6 +5,7 @@ A recipe maps a megalite parameter name to its `Rows`, top to bottom: the megali
 those rows of Hugging Face tensors stacked along dim 0. The layouts this covers:
 - vocabulary padding: megalite pads the embedding/head rows to a multiple; the padding rows are
   zeros (`Rows(None, ...)`), never exported;
+- MoE experts: megalite stacks them, [experts, out, in]; Hugging Face keeps one tensor each;
 - K and V: megalite's kv_proj interleaves them per KV head, [k_0; v_0; k_1; v_1; ...], so that a
   contiguous TP split gives each rank whole (k, v) pairs; Hugging Face keeps K and V apart, or
   (GPT-2) fuses Q, K and V side by side: each head's K (V) is a range of rows (columns) there;
@@ -27,11 +28,13 @@ from megalite.typed_config import ConfigError
 @dataclass(frozen=True)
 class Rows:
     """Rows start:stop of Hugging Face tensor `name` (its columns when `transposed`: megalite's
-    [out, in] stored as [in, out]); `name` None: stop - start rows of zeros."""
+    [out, in] stored as [in, out]); `name` None: stop - start rows of zeros. `stacked`: the
+    whole tensor is one row of megalite's (an expert's matrix in a stack of experts; 0:1)."""
     name: str | None
     start: int
     stop: int
     transposed: bool = False
+    stacked: bool = False
 
     @property
     def count(self) -> int:
@@ -64,12 +67,18 @@ def kv_interleaved(k: str, v: str, kv_heads: int, head_dim: int, k_start: int = 
                  for h in range(kv_heads) for name, start in ((k, k_start), (v, v_start)))
 
 
+def stacked(names: list[str]) -> tuple[Rows, ...]:
+    """A megalite stack of the Hugging Face tensors `names`, one per row."""
+    return tuple(Rows(name, 0, 1, stacked=True) for name in names)
+
+
 def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
-    """(axis, length along it) of each Hugging Face tensor that the recipe reads."""
+    """(axis, length along it) of each Hugging Face tensor that the recipe reads (none for a
+    stacked one: all of it)."""
     out: dict[str, tuple[int, int]] = {}
     for parts in recipe.values():
         for part in parts:
-            if part.name is not None:
+            if part.name is not None and not part.stacked:
                 axis, length = out.get(part.name, (part.axis, 0))
                 out[part.name] = (axis, max(length, part.stop))
     return out
@@ -120,13 +129,17 @@ class MegaliteView:
             if part.name is None:
                 continue
             stored = self.source.shape(part.name)
-            axis, length = self.extents[part.name]
-            other = tuple(stored[:axis] + stored[axis + 1:])
-            if stored[axis] != length or (rest is not None and other != rest):
+            if part.stacked:
+                other, fits = tuple(stored), True
+            else:
+                axis, length = self.extents[part.name]
+                other, fits = tuple(stored[:axis] + stored[axis + 1:]), stored[axis] == length
+            if not fits or (rest is not None and other != rest):
                 raise ConfigError(f"'{self.where}': {part.name} has shape {tuple(stored)}, which "
                                   f"does not fit the model config ({name})")
             rest = other
-        return torch.Size((sum(p.count for p in self.recipe[name]), *rest))
+        # Zeros alone (an expert bias the architecture lacks): a vector.
+        return torch.Size((sum(p.count for p in self.recipe[name]), *(rest or ())))
 
     def read(self, name: str, index) -> torch.Tensor:
         shape = self.shape(name)
@@ -146,6 +159,8 @@ class MegaliteView:
                 start, stop = part.start + lo - offset, part.start + hi - offset
                 if part.name is None:
                     pieces.append(hi - lo)
+                elif part.stacked:
+                    pieces.append(self.source.read(part.name, rest).unsqueeze(0))
                 elif part.transposed:
                     pieces.append(self.source.read(part.name, (*rest, slice(start, stop))).T)
                 else:
@@ -190,8 +205,11 @@ class HFPlan:
             for part in parts:
                 if part.name is not None:
                     self.sources.setdefault(part.name, []).append((name, offset, part))
-                    axis, length = self.extents[part.name]
-                    self._shapes[part.name] = ((*rest, length) if axis else (length, *rest))
+                    if part.stacked:
+                        self._shapes[part.name] = rest
+                    else:
+                        axis, length = self.extents[part.name]
+                        self._shapes[part.name] = ((*rest, length) if axis else (length, *rest))
                 offset += part.count
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -203,6 +221,8 @@ class HFPlan:
         covered = 0
         for source, offset, part in self.sources[name]:
             rows = megalite(source)[offset:offset + part.count]
+            if part.stacked:
+                return rows[0].to(dtype)
             if part.transposed:
                 out[:, part.start:part.stop] = rows.T
             else:

@@ -50,15 +50,20 @@ def expert_shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "ep_shard", None)
 
 
+def split_of(param: torch.Tensor) -> Shard | None:
+    """The slice of the whole tensor that `param` is: TP's, or EP's for experts (never both)."""
+    return shard_of(param) or expert_shard_of(param)
+
+
 def full_shape(param: torch.Tensor) -> torch.Size:
     """The shape of the whole tensor whose slice `param` holds (its own, if replicated)."""
-    shard = shard_of(param) or expert_shard_of(param)
+    shard = split_of(param)
     return shard.full_shape(param.shape) if shard else param.shape
 
 
 def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of `full` (a weight, gradient or moment of param's shape) that this rank holds."""
-    shard = shard_of(param) or expert_shard_of(param)
+    shard = split_of(param)
     return shard.take(full) if shard else full
 
 

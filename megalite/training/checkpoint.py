@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
-from megalite.parallel.sharding import full_shape, local_slice, shard_of
+from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
                                              moment_pieces, read_metadata, save_pieces,
@@ -333,7 +333,7 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
                 p.copy_(local_slice(full, p))
                 continue
             index = [slice(None)] * len(shape)
-            shard = shard_of(p)
+            shard = split_of(p)
             if shard is not None:
                 index[shard.dim] = slice(*shard.bounds(shape[shard.dim]))
             p.copy_(full[tuple(index)])

@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megalite.parallel.sharding import mark_sharded, shard_of
 
 
 class MasterWeights(nn.Module):

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWrit
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalite.parallel.sharding import expert_shard_of, full_shape, row_range, shard_of
+from megalite.parallel.sharding import full_shape, row_range, shard_of, split_of
 from megalite.parallel.state import ParallelState
 from megalite.training.grads import replica_rank
 from megalite.typed_config import ConfigError
@@ -66,7 +66,7 @@ def moment_key(name: str, moment: str) -> str:
 def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
     """Where row `first_row` of p's local tensor (its TP slice) sits in the global tensor."""
     offsets = [0] * p.dim()
-    shard = shard_of(p) or expert_shard_of(p)
+    shard = split_of(p)
     if shard is not None:
         offsets[shard.dim] = shard.bounds(full_shape(p)[shard.dim])[0]
     offsets[0] += first_row

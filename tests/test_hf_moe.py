@@ -1,0 +1,71 @@
+"""Hugging Face Mixtral in and out, checked against transformers itself (CPU, fp32): a random
+MixtralForCausalLM imported and evaluated by `megalite eval` at EP2 x TP2 gives transformers'
+loss; exported back, transformers loads it and gives the same logits."""
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
+from megalite.model import GPT  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
+from megalite.training.checkpoint import load_checkpoint  # noqa: E402
+from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
+from tests.test_resume import run, torchrun  # noqa: E402
+
+CONTEXT = 64
+
+
+def random_mixtral(directory, tokenizer_file):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32, intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=None)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    return model
+
+
+def transformers_loss(hf, ids: torch.Tensor) -> tuple[float, int]:
+    """The mean next-token loss over consecutive windows of CONTEXT tokens, as megalite eval
+    cuts a text, and the tokens predicted."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(ids), CONTEXT):
+            window = ids[start:start + CONTEXT].unsqueeze(0)
+            if window.shape[1] > 1:
+                total += hf(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
+                count += window.shape[1] - 1
+    return total / count, count
+
+
+def test_mixtral_round_trip_and_eval_at_ep2_tp2(tmp_path, tokenizer_file):
+    hf = random_mixtral(tmp_path / "hf", tokenizer_file)
+    cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert (cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn) == (4, 2, 24)
+    text = tmp_path / "text.txt"
+    text.write_text("tensor parallel training of language models, " * 40)  # > 3 windows
+    done = run(torchrun(4) + ["-m", "megalite", "eval", "--ckpt", str(tmp_path / "ckpt"),
+                              "--text", str(text), "--tp", "2", "--ep", "2", "--json"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok(text.read_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    loss, count = transformers_loss(hf, ids)
+    assert len(ids) > 3 * CONTEXT and result["tokens"] == count
+    assert result["loss"] == pytest.approx(loss, abs=1e-5)
+
+    # Exported back: transformers reads the same model.
+    assert export_hf(tmp_path / "ckpt", tmp_path / "out", torch.float32) == "MixtralForCausalLM"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
+    model = GPT(checkpoint_model_config(tmp_path / "ckpt"), ParallelState(), init=False)
+    load_checkpoint(tmp_path / "ckpt", model, ParallelState())
+    window = ids[:CONTEXT].unsqueeze(0)
+    with torch.no_grad():
+        assert_close(model.full_logits(model(window).logits), back(input_ids=window).logits,
+                     atol=1e-5, rtol=1e-5)
