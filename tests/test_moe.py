@@ -2,10 +2,10 @@
 
 - routing: ties go to the lower expert index; capacity drops the later copies (by place in the
   batch) and counts only real tokens;
-- one step (logits, loss with the balancing losses, every gradient) equals one process in fp32
-  to 1e-5 at EP2, EP4, EP2 x TP2 with SP, EP2 x CP2; top-1 and top-2, softmax and sigmoid
-  routers, shared experts, dropless and with a capacity factor; a batch where one EP rank and
-  two experts receive no token at all;
+- one step (logits, loss with the balancing losses, every gradient, the experts' loads) equals
+  one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
+  EP2 x CP2; top-1 and top-2, softmax and sigmoid routers, shared experts, dropless and with a
+  capacity factor; a batch where one EP rank and two experts receive no token at all;
 - the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
   model uses, at EP2 and EP4;
 - a layout expert parallelism cannot split is refused before any collective.
@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.testing import assert_close
 
 from bench.comm import CommLog
@@ -94,7 +95,7 @@ def whole_grads(model: GPT, ps: ParallelState) -> dict:
 
 
 def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: dict,
-                   scores: list[float] | None = None):
+                   scores: list[float] | None = None, recompute: bool = False):
     cfg = dataclasses.replace(MOE[config], **overrides)
     ps = ParallelState.from_world(parallel.tp, sequence_parallel=parallel.sequence_parallel,
                                   pipeline=parallel)
@@ -102,12 +103,15 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     scale = 1.0 / (labels != -100).sum()
     rows = len(ids) // ps.dp_size
     chunk = lambda d: tuple(t[d * rows:(d + 1) * rows] for t in (ids, mask, labels))  # noqa: E731
-    single, model = GPT(cfg, ParallelState(), seed=3), GPT(cfg, ps, seed=3)
+    single = GPT(cfg, ParallelState(), seed=3)
+    model = GPT(cfg, ps, seed=3, activation_checkpointing=recompute)
     if scores is not None:
         force_routing(single, scores)
         force_routing(model, scores)
     ref_logits, ref_loss, ref_aux = step(single, [chunk(d) for d in range(ps.dp_size)], scale, ParallelState())
-    logits, loss, aux = step(model, [chunk(ps.dp_rank)], scale, ps)
+    # The whole forward replayed (torch stops a recompute early, once backward has what it needs)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(not recompute):
+        logits, loss, aux = step(model, [chunk(ps.dp_rank)], scale, ps)
     assert_close(logits[0], ref_logits[ps.dp_rank], **TOL)
     if group_size(ps.grad_group) > 1:
         dist.all_reduce(loss, group=ps.grad_group)
@@ -121,24 +125,29 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     for name, grad in whole_grads(model, ps).items():
         assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
     loads = [layer.load for layer in moe_layers(single)]
+    for layer, load in zip(moe_layers(model), loads):  # counted once, recomputed or not
+        if group_size(ps.dp_group) > 1:
+            dist.all_reduce(layer.load, group=ps.dp_group)
+        assert layer.load.tolist() == load.tolist()
     return [load.tolist() for load in loads]
 
 
+# name: (world, layout, activation checkpointing)
 LAYOUTS = {
-    "EP2": (2, ParallelConfig(ep=2)),
-    "EP4": (4, ParallelConfig(ep=4)),
-    "EP2 x TP2, SP": (4, ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
-    "EP2 x CP2": (2, ParallelConfig(cp=2, ep=2)),
+    "EP2, recomputed": (2, ParallelConfig(ep=2), True),
+    "EP4": (4, ParallelConfig(ep=4), False),
+    "EP2 x TP2, SP": (4, ParallelConfig(tp=2, ep=2, sequence_parallel=True), False),
+    "EP2 x CP2": (2, ParallelConfig(cp=2, ep=2), False),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_step_equals_one_process(layout):
-    world, parallel = LAYOUTS[layout]
+    world, parallel, recompute = LAYOUTS[layout]
     side = "right" if parallel.cp > 1 else "left"
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_step, world, config, parallel, side,
-                        {"moe_capacity_factor": capacity})
+                        {"moe_capacity_factor": capacity}, None, recompute)
 
 
 def test_a_rank_and_experts_with_no_tokens():
