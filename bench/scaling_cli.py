@@ -39,9 +39,11 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
                           f"{' '.join(missing)}")
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
                         hidden=args.hidden, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                        tie_embeddings=not args.untied)
+                        tie_embeddings=not args.untied, n_experts=args.experts,
+                        moe_top_k=args.top_k, moe_ffn_hidden=args.moe_ffn)
     layout = Layout(model, args.seq_len, args.global_batch, args.micro_batch, args.tp, args.gpus,
-                    args.recompute, args.grad_bytes, args.pp, args.virtual_stages, args.cp, args.cp_comm)
+                    args.recompute, args.grad_bytes, args.pp, args.virtual_stages, args.cp, args.cp_comm,
+                    args.ep)
     check_fits(layout, hw)
     if args.efficiency is not None:
         efficiency, how = args.efficiency, "given"
@@ -64,7 +66,8 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
              f"{layout.micro_batches} micro-batches of {layout.micro_batch} per step, "
              f"{layout.virtual_stages} model chunk(s) per stage; "
              f"efficiency {efficiency:.3f} ({how})",
-             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, CP comm {p.cp_comm_s:.4g} s, pipeline bubble "
+             f"compute {p.compute_s:.4g} s, TP comm {p.tp_comm_s:.4g} s, CP comm {p.cp_comm_s:.4g} s, "
+             + (f"EP comm {p.ep_comm_s:.4g} s, " if layout.ep > 1 else "") + f"pipeline bubble "
              f"{p.bubble_s:.4g} s, P2P comm {p.p2p_comm_s:.4g} s, DP comm {p.dp_comm_s:.4g} s "
              f"(overlap window {p.overlap_window_s:.4g} s)",
              "| DP all-reduce | step time (s) | tokens/s | model TFLOP/s per GPU | MFU |",
@@ -95,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument("--cp-comm", choices=("all_gather", "p2p"), default="all_gather",
                         help="context parallelism's K/V exchange: all-gathered, or the ring")
     layout.add_argument("--kv-heads", type=int, help="K/V heads (GQA; default: --heads)")
+    layout.add_argument("--experts", type=int, default=0,
+                        help="a mixture of experts: routed experts per layer (every layer)")
+    layout.add_argument("--top-k", type=int, default=2, help="experts per token")
+    layout.add_argument("--moe-ffn", type=int, help="an expert's hidden width (default 4 x hidden)")
+    layout.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, out of cp x dp")
     layout.add_argument("--untied", action="store_true", help="LM head separate from the embedding")
     layout.add_argument("--recompute", action="store_true", help="full activation recomputation")
     layout.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4,

@@ -1,13 +1,14 @@
-"""Predicted step time of a TP x CP x PP x DP layout across nodes, from one efficiency per GPU type.
+"""Predicted step time of a TP x CP x PP x DP (x EP) layout across nodes, from one efficiency per GPU type.
 
     python -m bench scale-model --out benchmarks/scaling_table.md      # checked against published rows
     python -m bench scale-model --hardware H100 --layers 24 --hidden 2048 --heads 16 --seq-len 4096 \\
         --vocab 131072 --global-batch 512 --micro-batch 2 --tp 2 --gpus 64 \\
-        [--pp 2 [--virtual-stages 2]] [--cp 2 [--cp-comm p2p]] [--mfu 0.41]
+        [--pp 2 [--virtual-stages 2]] [--cp 2 [--cp-comm p2p]] [--mfu 0.41] \\
+        [--experts 64 --top-k 8 --moe-ffn 1024 --ep 8]
 
 A step of global batch B sequences of length s, on N = t x p x d GPUs (TP t inside a node, p
 pipeline stages of L/p layers each, DP d), each DP rank running m = B / (b d) micro-batches of
-b sequences, costs the sum of five terms, nothing else. Ranks are ordered as megalite orders
+b sequences, costs the sum of these terms, nothing else. Ranks are ordered as megalite orders
 them (TP blocks of consecutive ranks, then stages, then DP replicas).
 
 - compute: the FLOPs the GPUs execute, 6N + 12 L h s per token (PaLM appendix B, the count of
@@ -42,6 +43,14 @@ them (TP blocks of consecutive ranks, then stages, then DP replicas).
   Inside a node at the bus bandwidth while t x cp fits in one, else at the per-GPU network
   bandwidth. DP replicas then number N / (t cp p), and the gradients are summed over the
   cp x d ranks that hold the same parameters.
+- expert parallelism (a mixture of experts, ep >= 1): per MoE layer of the stage and
+  micro-batch, never overlapped, each GPU sends (ep-1)/ep of the top-k copies of its b x s/cp
+  tokens' hidden states to the experts and gets as many outputs back, again in backward (and
+  forward again with recomputation), bf16, balanced routing (`moe_all_to_all_bytes`); inside a
+  node at the bus bandwidth while the EP group's span of ranks (it strides over the t TP ranks)
+  fits in one, else at the per-GPU network bandwidth. Compute counts the active parameters
+  (the router, k experts, the shared ones); the DP all-reduce sums the dense gradients over the
+  cp x d ranks and each GPU's experts' (all E/ep of them, whole over TP) over cp x d / ep.
 - DP communication: one all-reduce per step of the rank's params / (t p) gradients (2 or 4
   bytes each), 2(d-1)/d of its size per GPU. Within a node at the node's bus bandwidth; across
   nodes, the group's 8/(t p) ranks per node (at least 1) drive as many NICs together (NCCL runs
@@ -101,6 +110,7 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline stage: interleaved 1F1B when > 1
     cp: int = 1
     cp_comm: str = "all_gather"  # or p2p
+    ep: int = 1  # expert-parallel ranks, out of cp x dp (a mixture of experts)
 
     @property
     def dp(self) -> int:
@@ -133,7 +143,8 @@ def as_run(layout: Layout) -> Config:
     """The megalite run a layout describes (interleaved 1F1B where it has virtual stages)."""
     v = layout.virtual_stages
     parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_comm=layout.cp_comm,
-                              virtual_stages=v, pp_schedule="interleaved" if v > 1 else "1f1b")
+                              ep=layout.ep, virtual_stages=v,
+                              pp_schedule="interleaved" if v > 1 else "1f1b")
     train = TrainConfig(global_batch_size=layout.global_batch, micro_batch_size=layout.micro_batch,
                         activation_checkpointing=layout.activation_recompute)
     return Config(model=dataclasses.replace(layout.model, max_seq_len=layout.seq_len),
@@ -156,9 +167,16 @@ def executed_flops_per_step(layout: Layout) -> float:
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    """The gradients the DP all-reduce carries: matmul weights, plus the input embedding when it
-    is not the LM head's weight."""
-    return matmul_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
+    """The gradients the DP all-reduces carry: matmul weights (every expert's), plus the input
+    embedding when it is not the LM head's weight."""
+    idle = expert_parameter_count(cfg) * (cfg.n_experts - cfg.moe_top_k) // max(1, cfg.n_experts)
+    return matmul_params(cfg) + idle + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
+
+
+def expert_parameter_count(cfg: ModelConfig) -> int:
+    """Every routed expert's weights, all MoE layers."""
+    per_expert = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden * cfg.expert_ffn
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.n_experts * per_expert
 
 
 def ring_factor(n: int) -> float:
@@ -197,6 +215,26 @@ def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     return (passes + 1) * (c - 1) * block * ACTIVATION_BYTES + c * block * 4
 
 
+def ep_bytes_per_step(layout: Layout) -> float:
+    """Bytes each GPU sends over its EP group in a step: its stage's MoE layers' all-to-alls of
+    every micro-batch, (ep-1)/ep of their copies leaving the GPU (balanced routing)."""
+    m = layout.model
+    if layout.ep == 1:
+        return 0.0
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers)) / layout.pp
+    tokens = layout.micro_batch * layout.tokens_per_rank
+    copies = moe_all_to_all_bytes(m, tokens, ACTIVATION_BYTES) - m.n_experts * 8  # the counts: latency
+    passes = (4 + 2 * layout.activation_recompute) / 4  # recomputation repeats the forward's two
+    return moe_layers * layout.micro_batches * passes * copies * (layout.ep - 1) / layout.ep
+
+
+def ep_bandwidth(layout: Layout, hw: Hardware) -> float:
+    """Bytes/s of the EP group's all-to-all: its ranks stride over the t TP ranks, within a CP
+    group (t x ep consecutive ranks) or, past cp, over whole DP replicas (t x cp x p each)."""
+    span = layout.tp * (layout.ep if layout.ep <= layout.cp else layout.cp * layout.pp * layout.ep // layout.cp)
+    return block_bandwidth(span, hw)
+
+
 def block_bandwidth(ranks: int, hw: Hardware) -> float:
     """Bytes/s between the ranks of a block of `ranks` consecutive ranks: the node's bus
     bandwidth while the block fits in a node, else each rank's own NIC (its slowest link)."""
@@ -231,9 +269,12 @@ def p2p_bandwidth(layout: Layout, hw: Hardware) -> float:
 
 
 def dp_bytes_per_step(layout: Layout) -> float:
-    """Bytes each GPU sends for the step's gradient all-reduce of its params / (t p)."""
-    return (ring_factor(layout.dp * layout.cp) * parameter_count(layout.model) / (layout.tp * layout.pp)
-            * layout.grad_bytes)
+    """Bytes each GPU sends for the step's gradient all-reduces: its dense params / (t p) over
+    the cp x d replicas, its experts (1/(ep p) of them, whole over TP) over cp x d / ep."""
+    experts = expert_parameter_count(layout.model)
+    replicas = layout.dp * layout.cp
+    dense = ring_factor(replicas) * (parameter_count(layout.model) - experts) / (layout.tp * layout.pp)
+    return (dense + ring_factor(replicas // layout.ep) * experts / (layout.ep * layout.pp)) * layout.grad_bytes
 
 
 def dp_bandwidth(layout: Layout, hw: Hardware) -> float:
@@ -256,10 +297,12 @@ class Prediction:
     dp_comm_s: float
     overlap_window_s: float  # backward compute of the last micro-batch
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     def step_s(self, overlap: bool) -> float:
         dp = max(0.0, self.dp_comm_s - self.overlap_window_s) if overlap else self.dp_comm_s
-        return self.compute_s + self.tp_comm_s + self.cp_comm_s + self.bubble_s + self.p2p_comm_s + dp
+        return (self.compute_s + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.bubble_s
+                + self.p2p_comm_s + dp)
 
     def tokens_per_s(self, overlap: bool) -> float:
         return self.layout.global_batch * self.layout.seq_len / self.step_s(overlap)
@@ -290,7 +333,8 @@ def predict(layout: Layout, hw: Hardware, efficiency: float) -> Prediction:
                       p2p_comm_s=p2p_bytes_per_step(layout) / p2p_bandwidth(layout, hw),
                       dp_comm_s=dp_bytes_per_step(layout) / dp_bandwidth(layout, hw),
                       overlap_window_s=compute * backward / layout.micro_batches,
-                      cp_comm_s=cp_bytes / cp_bandwidth(layout, hw))
+                      cp_comm_s=cp_bytes / cp_bandwidth(layout, hw),
+                      ep_comm_s=ep_bytes_per_step(layout) / ep_bandwidth(layout, hw))
 
 
 def calibrate(layout: Layout, hw: Hardware, step_s: float, overlap: bool) -> float:
@@ -310,5 +354,5 @@ def efficiency_from_single_device(layout: Layout, hw: Hardware, step_s: float,
                                   sequences: int) -> float:
     """The efficiency of one GPU that ran `sequences` sequences of this model in `step_s`."""
     alone = dataclasses.replace(layout, global_batch=sequences, micro_batch=sequences, tp=1, gpus=1,
-                                pp=1, virtual_stages=1, cp=1)
+                                pp=1, virtual_stages=1, cp=1, ep=1)
     return calibrate(alone, hw, step_s, overlap=False)

@@ -229,3 +229,29 @@ def test_the_context_parallel_term_is_its_kv_bytes_over_nvlink(scaling, comm, pe
     assert main(["--config", str(CONFIG), "--hardware", "H100", *LAYOUT, "--tp", "2", "--gpus", "64",
                  "--cp", "2", "--cp-comm", comm, "--mfu", "0.4"]) == 0
     assert f"tp=2 x cp=2 ({comm}) x pp=1 x dp=16 (64 GPUs)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ep, link", [(8, "intra_node_gbs"), (16, "inter_node_gbs")])
+def test_the_expert_parallel_terms_are_their_bytes_over_the_link(scaling, ep, link, capsys):
+    """64 experts of width 1024, top-8, in all 16 layers: per layer and micro-batch each GPU
+    sends (ep-1)/ep of the 8 copies of its 4096 tokens' hidden states out and as many back,
+    twice with backward; an EP group of 8 consecutive ranks stays in an 8-GPU node, one of 16
+    does not. The DP all-reduce sums each GPU's 64/ep experts over 64/ep replicas."""
+    model = ModelConfig(vocab_size=50304, max_seq_len=4096, n_layers=16, hidden=2048, n_heads=16,
+                        n_experts=64, moe_top_k=8, moe_ffn_hidden=1024)
+    layout = Layout(model, 4096, global_batch=256, micro_batch=1, tp=1, gpus=64, ep=ep)
+    assert layout.dp == 64 and layout.micro_batches == 4
+    per_layer = 4 * 8 * 4096 * 2048 * 2 * (ep - 1) / ep
+    h100 = scaling.profile("H100")
+    prediction = predict(layout, h100, 0.5)
+    assert prediction.ep_comm_s == pytest.approx(16 * 4 * per_layer / (getattr(h100, link) * 1e9), rel=1e-12)
+    experts = 16 * 64 * 2 * 2048 * 1024
+    dense = 16 * (4 * 2048 * 2048 + 2048 * 64) + 50304 * 2048
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
+    assert dp_bytes_per_step(layout) == pytest.approx((ring(64) * dense + ring(64 // ep) * experts / ep) * 4,
+                                                      rel=1e-12)
+    assert main(["--config", str(CONFIG), "--hardware", "H100", "--layers", "16", "--hidden", "2048",
+                 "--heads", "16", "--seq-len", "4096", "--vocab", "50304", "--global-batch", "256",
+                 "--micro-batch", "1", "--tp", "1", "--gpus", "64", "--experts", "64", "--top-k", "8",
+                 "--moe-ffn", "1024", "--ep", str(ep), "--mfu", "0.4"]) == 0
+    assert f"EP comm {prediction.ep_comm_s:.4g} s" in capsys.readouterr().out
