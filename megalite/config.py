@@ -47,15 +47,16 @@ class ModelConfig:
     # llama3: the context length the model was pretrained at (Llama 3.1: 8192)
     rope_original_max_seq_len: int = 8192
     bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
+    qkv_bias: bool = False  # biases on the q, k and v projections even without `bias` (Qwen2)
     tie_embeddings: bool = True  # the LM head is the embedding matrix
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
     init_std: float = 0.02  # normal init's std; projections into the residual / sqrt(2 n_layers)
     # Mixture of experts (model/moe.py): 0 keeps the dense MLP in every layer. Otherwise layers
     # i with (i + 1) % moe_every == 0 route each token to its moe_top_k best of n_experts MLPs.
     n_experts: int = 0
-    moe_top_k: int = 2
+    moe_top_k: int = 2  # experts per token
     moe_ffn_hidden: Optional[int] = None  # each expert's hidden width (None: ffn_hidden)
-    moe_every: int = 1
+    moe_every: int = 1  # every moe_every-th layer is a mixture of experts, the others dense
     # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
     moe_router: Literal["softmax", "sigmoid"] = "softmax"
     moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
@@ -69,9 +70,9 @@ class ModelConfig:
     # later ones (by position) are dropped. None: dropless.
     moe_capacity_factor: Optional[float] = None
     # Shared experts every token passes (DeepSeek-V3, Qwen2-MoE): one TP-split MLP of
-    # n_shared_experts x moe_ffn_hidden, scaled by a sigmoid gate if moe_shared_gate (Qwen2-MoE).
+    # n_shared_experts x moe_ffn_hidden.
     n_shared_experts: int = 0
-    moe_shared_gate: bool = False
+    moe_shared_gate: bool = False  # the shared experts scaled by sigmoid(g x) (Qwen2-MoE)
 
     @property
     def kv_heads(self) -> int:

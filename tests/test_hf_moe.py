@@ -1,6 +1,8 @@
-"""Hugging Face Mixtral in and out, checked against transformers itself (CPU, fp32): a random
-MixtralForCausalLM imported and evaluated by `megalite eval` at EP2 x TP2 gives transformers'
-loss; exported back, transformers loads it and gives the same logits."""
+"""Hugging Face mixtures of experts in and out, checked against transformers itself (CPU, fp32):
+a random MixtralForCausalLM imported and evaluated by `megalite eval` at EP2 x TP2 gives
+transformers' loss, and exported back, transformers loads it and gives the same logits; a random
+Qwen2MoeForCausalLM (a gated shared expert, q/k/v biases, top-k not renormalised) imported gives
+its logits at EP2, and exported back, transformers' own."""
 import json
 
 import pytest
@@ -13,6 +15,8 @@ from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  #
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
+from megalite.config import ParallelConfig  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
 from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
 from tests.test_resume import run, torchrun  # noqa: E402
 
@@ -69,3 +73,38 @@ def test_mixtral_round_trip_and_eval_at_ep2_tp2(tmp_path, tokenizer_file):
     with torch.no_grad():
         assert_close(model.full_logits(model(window).logits), back(input_ids=window).logits,
                      atol=1e-5, rtol=1e-5)
+
+
+def logits_at_ep(ep: int, ckpt: str, ids: torch.Tensor) -> torch.Tensor:
+    ps = ParallelState.from_world(1, pipeline=ParallelConfig(ep=ep)) if ep > 1 else ParallelState()
+    model = GPT(checkpoint_model_config(ckpt), ps, init=False)
+    load_checkpoint(ckpt, model, ps)
+    with torch.no_grad():
+        return model.full_logits(model(ids).logits)
+
+
+def test_qwen2_moe_round_trip_at_ep2(tmp_path, tokenizer_file):
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=24, shared_expert_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False, rms_norm_eps=1e-5)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers inits the q/k/v biases to zeros: make them count
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert (cfg.n_shared_experts, cfg.moe_shared_gate, cfg.moe_renormalize, cfg.qkv_bias) == (2, True, False, True)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    for ours in run_distributed(logits_at_ep, 2, 2, str(tmp_path / "ckpt"), ids):
+        assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert export_hf(tmp_path / "ckpt", tmp_path / "out", torch.float32) == "Qwen2MoeForCausalLM"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_close(back(input_ids=ids).logits, theirs, atol=1e-6, rtol=1e-6)

@@ -24,12 +24,13 @@ import torch
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
-from megalite.hf import gpt2, llama, mixtral
+from megalite.hf import gpt2, llama, mixtral, qwen2_moe
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter, nbytes
 from megalite.typed_config import ConfigError, from_dict
 
-ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MixtralForCausalLM": mixtral}
+ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MixtralForCausalLM": mixtral,
+                 "Qwen2MoeForCausalLM": qwen2_moe}
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:

@@ -15,7 +15,7 @@ from megalite.typed_config import ConfigError
 
 def check_exportable(cfg: ModelConfig) -> None:
     wanted = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
-              "n_experts": 0}
+              "qkv_bias": False, "n_experts": 0}
     wrong = [f"model.{k}={getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in wanted.items()
              if getattr(cfg, k) != v]
     if wrong:

@@ -53,12 +53,13 @@ class Attention(nn.Module):
         self.cp_group = pstate.cp_group
         self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
         std = cfg.init_std
+        qkv_bias = cfg.bias or cfg.qkv_bias
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_dim, pstate,
-                                           bias=cfg.bias, init_std=std)
+                                           bias=qkv_bias, init_std=std)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim, pstate,
-                                            bias=cfg.bias, init_std=std,
+                                            bias=qkv_bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
         # GPT-2's scaled init of projections into the residual stream: 1/sqrt(2 * layers).
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.hidden, pstate,
