@@ -8,7 +8,9 @@
 - train.precision=pure_bf16 follows bf16 autocast (and fp32) over a few optimizer steps;
 - the fused LM head + loss (parallel/head_loss.py) in bf16 = a float64 reference, on a GPT-2
   sized vocabulary, autocast (fp32 weights) and pure bf16 tensors, both its paths;
-- greedy generation with the KV cache on the GPU = without the cache = on the CPU.
+- greedy generation with the KV cache on the GPU = without the cache = on the CPU;
+- MoE experts' grouped matmul in bf16 (model/moe.py) = the loop over experts, forward and
+  backward, with an expert that gets no row.
 
 Skipped where there is no CUDA device; on a GPU machine: `python -m pytest -o addopts=
 tests/test_gpu.py -q` (one process: no pytest-xdist needed) (`python -m bench gpu-check` runs it with tests/test_gpu_train.py). Each check is a function of the
@@ -420,3 +422,21 @@ def check_generation(device: torch.device) -> None:
 
 def test_kv_cache_generation_equals_full_forward_and_cpu():
     check_generation(CUDA)
+
+
+def test_moe_grouped_matmul_equals_the_loop():
+    from megalite.model.moe import experts_linear
+    device = torch.device("cuda")
+    counts = [5, 0, 11, 16]  # an expert with no row
+    x = torch.randn(sum(counts), 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 48, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grouped = experts_linear(x, w, counts)
+    g = torch.randn_like(grouped)
+    grouped.backward(g)
+    dx, dw = x.grad, w.grad
+    x.grad = w.grad = None
+    loop = torch.cat([F.linear(part, w[e]) for e, part in enumerate(x.split(counts))])
+    loop.backward(g)
+    assert_close(grouped, loop, atol=2e-2, rtol=2e-2)
+    assert_close(dx, x.grad, atol=2e-2, rtol=2e-2)
+    assert_close(dw, w.grad, atol=2e-2, rtol=2e-2)

@@ -56,10 +56,19 @@ class Experts(nn.Module):
         group = self.pstate.tp_group
         up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
         gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
-        outputs = [F.linear(activate(self.activation, F.linear(part, up[e]),
-                                     None if gate is None else F.linear(part, gate[e])), down[e])
-                   for e, part in enumerate(rows.split(per_expert))]
-        return torch.cat(outputs)
+        hidden = activate(self.activation, experts_linear(rows, up, per_expert),
+                          None if gate is None else experts_linear(rows, gate, per_expert))
+        return experts_linear(hidden, down, per_expert)
+
+
+def experts_linear(x: torch.Tensor, weight: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+    """Each expert's rows of x (expert-major) times its weight [out, in]: on a GPU in bf16
+    (autocast, or bf16 weights) one grouped matmul (the fast kernel takes bf16 only), else a
+    loop over the experts."""
+    if x.is_cuda and (torch.is_autocast_enabled("cuda") or weight.dtype == torch.bfloat16):
+        ends = torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
+        return F.grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(1, 2), offs=ends)
+    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(per_expert))])
 
 
 class _AuxLossGrad(torch.autograd.Function):
