@@ -1,6 +1,7 @@
 """The trainer with a mixture of experts: expert-parallel layouts train the single process's
-model step for step (losses, gradient norms, final weights, 1e-5), and an EP2 checkpoint resumes
-at EP1 and EP4 with the original's losses.
+model step for step (losses, gradient norms, final weights, 1e-5), an EP2 checkpoint resumes
+at EP1 and EP4 with the original's losses, and the docs' demo-moe command trains like one
+process.
 
 Each distributed run combines layouts to keep the suite short: EP4 over CP2 x DP2 with the
 auxiliary-loss-free expert bias; EP2 x TP2 with sequence parallelism; EP2 x PP2 with the
@@ -9,6 +10,7 @@ distributed optimizer and a capacity factor (which drops copies at this batch).
 import pytest
 
 from tests.test_reshard import SAVED_AT
+from tests.test_resume import ROOT
 from tests.test_train import STEPS, assert_same_training, common, losses, train_run
 
 MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
@@ -65,3 +67,25 @@ def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, la
             assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
             for step in got:
                 assert abs(got[step] - expected[step]) <= 1e-5, (ep, step, got[step], expected[step])
+
+
+def test_the_docs_command_trains_like_one_process(tmp_path, cache):
+    """docs/parallelism.md's MoE command (configs/demo-moe.yaml at EP2 x TP2 with SP), a few
+    steps, gives the single process's losses."""
+    docs = (ROOT / "docs" / "parallelism.md").read_text().split("## Mixture of experts")[1]
+    command = docs.split("```bash")[1].split("```")[0].split()
+    assert command[:3] == ["torchrun", "--nproc_per_node", "4"]
+    argv = command[command.index("--config"):]
+    assert argv[1] == "configs/demo-moe.yaml" and {"parallel.ep=2", "parallel.tp=2"} <= set(argv)
+    # Smaller, and on the tokenizer the other training tests share.
+    short = [f"data.cache_dir={cache}", "data.bpe_vocab_size=512", "train.max_steps=3",
+             "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64",
+             "train.eval_every=0", "sample.max_new_tokens=2"]
+    argv = [a.replace("configs/", f"{ROOT}/configs/") for a in argv]
+    train_run(4, argv + short + [f"run.dir={tmp_path / 'ep2'}"])
+    train_run(1, argv + short + [f"run.dir={tmp_path / 'one'}", "parallel.ep=1", "parallel.tp=1"])
+    one, ep2 = losses(tmp_path / "one"), losses(tmp_path / "ep2")
+    assert sorted(ep2) == [1, 2, 3] and sorted(one) == sorted(ep2)
+    for step in one:
+        assert abs(one[step] - ep2[step]) <= 1e-5, (step, one[step], ep2[step])
+    assert losses(tmp_path / "ep2", "moe_load") == losses(tmp_path / "one", "moe_load")
