@@ -218,25 +218,28 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelSta
         shard = shard_of(p)
         if getattr(p, "pipeline_copy", False):
             copies.append(p.grad)  # clipped with the rest, counted by the first stage
-        elif is_expert(p):
+        elif is_expert(p) and pstate.ep_size > 1:
             experts.append(p.grad)
-        elif shard is None:
+        elif shard is None:  # experts at ep=1 too: whole on every rank, like any replicated one
             replicated.append(p.grad)
         else:
             split.append(p.grad)
             weights.append(shard.count / pstate.tp_size)
-    squares = torch.stack([_sum_of_squares(split, weights, pstate.device),
-                           _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device),
-                           _sum_of_squares(experts, [1.0] * len(experts), pstate.device)])
+    split_squares = _sum_of_squares(split, weights, pstate.device)
+    replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
     if rows_sharded and group_size(pstate.grad_group) > 1:
-        dist.all_reduce(squares[:2], group=pstate.grad_group)
-    if rows_sharded and group_size(pstate.expert_grad_group) > 1:
-        dist.all_reduce(squares[2:], group=pstate.expert_grad_group)
-    if group_size(pstate.ep_group) > 1:
-        dist.all_reduce(squares[2:], group=pstate.ep_group)
+        both = torch.stack([split_squares, replicated_squares])
+        dist.all_reduce(both, group=pstate.grad_group)
+        split_squares, replicated_squares = both.unbind()
     if group_size(pstate.tp_group) > 1:
-        dist.all_reduce(squares[:1], group=pstate.tp_group)
-    total = squares.sum()
+        dist.all_reduce(split_squares, group=pstate.tp_group)
+    total = split_squares + replicated_squares
+    if pstate.ep_size > 1:
+        expert_squares = _sum_of_squares(experts, [1.0] * len(experts), pstate.device)
+        for group in ((pstate.expert_grad_group,) if rows_sharded else ()) + (pstate.ep_group,):
+            if group_size(group) > 1:
+                dist.all_reduce(expert_squares, group=group)
+        total = total + expert_squares
     if group_size(pstate.pp_group) > 1:
         dist.all_reduce(total, group=pstate.pp_group)
     norm = total.sqrt()
