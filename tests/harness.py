@@ -84,11 +84,13 @@ def _context():
     every later rank gets: pass what a rank needs as arguments (or torchrun_env), not through
     os.environ set by the test. Also preloaded, each a second or so per rank otherwise:
     torch._dynamo (imported by every optimizer's constructor), inductor's compile_fx (by every
-    torch.compile, DeepSpeed's import included) and matplotlib.pyplot (the trainer's loss plot)."""
+    torch.compile, DeepSpeed's import included), matplotlib.pyplot (the trainer's loss plot)
+    and pytest (a rank imports the test module whose function it runs, and that imports
+    pytest: half a second per rank, on every call)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch._inductor.compile_fx", "matplotlib.pyplot", "megalite.train",
-                                "tests.harness"])
+                                "pytest", "tests.harness"])
     return ctx
 
 

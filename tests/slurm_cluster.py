@@ -33,6 +33,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# A requeued job, once eligible (cred_expire above), waits for the scheduler's next periodic
+# pass over the queue: every second, not every 30 to 60 s (backfill's and the main loop's).
+SchedulerParameters=sched_interval=1
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1

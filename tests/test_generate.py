@@ -1,6 +1,7 @@
 """Generation: the KV cache changes nothing, nor does TP, nor pipeline stages, nor batching
 with left padding."""
 import dataclasses
+import functools
 import io
 from contextlib import redirect_stdout
 
@@ -41,12 +42,19 @@ def check_cache_and_batching(tp: int, sequence_parallel: bool = False,
     return results
 
 
-def test_cache_and_batching_single_process():
-    check_cache_and_batching(1)
+@pytest.fixture(scope="module")
+def one_process():
+    """check_cache_and_batching on one process, by layer count, each run once: what every
+    layout must generate."""
+    return functools.cache(lambda n_layers: check_cache_and_batching(1, n_layers=n_layers))
 
 
-def test_generation_at_tp2_equals_tp1():
-    single = check_cache_and_batching(1)
+def test_cache_and_batching_single_process(one_process):
+    one_process(2)
+
+
+def test_generation_at_tp2_equals_tp1(one_process):
+    single = one_process(2)
     assert run_distributed(check_cache_and_batching, 2, 2) == [single, single]
 
 
@@ -57,8 +65,8 @@ def test_generation_at_tp2_equals_tp1():
     (1, False, ParallelConfig(pp=2, pp_schedule="interleaved", virtual_stages=2)),
     (2, True, ParallelConfig(tp=2, pp=2, sequence_parallel=True)),
 ], ids=["pp4", "pp2-interleaved-v2", "tp2xpp2-sp"])
-def test_generation_with_pipeline_stages_equals_one_process(tp, sp, pipeline):
-    single = check_cache_and_batching(1, n_layers=4)
+def test_generation_with_pipeline_stages_equals_one_process(one_process, tp, sp, pipeline):
+    single = one_process(4)
     world = tp * pipeline.pp
     assert run_distributed(check_cache_and_batching, world, tp, sp, pipeline, 4) == [single] * world
 

@@ -1,14 +1,19 @@
 """Slurm job arrays from YAML sweeps, run on a real one-node Slurm started by the test."""
+import io
 import json
+import os
 import subprocess
 import sys
 import time
+from contextlib import redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 
 from megalite.launch.slurm import main as slurm_main
+from megalite.launch.slurm import main_status
 from megalite.launch.slurm import render
 from megalite.launch.slurm import write_sweep as write_sweep_files
 from megalite.launch.sweep import load_sweep
@@ -21,9 +26,10 @@ needs_slurm = pytest.mark.skipif(not slurm_cluster.available(),
                                  reason="needs root and Debian's slurm-wlm + munge (.ci/run installs them)")
 
 
-def write_sweep(tmp: Path, grid: dict, overrides=(), **slurm) -> Path:
+def write_sweep(tmp: Path, grid: dict, overrides=(), cache=None, **slurm) -> Path:
+    """cache: the runs' data.cache_dir (the session's, for a sweep that trains)."""
     base = tmp / "base.yaml"
-    argv = common(str(tmp / "cache"), tmp / "unused", "packed")
+    argv = common(str(cache or tmp / "cache"), tmp / "unused", "packed")
     raw = {}
     for item in argv:
         key, value = item.split("=", 1)
@@ -104,11 +110,16 @@ def sweep_status(sweep_dir: Path, env) -> list[dict]:
 
 
 def wait_for(sweep_dir: Path, env, states: set[str], timeout: float = 240) -> list[dict]:
+    """`megalite sweep-status`'s rows once every run is in one of `states`. Polled in this
+    process: the command imports torch, and run each second it kept a core from the runs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = sweep_status(sweep_dir, env)
+        out = io.StringIO()
+        with mock.patch.dict(os.environ, env), redirect_stdout(out):
+            assert main_status([str(sweep_dir), "--json"]) == 0
+        rows = json.loads(out.getvalue())
         if all(r["state"] in states for r in rows):
-            return rows
+            return sweep_status(sweep_dir, env)
         time.sleep(1)
     logs = "".join(p.read_text()[-1500:] for p in (sweep_dir / "logs").glob("*"))
     raise AssertionError(f"sweep did not reach {states}: {rows}\n{logs}")
@@ -122,8 +133,8 @@ def submit(sweep: Path, env) -> str:
 
 
 @needs_slurm
-def test_array_of_three_runs_each_trains_its_own_config(tmp_path):
-    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3, 1e-2]})
+def test_array_of_three_runs_each_trains_its_own_config(tmp_path, cache):
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3, 1e-2]}, cache=cache)
     with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
         submit(sweep, env)
         script = tmp_path / "runs" / "t" / "sweep.sbatch"
@@ -142,9 +153,9 @@ def test_array_of_three_runs_each_trains_its_own_config(tmp_path):
 
 
 @needs_slurm
-def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path):
+def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, cache):
     overrides = ["train.max_steps=40", "train.checkpoint_every=5", "model.dropout=0.1"]
-    sweep = write_sweep(tmp_path, {"run.seed": [1234]}, overrides)
+    sweep = write_sweep(tmp_path, {"run.seed": [1234]}, overrides, cache=cache)
     with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
         job = submit(sweep, env)
         run_dir = next((tmp_path / "runs" / "t").glob("0-*"))
