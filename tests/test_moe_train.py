@@ -80,7 +80,7 @@ def test_the_docs_command_trains_like_one_process(tmp_path, cache):
     # Smaller, and on the tokenizer the other training tests share.
     short = [f"data.cache_dir={cache}", "data.bpe_vocab_size=512", "train.max_steps=3",
              "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64",
-             "train.eval_every=0", "sample.max_new_tokens=2"]
+             "train.eval_every=0", "train.eval_tokens=64", "sample.max_new_tokens=2"]
     argv = [a.replace("configs/", f"{ROOT}/configs/") for a in argv]
     train_run(4, argv + short + [f"run.dir={tmp_path / 'ep2'}"])
     train_run(1, argv + short + [f"run.dir={tmp_path / 'one'}", "parallel.ep=1", "parallel.tp=1"])
