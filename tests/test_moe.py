@@ -4,7 +4,7 @@
   batch) and counts only real tokens;
 - one step (logits, loss with the balancing losses, every gradient, the experts' loads) equals
   one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
-  EP2 x CP2; top-1 and top-2, softmax and sigmoid routers, shared experts, dropless and with a
+  EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1 and top-2, softmax and sigmoid routers, shared experts, dropless and with a
   capacity factor; a batch where one EP rank and two experts receive no token at all;
 - the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
   model uses, at EP2 and EP4;
@@ -21,16 +21,22 @@ from torch.testing import assert_close
 from bench.comm import CommLog
 from bench.scaling_model import moe_all_to_all_bytes
 from megalite.config import ParallelConfig, check_layout
+from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.model.moe import MoE
 from megalite.parallel.mappings import all_gather, group_size
 from megalite.parallel.sharding import expert_shard_of, shard_of
 from megalite.parallel.state import ParallelState
+from megalite.pipeline.runner import forward_pipelined, train_pipelined
+from megalite.run_config import TrainConfig
+from megalite.training.engine import NativeEngine
+from megalite.training.grads import sum_embedding_copies
 from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
 from tests.models import CONFIGS, full_sequence, gather_full, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)
 BALANCING = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 MOE = {
     # Mixtral's shape: SwiGLU experts, softmax top-2 renormalised.
@@ -76,22 +82,34 @@ def step(model: GPT, chunks: list, scale: torch.Tensor, ps: ParallelState) -> tu
     return logits, loss, aux
 
 
-def whole_grads(model: GPT, ps: ParallelState) -> dict:
-    """Every parameter's gradient summed over its replicas, each whole (TP's and EP's slices)."""
+def whole_grads(model: GPT, ps: ParallelState, summed: bool = False) -> dict:
+    """Every parameter's gradient summed over its replicas (unless `summed` already, by the
+    engine), each whole (TP's and EP's slices)."""
     grads = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:  # the expert bias
             continue
         grad = p.grad.clone()
-        if expert_shard_of(p) is not None:
-            if group_size(ps.expert_grad_group) > 1:
-                dist.all_reduce(grad, group=ps.expert_grad_group)
+        expert = expert_shard_of(p) is not None
+        replicas = ps.expert_grad_group if expert else ps.grad_group
+        if not summed and group_size(replicas) > 1:
+            dist.all_reduce(grad, group=replicas)
+        if expert:
             grads[name] = all_gather(grad, 0, ps.ep_group) if ps.ep_size > 1 else grad
-            continue
-        if group_size(ps.grad_group) > 1:
-            dist.all_reduce(grad, group=ps.grad_group)
-        grads[name] = gather_full(grad, shard_of(p), ps)
+        else:
+            grads[name] = gather_full(grad, shard_of(p), ps)
     return grads
+
+
+def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def total(x: torch.Tensor, *groups) -> torch.Tensor:
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(x, group=group)
+    return x
 
 
 def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: dict,
@@ -99,7 +117,7 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     cfg = dataclasses.replace(MOE[config], **overrides)
     ps = ParallelState.from_world(parallel.tp, sequence_parallel=parallel.sequence_parallel,
                                   pipeline=parallel)
-    ids, mask, labels = padded_batch(cfg, side, lengths=(12, 7, 3, 10, 8, 12, 5, 1))
+    ids, mask, labels = padded_batch(cfg, side, lengths=LENGTHS)
     scale = 1.0 / (labels != -100).sum()
     rows = len(ids) // ps.dp_size
     chunk = lambda d: tuple(t[d * rows:(d + 1) * rows] for t in (ids, mask, labels))  # noqa: E731
@@ -132,6 +150,43 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     return [load.tolist() for load in loads]
 
 
+def check_moe_pipelined(config: str, capacity: float | None) -> None:
+    """EP2 x PP2 (x DP2): one step through the 1F1B schedule, two micro-batches per rank, the
+    engine summing the gradients (dense over DP, experts over their replicas). Right-padded
+    rows without a mask, as training runs them."""
+    cfg = dataclasses.replace(MOE[config], moe_capacity_factor=capacity)
+    ps = ParallelState.from_world(1, pipeline=ParallelConfig(pp=2, ep=2))
+    ids, _, labels = padded_batch(cfg, "right", lengths=LENGTHS)
+    micro = [Batch(ids[r:r + 2], labels[r:r + 2]) for r in range(0, 8, 2)]
+    n_tokens = (labels != -100).sum()
+    single = GPT(cfg, ParallelState(), seed=3)
+    ref_logits, ref_loss, ref_aux = step(single, [(b.input_ids, None, b.labels) for b in micro],
+                                         1.0 / n_tokens, ParallelState())
+    mine = micro[2 * ps.dp_rank: 2 * ps.dp_rank + 2]
+    fp32 = torch.autocast("cpu", enabled=False)
+
+    logits = {}
+    forward_pipelined(GPT(cfg, ps, seed=3), mine, fp32, lambda i, out: logits.update({i: out.logits}))
+    assert len(logits) == (2 if ps.pp_rank == 1 else 0)
+    for i, got in logits.items():
+        assert_close(single.full_logits(got), ref_logits[2 * ps.dp_rank + i], **TOL)
+
+    model = GPT(cfg, ps, seed=3)
+    engine = NativeEngine(model, TrainConfig(precision="fp32"), ps)
+    loss = train_pipelined(engine, mine, n_tokens.float(), fp32, "1f1b")
+    engine.grad_sync.wait()
+    sum_embedding_copies(model, engine.master, ps)
+    assert_close(total(loss, ps.dp_group, ps.pp_group), ref_loss, **TOL)
+    layers, ref_layers = moe_layers_by_name(model), moe_layers_by_name(single)
+    aux = total(sum((m.aux_loss for m in layers.values()), torch.zeros(())), ps.dp_group, ps.pp_group)
+    assert_close(aux, ref_aux, **TOL)
+    for name, layer in layers.items():
+        assert total(layer.load, ps.dp_group).tolist() == ref_layers[name].load.tolist(), name
+    ref_grads = dict(single.named_parameters())
+    for name, grad in whole_grads(model, ps, summed=True).items():
+        assert_close(grad, ref_grads[name].grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
 # name: (world, layout, activation checkpointing)
 LAYOUTS = {
     "EP2, recomputed": (2, ParallelConfig(ep=2), True),
@@ -148,6 +203,11 @@ def test_one_step_equals_one_process(layout):
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_step, world, config, parallel, side,
                         {"moe_capacity_factor": capacity}, None, recompute)
+
+
+def test_one_step_through_the_pipeline_equals_one_process():
+    for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
+        run_distributed(check_moe_pipelined, 4, config, capacity)
 
 
 def test_a_rank_and_experts_with_no_tokens():

@@ -3,9 +3,10 @@ model step for step (losses, gradient norms, final weights, 1e-5), an EP2 checkp
 at EP1 and EP4 with the original's losses, and the docs' demo-moe command trains like one
 process.
 
-Each distributed run combines layouts to keep the suite short: EP4 over CP2 x DP2 with the
-auxiliary-loss-free expert bias; EP2 x TP2 with sequence parallelism; EP2 x PP2 with the
-distributed optimizer and a capacity factor (which drops copies at this batch).
+Top-2 runs EP4 over CP2 x DP2 with the auxiliary-loss-free expert bias, EP2 x TP2 with
+sequence parallelism, and EP2 x PP2 with a capacity factor (which drops copies at this batch);
+top-1 runs EP2, EP4 and EP2 x CP2. Every run with DP > 1 uses the distributed optimizer (the
+default there).
 """
 import pytest
 
@@ -23,6 +24,9 @@ LAYOUTS = {
     "EP2 x TP2, SP": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], []),
     "EP2 x PP2, distributed optimizer, capacity": (
         4, ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1"], ["model.moe_capacity_factor=1.0"]),
+    "EP2, top-1": (2, ["parallel.ep=2"], ["model.moe_top_k=1"]),
+    "EP4, top-1": (4, ["parallel.ep=4"], ["model.moe_top_k=1"]),
+    "EP2 x CP2, top-1": (2, ["parallel.cp=2", "parallel.ep=2"], ["model.moe_top_k=1"]),
 }
 
 
