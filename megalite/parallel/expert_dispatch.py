@@ -33,11 +33,15 @@ class ExpertExchange:
         self.received = received.sum(1).tolist()  # rows from each EP rank
         self.per_expert = received.sum(0).tolist()  # rows for each local expert
         # Received rows are source-major; position k of the expert-major order takes row
-        # order[k] (expert by expert, source by source).
-        starts = torch.cat([received.new_zeros(1), received.flatten().cumsum(0)[:-1]]).view(ep, local)
-        self.order = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
-                                for e in range(local) for s in range(ep)] or [torch.zeros(0, dtype=torch.long)])
-        self.order = self.order.to(counts.device)
+        # order[k] (expert by expert, source by source): each (expert, source) segment's start
+        # in the received rows, plus k's place in its segment. The sizes are known on the host
+        # already, so no further sync.
+        n = sum(self.received)
+        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep, local).t().flatten()
+        lengths = received.t().flatten()
+        segment_of = lambda t: torch.repeat_interleave(t, lengths, output_size=n)  # noqa: E731
+        place = torch.arange(n, device=counts.device) - segment_of(lengths.cumsum(0) - lengths)
+        self.order = segment_of(starts) + place
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's copies sorted by expert -> its experts' rows, expert-major."""
