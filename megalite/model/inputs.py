@@ -10,6 +10,8 @@ tokens after the cached ones, never split.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,11 @@ class RankInputs:
     layout: SequenceLayout
     seq: int  # real tokens per row here: the ids past it pad to SP shards
     sp: bool  # the forward runs on sequence shards
-    tokens: HiddenTokens
+    hidden_tokens: Callable[[], HiddenTokens]  # computed only if a layer asks (MoE)
+
+    @cached_property
+    def tokens(self) -> HiddenTokens:
+        return self.hidden_tokens()
 
 
 class RankSplit:
@@ -58,26 +64,35 @@ class RankSplit:
                              f"model.max_seq_len={self.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
         sp = self.splits_sequence(cache)
+        whole, index = (input_ids, attention_mask), None  # HiddenTokens cut from the whole rows
         if ps.cp_size > 1:
             self._check_context_cut(seq, cache)
             index = zigzag_index(seq, ps.cp_size, ps.cp_rank, input_ids.device)
             layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
                                     input_ids.shape[0], seq, dense=ps.cp_comm == "p2p")
-            real, key = (t[:, index] for t in _token_facts(input_ids, attention_mask, start))
             input_ids, seq = input_ids[:, index], len(index)
             labels = None if labels is None else labels[:, index]
         else:
-            real, key = _token_facts(input_ids, attention_mask, start)
             if sp:
                 input_ids, attention_mask, doc_ids = pad_to_shards(ps.tp_size, input_ids,
                                                                    attention_mask, doc_ids)
-                extra = input_ids.shape[1] - seq
-                real, key = F.pad(real, (0, extra), value=False), F.pad(key, (0, extra), value=-1)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
-        if sp:  # the hidden states are this rank's shard of the (CP share of the) sequence
-            real, key = (t.chunk(ps.tp_size, dim=1)[ps.tp_rank] for t in (real, key))
-        return RankInputs(input_ids, labels, layout, seq, sp, HiddenTokens(real, key))
+        return RankInputs(input_ids, labels, layout, seq, sp, partial(self._hidden_tokens, *whole, start, index, sp))
+
+    def _hidden_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       start: int, index: torch.Tensor | None, sp: bool) -> HiddenTokens:
+        """The tokens of this rank's hidden states, from the whole rows: its CP share (`index`),
+        or the rows padded to SP's shards; then its SP shard."""
+        real, key = _token_facts(input_ids, attention_mask, start)
+        if index is not None:
+            real, key = real[:, index], key[:, index]
+        elif sp:
+            extra = -input_ids.shape[1] % self.pstate.tp_size
+            real, key = F.pad(real, (0, extra), value=False), F.pad(key, (0, extra), value=-1)
+        if sp:
+            real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
+        return HiddenTokens(real, key)
 
     def splits_sequence(self, cache: KVCache | None) -> bool:
         """Sequence parallel, but not when decoding, which appends a token or a few to the
