@@ -45,7 +45,7 @@ def windows_loss(model: GPT, ids: list[int], pad_id: int, targets: bool = True) 
     targets=False: forwards that predict nothing (loss and count 0)."""
     ps, length = model.pstate, model.cfg.max_seq_len
     chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
-    rows = [np.asarray(ids[start:start + length]) for start in range(0, len(ids), length)]
+    rows = [np.asarray(ids[start:start + length]) for start in window_starts(len(ids), length)]
     total = torch.zeros(2, dtype=torch.float64, device=ps.device)
     for first in range(0, len(rows), WINDOWS_PER_PASS):
         batches = [collate("padded", [row], pad_id, chunks).to(ps.device)
@@ -57,8 +57,10 @@ def windows_loss(model: GPT, ids: list[int], pad_id: int, targets: bool = True) 
     return total
 
 
-def window_count(n_ids: int, length: int) -> int:
-    return -(-n_ids // length)
+def window_starts(n_ids: int, length: int) -> range:
+    """Where each window of a piece of n_ids tokens starts: windows of `length`, the last one
+    shorter."""
+    return range(0, n_ids, length)
 
 
 def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:
@@ -91,7 +93,7 @@ def main(argv: list[str]) -> int:
         length, spare = model.cfg.max_seq_len, 0
         if ps.ep_size > 1:  # kept: the windows are counted before the first forward
             pieces = list(pieces)
-            mine = sum(window_count(len(ids), length) for ids in pieces)
+            mine = sum(len(window_starts(len(ids), length)) for ids in pieces)
             most = torch.tensor(mine, device=ps.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.ep_group)
             spare = int(most) - mine

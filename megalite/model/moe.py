@@ -152,10 +152,10 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     """After a step, DeepSeek-V3's auxiliary-loss-free balancing: each MoE layer's expert bias
     moves by model.moe_bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
     rate = model.cfg.moe_bias_update_rate
-    if not layers or not rate:
+    if not rate:  # dense models too: no walk over the modules every step
         return
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
     loads = torch.stack([m.step_load for m in layers]).float()
     if group_size(pstate.dp_group) > 1:
         dist.all_reduce(loads, group=pstate.dp_group)
