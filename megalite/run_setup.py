@@ -11,7 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megalite.config import check_layout, data_parallel_size
+from megalite.layout_rules import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks

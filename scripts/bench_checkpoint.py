@@ -45,7 +45,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from megalite.config import ParallelConfig, check_layout, load_model_config
+    from megalite.config import ParallelConfig, load_model_config
+    from megalite.layout_rules import check_layout
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     from megalite.run_config import TrainConfig

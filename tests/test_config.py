@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from megalite.config import ModelConfig, ParallelConfig, check_layout, load_model_config
+from megalite.config import ModelConfig, ParallelConfig, load_model_config
+from megalite.layout_rules import check_layout
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.typed_config import ConfigError

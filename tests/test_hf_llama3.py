@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from megalite.config import ModelConfig, ParallelConfig, check_layout, load_model_config
+from megalite.config import ModelConfig, ParallelConfig, load_model_config
+from megalite.layout_rules import check_layout
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import llama
 from megalite.hf.convert import (checkpoint_model_config, export_hf, import_hf, load_pretrained,

@@ -20,7 +20,8 @@ from torch.testing import assert_close
 
 from bench.comm import CommLog
 from bench.scaling_model import moe_all_to_all_bytes
-from megalite.config import ParallelConfig, check_layout
+from megalite.config import ParallelConfig
+from megalite.layout_rules import check_layout
 from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.model.moe import MoE

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from megalite.config import ModelConfig, ParallelConfig, check_layout
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.layout_rules import check_layout
 from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.mappings import all_gather

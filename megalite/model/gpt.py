@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config import ModelConfig, ParallelConfig, check_layout
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.layout_rules import check_layout
 from megalite.model.attention import Attention
 from megalite.model.kv_cache import KVCache
 from megalite.model.inputs import RankInputs, RankSplit
