@@ -27,26 +27,26 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     run (train, a bench point, a sweep) before it reads data or joins a collective.
     installed: also that the packages it needs (wandb, deepspeed) are installed here; false
     where the run happens elsewhere (a sweep planned on a login node)."""
-    p, t = cfg.parallel, cfg.train
-    dp = data_parallel_size(p, world)  # if that does not divide, check_layout says so
+    parallel, t = cfg.parallel, cfg.train
+    dp = data_parallel_size(parallel, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
-    check_layout(cfg.model, p, world, micro_batches)
-    if not p.dp_bucket_mb > 0:
-        raise ConfigError(f"parallel.dp_bucket_mb={p.dp_bucket_mb} must be > 0: it is the size of "
+    check_layout(cfg.model, parallel, world, micro_batches)
+    if not parallel.dp_bucket_mb > 0:
+        raise ConfigError(f"parallel.dp_bucket_mb={parallel.dp_bucket_mb} must be > 0: it is the size of "
                           f"a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's default)")
     if t.engine == "native" and t.zero_stage == 2:
         raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
                           "partitions the optimizer state (stage 1), not the gradients; use "
                           "train.zero_stage=1, or train.engine=deepspeed for stage 2")
-    if p.ep > 1 and t.engine == "deepspeed":
-        raise ConfigError(f"parallel.ep={p.ep} with train.engine=deepspeed: DeepSpeed's ZeRO would "
+    if parallel.ep > 1 and t.engine == "deepspeed":
+        raise ConfigError(f"parallel.ep={parallel.ep} with train.engine=deepspeed: DeepSpeed's ZeRO would "
                           f"sum the experts' gradients over every DP rank, not the ranks holding "
                           f"the same experts; use train.engine=native (train.zero_stage 0 or 1)")
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
                           f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    split = (f"tp {p.tp}" if p.pp == p.cp == 1 else
-             f"(tp x cp x pp) {p.tp * p.cp * p.pp}")
+    split = (f"tp {parallel.tp}" if parallel.pp == parallel.cp == 1 else
+             f"(tp x cp x pp) {parallel.tp * parallel.cp * parallel.pp}")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not a multiple of "
@@ -56,10 +56,10 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
-    chunks = context_chunks(p.cp, p.tp, p.sequence_parallel)
+    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
     if cfg.data.seq_len % chunks:
-        sp = " x parallel.tp (sequence parallel)" if p.sequence_parallel else ""
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={p.cp}: each row is cut "
+        sp = " x parallel.tp (sequence parallel)" if parallel.sequence_parallel else ""
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={parallel.cp}: each row is cut "
                           f"into 2 x parallel.cp{sp} = {chunks} equal chunks, so data.seq_len must be a "
                           f"multiple of {chunks}: use data.seq_len={cfg.data.seq_len + chunks - cfg.data.seq_len % chunks}")
     if installed and cfg.run.wandb and importlib.util.find_spec("wandb") is None:
@@ -71,7 +71,7 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
-    check_deepspeed(t, cfg.model, p, world if launched else None, installed)
+    check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
 
 
 def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:

@@ -206,8 +206,8 @@ class Preempted(Exception):
 
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
-    p = cfg.parallel
-    chunks = context_chunks(p.cp, p.tp, p.sequence_parallel)  # padded rows widen to whole chunks
+    parallel = cfg.parallel
+    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)  # padded rows widen to whole chunks
     return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])
 

@@ -68,3 +68,23 @@ def test_the_site_shows_readmes_quick_start():
         return text.split("## Quick start", 1)[1].split("\n## ", 1)[0].strip()
     assert quick_start((ROOT / "docs" / "getting-started.md").read_text()) == quick_start(
         (ROOT / "README.md").read_text())
+
+
+def test_the_design_page_names_every_module():
+    """docs/design.md's layout of the code lists each of the package's modules by file name,
+    under its folder's heading (a module added without a line there fails)."""
+    tree = (ROOT / "docs" / "design.md").read_text().split("## Layout of the code")[1]
+    lines = tree.split("```")[1].split("megalite/\n")[1].splitlines()
+    package = lines[:next(i for i, line in enumerate(lines) if not line.startswith(" "))]
+    folder, listed = "", set()
+    for line in package:
+        depth = len(line) - len(line.lstrip())
+        head = re.match(r"\s*([\w/]+/)\s*$|\s*((?:\w+\.py(?:, )?)+)", line)
+        if depth == 2:
+            folder = head.group(1) if head and head.group(1) else ""
+        if head and head.group(2):
+            listed |= {folder + name for name in head.group(2).split(", ")}
+    modules = {str(p.relative_to(ROOT / "megalite")) for p in (ROOT / "megalite").rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    assert modules - listed == set(), "not in docs/design.md"
+    assert listed - modules == set(), "in docs/design.md, not in megalite/"
