@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
-from megalite.training.metrics import flops_per_token, matmul_params, peak_flops
+from megalite.training.metrics import flops_per_token, matmul_params, peak_flops, peak_memory_bytes
 from megalite.run_setup import validate
 
 
@@ -73,7 +72,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
     # them); on CPU, the process's peak RSS, model building and warm-up included.
     step_s, _ = time_steps(step, ps.device, warmup, steps, lambda: _barrier(ps))
     step_s = _max_over_ranks(step_s, ps)
-    peak_bytes = _max_over_ranks(_peak_memory(ps.device), ps)
+    peak_bytes = peak_memory_bytes(ps)
 
     with CommLog(ps) as log:
         started = time.perf_counter()
@@ -252,12 +251,6 @@ def _max_over_ranks(value: float, ps: ParallelState) -> float:
     x = torch.tensor([float(value)], dtype=torch.float64, device=ps.device)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x.item()
-
-
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux reports KiB
 
 
 def device_name(device: torch.device) -> str:

@@ -88,6 +88,9 @@ class TrainConfig:
     # ceil(N / data.seq_len) held-out samples (a fixed set, so evaluations compare).
     eval_tokens: int = 0
     log_every: int = 1  # steps between metrics records (each waits for the device)
+    # [first, last]: trace these optimizer steps (1-based) with torch.profiler; each rank writes
+    # run.dir/profile/rank{R}.json (chrome://tracing, ui.perfetto.dev). None: no tracing.
+    profile_steps: Optional[tuple[int, int]] = None
     # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"
     # 0: every replica (CP x DP) holds all of Adam's state (and pure_bf16's fp32 masters). 1: each

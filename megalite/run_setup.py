@@ -71,6 +71,9 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
+    if t.profile_steps is not None and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.max_steps:
+        raise ConfigError(f"train.profile_steps={list(t.profile_steps)} must be [first, last] optimizer "
+                          f"steps with 1 <= first <= last <= train.max_steps={t.max_steps}")
     check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
 
 

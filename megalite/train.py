@@ -32,10 +32,11 @@ from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_chec
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_dp, all_reduce_loss, loss_sum
-from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops, plot_losses,
-                                       start_wandb)
+from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
+                                       peak_memory_bytes, plot_losses, start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
+from megalite.training.profiling import StepProfiler
 from megalite.run_setup import (check_data, find_resume, validate, with_pretrained,
                                 with_schedule, with_tokenizer_vocab)
 
@@ -116,7 +117,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                    for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
         return [b.pinned() for b in batches] if ps.device.type == "cuda" else batches
 
-    with CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps:
+    with (CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps,
+          StepProfiler(t.profile_steps, run_dir, ps) as profiler):
         def save(step: int) -> None:
             checkpoint(writer, cfg, run_dir, step, model, engine, ps, data, counted)
 
@@ -128,7 +130,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             n_tokens = counted.add(all_reduce_dp(sum(b.target_count_per_source(len(data.train))
                                                      for b in batches), ps))
             model.train()
-            loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
+            with profiler.step(step + 1):
+                loss, grad_norm = train_step(engine, batches, n_tokens, autocast,
+                                             cfg.parallel.pp_schedule)
 
             done = step + 1
             logged = done % t.log_every == 0 or done == t.max_steps
@@ -141,6 +145,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                           "tokens": int(counted.total.item()), **tokens_by_source(data, counted.per_source),
                           "tokens_per_s": tokens_per_s,
                           "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
+                          "peak_memory_gib": peak_memory_bytes(ps) / 2**30,
                           "time": time.time(), **moe_metrics(model, ps, done - logged_at)}
                 logged_at = done
                 if metrics:
@@ -347,7 +352,8 @@ def progress_bar(ps: ParallelState, start: int, total: int) -> Progress:
 def update_bar(bar: Progress, record: dict) -> None:
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "-"
     bar.show(record["step"], f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                             f"tok/s {record['tokens_per_s']:,.0f}, mfu {mfu}")
+                             f"tok/s {record['tokens_per_s']:,.0f}, mfu {mfu}, "
+                             f"mem {record['peak_memory_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

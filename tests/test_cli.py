@@ -153,7 +153,7 @@ def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
     lines = out.splitlines()
     steps = [line for line in lines if re.match(r"step \d+/6: ", line)]
     assert [s.split(":")[0] for s in steps] == ["step 2/6", "step 4/6", "step 6/6"]
-    assert all(re.fullmatch(r"step \d+/6: loss \d+\.\d{4}, lr \S+, tok/s [\d,]+, mfu -", s) for s in steps)
+    assert all(re.fullmatch(r"step \d+/6: loss \d+\.\d{4}, lr \S+, tok/s [\d,]+, mfu -, mem \d+\.\d\d GiB", s) for s in steps)
     validations = [line for line in lines if "val_loss" in line]
     assert [v.split(":")[0] for v in validations] == ["step 4", "step 6"]
     assert all(v.startswith("step ") for v in validations)  # on a line of its own

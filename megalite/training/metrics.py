@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
 
 import torch
@@ -30,6 +31,21 @@ def matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 N (forward and backward of the matmuls) + 12 L h s (attention scores and values)."""
     return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.hidden * seq_len
+
+
+def peak_memory_bytes(ps: ParallelState) -> float:
+    """The fullest rank's peak memory (a collective over all ranks): on CUDA the most allocated
+    since the last call (the counter is then reset); on CPU the process's peak resident set,
+    since it started."""
+    if ps.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ps.device)
+        torch.cuda.reset_peak_memory_stats(ps.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    x = torch.tensor([float(peak)], dtype=torch.float64, device=ps.device)
+    if dist.is_initialized() and ps.world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
 
 
 def peak_flops(device: torch.device) -> float | None:
