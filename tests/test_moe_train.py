@@ -1,5 +1,6 @@
 """The trainer with a mixture of experts: expert-parallel layouts train the single process's
-model step for step (losses, gradient norms, final weights, 1e-5), an EP2 checkpoint resumes
+model step for step on padded rows (losses, gradient norms, final weights, 1e-5; padding routed
+to no expert), an EP2 checkpoint resumes
 at EP1 and EP4 with the original's losses, and the docs' demo-moe command trains like one
 process.
 
@@ -16,7 +17,9 @@ from tests.test_train import STEPS, assert_same_training, common, losses, train_
 
 MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
        "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
-       "train.micro_batch_size=2", "train.checkpoint_every=5"]
+       "train.micro_batch_size=2", "train.checkpoint_every=5",
+       # Rows longer than a tenth of the corpus' documents: padded rows do have padding.
+       "data.seq_len=160", "model.max_seq_len=160"]
 # layout: (world, its settings, model settings the single-process reference shares)
 LAYOUTS = {
     "EP4 x CP2, expert bias": (4, ["parallel.cp=2", "parallel.ep=4"],
@@ -57,6 +60,12 @@ def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, la
             same = got[step] == (pytest.approx(expected[step], rel=1e-5) if key == "moe_aux_loss"
                                  else expected[step])
             assert same, (key, step, got[step], expected[step])
+    # Padding goes to no expert: a step routes top-k copies of each real token (in padded rows
+    # the real tokens are the targets), in every MoE layer.
+    tokens, top_k = losses(run_dir, "tokens"), 1 if "top-1" in layout else 2
+    for step, load in losses(run_dir, "moe_load").items():
+        real = tokens[step] - tokens.get(step - 1, 0)
+        assert [sum(layer) for layer in load] == [top_k * real] * len(load), (step, load, real)
     if "capacity" in layout:
         assert sum(losses(run_dir, "moe_dropped").values()) > 0  # the capacity acted
     if "bias" in layout:  # the bias moved the routing: the loads part from the run without it

@@ -64,11 +64,16 @@ class PipelineRun:
 
     def _forward(self, a: Action, hidden: torch.Tensor | None, **kwargs):
         batch = self.batches[a.micro]
-        # Training and eval pass no attention mask: their padded batches are right-padded, where
-        # causal attention alone is exact at every real position (model/layout.py) and fused.
+        # Training and eval batches are right-padded: causal attention alone is exact at every
+        # real position (model/layout.py) and fused, so a dense model runs without their mask.
+        # A mixture of experts takes it: its router counts real tokens only, so padding takes
+        # no expert's capacity and no part in the balancing losses (one host sync more, to see
+        # the padding is on the right, beside the router's own).
+        if self.model.cfg.n_experts and batch.attention_mask is not None:
+            kwargs["attention_mask"] = batch.attention_mask
         with self.autocast:
             return self.module(batch.input_ids, doc_ids=batch.doc_ids, labels=batch.labels,
-                               chunk=a.chunk, hidden=hidden, **self.forward_kwargs, **kwargs)
+                               chunk=a.chunk, hidden=hidden, **{**kwargs, **self.forward_kwargs})
 
 
 def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
