@@ -17,9 +17,7 @@ from tests.test_train import STEPS, assert_same_training, common, losses, train_
 
 MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
        "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
-       "train.micro_batch_size=2", "train.checkpoint_every=5",
-       # Rows longer than a tenth of the corpus' documents: padded rows do have padding.
-       "data.seq_len=160", "model.max_seq_len=160"]
+       "train.micro_batch_size=2", "train.checkpoint_every=5"]
 # layout: (world, its settings, model settings the single-process reference shares)
 LAYOUTS = {
     "EP4 x CP2, expert bias": (4, ["parallel.cp=2", "parallel.ep=4"],
