@@ -153,9 +153,11 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     moves by model.moe_bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
     rate = model.cfg.moe_bias_update_rate
-    if not rate:  # dense models too: no walk over the modules every step
+    if not rate:  # most runs: no walk over the modules every step
         return
     layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:  # a pipeline stage of dense layers only
+        return
     loads = torch.stack([m.step_load for m in layers]).float()
     if group_size(pstate.dp_group) > 1:
         dist.all_reduce(loads, group=pstate.dp_group)
