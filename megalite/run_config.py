@@ -89,7 +89,7 @@ class TrainConfig:
     eval_tokens: int = 0
     log_every: int = 1  # steps between metrics records (each waits for the device)
     # [first, last]: trace these optimizer steps (1-based) with torch.profiler; each rank writes
-    # run.dir/profile/rank{R}.json (chrome://tracing, ui.perfetto.dev). None: no tracing.
+    # run.dir/profile/steps{A}-{B}_rank{R}.json (chrome://tracing, ui.perfetto.dev). None: off.
     profile_steps: Optional[tuple[int, int]] = None
     # Data-parallel engine: megalite's own, or DeepSpeed ZeRO (pip install 'megalite[deepspeed]').
     engine: Literal["native", "deepspeed"] = "native"

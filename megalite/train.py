@@ -105,7 +105,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
     bar = progress_bar(ps, start, t.max_steps)
-    # Nothing in a step waits for the device but the logging steps' .item(): the token counts
+    # Nothing in a dense model's step waits for the device but the logging steps' .item() (an
+    # MoE layer waits for its token counts, which size its all-to-alls): the token counts
     # stay on the device and the stop agreement lags a step, so the host queues step N+1
     # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
     # thread meanwhile, and checkpoints are written to disk in another.

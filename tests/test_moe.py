@@ -52,8 +52,12 @@ MOE = {
 }
 
 
+def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
 def moe_layers(model: GPT) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    return list(moe_layers_by_name(model).values())
 
 
 def force_routing(model: GPT, scores: list[float]) -> None:
@@ -100,10 +104,6 @@ def whole_grads(model: GPT, ps: ParallelState, summed: bool = False) -> dict:
         else:
             grads[name] = gather_full(grad, shard_of(p), ps)
     return grads
-
-
-def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
 
 
 def total(x: torch.Tensor, *groups) -> torch.Tensor:
@@ -154,14 +154,14 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
 def check_moe_pipelined(config: str, capacity: float | None) -> None:
     """EP2 x PP2 (x DP2): one step through the 1F1B schedule, two micro-batches per rank, the
     engine summing the gradients (dense over DP, experts over their replicas). Right-padded
-    rows without a mask, as training runs them."""
+    rows with their mask, as training gives an MoE model (its padding goes to no expert)."""
     cfg = dataclasses.replace(MOE[config], moe_capacity_factor=capacity)
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(pp=2, ep=2))
-    ids, _, labels = padded_batch(cfg, "right", lengths=LENGTHS)
-    micro = [Batch(ids[r:r + 2], labels[r:r + 2]) for r in range(0, 8, 2)]
+    ids, mask, labels = padded_batch(cfg, "right", lengths=LENGTHS)
+    micro = [Batch(ids[r:r + 2], labels[r:r + 2], attention_mask=mask[r:r + 2]) for r in range(0, 8, 2)]
     n_tokens = (labels != -100).sum()
     single = GPT(cfg, ParallelState(), seed=3)
-    ref_logits, ref_loss, ref_aux = step(single, [(b.input_ids, None, b.labels) for b in micro],
+    ref_logits, ref_loss, ref_aux = step(single, [(b.input_ids, b.attention_mask, b.labels) for b in micro],
                                          1.0 / n_tokens, ParallelState())
     mine = micro[2 * ps.dp_rank: 2 * ps.dp_rank + 2]
     fp32 = torch.autocast("cpu", enabled=False)

@@ -1,9 +1,12 @@
 """train.profile_steps=[first, last]: those optimizer steps traced by torch.profiler (as
 Megatron's --profile-step-start / --profile-step-end). Each rank writes its Chrome trace to
-run.dir/profile/rank{R}.json (chrome://tracing or ui.perfetto.dev); each traced step is a span
-named `optimizer step N`, N as in metrics.jsonl."""
+run.dir/profile/steps{A}-{B}_rank{R}.json (chrome://tracing or ui.perfetto.dev), A..B the steps
+it holds (a run stopped and resumed inside the window writes two); each traced step is a span
+named `optimizer step N`, N as in metrics.jsonl. The trace runs on between the traced steps, so
+it also holds their logging, evaluation and checkpoint starts."""
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,10 +17,11 @@ from megalite.parallel.state import ParallelState
 
 class StepProfiler:
     def __init__(self, window: tuple[int, int] | None, run_dir: Path, ps: ParallelState):
-        self.window, self.path = window, run_dir / "profile" / f"rank{ps.rank}.json"
+        self.window, self.run_dir, self.rank = window, run_dir, ps.rank
         cuda = ps.device.type == "cuda"
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.tracing: profile | None = None
+        self.steps: list[int] = []  # traced so far
 
     @contextmanager
     def step(self, n: int):
@@ -30,19 +34,29 @@ class StepProfiler:
             self.tracing.start()
         with record_function(f"optimizer step {n}"):
             yield
+        self.steps.append(n)
         if n == self.window[1]:
             self.close()
 
     def close(self) -> None:
         """Write the trace, if one is running (also where a run stops inside the window)."""
         if self.tracing is not None:
-            self.tracing.stop()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.tracing.export_chrome_trace(str(self.path))
-            self.tracing = None
+            tracing, self.tracing = self.tracing, None
+            tracing.stop()
+            if self.steps:
+                name = f"steps{self.steps[0]}-{self.steps[-1]}_rank{self.rank}.json"
+                path = self.run_dir / "profile" / name
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tracing.export_chrome_trace(str(path))
 
     def __enter__(self) -> "StepProfiler":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the run's own error is the one to report
+            self.close()
+        except Exception as failed:
+            print(f"the profile trace was not written: {failed}", file=sys.stderr)
