@@ -2,6 +2,8 @@
 before any collective runs: one ConfigError naming each value and its fix."""
 from __future__ import annotations
 
+import dataclasses
+
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.typed_config import ConfigError
 
@@ -78,8 +80,12 @@ def _model_value_problems(model: ModelConfig) -> list[str]:
 def _moe_problems(model: ModelConfig) -> list[str]:
     if model.n_experts < 0:
         return [f"model.n_experts={model.n_experts} must be >= 0 (0: dense)"]
-    if model.n_experts == 0:
-        return []
+    if model.n_experts == 0:  # a dense model: a mixture's setting would silently do nothing
+        stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
+                 if (f.name.startswith("moe_") or f.name == "n_shared_experts")
+                 and getattr(model, f.name) != f.default]
+        return [f"{_listed(stray)} only apply to a mixture of experts, and model.n_experts=0: "
+                f"set model.n_experts, or leave them out"] if stray else []
     cf = model.moe_capacity_factor
     checks = [
         (1 <= model.moe_top_k <= model.n_experts, f"model.moe_top_k={model.moe_top_k} must be "
