@@ -4,9 +4,11 @@ Prompts are left-padded into one batch. Every TP rank gathers the full logits an
 generator seeded the same everywhere, so all ranks pick the same tokens and feed the same input.
 With pipeline stages, each new token's forward runs through the stages in turn (each stage
 caches its own layers' keys and values); the last stage picks the tokens and broadcasts them to
-the others.
+the others. With expert parallelism (a mixture of experts), every rank of an EP group decodes
+the same prompts, its experts serving the others' tokens, and takes the tokens of the group's
+first rank, so that all stop together (the all-to-alls pair every rank's forwards).
 
-    megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] [--pp N] ...
+    megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] [--pp N] [--ep N] ...
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
         logits = last_logits(model, step_ids if use_cache else ids, mask, cache)
         tokens = (None if logits is None else
                   pick(logits.float().cpu(), temperature, top_k, top_p, generator))
-        tokens = from_last_stage(tokens, len(prompts), model.pstate)
+        tokens = agreed(tokens, len(prompts), model.pstate)
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 new[row].append(token)
@@ -79,13 +81,18 @@ def last_logits(model: GPT, ids: torch.Tensor, mask: torch.Tensor,
     return found[0] if found else None
 
 
-def from_last_stage(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.Tensor:
-    """The tokens the last pipeline stage picked, on every stage."""
-    if ps.pp_size == 1:
+def agreed(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.Tensor:
+    """The tokens the last pipeline stage picked, on every stage; with expert parallelism, those
+    of the EP group's first rank (its experts' matmuls group the ranks' rows differently, so a
+    near tie could otherwise go two ways)."""
+    if ps.pp_size == 1 and ps.ep_size == 1:
         return tokens
     buffer = torch.empty(rows, dtype=torch.long) if tokens is None else tokens
     buffer = buffer.to(ps.device)  # NCCL broadcasts device tensors
-    dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
+    if ps.pp_size > 1:
+        dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
+    if ps.ep_size > 1:
+        dist.broadcast(buffer, group=ps.ep_group, group_src=0)
     return buffer.cpu()
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt; repeat for a batch of several")
-    add_layout_arguments(parser)
+    add_layout_arguments(parser, ep=True)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (the most likely token each time); above 0: sampling")

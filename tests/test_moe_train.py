@@ -1,8 +1,7 @@
 """The trainer with a mixture of experts: expert-parallel layouts train the single process's
 model step for step on padded rows (losses, gradient norms, final weights, 1e-5; padding routed
-to no expert), an EP2 checkpoint resumes
-at EP1 and EP4 with the original's losses, and the docs' demo-moe command trains like one
-process.
+to no expert), an EP2 checkpoint resumes at EP1 and EP4 with the original's losses and generates
+at EP2 what one process generates, and the docs' demo-moe command trains like one process.
 
 Top-2 runs EP4 over CP2 x DP2 with the auxiliary-loss-free expert bias, EP2 x TP2 with
 sequence parallelism, and EP2 x PP2 (a dense layer on the first stage, an MoE layer on the
@@ -10,8 +9,14 @@ second) with the expert bias and a capacity factor (which drops copies at this b
 top-1 runs EP2, EP4 and EP2 x CP2. Every run with DP > 1 uses the distributed optimizer (the
 default there).
 """
+from pathlib import Path
+
 import pytest
 
+from megalite.config import ParallelConfig
+from megalite.generate import generate
+from megalite.inference import loaded
+from tests.harness import run_distributed
 from tests.test_reshard import SAVED_AT
 from tests.test_resume import ROOT
 from tests.test_train import STEPS, assert_same_training, common, losses, train_run
@@ -83,6 +88,16 @@ def test_expert_parallel_training_equals_one_process(tmp_path, cache, single, la
             assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
             for step in got:
                 assert abs(got[step] - expected[step]) <= 1e-5, (ep, step, got[step], expected[step])
+        final = str(run_dir / "checkpoints" / f"step_{STEPS:08d}")
+        alone = generated(final, 1)
+        assert all(alone) and run_distributed(generated, 2, final, 2, torchrun_env=True) == [alone] * 2
+
+
+def generated(checkpoint: str, ep: int) -> list[list[int]]:
+    """`megalite generate --ep`'s tokens for two prompts (greedy), on this rank."""
+    with loaded(Path(checkpoint), ParallelConfig(ep=ep)) as (model, tokenizer):
+        return generate(model, [tokenizer.encode(p) for p in ("The", "A list is")], 6,
+                        pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
 
 
 def test_the_docs_command_trains_like_one_process(tmp_path, cache):
