@@ -213,7 +213,8 @@ class Preempted(Exception):
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
     parallel = cfg.parallel
-    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)  # padded rows widen to whole chunks
+    # Padded rows widen to whole chunks.
+    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
     return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])
 

@@ -4,8 +4,9 @@
   batch) and counts only real tokens;
 - one step (logits, loss with the balancing losses, every gradient, the experts' loads) equals
   one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
-  EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1 and top-2, softmax and sigmoid routers, shared experts, dropless and with a
-  capacity factor; a batch where one EP rank and two experts receive no token at all;
+  EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1
+  and top-2, softmax and sigmoid routers, shared experts, dropless and with a capacity factor;
+  a batch where one EP rank and two experts receive no token at all;
 - the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
   model uses, at EP2 and EP4;
 - a layout expert parallelism cannot split is refused before any collective.

@@ -78,7 +78,8 @@ class RankSplit:
                                                                    attention_mask, doc_ids)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
-        return RankInputs(input_ids, labels, layout, seq, sp, partial(self._hidden_tokens, *whole, start, index, sp))
+        return RankInputs(input_ids, labels, layout, seq, sp,
+                          partial(self._hidden_tokens, *whole, start, index, sp))
 
     def _hidden_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        start: int, index: torch.Tensor | None, sp: bool) -> HiddenTokens:

@@ -53,10 +53,10 @@ class StepProfiler:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if kind is None:
-            self.close()
-            return
-        try:  # the run's own error is the one to report
+        try:
             self.close()
         except Exception as failed:
+            if kind is None:
+                raise
+            # The run's own error is the one to report.
             print(f"the profile trace was not written: {failed}", file=sys.stderr)
