@@ -36,7 +36,7 @@ import torch
 from bench import ROOT, on_path, peer
 from bench.gpu_summary import write_summary
 from bench.point import device_name
-from bench.report import git_commit
+from bench.provenance import git_commit
 from bench.runner import INCOMPLETE, load_bench, stop_session
 from megalite.cli import command_parser
 from megalite.typed_config import ConfigError

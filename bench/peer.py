@@ -34,7 +34,7 @@ import torch
 from bench.point import device_name, random_batches
 from bench.profile import profile_steps
 from bench.timing import time_steps
-from bench.report import git_commit
+from bench.provenance import git_commit
 from megalite.cli import command_parser
 from megalite.config import load_model_config
 from megalite.data.batches import Batch

@@ -13,11 +13,11 @@ from __future__ import annotations
 import csv
 import datetime
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import torch
+
+from bench.provenance import git_commit
 
 COLUMNS = ["point", "status", "device", "tp", "cp", "cp_comm", "pp", "dp", "devices", "sequence_parallel",
            "pp_schedule", "virtual_stages", "pipeline_bubble", "pipeline_bubble_measured",
@@ -128,15 +128,3 @@ def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt
     plt.close(fig)
-
-
-def git_commit() -> str:
-    """The commit measured; MEGALITE_COMMIT where the tree is a copy without .git (as on a
-    lent GPU machine)."""
-    try:
-        # --dirty: results measured with uncommitted changes say so
-        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
-                              capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MEGALITE_COMMIT", "unknown")

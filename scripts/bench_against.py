@@ -17,27 +17,20 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.provenance import extract_commit, git_commit, megalite_of  # noqa: E402
 
 
-def git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
-def run_bench(tree: Path, sweep: Path, out: Path) -> list[dict]:
+def run_bench(tree: Path, sweep: Path, out: Path, env: dict = os.environ) -> list[dict]:
     """`python -m bench sweep` with `tree`'s megalite (the working directory comes first on the path
     of `python -m`, and the bench's torchrun workers inherit both)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    imported = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
-                              cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
-    if not Path(imported.strip()).resolve().is_relative_to(tree.resolve()):
-        raise SystemExit(f"{tree} would import megalite from {imported.strip()}")
+    env = {**env, "PYTHONPATH": str(tree)}
+    megalite_of(tree, env)
     # The sweep command of that tree: `megalite bench` before the tools left the package.
     moved = (tree / "bench" / "__main__.py").is_file()
     sweep_command = ["bench", "sweep"] if moved else ["megalite.cli", "bench"]
@@ -54,14 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     sweep, out = Path(args.sweep).resolve(), Path(args.out).resolve()
-    base_commit = git("rev-parse", args.base)
     with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "base.tar"
-        git("archive", "--format=tar", "-o", str(archive), base_commit)
-        tree = Path(tmp) / "tree"
-        with tarfile.open(archive) as tar:
-            tar.extractall(tree, filter="data")
-        base = run_bench(tree, sweep, out / "base")
+        base_commit, tree = extract_commit(args.base, Path(tmp))
+        # The extracted tree has no .git: its bench records the commit it is told.
+        base = run_bench(tree, sweep, out / "base", {**os.environ, "MEGALITE_COMMIT": base_commit})
     head = run_bench(ROOT, sweep, out / "head")
 
     points = []
@@ -76,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": head[0].get("device"), "memory_kind": head[0].get("memory_kind"),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/bench_against.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "base_commit": base_commit, "head_commit": git("describe", "--always", "--dirty"),
+        "base_commit": base_commit, "head_commit": git_commit(),
         "points": points}, indent=1))
     return 0
 

@@ -25,19 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.process_tree import io_bytes, reset_peak_rss, status_bytes  # noqa: E402
+from bench.provenance import git  # noqa: E402
+
 GB = 1e9
-
-
-def proc_status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def proc_io() -> dict[str, int]:
-    return {k: int(v) for k, v in (line.split(": ") for line in
-                                   Path("/proc/self/io").read_text().splitlines())}
 
 
 def worker(args) -> None:
@@ -69,24 +61,24 @@ def worker(args) -> None:
         engine.backward(loss, last=True)
         engine.step()
         dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before, io, start = proc_status("VmRSS"), proc_io(), time.perf_counter()
+        reset_peak_rss()
+        before, io, start = status_bytes()["VmRSS"], io_bytes(), time.perf_counter()
         meta = {"layout": {"tp": ps.tp_size, "dp": ps.dp_size, "pp": 1}, "tokens": 0,
                 "config": {"model": {}}}
         with CheckpointWriter(ps) as writer:
             writer.save(path.parent.parent, 1, model, engine, {"cpu": torch.get_rng_state()}, meta, keep=1)
             writer.finish()
-        after = proc_io()
+        after = io_bytes()
         row.update(seconds=time.perf_counter() - start, rss_before_gb=before / GB,
-                   peak_rss_gb=proc_status("VmHWM") / GB,
+                   peak_rss_gb=status_bytes()["VmHWM"] / GB,
                    written_gb=(after["wchar"] - io["wchar"]) / GB)
     else:
-        io, mapped = proc_io(), proc_status("RssFile")
+        io, mapped = io_bytes(), status_bytes()["RssFile"]
         start = time.perf_counter()
         load_checkpoint(path, model, ps)
         moments = read_moments(path, model, engine.held_rows)
         seconds = time.perf_counter() - start
-        syscalls, mapped = proc_io()["rchar"] - io["rchar"], max(0, proc_status("RssFile") - mapped)
+        syscalls, mapped = io_bytes()["rchar"] - io["rchar"], max(0, status_bytes()["RssFile"] - mapped)
         read = syscalls + mapped
         share = sum(p.numel() * 4 for p in model.parameters()) + sum(
             t.numel() * t.element_size() for _, m in moments for t in m.values())
@@ -107,10 +99,6 @@ def torchrun(phase: str, tp: int, zero: int, directory: Path, layers: int) -> li
                         str(layers), "--result", result.name], cwd=ROOT, check=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
         return json.loads(Path(result.name).read_text())
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def report(results: dict) -> str:

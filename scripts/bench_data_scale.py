@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.provenance import git_commit, megalite_of  # noqa: E402
 RANKS = 4
 MAX_DOC = 32  # document lengths are uniform in 1..MAX_DOC tokens, eos last
 CHUNK = 10_000_000  # documents generated at a time
@@ -173,23 +175,6 @@ def train_once(args, data: str, mode: str, cache: Path, run_dir: Path, nofile: i
     return record
 
 
-def imported_from(tree: Path) -> str:
-    """The megalite a run imports (`-m` puts the working directory first, so runs start in tree)."""
-    where = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
-                           env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    if not Path(where).is_relative_to(tree):
-        sys.exit(f"--tree {tree}: its runs would import megalite from {where}; give a source tree")
-    return where
-
-
-def git_commit(tree: Path) -> str:
-    def git(*a):
-        return subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True).stdout
-    dirty = git("status", "--short", "--", "megalite")
-    return git("rev-parse", "HEAD").strip() + (" (+ uncommitted changes)" if dirty else "")
-
-
 COLUMNS = {"corpus (documents)": "corpus", "tokens": "tokens", "shards": "shards", "mode": "mode",
            "run": "run", "status": "status", "wall s": "wall_s",
            "peak private MB per rank": "rank_peak_private_mb",
@@ -228,7 +213,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(args.work / "tokenizer.json")
     base = {"label": args.label, "device": f"CPU ({os.cpu_count()} cores)", "ranks": RANKS,
-            "layout": "TP2 x DP2", "megalite": imported_from(args.tree),
+            "layout": "TP2 x DP2", "megalite": str(megalite_of(args.tree, {**os.environ, "PYTHONPATH": str(args.tree)})),
             "commit": git_commit(args.tree)}
     plans = []  # (corpus name, data path, docs, tokens, shards, nofile)
     for docs in map(int, args.sizes):

@@ -37,17 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def status() -> dict[str, int]:
-    """Bytes of /proc/self/status's VmRSS, VmHWM, RssAnon, RssFile."""
-    text = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) * 1024
-            for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
-
-
-def rchar() -> int:
-    return int(re.search(r"^rchar:\s+(\d+)", Path("/proc/self/io").read_text(), re.M).group(1))
+from bench.process_tree import io_bytes, reset_peak_rss, status_bytes  # noqa: E402
 
 
 def mapped_bytes(path: str) -> int:
@@ -93,8 +83,8 @@ def convert_worker(args) -> None:
     torch.set_num_threads(1)
     hf_dir, work = Path(args.hf_dir), Path(args.store)
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = status()
+    reset_peak_rss()
+    before = status_bytes()
     start = time.perf_counter()
     if args.path == "import":
         import_hf(hf_dir, work / "imported")
@@ -103,7 +93,7 @@ def convert_worker(args) -> None:
         export_hf(work / "imported", work / "exported", max_shard_bytes=int(args.max_shard_gb * 1e9))
         written = sorted((work / "exported").glob("*.safetensors"))
     seconds = time.perf_counter() - start
-    after = status()
+    after = status_bytes()
     Path(args.result).write_text(json.dumps({
         "path": args.path, "peak_rss_growth": after["VmHWM"] - before["VmRSS"],
         "written_bytes": sum(f.stat().st_size for f in written), "files": len(written),
@@ -133,8 +123,8 @@ def worker(args) -> None:
     init_s = time.perf_counter() - start
     gc.collect()
     dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before, read_before = status(), rchar()
+    reset_peak_rss()
+    before, read_before = status_bytes(), io_bytes()["rchar"]
     start = time.perf_counter()
     if args.path == "sliced":
         load_pretrained(hf_dir, model, ps)
@@ -143,7 +133,7 @@ def worker(args) -> None:
         load_full_weights(full, model, str(hf_dir))
         del full
     load_s = time.perf_counter() - start
-    after, read_after = status(), rchar()
+    after, read_after = status_bytes(), io_bytes()["rchar"]
     gc.collect()
     params = dict(model.named_parameters())
     file_itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[args.file_dtype]

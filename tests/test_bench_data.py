@@ -4,11 +4,11 @@ import csv
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from bench.provenance import megalite_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +109,10 @@ def test_snapshot_is_what_imports(bench, tmp_path):
     sha, code = bench.snapshot("HEAD", tmp_path)
     assert sha == bench.git("rev-parse", "HEAD") and (code / "configs" / "demo.yaml").is_file()
     env = {**os.environ, "PYTHONPATH": str(code)}
-    found = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
-                           cwd=code, env=env, check=True, capture_output=True, text=True).stdout
-    assert Path(found.strip()).resolve().parent.parent == code.resolve()
+    assert megalite_of(code, env).resolve().parent.parent == code.resolve()
     assert bench.snapshot("HEAD", tmp_path) == (sha, code)  # extracted once
+    # A tree whose python imports another megalite (or none) is refused, naming what it found.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(SystemExit, match=f"{elsewhere}: its runs would import megalite from"):
+        megalite_of(elsewhere, {**os.environ, "PYTHONPATH": str(code)})

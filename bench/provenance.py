@@ -1,0 +1,56 @@
+"""Where a measurement came from: the commit of the code measured, and a commit's code
+extracted so that a benchmark runs exactly that commit."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from bench import ROOT
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout.rstrip("\n")
+
+
+def git_commit(tree: Path = ROOT) -> str:
+    """The commit measured, `-dirty` when the tree has uncommitted changes; MEGALITE_COMMIT
+    where the tree is a copy without .git (as on a lent GPU machine)."""
+    try:
+        return git("describe", "--always", "--dirty", "--abbrev=40", cwd=tree)
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MEGALITE_COMMIT", "unknown")
+
+
+def extract_commit(commit: str, root: Path, paths: tuple[str, ...] = ()) -> tuple[str, Path]:
+    """`paths` of `commit` (all of it by default), extracted once under `root`:
+    (full sha, directory). Written beside and renamed, so a cut run leaves no half tree."""
+    sha = git("rev-parse", f"{commit}^{{commit}}")
+    dest = root / f"code-{sha[:12]}"
+    if not dest.is_dir():
+        tmp = root / f".code-{sha[:12]}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tar = subprocess.run(["git", "archive", "--format=tar", sha, *paths], cwd=ROOT,
+                             check=True, capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+            archive.extractall(tmp, filter="data")
+        os.replace(tmp, dest)
+    return sha, dest
+
+
+def megalite_of(tree: Path, env: dict) -> Path:
+    """Where a `python` started in `tree` with `env` imports megalite from; it must be `tree`'s
+    own, or the benchmark would measure other code than it says."""
+    run = subprocess.run([sys.executable, "-c", "import megalite; print(megalite.__file__)"],
+                         cwd=tree, env=env, capture_output=True, text=True)
+    found = run.stdout.strip()
+    if run.returncode or not Path(found).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"{tree}: its runs would import megalite from "
+                         f"{found or run.stderr.strip().splitlines()[-1]}; give a source tree")
+    return Path(found)
