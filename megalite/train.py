@@ -88,17 +88,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
         return
-    if ps.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        clear_marker(run_dir)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        report_data(data)
-        # At every start: a decay kept from a checkpoint, or copied in a config.yaml, shows.
-        print(f"lr: {describe_schedule(t)}", flush=True)
-    metrics = None
-    if ps.is_main:
-        wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
-        metrics = MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
+    metrics = open_run(cfg, ps, data, start)
     val_set = sample_sets(data.val, cfg, data).nonempty()
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
     autocast = autocast_for(ps.device, t.precision)
@@ -180,6 +170,23 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
+
+
+def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int) -> MetricsLog | None:
+    """Rank 0 readies run.dir for the steps after `start`: its config.yaml, no preemption
+    marker, the data and the lr schedule announced, and the metrics log (and wandb run) the
+    steps append to; None on the other ranks."""
+    if not ps.is_main:
+        return None
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    clear_marker(run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    report_data(data)
+    # At every start: a decay kept from a checkpoint, or copied in a config.yaml, shows.
+    print(f"lr: {describe_schedule(cfg.train)}", flush=True)
+    wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
+    return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
 
 
 class TokenCount:
