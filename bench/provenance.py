@@ -1,5 +1,6 @@
-"""Where a measurement came from: the commit of the code measured, and a commit's code
-extracted so that a benchmark runs exactly that commit."""
+"""Where a measurement came from: the commit of the code measured, a commit's code extracted so
+that a benchmark runs exactly that commit, and the check that a tree's runs import its own
+megalite."""
 from __future__ import annotations
 
 import io
@@ -18,13 +19,16 @@ def git(*args: str, cwd: Path = ROOT) -> str:
                           text=True).stdout.rstrip("\n")
 
 
-def git_commit(tree: Path = ROOT) -> str:
-    """The commit measured, `-dirty` when the tree has uncommitted changes; MEGALITE_COMMIT
-    where the tree is a copy without .git (as on a lent GPU machine)."""
+def git_commit(tree: Path = ROOT, paths: tuple[str, ...] = ()) -> str:
+    """The commit measured, `-dirty` when tracked files (of `paths`, default all) have
+    uncommitted changes; MEGALITE_COMMIT where the tree is a copy without .git (as on a lent
+    GPU machine)."""
     try:
-        return git("describe", "--always", "--dirty", "--abbrev=40", cwd=tree)
+        sha = git("rev-parse", "HEAD", cwd=tree)
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", *paths, cwd=tree)
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("MEGALITE_COMMIT", "unknown")
+    return sha + ("-dirty" if dirty else "")
 
 
 def extract_commit(commit: str, root: Path, paths: tuple[str, ...] = ()) -> tuple[str, Path]:
@@ -32,7 +36,8 @@ def extract_commit(commit: str, root: Path, paths: tuple[str, ...] = ()) -> tupl
     (full sha, directory). Written beside and renamed, so a cut run leaves no half tree."""
     sha = git("rev-parse", f"{commit}^{{commit}}")
     dest = root / f"code-{sha[:12]}"
-    if not dest.is_dir():
+    wanted = " ".join(paths) or "all"  # an extraction of other paths is not this one
+    if not ((dest / ".extracted").is_file() and (dest / ".extracted").read_text() == wanted):
         tmp = root / f".code-{sha[:12]}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -40,6 +45,8 @@ def extract_commit(commit: str, root: Path, paths: tuple[str, ...] = ()) -> tupl
                              check=True, capture_output=True).stdout
         with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
             archive.extractall(tmp, filter="data")
+        (tmp / ".extracted").write_text(wanted)
+        shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     return sha, dest
 
@@ -52,5 +59,6 @@ def megalite_of(tree: Path, env: dict) -> Path:
     found = run.stdout.strip()
     if run.returncode or not Path(found).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"{tree}: its runs would import megalite from "
-                         f"{found or run.stderr.strip().splitlines()[-1]}; give a source tree")
+                         f"{found or (run.stderr.strip().splitlines() or [f'exit {run.returncode}'])[-1]}; "
+                         f"give a source tree")
     return Path(found)

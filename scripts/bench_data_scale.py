@@ -214,7 +214,7 @@ def main() -> int:
     vocab = make_tokenizer(args.work / "tokenizer.json")
     base = {"label": args.label, "device": f"CPU ({os.cpu_count()} cores)", "ranks": RANKS,
             "layout": "TP2 x DP2", "megalite": str(megalite_of(args.tree, {**os.environ, "PYTHONPATH": str(args.tree)})),
-            "commit": git_commit(args.tree)}
+            "commit": git_commit(args.tree, ("megalite",))}
     plans = []  # (corpus name, data path, docs, tokens, shards, nofile)
     for docs in map(int, args.sizes):
         name = f"{docs:.0e}".replace("e+0", "e")

@@ -37,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.process_tree import io_bytes, reset_peak_rss, status_bytes  # noqa: E402
+from bench.proc_counters import io_bytes, reset_peak_rss, status_bytes  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
 
 
 def mapped_bytes(path: str) -> int:
@@ -296,8 +297,7 @@ def main() -> None:
         convert_worker(args) if args.path in ("import", "export") else worker(args)
         return
     import torch
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()[:7]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = make_model(tmp / "hf", args)

@@ -1,5 +1,5 @@
-"""`megalite prepare-data`: every input format, any worker count, bad input counted, shards
-that survive a kill, and documents that decode back to the input text."""
+"""`megalite prepare-data`: every input format, any worker count, bad input counted, and
+documents that decode back to the input text (runs that die: test_prepare_recovery.py)."""
 import gzip
 import json
 import subprocess
