@@ -206,8 +206,7 @@ class DeepSpeedEngine(AdamEngine):
                 # state, and never again: link once more now that all have it (the state
                 # tensors are updated in place from then on), or `moments` finds nothing for
                 # the no-decay group.
-                self.optimizer._hp_optimizer_states_linked = False
-                self.optimizer._lazy_init_hp_params_optimizer_state()
+                self._link_adam_state()
                 self.state_linked = True
             norm = torch.as_tensor(self.engine.get_global_grad_norm())
         return norm
@@ -224,25 +223,27 @@ class DeepSpeedEngine(AdamEngine):
         if not self.zero:
             super().load_moments(moments, step)
             return
-        # ZeRO's AdamW steps flat fp32 partitions, one per parameter group; each parameter maps
-        # a range of its flattened tensor onto a range of this rank's partition.
-        flats = self.optimizer.single_partition_of_fp32_groups
-        state = [{m: torch.zeros_like(flat) for m in MOMENTS} for flat in flats]
-        for p, tensors in moments:
-            mapping = p._hp_mapping
-            if mapping is None:  # no part of p in this rank's partition
-                continue
-            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-            for m, full in tensors.items():
-                part = full.flatten().narrow(0, lp.start, lp.numel)
-                state[mapping.param_group_index][m].narrow(0, hp.start, hp.numel).copy_(part)
+        from deepspeed.utils import safe_set_full_optimizer_state
+        # Adam's state comes with its first step: give each flat fp32 partition (one per
+        # parameter group) a zero state at `step`, link the parameters to it, then write each
+        # parameter's part through DeepSpeed's public setter.
         adam = self.optimizer.optimizer
         on_device = adam.defaults.get("fused") or adam.defaults.get("capturable")  # as torch keeps it
-        for flat, tensors in zip(flats, state):
+        for flat in self.optimizer.single_partition_of_fp32_groups:
             adam.state[flat] = {"step": torch.tensor(float(step), dtype=torch.float32,
                                                      device=flat.device if on_device else "cpu"),
-                                **tensors}
+                                **{m: torch.zeros_like(flat) for m in MOMENTS}}
+        self._link_adam_state()
+        for p, tensors in moments:
+            for m, full in tensors.items():
+                safe_set_full_optimizer_state(p, full, m)  # this rank's part of p, if any
+
+    def _link_adam_state(self) -> None:
+        """Point each parameter's fragment at the Adam state its partition holds now. DeepSpeed
+        has no public call for this (nor for making that state before a step, load_moments'
+        loop): the only places that reach into its ZeRO optimizer."""
         self.optimizer._hp_optimizer_states_linked = False
+        self.optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _lookup(config: dict, dotted: str):
