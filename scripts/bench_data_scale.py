@@ -40,6 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.proc_counters import status_bytes  # noqa: E402
 from bench.provenance import git_commit, megalite_of  # noqa: E402
 RANKS = 4
 MAX_DOC = 32  # document lengths are uniform in 1..MAX_DOC tokens, eos last
@@ -110,10 +111,9 @@ def private_kb(pid: int) -> int:
     pages of memory-mapped files, which are the kernel's page cache, shared by every rank of a
     node and reclaimed under pressure (this kernel maps whole large folios around each read)."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        return status_bytes(pid).get("RssAnon", 0) // 1024
     except OSError:
         return 0
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("RssAnon")), 0)
 
 
 def group_rss_gb(pgid: int) -> float:
