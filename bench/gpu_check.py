@@ -41,7 +41,8 @@ from bench.runner import INCOMPLETE, load_bench, stop_session
 from megalite.cli import command_parser
 from megalite.typed_config import ConfigError
 
-TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-train": "tests/test_gpu_train.py"}
+TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-kernels": "tests/test_gpu_kernels.py",
+         "tests-train": "tests/test_gpu_train.py"}
 SWEEP = "configs/bench/gpu-check.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
 STEP_KINDS = ("tests", "bench", "peer")

@@ -20,16 +20,17 @@ def test_dry_run_plans_and_validates_the_shipped_check(capsys):
     assert gpu_check(["--out", "unused", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     steps = dict(line.split(": ", 1) for line in lines[:-1])
-    assert list(steps)[:3] == ["tests-gpu", "tests-train", "bench"]
+    assert list(steps)[:4] == ["tests-gpu", "tests-kernels", "tests-train", "bench"]
     assert "tests/test_gpu.py" in steps["tests-gpu"] and "tests/test_gpu_train.py" in steps["tests-train"]
+    assert "tests/test_gpu_kernels.py" in steps["tests-kernels"]
     assert "configs/bench/gpu-check.yaml" in steps["bench"] and "--resume" in steps["bench"]
     expected = [f"peer-{m}-{s}-{b}" for b in ("full", "packed") for m, s in (("gpt2-small", 1024), ("llama-1b", 2048))]
-    assert list(steps)[3:] == expected
+    assert list(steps)[4:] == expected
     for name in expected:
         assert PEER_FLAGS in steps[name] and f"--batch {name.rsplit('-', 1)[1]}" in steps[name]
     assert "--micro-batch 16" in steps["peer-gpt2-small-1024-full"]
     assert "--micro-batch 4" in steps["peer-llama-1b-2048-packed"]
-    assert lines[-1] == "gpu-check: 7 steps valid (dry run: nothing launched)"
+    assert lines[-1] == "gpu-check: 8 steps valid (dry run: nothing launched)"
 
 
 def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml"):
