@@ -25,7 +25,8 @@ class DataConfig:
     # "embedded" (the Python documentation prose shipped with megalite); raw files (.jsonl,
     # .jsonl.gz, .jsonl.zst, .parquet, .txt), a directory or a glob of them, prepared into
     # cache_dir on first use; a directory from `megalite prepare-data`; a Megatron-LM .bin/.idx
-    # prefix; or a glob of prepared directories or prefixes.
+    # prefix; a glob of prepared directories or prefixes; or "synthetic" (random token ids, as
+    # Megatron's --mock-data: throughput without data).
     path: str = "embedded"
     # [[weight, path], ...] (Megatron's --data-path 0.7 A 0.3 B): each step's samples come from
     # the paths in proportion to the weights. Replaces `path` when given.
@@ -48,6 +49,9 @@ class DataConfig:
     # padded: a document per row; packed: documents joined, no attention across
     mode: Literal["padded", "packed"] = "packed"
     val_fraction: float = 0.02  # held-out share of each source's documents (without val_path)
+    # path=synthetic: documents of uniformly random token ids of data.tokenizer (bpe: megalite's
+    # BPE of the embedded corpus), lengths drawn around seq_len, the same on every rank
+    synthetic_documents: int = 4096
     # where raw files are prepared into shards, keyed by files and settings
     cache_dir: str = ".megalite_cache"
 

@@ -30,6 +30,10 @@ class ArrayShard:
     def n_tokens(self) -> int:
         return int(self.offsets[-1])
 
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tokens.dtype
+
     def starts(self, docs: np.ndarray) -> np.ndarray:
         return self.offsets[np.asarray(docs, dtype=np.int64)]
 

@@ -24,11 +24,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalite.data.docs import DocSet, TokenStore, held_out
+import numpy as np
+
+from megalite.data.docs import ArrayShard, DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
 from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
 from megalite.data.raw_cache import prepared_in_cache
-from megalite.data.shard_facts import shard_facts, stat_key
+from megalite.data.shard_facts import count_longer, shard_facts, stat_key
 from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
@@ -137,7 +139,7 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
     """Megatron data does not name its tokenizer: an id the given one lacks would train without
     a word. Each shard's largest id is scanned once and cached. Prepared directories need no
     scan: they carry the tokenizer they were made with."""
-    shards = [shard for s in megatron for shard in s.store.shards]
+    shards = [shard for s in megatron for shard in s.store.shards if isinstance(shard, IndexedShard)]
     for shard, facts in zip(shards, shard_facts(shards, cfg.cache_dir, max_id=True)):
         if facts.max_id >= info.vocab_size:
             raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
@@ -148,12 +150,15 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
 
 def _truncated(stores: list[_Store], cfg: DataConfig) -> int:
     """Padded mode: the training sources' documents longer than a sample (seq_len + 1 tokens),
-    their held-out documents included (counted per shard and cached: no pass over documents)."""
+    their held-out documents included (counted per shard and cached: no pass over documents;
+    in-memory ones counted in place)."""
     if cfg.mode != "padded":
         return 0
     limit = cfg.seq_len + 1
     shards = [shard for s in stores for shard in s.store.shards]
-    return sum(f.longer_than[limit] for f in shard_facts(shards, cfg.cache_dir, longer_than=limit))
+    files = [shard for shard in shards if isinstance(shard, IndexedShard)]
+    return sum(f.longer_than[limit] for f in shard_facts(files, cfg.cache_dir, longer_than=limit)) \
+        + sum(count_longer(shard, limit) for shard in shards if isinstance(shard, ArrayShard))
 
 
 def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
@@ -170,6 +175,8 @@ def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
 def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
     if path == "embedded":
         return _raw([EMBEDDED], cfg, given, in_run, path)
+    if path == "synthetic":
+        return _synthetic(cfg, given, in_run)
     if not glob.has_magic(path) and not Path(path).exists() and not is_indexed(Path(path)):
         raise ConfigError(f"data path '{path}' does not exist: give raw files ({SUPPORTED}, a "
                           f"directory or a glob), a prepared directory, a Megatron .bin/.idx "
@@ -219,6 +226,28 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
     store = _prepared([target])
     store.key = key
     return store
+
+
+def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
+    """data.synthetic_documents of random token ids, each ended by eos, of lengths drawn
+    geometrically around seq_len (so packed rows cross documents and padded rows pad): the
+    same on every rank, made in memory. The tokenizer is the one given, or the embedded
+    corpus's BPE."""
+    n = cfg.synthetic_documents
+    if n < 2:
+        raise ConfigError(f"data.synthetic_documents={n} must be >= 2 (a training and a held-out "
+                          f"document at least)")
+    base = None if given is not None else _raw([EMBEDDED], cfg, None, in_run, "embedded")
+    info = given or load_tokenizer(base.tokenizer)
+    rng = np.random.default_rng(0)
+    lengths = rng.geometric(1 / cfg.seq_len, size=n) + 1  # its tokens, then eos
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0, info.vocab_size, int(offsets[-1]),
+                          dtype=np.uint16 if info.vocab_size <= 2**16 else np.int32)
+    tokens[offsets[1:] - 1] = info.eos_id
+    key = hashlib.sha256(f"synthetic|{n}|{cfg.seq_len}|{info.digest}".encode()).hexdigest()
+    return _Store(TokenStore([ArrayShard(tokens, offsets)]), None if base is None else base.tokenizer,
+                  key, {})
 
 
 def _one_tokenizer(stores: list[_Store], paths: list[str],
