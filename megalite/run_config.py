@@ -50,7 +50,7 @@ class DataConfig:
     mode: Literal["padded", "packed"] = "packed"
     val_fraction: float = 0.02  # held-out share of each source's documents (without val_path)
     # path=synthetic: documents of uniformly random token ids of data.tokenizer (bpe: megalite's
-    # BPE of the embedded corpus), lengths drawn around seq_len, the same on every rank
+    # BPE of the embedded corpus), of 2 to 2 x seq_len tokens, the same on every rank
     synthetic_documents: int = 4096
     # where raw files are prepared into shards, keyed by files and settings
     cache_dir: str = ".megalite_cache"

@@ -53,6 +53,8 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
             f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / {split}): "
             f"use a global batch that is a multiple of "
             f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
+    if cfg.data.seq_len < 1:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be >= 1: the tokens of a training row")
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
                           f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
@@ -88,7 +90,8 @@ def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) ->
             raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
                               f"{n} training samples of data path {source.name} "
                               f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
-                              f"a smaller global batch or more data")
+                              f"a smaller global batch or more data"
+                              + (" (data.synthetic_documents)" if source.name == "synthetic" else ""))
 
 
 def with_pretrained(cfg: Config) -> Config:

@@ -8,7 +8,7 @@ from megalite.data.prepare import prepare_data
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 from tests.test_prepare_data import tokenizer
-from tests.test_train import STEPS, common, final_weights, losses, train_run
+from tests.test_train import STEPS, common, final_weights, losses, run_train, train_run
 
 DOCS = 300
 
@@ -27,14 +27,16 @@ def test_the_documents_are_random_ids_ended_by_eos_and_the_same_at_every_start(c
     data, again = prepare_data(synthetic(cache)), prepare_data(synthetic(cache))
     (train,), (val,) = data.train, data.val
     assert len(train.docs) + len(val.docs) == DOCS and len(val.docs) == round(0.02 * DOCS)
-    docs = every_document(data)
-    assert all(np.array_equal(a, b) for a, b in zip(docs, every_document(again)))
+    docs, docs_again = every_document(data), every_document(again)
+    assert len(docs) == len(docs_again) == DOCS
+    assert all(np.array_equal(a, b) for a, b in zip(docs, docs_again))
     eos, vocab = data.tokenizer.eos_id, data.tokenizer.vocab_size
     assert vocab == 512 and all(doc[-1] == eos for doc in docs)
     ids = np.concatenate([doc[:-1] for doc in docs])
     assert ids.max() < vocab and len(np.unique(ids)) > vocab * 0.9  # spread over the vocabulary
     lengths = np.array([len(doc) for doc in docs])
-    assert lengths.min() < 32 < 33 < lengths.max()  # packed rows cross documents; padded rows pad
+    # 2 to 2 x seq_len tokens: packed rows cross documents, padded rows pad or truncate.
+    assert lengths.min() >= 2 and lengths.max() <= 64 and lengths.min() < 33 < lengths.max()
     assert data.meta["cache_key"] == again.meta["cache_key"]
     assert data.meta["cache_key"] != prepare_data(synthetic(cache, seq_len=64)).meta["cache_key"]
 
@@ -45,9 +47,21 @@ def test_padded_mode_counts_the_documents_it_truncates(cache):
     assert data.meta["truncated"] == int((lengths > 33).sum()) > 0
 
 
-def test_too_few_documents_are_refused_naming_the_setting(cache):
+def test_too_few_or_too_many_documents_are_refused_naming_the_setting(cache):
     with pytest.raises(ConfigError, match=r"data\.synthetic_documents=1 must be >= 2"):
         prepare_data(synthetic(cache, synthetic_documents=1))
+    # Refused before anything is allocated: 10^9 documents of 33 tokens would be 66 GB per rank.
+    with pytest.raises(ConfigError, match=r"data\.synthetic_documents=1000000000 at data\.seq_len=32 "
+                                          r"is about 61\.5 GiB .*lower data\.synthetic_documents"):
+        prepare_data(synthetic(cache, synthetic_documents=10**9))
+
+
+def test_blends_and_validation_take_synthetic_data_like_any_source(cache):
+    blend = prepare_data(synthetic(cache, blend=[[0.5, "synthetic"], [0.5, "embedded"]]))
+    assert [(s.name, s.weight) for s in blend.train] == [("synthetic", 0.5), ("embedded", 0.5)]
+    assert len(blend.train[0].docs) == DOCS - round(0.02 * DOCS)
+    held = prepare_data(synthetic(cache, path="embedded", val_path="synthetic"))
+    assert [(s.name, len(s.docs)) for s in held.val] == [("synthetic", DOCS)]
 
 
 def test_tp2_dp2_on_synthetic_data_trains_like_one_process(tmp_path, cache):
@@ -73,3 +87,9 @@ def test_a_given_tokenizer_sets_the_ids_and_eos(tmp_path, cache):
     docs = every_document(data)
     assert all(doc[-1] == data.tokenizer.eos_id for doc in docs)
     assert max(int(doc.max()) for doc in docs) < 400
+
+
+def test_a_global_batch_over_the_documents_names_the_setting(tmp_path, cache):
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size=8 exceeds the 3 training samples "
+                                          r"of data path synthetic .*\(data\.synthetic_documents\)"):
+        run_train(common(cache, tmp_path, "padded") + ["data.path=synthetic", "data.synthetic_documents=4"])

@@ -206,3 +206,10 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     with pytest.raises(ConfigError, match=r"run\.wandb=true needs the wandb package: pip install 'megalite\[wandb\]'"):
         main(small_args(tmp_path, corpus, "run.wandb=true"))
+
+
+def test_a_row_of_no_tokens_is_refused_before_any_data_is_read():
+    from megalite.run_config import load_config
+    from megalite.run_setup import validate
+    with pytest.raises(ConfigError, match=r"data\.seq_len=0 must be >= 1"):
+        validate(load_config(ROOT / "configs" / "demo.yaml", ["data.seq_len=0", "parallel.tp=1"]), 1)

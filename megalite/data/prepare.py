@@ -6,7 +6,8 @@ A path is one of
     made with (and data.eos_token, where its files do not name eos);
   - a glob of either (their shards joined in order);
   - raw files, directories or a glob of them (or "embedded"): prepared once into
-    data.cache_dir (raw_cache.py).
+    data.cache_dir (raw_cache.py);
+  - "synthetic": random documents made in memory (Megatron's --mock-data).
 
 Megatron data is checked against the tokenizer given (its largest token id, scanned once per
 shard and cached: shard_facts.py), and padded mode counts the documents it will truncate from the
@@ -31,12 +32,15 @@ from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx
 from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
 from megalite.data.raw_cache import prepared_in_cache
 from megalite.data.shard_facts import count_longer, shard_facts, stat_key
+from megalite.data.shuffle import key_of
 from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 
 SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
+SYNTHETIC = 0x5E  # the key of data.path=synthetic's hash
+SYNTHETIC_MAX_BYTES = 2**31  # its tokens, held by every rank
 
 
 @dataclass
@@ -180,7 +184,7 @@ def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None, in_run: bo
     if not glob.has_magic(path) and not Path(path).exists() and not is_indexed(Path(path)):
         raise ConfigError(f"data path '{path}' does not exist: give raw files ({SUPPORTED}, a "
                           f"directory or a glob), a prepared directory, a Megatron .bin/.idx "
-                          f"prefix (or a glob of them), or embedded")
+                          f"prefix (or a glob of them), embedded or synthetic")
     # A glob of Megatron data matches its .bin and .idx files: each pair is one prefix.
     matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
     matches = list(dict.fromkeys(m[:-4] if m.endswith((".bin", ".idx")) and is_indexed(Path(m[:-4]))
@@ -229,23 +233,29 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
 
 
 def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
-    """data.synthetic_documents of random token ids, each ended by eos, of lengths drawn
-    geometrically around seq_len (so packed rows cross documents and padded rows pad): the
-    same on every rank, made in memory. The tokenizer is the one given, or the embedded
-    corpus's BPE."""
+    """data.synthetic_documents documents of random token ids, each ended by eos, of lengths
+    uniform in [2, 2 seq_len] (so packed rows cross documents and padded rows pad), made in
+    memory from a keyed hash of each position: the same on every rank, whatever its numpy.
+    The tokenizer is the one given, or the embedded corpus's BPE."""
     n = cfg.synthetic_documents
     if n < 2:
         raise ConfigError(f"data.synthetic_documents={n} must be >= 2 (a training and a held-out "
                           f"document at least)")
     base = None if given is not None else _raw([EMBEDDED], cfg, None, in_run, "embedded")
     info = given or load_tokenizer(base.tokenizer)
-    rng = np.random.default_rng(0)
-    lengths = rng.geometric(1 / cfg.seq_len, size=n) + 1  # its tokens, then eos
+    dtype = np.dtype(np.uint16 if info.vocab_size <= 2**16 else np.int32)
+    size = n * (max(cfg.seq_len, 1) + 1) * dtype.itemsize
+    if size > SYNTHETIC_MAX_BYTES:
+        raise ConfigError(f"data.synthetic_documents={n} at data.seq_len={cfg.seq_len} is about "
+                          f"{size / 2**30:.1f} GiB of tokens in every rank's memory (at most "
+                          f"{SYNTHETIC_MAX_BYTES / 2**30:.0f}): lower data.synthetic_documents "
+                          f"(its documents repeat each epoch, which a throughput run does not mind)")
+    span = np.uint64(max(2 * cfg.seq_len - 1, 1))
+    lengths = 2 + (key_of(SYNTHETIC, 0, np.arange(n)) % span).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = rng.integers(0, info.vocab_size, int(offsets[-1]),
-                          dtype=np.uint16 if info.vocab_size <= 2**16 else np.int32)
+    tokens = (key_of(SYNTHETIC, 1, np.arange(offsets[-1])) % np.uint64(info.vocab_size)).astype(dtype)
     tokens[offsets[1:] - 1] = info.eos_id
-    key = hashlib.sha256(f"synthetic|{n}|{cfg.seq_len}|{info.digest}".encode()).hexdigest()
+    key = hashlib.sha256(f"synthetic-v1|{n}|{cfg.seq_len}|{info.digest}".encode()).hexdigest()
     return _Store(TokenStore([ArrayShard(tokens, offsets)]), None if base is None else base.tokenizer,
                   key, {})
 
