@@ -31,7 +31,7 @@ from megalite.data.docs import ArrayShard, DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
 from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
 from megalite.data.raw_cache import prepared_in_cache
-from megalite.data.shard_facts import count_longer, shard_facts, stat_key
+from megalite.data.shard_facts import shard_facts, stat_key
 from megalite.data.shuffle import key_of
 from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
@@ -61,7 +61,9 @@ class PreparedData:
 @dataclass
 class _Store:
     store: TokenStore
-    tokenizer: Path | None  # the prepared directory holding its tokenizer; None: Megatron data
+    # the prepared directory holding its tokenizer; None: data.tokenizer (Megatron data, or
+    # synthetic data of the tokenizer given)
+    tokenizer: Path | None
     key: str
     meta: dict
 
@@ -143,7 +145,7 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
     """Megatron data does not name its tokenizer: an id the given one lacks would train without
     a word. Each shard's largest id is scanned once and cached. Prepared directories need no
     scan: they carry the tokenizer they were made with."""
-    shards = [shard for s in megatron for shard in s.store.shards if isinstance(shard, IndexedShard)]
+    shards = [shard for s in megatron for shard in s.store.shards]
     for shard, facts in zip(shards, shard_facts(shards, cfg.cache_dir, max_id=True)):
         if facts.max_id >= info.vocab_size:
             raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
@@ -154,15 +156,12 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
 
 def _truncated(stores: list[_Store], cfg: DataConfig) -> int:
     """Padded mode: the training sources' documents longer than a sample (seq_len + 1 tokens),
-    their held-out documents included (counted per shard and cached: no pass over documents;
-    in-memory ones counted in place)."""
+    their held-out documents included (counted per shard and cached: no pass over documents)."""
     if cfg.mode != "padded":
         return 0
     limit = cfg.seq_len + 1
     shards = [shard for s in stores for shard in s.store.shards]
-    files = [shard for shard in shards if isinstance(shard, IndexedShard)]
-    return sum(f.longer_than[limit] for f in shard_facts(files, cfg.cache_dir, longer_than=limit)) \
-        + sum(count_longer(shard, limit) for shard in shards if isinstance(shard, ArrayShard))
+    return sum(f.longer_than[limit] for f in shard_facts(shards, cfg.cache_dir, longer_than=limit))
 
 
 def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:

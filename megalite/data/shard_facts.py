@@ -11,7 +11,8 @@ No collective is needed and no rank works while the others wait: every rank walk
 its own offset (RANK of WORLD_SIZE, as torchrun sets them), computes the shards whose facts are
 missing under a per-shard file lock taken without waiting, skips those another rank is
 computing, and at the end waits for those and reads their files. A rank that dies releases its
-locks (locks.py), and the rank waiting then computes the shard itself.
+locks (locks.py), and the rank waiting then computes the shard itself. Documents held in memory
+(data.path=synthetic) have no files to key a cache by: each rank computes their facts.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megalite.data.docs import ArrayShard
 from megalite.data.indexed import bin_path, idx_path
 from megalite.data.locks import lock_if_free, lock_waiting
 from megalite.data.prepare_shards import write_atomic
@@ -58,11 +60,15 @@ def shard_facts(shards: list, cache_dir: str | Path, max_id: bool = False,
     folder.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", "0")), max(int(os.environ.get("WORLD_SIZE", "1")), 1)
     n = len(shards)
-    files = [folder / f"{stat_key([idx_path(s.prefix), bin_path(s.prefix)], f'v{VERSION}')[:32]}.json"
+    files = [None if isinstance(s, ArrayShard) else
+             folder / f"{stat_key([idx_path(s.prefix), bin_path(s.prefix)], f'v{VERSION}')[:32]}.json"
              for s in shards]
     found: dict[int, Facts] = {}
     busy = []
     for i in ((rank * n // world + k) % n for k in range(n)):
+        if files[i] is None:  # in memory: no file to key a cache by; each rank counts its own
+            found[i] = _computed(shards[i], Facts(), max_id, longer_than)
+            continue
         facts = _read(files[i])
         if _holds(facts, max_id, longer_than):
             found[i] = facts
@@ -96,6 +102,15 @@ def count_longer(shard, limit: int) -> int:
     return total
 
 
+def _computed(shard, facts: Facts, max_id: bool, longer_than: int | None) -> Facts:
+    """`facts` with those asked for and missing computed by a pass over the shard."""
+    if max_id and facts.max_id is None:
+        facts.max_id = largest_id(shard)
+    if longer_than is not None and longer_than not in facts.longer_than:
+        facts.longer_than[longer_than] = count_longer(shard, longer_than)
+    return facts
+
+
 def _read(path: Path) -> Facts:
     if not path.is_file():
         return Facts()
@@ -114,10 +129,7 @@ def _complete(shard, path: Path, max_id: bool, longer_than: int | None) -> Facts
     facts = _read(path)
     if _holds(facts, max_id, longer_than):
         return facts
-    if max_id and facts.max_id is None:
-        facts.max_id = largest_id(shard)
-    if longer_than is not None and longer_than not in facts.longer_than:
-        facts.longer_than[longer_than] = count_longer(shard, longer_than)
+    facts = _computed(shard, facts, max_id, longer_than)
     write_atomic(path, json.dumps({"shard": str(bin_path(shard.prefix)), "max_id": facts.max_id,
                                    "longer_than": {str(k): v for k, v in facts.longer_than.items()}}))
     return facts
