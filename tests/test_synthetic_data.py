@@ -8,7 +8,7 @@ from megalite.data.prepare import prepare_data
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 from tests.test_prepare_data import tokenizer
-from tests.test_train import STEPS, common, final_weights, losses, run_train, train_run
+from tests.test_train import assert_same_training, common, run_train, train_run
 
 DOCS = 300
 
@@ -69,16 +69,8 @@ def test_tp2_dp2_on_synthetic_data_trains_like_one_process(tmp_path, cache):
     data = ["data.path=synthetic", f"data.synthetic_documents={DOCS}"]
     train_run(1, common(cache, single, "packed") + data + ["parallel.tp=1", "train.micro_batch_size=8"])
     train_run(4, common(cache, layout, "packed") + data + ["parallel.tp=2", "train.micro_batch_size=2"])
-    a, b = losses(single), losses(layout)
-    assert sorted(a) == list(range(1, STEPS + 1)) and a.keys() == b.keys()
-    for step in a:  # random ids: the loss stays near ln(512); what matters is that it agrees
-        assert abs(a[step] - b[step]) <= 1e-5 * max(1.0, abs(a[step])), (step, a[step], b[step])
-    na, nb = losses(single, "grad_norm"), losses(layout, "grad_norm")
-    assert all(abs(na[s] - nb[s]) <= 1e-5 * max(1.0, na[s]) for s in na), (na, nb)
-    wa, wb = final_weights(single), final_weights(layout)
-    for name in wa:
-        np.testing.assert_allclose(wa[name].numpy(), wb[name].numpy(), atol=1e-5, rtol=1e-5,
-                                   err_msg=name)
+    # Random ids: the loss stays near ln(512); what matters is that it agrees.
+    assert_same_training(single, layout, learns=False)
 
 
 def test_a_given_tokenizer_sets_the_ids_and_eos(tmp_path, cache):

@@ -61,12 +61,13 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return read_whole_state(run_dir / "checkpoints" / f"step_{STEPS:08d}")
 
 
-def assert_same_training(a, b, tol=1e-5):
+def assert_same_training(a, b, tol=1e-5, learns=True):
+    """learns=False: data with nothing to learn (random ids), where only agreement is asked."""
     la, lb = losses(a), losses(b)
     assert sorted(la) == list(range(1, STEPS + 1)) and sorted(lb) == sorted(la)
     for step in la:
         assert abs(la[step] - lb[step]) <= tol * max(1.0, abs(la[step])), (step, la[step], lb[step])
-    assert la[STEPS] < la[1] - 0.1  # it learns
+    assert la[STEPS] < la[1] - 0.1 or not learns
     na, nb = losses(a, "grad_norm"), losses(b, "grad_norm")
     assert min(na.values()) > 0.1  # clipping was active
     for step in na:
