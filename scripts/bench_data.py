@@ -86,7 +86,8 @@ def git_info(snapshot_of: str | None) -> dict:
                 "working_tree_changes_not_measured": changes}
     return {"commit": git("rev-parse", "HEAD"), "measured": "the working tree",
             "uncommitted_changes": changes,
-            "megalite_diff_sha256": hashlib.sha256(git("diff", "HEAD", "--", "megalite").encode()).hexdigest()}
+            "megalite_diff_sha256": hashlib.sha256(
+                git("diff", "HEAD", "--", "megalite").encode()).hexdigest()}
 
 
 def snapshot(commit: str, root: Path) -> tuple[str, Path]:

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
 from bench.proc_counters import status_bytes  # noqa: E402
 from bench.provenance import git_commit, megalite_of  # noqa: E402
+
 RANKS = 4
 MAX_DOC = 32  # document lengths are uniform in 1..MAX_DOC tokens, eos last
 CHUNK = 10_000_000  # documents generated at a time
@@ -212,8 +213,9 @@ def main() -> int:
     args.tree, args.work, args.out = (a.resolve() for a in (args.tree, args.work, args.out))
     args.work.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(args.work / "tokenizer.json")
+    imports = megalite_of(args.tree, {**os.environ, "PYTHONPATH": str(args.tree)})
     base = {"label": args.label, "device": f"CPU ({os.cpu_count()} cores)", "ranks": RANKS,
-            "layout": "TP2 x DP2", "megalite": str(megalite_of(args.tree, {**os.environ, "PYTHONPATH": str(args.tree)})),
+            "layout": "TP2 x DP2", "megalite": str(imports),
             "commit": git_commit(args.tree, ("megalite",))}
     plans = []  # (corpus name, data path, docs, tokens, shards, nofile)
     for docs in map(int, args.sizes):

@@ -11,7 +11,8 @@ The kernels the model calls (the fused head + loss, the KV cache, the MoE groupe
 checked in tests/test_gpu_kernels.py.
 
 Skipped where there is no CUDA device; on a GPU machine: `python -m pytest -o addopts=
-tests/test_gpu.py -q` (one process: no pytest-xdist needed) (`python -m bench gpu-check` runs it with tests/test_gpu_kernels.py and tests/test_gpu_train.py). Each check is a function of the
+tests/test_gpu.py -q` (one process: no pytest-xdist needed); `python -m bench gpu-check` runs it
+with tests/test_gpu_kernels.py and tests/test_gpu_train.py. Each check is a function of the
 device, so its logic can be exercised on a CPU as well (FlexAttention there through
 tests/test_doc_attention.py's flex_on_cpu, the compile with a cheap backend).
 

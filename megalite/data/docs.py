@@ -18,7 +18,8 @@ from megalite.data.indexed import IndexedShard
 
 @dataclass
 class ArrayShard:
-    """Documents held in memory (data.path=synthetic, benchmarks, tests): `offsets[d]` is where document d starts."""
+    """Documents held in memory (data.path=synthetic, benchmarks, tests): `offsets[d]` is where
+    document d starts."""
 
     tokens: np.ndarray
     offsets: np.ndarray
