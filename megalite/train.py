@@ -111,7 +111,13 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     with (CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps,
           StepProfiler(t.profile_steps, run_dir, ps) as profiler):
         def save(step: int) -> None:
-            checkpoint(writer, cfg, run_dir, step, model, engine, ps, data, counted)
+            """Start saving step `step` (written in the background: see CheckpointWriter)."""
+            rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
+            meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(counted.total.item()),
+                    "tokens_per_source": counted.per_source.tolist(),
+                    "data_cache_key": data.meta["cache_key"], "sample_order": SAMPLE_ORDER}
+            writer.save(run_dir, step, model, engine, rng, meta, t.keep_checkpoints,
+                        tokenizer=data.tokenizer)
 
         for step, batches in steps:
             lr = lr_at(step, t)
@@ -263,17 +269,6 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
                      "draws it by shuffle.py's keyed permutation, so the steps from here read "
                      "other samples than that version would have")
     print("\n".join(lines), flush=True)
-
-
-def checkpoint(writer: CheckpointWriter, cfg: Config, run_dir: Path, step: int, model, engine,
-               ps: ParallelState, data: PreparedData, counted: TokenCount) -> None:
-    """Start saving step `step` (the files are written in the background: see CheckpointWriter)."""
-    rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-    meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(counted.total.item()),
-            "tokens_per_source": counted.per_source.tolist(), "data_cache_key": data.meta["cache_key"],
-            "sample_order": SAMPLE_ORDER}
-    writer.save(run_dir, step, model, engine, rng, meta, cfg.train.keep_checkpoints,
-                tokenizer=data.tokenizer)
 
 
 @torch.no_grad()

@@ -26,17 +26,11 @@ class Chunk:
         return range(self.start, self.end)
 
 
-def layer_counts(n_layers: int, stages: int, explicit: tuple[int, ...] | None) -> list[int]:
-    """Layers per virtual stage: `explicit` (parallel.pp_layers), or an even split (the checks
-    refuse layer counts it does not divide)."""
-    if explicit is not None:
-        return list(explicit)
-    return [n_layers // stages] * stages
-
-
 def chunks_of(n_layers: int, pp: int, pp_rank: int, virtual: int = 1,
               explicit: tuple[int, ...] | None = None) -> list[Chunk]:
-    counts = layer_counts(n_layers, pp * virtual, explicit)
+    """This rank's chunks. Layers per virtual stage: `explicit` (parallel.pp_layers), or an even
+    split (the checks refuse layer counts it does not divide)."""
+    counts = list(explicit) if explicit is not None else [n_layers // (pp * virtual)] * (pp * virtual)
     bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
     last = pp * virtual - 1
     return [Chunk(c, s, bounds[s], bounds[s + 1], s == 0, s == last)

@@ -35,6 +35,7 @@ from safetensors.torch import save
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
+from megalite.training.metrics import max_over_ranks
 from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
                                              moment_pieces, read_metadata, save_pieces,
                                              weight_pieces, written_pieces)
@@ -51,12 +52,10 @@ class CheckpointError(RuntimeError):
 def _agree(error: BaseException | None, pstate: ParallelState, what: str) -> None:
     """A barrier that also tells every rank whether any rank failed its part, so that a rank
     whose disk is full does not leave the others waiting for it until the timeout."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=pstate.device)
-    if pstate.world_size > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    failed = max_over_ranks(error is not None, pstate)
     if error is not None:
         raise CheckpointError(f"{what} failed on rank {pstate.rank}: {error}") from error
-    if failed.item():
+    if failed:
         raise CheckpointError(f"{what} failed on another rank; the previous checkpoints are intact")
 
 

@@ -37,8 +37,7 @@ from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
-from megalite.training.grads import (DataParallelGradSync, clip_grad_norm_, replica_rank,
-                                     sum_embedding_copies)
+from megalite.training.grads import DataParallelGradSync, replica_rank
 from megalite.training.mixed_precision import MasterWeights, copy_marks
 from megalite.training.optim import build_optimizer
 
@@ -167,8 +166,8 @@ class DistributedOptimizer(NativeEngine):
         bucket_mb = parallel.dp_bucket_mb * params[0].element_size() / 4
         self.grad_sync = DataParallelGradSync(
             model, pstate, bucket_mb, parallel.dp_reduce_dtype,
-            make_bucket=lambda bucket, group: ShardedBucket(bucket, self.shard,
-                                                            *replica_rank(bucket[0], pstate)))
+            make_bucket=lambda bucket: ShardedBucket(bucket, self.shard,
+                                                     *replica_rank(bucket[0], pstate)))
 
     def held_rows(self, p: nn.Parameter) -> tuple[int, int]:
         return self.rows[id(p)]
@@ -176,14 +175,11 @@ class DistributedOptimizer(NativeEngine):
     def master(self, p: nn.Parameter) -> nn.Parameter:
         return self.shard[id(p)]
 
-    def step(self) -> torch.Tensor:
-        self.grad_sync.wait()
-        # The two copies hold the same rows: summing the rows sums the copies.
-        sum_embedding_copies(self.model, self.master, self.pstate)
-        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate, rows_sharded=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # the reduce-scatters' outputs
-        # Two buckets in flight at most: each gather's buffer holds its bucket's whole parameters.
+    rows_sharded = True
+
+    def update_model(self) -> None:
+        """Every rank's stepped rows, all-gathered into the parameters. Two buckets in flight at
+        most: each gather's buffer holds its bucket's whole parameters."""
         in_flight: list = []
         for bucket, group in zip(self.grad_sync.buckets, self.grad_sync.groups):
             in_flight.append(bucket.gather(group))
@@ -191,7 +187,6 @@ class DistributedOptimizer(NativeEngine):
                 in_flight.pop(0)()
         for finish in in_flight:
             finish()
-        return norm
 
 
 def _held_elements(p: torch.Tensor, rank: int, size: int) -> int:

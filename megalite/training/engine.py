@@ -107,16 +107,25 @@ class NativeEngine(AdamEngine):
         with self.grad_sync.last_micro_batch() if last else nullcontext():
             torch.autograd.backward(loss, grad)
 
+    rows_sharded = False  # the optimizer steps this rank's rows of each parameter
+
     def step(self) -> torch.Tensor:
         self.grad_sync.wait()
+        # The two copies hold the same rows: summing the rows sums the copies.
         sum_embedding_copies(self.model, self.master, self.pstate)
-        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate)
+        norm = clip_grad_norm_(self.trained, self.cfg.grad_clip, self.pstate,
+                               rows_sharded=self.rows_sharded)
         self.optimizer.step()
-        # The masters' gradients are kept fp32 buffers (the DP buckets' slots): zeroed in place.
-        self.optimizer.zero_grad(set_to_none=self.masters is None)
+        # Replicated masters' gradients are kept fp32 buffers (the DP buckets' slots): zeroed in
+        # place; the rows' are the reduce-scatters' outputs.
+        self.optimizer.zero_grad(set_to_none=self.masters is None or self.rows_sharded)
+        self.update_model()
+        return norm
+
+    def update_model(self) -> None:
+        """The stepped weights into the model."""
         if self.masters is not None:
             self.masters.copy_to_model()
-        return norm
 
 
 def autocast_for(device: torch.device, precision: str):

@@ -120,7 +120,7 @@ class DataParallelGradSync:
 
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
                  reduce_dtype: str = "fp32", hooks: bool = True,
-                 make_bucket: Callable[[list, dist.ProcessGroup | None], Bucket] = lambda b, g: Bucket(b)):
+                 make_bucket: Callable[[list], Bucket] = Bucket):
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
         self.buckets: list[Bucket] = []
@@ -132,7 +132,7 @@ class DataParallelGradSync:
                   if p.requires_grad and group_size(replica_group(p, pstate)) > 1]
         for params_of_bucket in bucket_params(params, bucket_mb * MIB):
             self.groups.append(replica_group(params_of_bucket[0], pstate))
-            self.buckets.append(make_bucket(params_of_bucket, self.groups[-1]))
+            self.buckets.append(make_bucket(params_of_bucket))
         for bucket in self.buckets:
             for index, p in enumerate(bucket.params):
                 self.slot_of[id(p)] = (bucket, index)
