@@ -23,6 +23,7 @@ from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.progress import Progress
@@ -31,7 +32,7 @@ from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_chec
                                           read_moments)
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
-from megalite.training.evaluation import all_reduce_dp, all_reduce_loss, loss_sum
+from megalite.training.evaluation import all_reduce_loss, loss_sum
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
@@ -124,8 +125,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]
             # Counted on the device: a tensor made from a host number would wait for it.
-            n_tokens = counted.add(all_reduce_dp(sum(b.target_count_per_source(len(data.train))
-                                                     for b in batches), ps))
+            n_tokens = counted.add(all_reduce_over(sum(b.target_count_per_source(len(data.train))
+                                                       for b in batches), ps.dp_group))
             model.train()
             with profiler.step(step + 1):
                 loss, grad_norm = train_step(engine, batches, n_tokens, autocast,

@@ -17,7 +17,6 @@ parallelism, over TP (each TP rank ran its own tokens).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,7 +26,7 @@ from megalite.model.mlp import MLP, activate, down_init_std
 from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import group_size, sum_grad_over_shards
+from megalite.parallel.mappings import all_reduce_over, sum_grad_over_shards
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
 from megalite.parallel.state import ParallelState
@@ -158,9 +157,7 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:  # a pipeline stage of dense layers only
         return
-    loads = torch.stack([m.step_load for m in layers]).float()
-    if group_size(pstate.dp_group) > 1:
-        dist.all_reduce(loads, group=pstate.dp_group)
+    loads = all_reduce_over(torch.stack([m.step_load for m in layers]).float(), pstate.dp_group)
     for m, load in zip(layers, loads):
         m.router.expert_bias += rate * torch.sign(load.mean() - load)
         m.step_load.zero_()

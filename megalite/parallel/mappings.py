@@ -33,6 +33,15 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def all_reduce_over(x: torch.Tensor, *groups, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """x reduced in place over each group in turn (not autograd: for statistics and norms);
+    groups of one rank, or None, are skipped."""
+    for group in groups:
+        if group_size(group) > 1:
+            dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     # Out of place: autograd may hand the same gradient tensor to several branches (an add
     # passes one tensor to both inputs), so reducing it in place would corrupt the others.

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import group_size, reduce_partial_sums
+from megalite.parallel.mappings import all_reduce_over, group_size, reduce_partial_sums
 from megalite.parallel.sharding import mark_sharded
 from megalite.parallel.state import ParallelState
 
@@ -71,15 +71,15 @@ def softmax_stats_(z: torch.Tensor, labels: torch.Tensor, vocab_start: int, grou
     with three all-reduces of [tokens]-sized tensors (max, target logit, sum of exp). z is
     overwritten with exp(z - max): the caller owns it, and no second logits-sized buffer is made."""
     z_max = z.amax(dim=-1)
-    _all_reduce(z_max, dist.ReduceOp.MAX, group)
+    all_reduce_over(z_max, group, op=dist.ReduceOp.MAX)
     z.sub_(z_max.unsqueeze(-1))
 
     local, mine, ignored = label_columns(labels, vocab_start, z.shape[-1])
     z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-    _all_reduce(z_target, dist.ReduceOp.SUM, group)
+    all_reduce_over(z_target, group)
 
     sum_exp = z.exp_().sum(dim=-1)
-    _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+    all_reduce_over(sum_exp, group)
     loss = (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
     return SoftmaxStats(z_max, sum_exp, loss, local, mine, ignored)
 
@@ -90,8 +90,3 @@ def softmax_grad_(exp: torch.Tensor, stats: SoftmaxStats, grad_loss: torch.Tenso
     exp.div_(stats.sum_exp.unsqueeze(-1))
     exp.scatter_add_(-1, stats.local.unsqueeze(-1), -stats.mine.unsqueeze(-1).to(exp.dtype))
     return exp.mul_(grad_loss.masked_fill(stats.ignored, 0.0).unsqueeze(-1))
-
-
-def _all_reduce(x: torch.Tensor, op, group) -> None:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)

@@ -3,8 +3,8 @@ both sum it here, so either runs at every TP x CP x PP x DP layout that training
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
 
@@ -26,18 +26,8 @@ def loss_sum(model, batches: list, autocast) -> torch.Tensor:
     return total
 
 
-def all_reduce_dp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.dp_size > 1:
-        dist.all_reduce(x, group=ps.dp_group)
-    return x
-
-
 def all_reduce_loss(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """The sum over DP ranks, CP ranks (each holds its share of every row's tokens) and
     pipeline stages: a loss, which only the last stage computes, on every rank (so every rank
     and metrics.jsonl see the real value)."""
-    x = all_reduce_dp(x, ps)
-    for size, group in ((ps.cp_size, ps.cp_group), (ps.pp_size, ps.pp_group)):
-        if size > 1:
-            dist.all_reduce(x, group=group)
-    return x
+    return all_reduce_over(x, ps.dp_group, ps.cp_group, ps.pp_group)

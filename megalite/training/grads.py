@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.mappings import group_size
+from megalite.parallel.mappings import all_reduce_over, group_size
 from megalite.parallel.sharding import expert_shard_of, shard_of
 from megalite.parallel.state import ParallelState
 
@@ -227,22 +227,17 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, pstate: ParallelSta
             weights.append(shard.count / pstate.tp_size)
     split_squares = _sum_of_squares(split, weights, pstate.device)
     replicated_squares = _sum_of_squares(replicated, [1.0] * len(replicated), pstate.device)
-    if rows_sharded and group_size(pstate.grad_group) > 1:
+    if rows_sharded:
         both = torch.stack([split_squares, replicated_squares])
-        dist.all_reduce(both, group=pstate.grad_group)
-        split_squares, replicated_squares = both.unbind()
-    if group_size(pstate.tp_group) > 1:
-        dist.all_reduce(split_squares, group=pstate.tp_group)
+        split_squares, replicated_squares = all_reduce_over(both, pstate.grad_group).unbind()
+    all_reduce_over(split_squares, pstate.tp_group)
     total = split_squares + replicated_squares
     if pstate.ep_size > 1:
         expert_squares = _sum_of_squares(experts, [1.0] * len(experts), pstate.device)
-        for group in ((pstate.expert_grad_group,) if rows_sharded else ()) + (pstate.ep_group,):
-            if group_size(group) > 1:
-                dist.all_reduce(expert_squares, group=group)
+        all_reduce_over(expert_squares, *((pstate.expert_grad_group,) if rows_sharded else ()),
+                        pstate.ep_group)
         total = total + expert_squares
-    if group_size(pstate.pp_group) > 1:
-        dist.all_reduce(total, group=pstate.pp_group)
-    norm = total.sqrt()
+    norm = all_reduce_over(total, pstate.pp_group).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(split + replicated + experts + copies, scale)

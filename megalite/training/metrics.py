@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
-from megalite.parallel.mappings import group_size
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.state import ParallelState
 
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
@@ -142,8 +142,6 @@ def moe_metrics(model, pstate: ParallelState, steps: int) -> dict:
     for tensor, groups in ((load, [pstate.dp_group, pstate.pp_group]),
                            (parts, [pstate.grad_group, pstate.pp_group,
                                     pstate.tp_group if pstate.sequence_parallel else None])):
-        for group in groups:
-            if group_size(group) > 1:
-                dist.all_reduce(tensor, group=group)
+        all_reduce_over(tensor, *groups)
     return {"moe_aux_loss": parts[0].item() / steps, "moe_dropped": int(parts[1].item()),
             "moe_load": load.tolist()}
