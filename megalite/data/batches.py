@@ -154,18 +154,14 @@ SAMPLE_ORDER = 2  # 2: shuffle.py's keyed permutation
 
 
 class BatchOrder:
-    """Which samples form the global batch of each step, and which rows each DP rank reads.
-
-    Global sample position p goes to a source by `blend.assign` (exact proportions, a pure
-    function of p), as that source's q-th sample: place q % n of its epoch q // n, which reads
-    the source's samples in the permutation keyed by (seed, epoch, source).
-    """
+    """Which samples form the global batch of each step, and which rows each DP rank reads."""
 
     def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int):
         self.sizes, self.weights, self.global_batch, self.seed = sizes, weights, global_batch, seed
 
     def picks(self, positions: np.ndarray) -> np.ndarray:
-        """(source, sample) for each global sample position."""
+        """(source, sample) for each global sample position (a source's q-th is place q % n of
+        its epoch q // n)."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
         n = np.asarray(self.sizes, dtype=np.int64)[source]
         sample = permute(q % n, n, key_of(self.seed, q // n, source))

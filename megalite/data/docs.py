@@ -151,9 +151,7 @@ HELD_OUT_RUNS = 1024
 
 
 def held_out(store: TokenStore, fraction: float) -> tuple["DocSet", "DocSet"]:
-    """(train, val): round(fraction x documents) of them for validation (at least one when the
-    fraction is positive and there are two or more), spread evenly over the document numbers
-    as `held_out_ranges` places them."""
+    """(train, val): the documents `held_out_ranges` holds out for validation, and the rest."""
     n = store.n_docs
     first, end = held_out_ranges(n, fraction)
     train = DocSet(store, np.concatenate([[0], end]), np.concatenate([first, [n]]))

@@ -90,6 +90,16 @@ class ShardWriter:
         self._tmp_bin.unlink(missing_ok=True)
 
 
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """`data` written under a temporary name, fsynced, then renamed `path`: a reader (or a
+    killed run, or a lost machine) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+        _close_synced(f)
+    os.replace(tmp, path)
+
+
 def _close_synced(f) -> None:
     f.flush()
     os.fsync(f.fileno())
@@ -122,8 +132,7 @@ class IndexedShard:
     tokens[starts(d) : starts(d + 1)], possibly empty (Megatron keeps empty documents).
 
     Made from the .idx header and the files' sizes alone (checked here, once), holding no file
-    open: a corpus of thousands of shards costs no descriptor until read. Its maps are opened on
-    the first read and kept among the last OPEN_SHARDS shards read (`_LRU`)."""
+    open: a corpus of thousands of shards costs no descriptor until read (`_LRU` bounds those open)."""
 
     def __init__(self, prefix: Path):
         self.prefix = Path(prefix)
@@ -178,10 +187,9 @@ class IndexedShard:
 
 
 class _Maps:
-    """A shard's .idx and .bin mapped. Lookups go through the index in place, sequence pointers
-    and document index alike, so opening a shard reads nothing that grows with its documents
-    (one sequence per document, as megalite and Megatron without sentence splitting write, is
-    the document index 0, 1, 2, ...; sentence-split data is read by the same two searches)."""
+    """A shard's .idx and .bin mapped, both index arrays searched in place (the module's note).
+    One sequence per document (megalite's, and Megatron's without sentence splitting) makes the
+    document index 0, 1, 2, ...; sentence-split data is read by the same two searches."""
 
     def __init__(self, shard: IndexedShard):
         self._maps = [_map(idx_path(shard.prefix), 34 + 12 * shard.n_seq + 8 * (shard.n_docs + 1))]

@@ -90,12 +90,9 @@ def prepare_data(cfg: DataConfig, in_run: bool = True) -> PreparedData:
     total = sum(w for w, _ in entries)
     train, val = [], []
     for (weight, path), s in zip(entries, stores):
-        if val_store is None:
-            docs, held = held_out(s.store, cfg.val_fraction)
-            val += [Source(path, weight / total, held)] if len(held) else []
-        else:
-            docs = DocSet.whole(s.store)
+        docs, held = held_out(s.store, cfg.val_fraction if val_store is None else 0)
         train.append(Source(path, weight / total, docs))
+        val += [Source(path, weight / total, held)] if len(held) else []
     if val_store is not None:
         val = [Source(cfg.val_path, 1.0, DocSet.whole(val_store.store))]
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]

@@ -29,7 +29,8 @@ from typing import Iterator
 
 import numpy as np
 
-from megalite.data.indexed import ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype
+from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype,
+                                   write_atomic)
 from megalite.data.locks import lock_waiting
 from megalite.data.shard_records import whole_shards
 from megalite.data.sources import COUNT_KEYS, RawChunk, Counts, check_readable, documents, read_chunks
@@ -106,15 +107,6 @@ def digest(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> TokenizerInfo:
@@ -226,10 +218,6 @@ class _Shard:
         self.counts.add(counts)
         self.file_counts, self.read = Counts(), 0
 
-    @property
-    def bytes(self) -> int:
-        return self.tokens * self.dtype.itemsize
-
     def finish(self) -> dict:
         """Writes the shard, then its marker; returns the marker's record (each file's counts
         kept where the shard holds several)."""
@@ -271,7 +259,7 @@ def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: 
             current = _Shard(out / names[at], at, dtype, made_with)
         if chunk is None:
             current.end_file(files[at], work)
-            if at in last or current.bytes >= settings.shard_size_gb * 1e9:
+            if at in last or current.tokens * dtype.itemsize >= settings.shard_size_gb * 1e9:
                 written[current.first] = current.finish()
                 current = None
             return

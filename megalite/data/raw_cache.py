@@ -38,7 +38,9 @@ def prepared_in_cache(files: list[Path], cfg: DataConfig, given: TokenizerInfo |
                                text_key=cfg.text_key, strict=cfg.strict,
                                bpe_vocab_size=cfg.bpe_vocab_size, bpe_sample_mb=cfg.bpe_sample_mb,
                                progress=False)
-    key = _cache_key(files, settings, given)
+    tokenizer = "bpe" if given is None else given.digest
+    key = stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
+                          f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
     root = Path(cfg.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
@@ -67,12 +69,6 @@ def prepared_in_cache(files: list[Path], cfg: DataConfig, given: TokenizerInfo |
                                   f"at least one non-empty document")
             partial.rename(target)
     return target, key
-
-
-def _cache_key(files: list[Path], settings: PrepareSettings, given: TokenizerInfo | None) -> str:
-    tokenizer = "bpe" if given is None else given.digest
-    return stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
-                           f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
 
 
 def _prepare_command(path: str, settings: PrepareSettings, out: Path) -> str:

@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from megalite.data.docs import ArrayShard
-from megalite.data.indexed import bin_path, idx_path
+from megalite.data.indexed import bin_path, idx_path, write_atomic
 from megalite.data.locks import lock_if_free, lock_waiting
-from megalite.data.prepare_shards import write_atomic
 
 VERSION = 1
 SCAN_TOKENS = 64 << 20  # tokens per max(): bounded memory on a shard of any size

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.indexed import bin_path, idx_path
+from megalite.data.indexed import bin_path, is_indexed
 
 
 def whole_shards(out: Path, files: list[Path], names: list[str],
@@ -57,7 +57,6 @@ def _shard_done(out: Path, name: str, files: list[Path], first: int, made_with: 
         if (source["source"], source["bytes"], source["mtime_ns"]) != (str(f), stat.st_size, stat.st_mtime_ns):
             return None
     prefix = out / name
-    whole = not record["documents"] or (idx_path(prefix).is_file() and bin_path(prefix).is_file() and
-                                         bin_path(prefix).stat().st_size ==
+    whole = not record["documents"] or (is_indexed(prefix) and bin_path(prefix).stat().st_size ==
                                          record["tokens"] * np.dtype(record["dtype"]).itemsize)
     return record if whole else None

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from megalite.data.indexed import write_atomic
 from megalite.typed_config import ConfigError
 
 SPECIAL = ("<|eos|>", "<|bos|>", "<|pad|>")
@@ -136,7 +135,8 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
     found = {key: [n for n in known if n in added] for key, known in KNOWN.items()}
     names = {}
     for key in KNOWN:
-        name = _name(declared.get(key))
+        name = declared.get(key)  # a name, or a dict with a "content" key
+        name = name.get("content") if isinstance(name, dict) else name
         if name is not None and tokenizer.token_to_id(name) is None:
             given = "the eos token given" if key == "eos_token" and eos_token else f"its {key}"
             raise ConfigError(f"tokenizer '{path}': {given} '{name}' is not in its vocabulary: "
@@ -148,8 +148,9 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
         if name is not None:
             names[key] = name
     file_hash = hashlib.sha256(text).hexdigest()
-    # Its eos is the one its tokenizer.json alone gives (the first known name it holds).
-    plain = found["eos_token"][:1] == [names["eos_token"]] and not _template(tokenizer)
+    # Its eos is the one its tokenizer.json alone gives (the first known name it holds), and
+    # its post-processor adds no ids around a text.
+    plain = found["eos_token"][:1] == [names["eos_token"]] and not tokenizer.encode("").ids
     digest = file_hash if plain else \
         hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
     return TokenizerInfo(tokenizer, file, names, source_files, digest)
@@ -163,22 +164,8 @@ def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
               **info.source_files.get("tokenizer_config.json", {}), **info.names}
     special_map = {**info.source_files.get("special_tokens_map.json", {}), **info.names}
     for name, content in zip(FILES, (config, special_map, None)):
-        tmp = directory / f".{name}.tmp"  # a reader never sees half a file
-        if content is None:
-            shutil.copyfile(info.file, tmp)
-        else:
-            tmp.write_text(json.dumps(content, indent=1))
-        os.replace(tmp, directory / name)
-
-
-def _name(value) -> str | None:
-    """A special token as the files declare it: its name, or a dict with a "content" key."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def _template(tokenizer: Tokenizer) -> list[int]:
-    """The ids the post-processor adds around a text."""
-    return tokenizer.encode("").ids
+        write_atomic(directory / name, info.file.read_bytes() if content is None else
+                     json.dumps(content, indent=1))
 
 
 def _no_eos(path: Path, found: list[str]) -> str:
