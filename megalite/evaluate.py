@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     parser = command_parser("megalite eval", __doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
     parser.add_argument("--text", required=True, help="a UTF-8 text file")
-    add_layout_arguments(parser, cp=True, ep=True)
+    add_layout_arguments(parser, cp=True)
     parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
     args = parser.parse_args(argv)
     parallel = layout_of(args)

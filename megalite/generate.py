@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
     parser.add_argument("--prompt", action="append", required=True,
                         help="a prompt; repeat for a batch of several")
-    add_layout_arguments(parser, ep=True)
+    add_layout_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (the most likely token each time); above 0: sampling")

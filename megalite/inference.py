@@ -20,7 +20,7 @@ from megalite.parallel.state import init_parallel
 from megalite.training.checkpoint import load_checkpoint
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser, cp: bool = False, ep: bool = False) -> None:
+def add_layout_arguments(parser: argparse.ArgumentParser, cp: bool = False) -> None:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks (under torchrun; DP over the others)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
@@ -30,15 +30,14 @@ def add_layout_arguments(parser: argparse.ArgumentParser, cp: bool = False, ep: 
     if cp:
         parser.add_argument("--cp", type=int, default=1,
                             help="context-parallel ranks: each window split over them")
-    if ep:
-        parser.add_argument("--ep", type=int, default=1,
-                            help="expert-parallel ranks (a mixture of experts): each MoE layer's "
-                                 "experts split over them, out of the DP x CP ranks")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks (a mixture of experts): each MoE layer's "
+                             "experts split over them, out of the DP x CP ranks")
 
 
 def layout_of(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(tp=args.tp, pp=args.pp, pp_layers=args.pp_layers, cp=getattr(args, "cp", 1),
-                          ep=getattr(args, "ep", 1))
+                          ep=args.ep)
 
 
 @contextmanager

@@ -24,7 +24,10 @@ def from_dict(cls: type, data: Any, where: str = ""):
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            raise ConfigError(_unknown_key(f"{where}{key}", key, fields, where))
+            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            hint = f"; did you mean '{where}{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{where}{key}'{hint} "
+                              f"(valid keys: {', '.join(sorted(fields))})")
     return cls(**{key: coerce(hints[key], value, f"{where}{key}") for key, value in data.items()})
 
 
@@ -82,9 +85,3 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
-
-
-def _unknown_key(full_key: str, key: str, valid: set[str], where: str) -> str:
-    close = difflib.get_close_matches(key, sorted(valid), n=1)
-    hint = f"; did you mean '{where}{close[0]}'?" if close else ""
-    return f"unknown config key '{full_key}'{hint} (valid keys: {', '.join(sorted(valid))})"

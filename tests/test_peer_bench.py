@@ -60,6 +60,7 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
 
     from bench.peer import hf_inputs, rows_of
     from megalite.config import load_model_config
+    from megalite.hf import layout
     from megalite.hf.convert import exportable_as
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
@@ -71,8 +72,8 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
     _, arch = exportable_as(cfg)
     hf = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**arch.config_to_hf(cfg, {})), attn_implementation="sdpa")
-    hf.load_state_dict(arch.weights_to_hf({n: p.detach() for n, p in model.named_parameters()}, cfg),
-                       strict=False)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    hf.load_state_dict(layout.weights_to_hf(arch.recipe(cfg), weights), strict=False)
     rows = rows_of(cfg, 48, 3, "packed", torch.device("cpu"))
     assert rows.doc_ids is not None and len(rows.doc_ids[0].unique()) > 2
     ours = model(rows.input_ids, doc_ids=rows.doc_ids, labels=rows.labels)

@@ -26,7 +26,7 @@ from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
 from megalite.hf import gpt2, llama, mixtral, qwen2_moe
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
-from megalite.hf.stream import HFFiles, SafetensorsWriter, nbytes
+from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
 
 ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MixtralForCausalLM": mixtral,
@@ -53,8 +53,8 @@ def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
     raise ConfigError("; ".join(errors))
 
 
-def _architecture(hf_dir: Path) -> tuple[dict, object]:
-    """(config.json, architecture module) of a Hugging Face directory megalite can read."""
+def _architecture(hf_dir: Path) -> tuple[ModelConfig, object]:
+    """(megalite config, architecture module) of a Hugging Face directory megalite can read."""
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
     hf_cfg = json.loads((hf_dir / "config.json").read_text())
@@ -63,7 +63,7 @@ def _architecture(hf_dir: Path) -> tuple[dict, object]:
     if arch is None:
         raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
                           f"imports {', '.join(ARCHITECTURES)}")
-    return hf_cfg, arch
+    return arch.config_from_hf(hf_cfg), arch
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -113,7 +113,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     stored = CheckpointTensors(ckpt)
     plan = HFPlan(arch.recipe(cfg), stored.shape)
     shapes = plan.shapes()
-    sizes = {k: nbytes(shape, dtype) for k, shape in shapes.items()}
+    sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in shapes.items()}
     shards = shard_names(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -144,9 +144,8 @@ def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
     directory, read lazily from its files: a whole tensor or a TP slice of one reads only its
     parts of the files."""
     hf_dir = Path(hf_dir)
-    hf_cfg, arch = _architecture(hf_dir)
-    cfg = arch.config_from_hf(hf_cfg)
-    with HFFiles(hf_dir, arch.canonical) as files:
+    cfg, arch = _architecture(hf_dir)
+    with HFFiles(hf_dir, getattr(arch, "canonical", lambda name: name)) as files:
         yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
 
 
@@ -184,8 +183,7 @@ def pretrained_config(path: Path) -> ModelConfig:
     path = Path(path)
     if (path / "meta.json").is_file():
         return checkpoint_model_config(path)
-    hf_cfg, arch = _architecture(path)
-    return arch.config_from_hf(hf_cfg)
+    return _architecture(path)[0]
 
 
 def load_pretrained(path: Path, model, pstate) -> None:

@@ -5,10 +5,7 @@ and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head
 """
 from __future__ import annotations
 
-import torch
-
 from megalite.config import ModelConfig
-from megalite.hf import layout
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
@@ -92,7 +89,3 @@ def canonical(stored: str) -> str:
     """A tensor's name in the recipe, given its name in a file: OpenAI's original GPT-2 files
     name them without the "transformer." that transformers' GPT2LMHeadModel writes."""
     return stored if stored.startswith(("transformer.", "lm_head.")) else "transformer." + stored
-
-
-def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return layout.weights_to_hf(recipe(cfg), w)

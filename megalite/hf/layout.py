@@ -18,7 +18,7 @@ Face tensors from whole megalite tensors. Both follow the same recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -233,11 +233,6 @@ class HFPlan:
                                  f"{self.extents[name][1]} rows")
         return out
 
-    def tensors(self, megalite: Callable[[str], torch.Tensor],
-                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.sources:
-            yield name, self.make(name, megalite, dtype)
-
 
 class LastRead:
     """A whole megalite tensor by name, keeping only the last one read: `HFPlan.make` asks for
@@ -253,8 +248,7 @@ class LastRead:
         return self.tensor
 
 
-def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor],
-                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors from whole megalite tensors in memory."""
+def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (fp32) from whole megalite tensors in memory."""
     plan = HFPlan(recipe, lambda name: w[name].shape)
-    return dict(plan.tensors(w.__getitem__, dtype))
+    return {name: plan.make(name, w.__getitem__, torch.float32) for name in plan.sources}

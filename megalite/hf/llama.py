@@ -5,10 +5,7 @@ embedding uses the rotate-half convention, as megalite does, so Q and K need no 
 """
 from __future__ import annotations
 
-import torch
-
 from megalite.config import ModelConfig
-from megalite.hf import layout
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
@@ -119,12 +116,3 @@ def recipe(cfg: ModelConfig) -> Recipe:
     if not cfg.tie_embeddings:
         out["head.weight"] = padded("lm_head.weight", cfg.vocab_size, cfg.padded_vocab)
     return out
-
-
-def canonical(stored: str) -> str:
-    """A tensor's name in the recipe, given its name in a file."""
-    return stored
-
-
-def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return layout.weights_to_hf(recipe(cfg), w)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from megalite.config import ModelConfig
-from megalite.hf import layout, llama
+from megalite.hf import llama
 from megalite.hf.layout import Recipe, Rows, stacked, whole
 from megalite.typed_config import ConfigError
 
@@ -64,11 +62,3 @@ def recipe(cfg: ModelConfig) -> Recipe:
             out[m + "experts." + ours] = stacked([f"{l}experts.{e}.{theirs}.weight"
                                                   for e in range(experts)])
     return out
-
-
-def canonical(stored: str) -> str:
-    return stored
-
-
-def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return layout.weights_to_hf(recipe(cfg), w)

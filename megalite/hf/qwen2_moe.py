@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from megalite.config import ModelConfig
-from megalite.hf import layout, llama
+from megalite.hf import llama
 from megalite.hf.layout import Recipe, Rows, kv_interleaved, stacked, whole
 from megalite.typed_config import ConfigError
 
@@ -85,11 +83,3 @@ def recipe(cfg: ModelConfig) -> Recipe:
                     m + "router.expert_bias": (Rows(None, 0, experts),),
                     m + "shared_gate": whole(l + "shared_expert_gate.weight", 1)})
     return out
-
-
-def canonical(stored: str) -> str:
-    return stored
-
-
-def weights_to_hf(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    return layout.weights_to_hf(recipe(cfg), w)

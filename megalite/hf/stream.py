@@ -9,6 +9,7 @@ tensor is made: a file of any size is written holding one tensor at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from contextlib import ExitStack
@@ -24,13 +25,6 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def nbytes(shape, dtype: torch.dtype) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * dtype.itemsize
-
-
 class SafetensorsWriter:
     """`SafetensorsWriter(path, {name: (shape, dtype)}, metadata)`, then `write(name, tensor)`
     for each, in that order, then `close()` (or use it as a context manager)."""
@@ -39,7 +33,7 @@ class SafetensorsWriter:
                  metadata: dict[str, str] | None = None):
         header, offset = {}, 0
         for name, (shape, dtype) in specs.items():
-            size = nbytes(shape, dtype)
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size
