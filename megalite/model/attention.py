@@ -20,7 +20,6 @@ mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/
 """
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
@@ -31,6 +30,7 @@ from megalite.config import ModelConfig
 from megalite.model.doc_attention import FLEX_MIN_HEAD_DIM, block_mask_as_dense, flex
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
+from megalite.model.mlp import down_init_std
 from megalite.model.positions import apply_rotary
 from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
@@ -61,9 +61,8 @@ class Attention(nn.Module):
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim, pstate,
                                             bias=qkv_bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
-        # GPT-2's scaled init of projections into the residual stream: 1/sqrt(2 * layers).
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.hidden, pstate,
-                                          bias=cfg.bias, init_std=std / math.sqrt(2 * cfg.n_layers))
+                                          bias=cfg.bias, init_std=down_init_std(cfg))
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None,

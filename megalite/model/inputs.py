@@ -85,11 +85,15 @@ class RankSplit:
                        start: int, index: torch.Tensor | None, sp: bool) -> HiddenTokens:
         """The tokens of this rank's hidden states, from the whole rows: its CP share (`index`),
         or the rows padded to SP's shards; then its SP shard."""
-        real, key = _token_facts(input_ids, attention_mask, start)
+        (batch, seq), device = input_ids.shape, input_ids.device
+        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask[:, start:].bool())
+        key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
+               + torch.arange(start, start + seq, device=device))
         if index is not None:
             real, key = real[:, index], key[:, index]
         elif sp:
-            extra = -input_ids.shape[1] % self.pstate.tp_size
+            extra = -seq % self.pstate.tp_size
             real, key = F.pad(real, (0, extra), value=False), F.pad(key, (0, extra), value=-1)
         if sp:
             real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
@@ -120,18 +124,6 @@ class RankSplit:
             raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
                              f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
                              f"use a length that is a multiple of {chunks}")
-
-
-def _token_facts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """HiddenTokens' real and key for whole rows (tokens start.. of a cached sequence)."""
-    batch, seq = input_ids.shape
-    device = input_ids.device
-    real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-            else attention_mask[:, start:].bool())
-    key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
-           + torch.arange(start, start + seq, device=device))
-    return real, key
 
 
 def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

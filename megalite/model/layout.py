@@ -41,14 +41,9 @@ def _padded_layout(real: torch.Tensor, start: int) -> SequenceLayout:
     """Tokens start.. of rows padded anywhere (real: [batch, start + n]): positions count from
     each row's first real token."""
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-    return SequenceLayout(positions, _visible(real, start).unsqueeze(1))
-
-
-def _visible(real: torch.Tensor, start: int) -> torch.Tensor:
-    """[batch, n, start + n]: _sees for queries start .. start + n."""
     keys = torch.arange(real.shape[1], device=real.device)
     rows = torch.arange(real.shape[0], device=real.device).view(-1, 1, 1)
-    return _sees(real, rows, keys[start:].unsqueeze(-1), keys)
+    return SequenceLayout(positions, _sees(real, rows, keys[start:].unsqueeze(-1), keys).unsqueeze(1))
 
 
 def _sees(real: torch.Tensor, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.mappings import all_gather, group_size, sum_grad_over_shards
+from megalite.parallel.mappings import all_gather, all_reduce_over, group_size, sum_grad_over_shards
 from megalite.parallel.state import ParallelState
 
 
@@ -50,7 +50,7 @@ class Router(nn.Module):
         # each step (update_expert_bias), not by gradients. A parameter so that checkpoints
         # hold it like every weight.
         self.expert_bias = set_init(nn.Parameter(torch.zeros(cfg.n_experts, device=pstate.device),
-                                                 requires_grad=False), Init(fill=0.0))
+                                                 requires_grad=False), Init())
 
     def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor, sp: bool,
                 loss_scale: torch.Tensor | float | None) -> Routing:
@@ -67,9 +67,7 @@ class Router(nn.Module):
         if cfg.moe_renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
-        totals = torch.cat([chosen.sum(0), real.sum().view(1)])
-        if group_size(group) > 1:
-            dist.all_reduce(totals, group=group)
+        totals = all_reduce_over(torch.cat([chosen.sum(0), real.sum().view(1)]), group)
         load, n_tokens = totals[:-1], max(int(totals[-1]), 1)
         kept = real.unsqueeze(1).expand_as(experts)
         if cfg.moe_capacity_factor is not None:

@@ -126,15 +126,12 @@ class _HeadTokenLosses(torch.autograd.Function):
             xc = x[rows].to(ctx.dtype)
             z = shard.logits(xc, w)
             z.sub_(z_max[rows].unsqueeze(-1)).exp_()
-            stats = _stats_for_backward(z_max[rows], sum_exp[rows], labels[rows], shard, z.shape[-1])
+            # What softmax_grad_ reads, from the saved max and sum of exp: no collective.
+            stats = SoftmaxStats(z_max[rows], sum_exp[rows], None,
+                                 *label_columns(labels[rows], shard.vocab_start, z.shape[-1]))
             _add_chunk_grads(softmax_grad_(z, stats, grad_loss[rows]), xc, w, grad_x[rows], grad_w)
             del z
         return grad_x, grad_w.to(weight.dtype), None, None
-
-
-def _stats_for_backward(z_max, sum_exp, labels, shard: HeadShard, columns: int) -> SoftmaxStats:
-    """The statistics softmax_grad_ reads, from the saved max and sum of exp: no collective."""
-    return SoftmaxStats(z_max, sum_exp, None, *label_columns(labels, shard.vocab_start, columns))
 
 
 def head_loss_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -50,10 +50,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return x.chunk(group_size(group), dim=dim)[dist.get_rank(group)].contiguous()
-
-
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's `x` along `dim` (no autograd)."""
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
@@ -99,7 +95,7 @@ def primitive(name: str, forward, backward):
 
 
 def _split_last(x, group):
-    return _split(x, -1, group)
+    return x.chunk(group_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 
 
 def _gather_last(x, group):

@@ -44,8 +44,8 @@ class PipeComm:
         for send in sends:
             send.tensor = send.tensor.contiguous()
         buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
+        pg = self.process_group
         if self.batched:
-            pg = self.process_group
             ops = [dist.P2POp(dist.isend, s.tensor, s.peer, pg, tag=s.tag) for s in sends] + \
                   [dist.P2POp(dist.irecv, b, r.peer, pg, tag=r.tag) for b, r in zip(buffers, recvs)]
             # NCCL runs the exchange as one group, and torch returns one work for all of it:
@@ -53,7 +53,6 @@ class PipeComm:
             group = Together(dist.batch_isend_irecv(ops) if ops else [])
             self.sends += [(group, s.tensor) for s in sends]
             return [Received(b, group, pg) for b in buffers]
-        pg = self.process_group
         self.sends += [(dist.isend(s.tensor, s.peer, group=pg, tag=s.tag), s.tensor) for s in sends]
         return [Received(b, dist.irecv(b, r.peer, group=pg, tag=r.tag), pg)
                 for b, r in zip(buffers, recvs)]

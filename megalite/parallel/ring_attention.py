@@ -43,7 +43,7 @@ class Ring:
         return received
 
 
-def _block(ring: Ring, step: int, seq: int, local: int) -> tuple[int, slice, slice]:
+def _block(ring: Ring, step: int, local: int) -> tuple[int, slice, slice]:
     """(source rank, local query slice, key slice of the block) computed at ring step `step`."""
     src = (ring.rank - step) % ring.cp
     half = local // 2
@@ -62,7 +62,7 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _block_scores(ring: Ring, step: int, seq: int, q, kv, mask, scale):
     """What ring step `step` computes: its query slice, its key slice, the block's K and V
     there in fp32, and the [b, h, nq, nk] fp32 scores, -inf where masked."""
-    src, qs, ks = _block(ring, step, seq, q.shape[2])
+    src, qs, ks = _block(ring, step, q.shape[2])
     cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
     bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
     scores = q[:, :, qs].float() @ _per_query_head(bk, q.shape[1]).transpose(-1, -2) * scale

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class Shard:
     dim: int

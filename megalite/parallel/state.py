@@ -116,13 +116,7 @@ class ParallelState:
         pp_rank, dp_rank = rank // (tp * cp) % pp, rank // (tp * cp * pp)
 
         def groups(members: list[list[int]]):
-            """Create one group per list; return the one holding this rank."""
-            mine = None
-            for ranks in members:
-                group = dist.new_group(ranks, timeout=timeout)
-                if rank in ranks:
-                    mine = group
-            return mine
+            return _new_groups(members, rank, timeout)
 
         def at(d: int, s: int, c: int, t: int) -> int:
             return ((d * pp + s) * cp + c) * tp + t
@@ -180,13 +174,20 @@ class ParallelState:
         if size == self.tp_size:
             return self.tp_group
         if size not in self._blocks:
-            mine = None
-            for first in range(0, self.world_size, size):
-                group = dist.new_group(list(range(first, first + size)), timeout=self.timeout)
-                if first <= self.rank < first + size:
-                    mine = group
-            self._blocks[size] = mine
+            self._blocks[size] = _new_groups([list(range(first, first + size))
+                                              for first in range(0, self.world_size, size)],
+                                             self.rank, self.timeout)
         return self._blocks[size]
+
+
+def _new_groups(members: list[list[int]], rank: int, timeout: timedelta):
+    """Create one group per list, in order (every rank must); return the one holding `rank`."""
+    mine = None
+    for ranks in members:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def init_parallel(parallel: ParallelConfig) -> ParallelState:
