@@ -121,12 +121,12 @@ def pipeline_fields(cfg: Config, ps: ParallelState) -> dict:
     """The schedule, and its bubble as Narayanan et al. 2021 count it: the idle fraction of an
     ideal step, (p - 1) / (v m) with m micro-batches per DP rank (v = 1 but interleaved); a
     formula, not a measurement."""
-    p, t = cfg.parallel, cfg.train
+    parallel, t = cfg.parallel, cfg.train
     m = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-    if p.pp == 1:
+    if parallel.pp == 1:
         return {"pp_schedule": None, "virtual_stages": None, "pipeline_bubble": None}
-    return {"pp_schedule": p.pp_schedule, "virtual_stages": p.virtual_stages,
-            "pipeline_bubble": (p.pp - 1) / (p.virtual_stages * m)}
+    return {"pp_schedule": parallel.pp_schedule, "virtual_stages": parallel.virtual_stages,
+            "pipeline_bubble": (parallel.pp - 1) / (parallel.virtual_stages * m)}
 
 
 def measured_bubble(log: CommLog, instrumented_s: float, ps: ParallelState) -> dict:
