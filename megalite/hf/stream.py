@@ -14,6 +14,7 @@ import os
 import struct
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -87,7 +88,7 @@ class HFFiles:
     exit or `release()`; `read` takes a rectangle through safetensors' `get_slice`, a view of
     the mapping, so only the pages it covers are read, when it is copied. A `layout.Source`."""
 
-    def __init__(self, hf_dir: Path, canonical=lambda name: name):
+    def __init__(self, hf_dir: Path, canonical: Callable[[str], str]):
         self.dir = Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
         self._stack = ExitStack()
