@@ -175,7 +175,7 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 def expert_parameter_count(cfg: ModelConfig) -> int:
     """Every routed expert's weights, all MoE layers."""
-    per_expert = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden * cfg.expert_ffn
+    per_expert = (3 if cfg.gated else 2) * cfg.hidden * cfg.expert_ffn
     return sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.n_experts * per_expert
 
 
@@ -206,7 +206,7 @@ def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:
     if c == 1:
         return 0.0
     # This TP rank's K/V heads (a copy of one when kv_heads < tp) of the whole sequence.
-    kv = layout.micro_batch * 2 * max(1, m.kv_heads // layout.tp) * layout.seq_len * m.head_dim
+    kv = layout.micro_batch * 2 * max(1, m.kv_heads // layout.tp) * layout.seq_len * m.head_size
     passes = 2 if layout.activation_recompute else 1
     if layout.cp_comm == "all_gather":  # all-gather forward, reduce-scatter backward
         return (passes + 1) * (c - 1) / c * kv * ACTIVATION_BYTES

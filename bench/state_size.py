@@ -23,8 +23,8 @@ GB = 1e9
 
 def layer_params(cfg: ModelConfig) -> int:
     """One transformer block: attention (q, the fused k/v, out), the MLP, two norms."""
-    h, kv = cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim
-    mlp_mats = 3 if cfg.activation == "swiglu" else 2
+    h, kv = cfg.hidden, 2 * cfg.kv_heads * cfg.head_size
+    mlp_mats = 3 if cfg.gated else 2
     weights = 2 * h * h + kv * h + mlp_mats * h * cfg.ffn
     norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
     biases = (h + kv + h + cfg.ffn + h) if cfg.bias else 0

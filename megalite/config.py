@@ -17,6 +17,9 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: instal
 class ModelConfig:
     """Enough knobs to express GPT-2 and Llama exactly."""
 
+    # The Hugging Face architecture export writes (import sets it; hf/convert.ARCHITECTURES);
+    # None: the first that holds the config
+    architecture: Optional[str] = None
     vocab_size: int = 50257  # tokens in the vocabulary (the trainer sets it from the tokenizer)
     # Pad the vocabulary to a multiple that does not depend on the TP size, so that changing TP
     # never changes the model (the bug of Megatron-LM #1754, which pads to 128 * tp).
@@ -26,13 +29,27 @@ class ModelConfig:
     hidden: int = 768  # width of the residual stream
     n_heads: int = 12  # attention (query) heads
     n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
+    head_dim: Optional[int] = None  # width of a head; None: hidden / n_heads (Qwen3: free of it)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3, Gemma 3)
+    # Softmax scale of the attention scores, as query_pre_attn_scalar ** -0.5 (Gemma 3); None:
+    # head_dim ** -0.5
+    query_pre_attn_scalar: Optional[float] = None
+    # Sliding-window attention (Mistral, Gemma 3): a query sees itself and the sliding_window - 1
+    # tokens before it. None: the whole context. Every layer slides when sliding_window_pattern
+    # is 1; with N > 1, layers i with (i + 1) % N == 0 attend to the whole context (Gemma 3: 6).
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: int = 1
     ffn_hidden: Optional[int] = None  # None: 4 * hidden
-    # MLP: GeLU (exact or tanh) or SwiGLU (Llama)
-    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu_tanh"
+    # MLP: GeLU (exact or tanh), SwiGLU (Llama) or GeGLU with tanh GeLU (Gemma)
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "geglu_tanh"] = "gelu_tanh"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm (GPT-2) or RMSNorm (Llama)
     norm_eps: float = 1e-5  # the norms' epsilon
+    norm_weight_offset: float = 0.0  # norms scale by offset + weight (Gemma: 1, weights from 0)
     position: Literal["learned", "rotary"] = "learned"  # a learned table (GPT-2) or rotary (Llama)
     rope_theta: float = 10000.0  # rotary base frequency
+    # The sliding-window layers' rotary base (Gemma 3: 10000 against the global layers' 1e6),
+    # unscaled; None: rope_theta and its scaling, as every other layer
+    rope_local_theta: Optional[float] = None
     # Rotary frequencies stretched for contexts longer than pretraining's: none, linear (every
     # frequency / rope_factor) or llama3 (Llama 3.1+: long wavelengths / rope_factor, short ones
     # kept, a smooth blend between; model/positions.py)
@@ -47,6 +64,9 @@ class ModelConfig:
     # llama3: the context length the model was pretrained at (Llama 3.1: 8192)
     rope_original_max_seq_len: int = 8192
     bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
+    # Norms also on the attention's and the MLP's outputs, before the residual adds (Gemma 2/3)
+    post_norms: bool = False
+    scale_embeddings: bool = False  # the embeddings times sqrt(hidden) (Gemma)
     qkv_bias: bool = False  # biases on the q, k and v projections even without `bias` (Qwen2)
     tie_embeddings: bool = True  # the LM head is the embedding matrix
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
@@ -57,6 +77,7 @@ class ModelConfig:
     moe_top_k: int = 2  # experts per token
     moe_ffn_hidden: Optional[int] = None  # each expert's hidden width (None: ffn_hidden)
     moe_every: int = 1  # every moe_every-th layer is a mixture of experts, the others dense
+    moe_dense_layers: tuple[int, ...] = ()  # layers kept dense whatever moe_every says (Qwen3-MoE)
     # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
     moe_router: Literal["softmax", "sigmoid"] = "softmax"
     moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
@@ -79,8 +100,20 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+    def head_size(self) -> int:
+        return self.hidden // self.n_heads if self.head_dim is None else self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None where it attends to the whole context."""
+        pattern = self.sliding_window_pattern
+        if self.sliding_window is None or (pattern > 1 and (layer + 1) % pattern == 0):
+            return None
+        return self.sliding_window
+
+    @property
+    def gated(self) -> bool:
+        """The MLP multiplies a gate projection's activation by an up projection."""
+        return self.activation in ("swiglu", "geglu_tanh")
 
     @property
     def ffn(self) -> int:
@@ -96,7 +129,8 @@ class ModelConfig:
         return self.n_shared_experts * self.expert_ffn if self.n_experts else 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+        return (self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+                and layer not in self.moe_dense_layers)
 
     @property
     def padded_vocab(self) -> int:

@@ -74,7 +74,25 @@ def _model_value_problems(model: ModelConfig) -> list[str]:
         (model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be > 0"),
     ]
     return (problems + [message for ok, message in checks if not ok] + _rope_scaling_problems(model)
-            + _moe_problems(model))
+            + _attention_problems(model) + _moe_problems(model))
+
+
+def _attention_problems(model: ModelConfig) -> list[str]:
+    window, pattern = model.sliding_window, model.sliding_window_pattern
+    local, scalar = model.rope_local_theta, model.query_pre_attn_scalar
+    checks = [
+        (model.head_dim is None or model.head_dim >= 1,
+         f"model.head_dim={model.head_dim} must be >= 1 (or null: hidden / n_heads)"),
+        (window is None or window >= 1,
+         f"model.sliding_window={window} must be >= 1 (or null: the whole context)"),
+        (pattern >= 1, f"model.sliding_window_pattern={pattern} must be >= 1"),
+        (scalar is None or scalar > 0, f"model.query_pre_attn_scalar={scalar} must be > 0"),
+        (local is None or local > 0, f"model.rope_local_theta={local} must be > 0"),
+        (local is None or (window is not None and model.position == "rotary"),
+         f"model.rope_local_theta={local} is the sliding-window layers' rotary base: it needs "
+         f"model.position=rotary and model.sliding_window"),
+    ]
+    return [message for ok, message in checks if not ok]
 
 
 def _moe_problems(model: ModelConfig) -> list[str]:
@@ -91,6 +109,9 @@ def _moe_problems(model: ModelConfig) -> list[str]:
         (1 <= model.moe_top_k <= model.n_experts, f"model.moe_top_k={model.moe_top_k} must be "
                                                   f"in [1, model.n_experts={model.n_experts}]"),
         (model.moe_every >= 1, f"model.moe_every={model.moe_every} must be >= 1"),
+        (all(0 <= i < model.n_layers for i in model.moe_dense_layers),
+         f"model.moe_dense_layers={list(model.moe_dense_layers)} must name layers in "
+         f"[0, model.n_layers={model.n_layers})"),
         (model.expert_ffn >= 1, f"model.moe_ffn_hidden={model.moe_ffn_hidden} must be >= 1"),
         (model.n_shared_experts >= 0, f"model.n_shared_experts={model.n_shared_experts} must be >= 0"),
         (not model.moe_shared_gate or model.n_shared_experts > 0,
@@ -148,15 +169,15 @@ def _rope_scaling_problems(model: ModelConfig) -> list[str]:
 
 def _model_split_problems(model: ModelConfig) -> list[str]:
     checks = [
-        (model.hidden % model.n_heads == 0,
+        (model.head_dim is not None or model.hidden % model.n_heads == 0,
          f"model.hidden={model.hidden} is not divisible by model.n_heads={model.n_heads}: "
-         f"choose n_heads among {_divisors(model.hidden)}"),
+         f"choose n_heads among {_divisors(model.hidden)}, or set model.head_dim"),
         (model.n_heads % model.kv_heads == 0,
          f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}: "
          f"choose n_kv_heads among {_divisors(model.n_heads)}"),
-        (model.position != "rotary" or model.head_dim % 2 == 0,
-         f"rotary positions need an even head dim, got hidden/n_heads={model.head_dim}: "
-         f"change model.hidden or model.n_heads"),
+        (model.position != "rotary" or model.head_size % 2 == 0,
+         f"rotary positions need an even head dim, got {model.head_size}: change "
+         f"model.head_dim (or model.hidden or model.n_heads)"),
     ]
     return [message for ok, message in checks if not ok]
 

@@ -15,7 +15,7 @@ def reference_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """[seq, vocab_size] logits of the single sequence ids [1, seq]."""
     cfg = model.cfg
     w = {name: p.detach() for name, p in model.named_parameters()}
-    seq, heads, kv_heads, d = ids.shape[1], cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    seq, heads, kv_heads, d = ids.shape[1], cfg.n_heads, cfg.kv_heads, cfg.head_size
 
     def linear(x, name):
         y = x @ w[f"{name}.weight"].T

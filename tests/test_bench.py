@@ -152,7 +152,7 @@ def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
     its own block's, home."""
     m = cfg.model
     b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
-    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_dim
+    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_size
     if point["cp_comm"] == "all_gather":
         return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
     return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)}

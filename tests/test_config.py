@@ -21,7 +21,7 @@ def test_presets_load_and_are_valid(preset):
 
 def test_llama_1b_preset_has_the_expected_shape():
     cfg = load_model_config("llama-1b")
-    assert (cfg.kv_heads, cfg.head_dim, cfg.padded_vocab) == (8, 64, 128256)
+    assert (cfg.kv_heads, cfg.head_size, cfg.padded_vocab) == (8, 64, 128256)
     check_layout(cfg, ParallelConfig(tp=8), 16)
 
 
@@ -65,7 +65,7 @@ def test_missing_preset_lists_the_available_ones():
 @pytest.mark.parametrize("changes,tp,world,message", [
     (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
     (dict(n_kv_heads=3), 1, 1, r"model\.n_heads=8 is not divisible by model\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
-    (dict(hidden=40, n_heads=8, position="rotary"), 1, 1, r"rotary positions need an even head dim, got hidden/n_heads=5"),
+    (dict(hidden=40, n_heads=8, position="rotary"), 1, 1, r"rotary positions need an even head dim, got 5"),
     ({}, 2, 3, r"^invalid config: parallel\.tp=2 must divide the world size 3: use parallel\.tp among \[1\] or launch a multiple of 2 processes$"),
     ({}, 16, 16, r"^invalid config: parallel\.tp=16 must divide the model's heads \(8\): use parallel\.tp among \[1, 2, 4, 8\]$"),
     (dict(n_kv_heads=2), 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads

@@ -1,1 +1,1 @@
-"""Hugging Face interop: GPT2LMHeadModel and LlamaForCausalLM, both directions."""
+"""Hugging Face interop, both directions: one recipe per architecture (convert.ARCHITECTURES)."""

@@ -24,13 +24,18 @@ import torch
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
-from megalite.hf import gpt2, llama, mixtral, qwen2_moe
+from megalite.hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
 
-ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MixtralForCausalLM": mixtral,
-                 "Qwen2MoeForCausalLM": qwen2_moe}
+# Every architecture megalite reads and writes, by its Hugging Face class: each module holds its
+# recipe (check_exportable, config_to_hf, config_from_hf, recipe). An export without
+# model.architecture takes the first that holds the config.
+ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MistralForCausalLM": mistral,
+                 "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
+                 "MixtralForCausalLM": mixtral, "Qwen2MoeForCausalLM": qwen2_moe,
+                 "Qwen3MoeForCausalLM": qwen3_moe}
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
@@ -43,6 +48,12 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
 
 
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
+    if cfg.architecture is not None:
+        if cfg.architecture not in ARCHITECTURES:
+            raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
+                              f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
+        ARCHITECTURES[cfg.architecture].check_exportable(cfg)
+        return cfg.architecture, ARCHITECTURES[cfg.architecture]
     errors = []
     for name, arch in ARCHITECTURES.items():
         try:
@@ -59,11 +70,12 @@ def _architecture(hf_dir: Path) -> tuple[ModelConfig, object]:
         raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
     hf_cfg = json.loads((hf_dir / "config.json").read_text())
     names = hf_cfg.get("architectures") or []
-    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-    if arch is None:
+    name = next((n for n in names if n in ARCHITECTURES), None)
+    if name is None:
         raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
                           f"imports {', '.join(ARCHITECTURES)}")
-    return arch.config_from_hf(hf_cfg), arch
+    arch = ARCHITECTURES[name]
+    return dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name), arch
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -223,7 +235,7 @@ def main_export(argv: list[str]) -> int:
 
 def main_import(argv: list[str]) -> int:
     parser = command_parser("megalite import", "Make a megalite checkpoint (step 0, no optimizer "
-                                               "state) of a Hugging Face GPT-2 or Llama directory.")
+                                               "state) of a Hugging Face model directory.")
     parser.add_argument("--from-hf", required=True, dest="hf_dir",
                         help="a Hugging Face model directory: config.json, safetensors, tokenizer.json")
     parser.add_argument("--to", required=True, dest="ckpt", help="the checkpoint directory to write")

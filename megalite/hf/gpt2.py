@@ -6,6 +6,7 @@ and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head
 from __future__ import annotations
 
 from megalite.config import ModelConfig
+from megalite.hf.expressible import check_expressible
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
@@ -13,14 +14,13 @@ ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    wanted = {"position": "learned", "norm": "layernorm", "bias": True, "tie_embeddings": True,
-              "kv_heads": cfg.n_heads, "n_experts": 0}
-    wrong = [f"model.{k}={getattr(cfg, k)!r} (GPT-2 needs {v!r})" for k, v in wanted.items()
-             if getattr(cfg, k) != v]
+    problems = [] if cfg.kv_heads == cfg.n_heads else [
+        f"model.n_kv_heads={cfg.n_kv_heads!r} (GPT-2 needs {cfg.n_heads!r}: no GQA)"]
     if cfg.activation not in ACTIVATIONS:
-        wrong.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
-    if wrong:
-        raise ConfigError("not exportable as GPT2LMHeadModel: " + "; ".join(wrong))
+        problems.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
+    check_expressible(cfg, "GPT2LMHeadModel", {"position": "learned", "norm": "layernorm",
+                                               "bias": True, "tie_embeddings": True},
+                      frozenset({"activation", "n_kv_heads"}), problems)
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -66,7 +66,7 @@ LAYER = {"attn_norm.weight": ("ln_1.weight", False, "h"), "attn_norm.bias": ("ln
 def recipe(cfg: ModelConfig) -> Recipe:
     """Each megalite tensor as rows of GPT-2's (see layout.py); c_attn's output columns are
     [q | k | v], each head-major."""
-    h, d, kv = cfg.hidden, cfg.head_dim, cfg.kv_heads
+    h, d, kv = cfg.hidden, cfg.head_size, cfg.kv_heads
     rows = {"h": h, "ffn": cfg.ffn}
     t = "transformer."
     out = {"embed.weight": padded(t + "wte.weight", cfg.vocab_size, cfg.padded_vocab),

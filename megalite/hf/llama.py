@@ -5,49 +5,86 @@ embedding uses the rotate-half convention, as megalite does, so Q and K need no 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megalite.config import ModelConfig
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
+NAME = "LlamaForCausalLM"
+
 
 def check_exportable(cfg: ModelConfig) -> None:
-    wanted = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
-              "qkv_bias": False, "n_experts": 0}
-    wrong = [f"model.{k}={getattr(cfg, k)!r} (Llama needs {v!r})" for k, v in wanted.items()
-             if getattr(cfg, k) != v]
-    if wrong:
-        raise ConfigError("not exportable as LlamaForCausalLM: " + "; ".join(wrong))
+    check_expressible(cfg, NAME, LLAMA_NEEDS, DECODER)
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    return {"architectures": [NAME], "model_type": "llama",
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_eps, **rope_to_hf(cfg),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    rope, problems = rope_from_hf(hf)
+    return decoder_from_hf(hf, "Llama")
+
+
+def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, Mistral, Qwen2/3 and their
+    mixtures of experts), with the family's own `fields`; a ConfigError naming what megalite
+    cannot compute, `problems` first."""
+    rope, problems = rope_from_hf(hf, list(problems))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}")
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
-        problems.append(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
     if problems:
-        raise ConfigError("unsupported Llama checkpoint: " + "; ".join(problems))
-    return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                       n_layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
-                       n_heads=hf["num_attention_heads"],
-                       n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                       ffn_hidden=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
-                       norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", **rope,
-                       bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       init_std=hf.get("initializer_range", 0.02))
+        raise ConfigError(f"unsupported {family} checkpoint: " + "; ".join(problems))
+    cfg = ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
+                      n_layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
+                      n_heads=hf["num_attention_heads"],
+                      n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                      ffn_hidden=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
+                      norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", **rope,
+                      bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                      init_std=hf.get("initializer_range", 0.02))
+    if hf.get("head_dim") not in (None, cfg.head_size):
+        fields = {"head_dim": hf["head_dim"], **fields}
+    return dataclasses.replace(cfg, **fields)
+
+
+def sliding_from_hf(hf: dict) -> tuple[dict, list[str]]:
+    """(ModelConfig's sliding_window and sliding_window_pattern, what megalite cannot compute)
+    of a config.json: `layer_types` where given (Qwen2/3, Gemma 3), else sliding_window on every
+    layer (Mistral, Mixtral) unless use_sliding_window says no (Qwen2/3 without layer_types)."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if window is None or hf.get("use_sliding_window") is False:
+        return {}, []
+    if types is None:
+        return {"sliding_window": int(window)}, []
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return {}, []
+    pattern = 1 if all(sliding) else next((n for n in range(2, len(types) + 1)
+                                           if not sliding[n - 1]), 1)
+    if sliding != [pattern == 1 or (i + 1) % pattern != 0 for i in range(len(types))]:
+        return {}, [f"layer_types {types} (megalite's full-attention layers are every "
+                    f"sliding_window_pattern-th, the others sliding)"]
+    return {"sliding_window": int(window), "sliding_window_pattern": pattern}, []
+
+
+def sliding_to_hf(cfg: ModelConfig) -> dict:
+    """config.json's sliding-window keys, `layer_types` included."""
+    types = ["full_attention" if cfg.window_of(i) is None else "sliding_attention"
+             for i in range(cfg.n_layers)]
+    return {"sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None,
+            "max_window_layers": 0, "layer_types": types}
 
 
 # Hugging Face's rope_type -> model.rope_scaling
@@ -60,16 +97,19 @@ ROPE_KEYS = {"none": {},
                         "rope_original_max_seq_len": "original_max_position_embeddings"}}
 
 
-def rope_from_hf(hf: dict) -> tuple[dict, list[str]]:
-    """(ModelConfig's rope_* keys, what megalite cannot compute) of a config.json: transformers
-    5's rope_parameters (rope_theta inside) or the older rope_scaling beside rope_theta."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+def rope_from_hf(hf: dict, problems: list[str] | None = None,
+                 rope: dict | None = None) -> tuple[dict, list[str]]:
+    """(ModelConfig's rope_* keys, what megalite cannot compute, after `problems`) of a
+    config.json: transformers 5's rope_parameters (rope_theta inside) or the older rope_scaling
+    beside rope_theta; or of `rope`, one layer type's rope_parameters (Gemma 3)."""
+    problems = [] if problems is None else problems
+    if rope is None:
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if rope_type not in SCALINGS:
         supported = ", ".join(repr(t) for t in SCALINGS)
-        return out, [f"rope scaling {rope_type!r} (megalite computes rope_type {supported})"]
-    problems = []
+        return out, problems + [f"rope scaling {rope_type!r} (megalite computes rope_type {supported})"]
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         problems.append(f"partial_rotary_factor {partial} (megalite rotates the whole head)")
@@ -100,18 +140,28 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "se
          "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    """Each megalite tensor as rows of Llama's (see layout.py)."""
-    h, d = cfg.hidden, cfg.head_dim
-    rows = {"attn_norm.weight": h, "attn.q_proj.weight": cfg.n_heads * d, "attn.out_proj.weight": h,
-            "mlp_norm.weight": h, "mlp.gate.weight": cfg.ffn, "mlp.up.weight": cfg.ffn,
-            "mlp.down.weight": h}
+def recipe(cfg: ModelConfig, layer_names: dict[str, str] = LAYER) -> Recipe:
+    """Each megalite tensor as rows of Llama's (see layout.py), and of the families that share
+    its names: q, k and v biases (Qwen2), q and k norms (Qwen3, Gemma 3). layer_names: a
+    block's tensors but for q/k/v (Gemma 3 names four norms)."""
+    h, d = cfg.hidden, cfg.head_size
+    rows = {"attn.q_proj.weight": cfg.n_heads * d, "mlp.gate.weight": cfg.ffn,
+            "mlp.up.weight": cfg.ffn}
     out = {"embed.weight": padded("model.embed_tokens.weight", cfg.vocab_size, cfg.padded_vocab)}
     for i in range(cfg.n_layers):
         m, l = f"blocks.{i}.", f"model.layers.{i}."
-        out.update({m + ours: whole(l + theirs, rows[ours]) for ours, theirs in LAYER.items()})
-        out[m + "attn.kv_proj.weight"] = kv_interleaved(l + "self_attn.k_proj.weight",
-                                                        l + "self_attn.v_proj.weight", cfg.kv_heads, d)
+        a = l + "self_attn."
+        out.update({m + ours: whole(l + theirs, rows.get(ours, h))
+                    for ours, theirs in layer_names.items()})
+        out[m + "attn.kv_proj.weight"] = kv_interleaved(a + "k_proj.weight", a + "v_proj.weight",
+                                                        cfg.kv_heads, d)
+        if cfg.qkv_bias:
+            out[m + "attn.q_proj.bias"] = whole(a + "q_proj.bias", cfg.n_heads * d)
+            out[m + "attn.kv_proj.bias"] = kv_interleaved(a + "k_proj.bias", a + "v_proj.bias",
+                                                          cfg.kv_heads, d)
+        if cfg.qk_norm:
+            out[m + "attn.q_norm.weight"] = whole(a + "q_norm.weight", d)
+            out[m + "attn.k_norm.weight"] = whole(a + "k_norm.weight", d)
     out["norm.weight"] = whole("model.norm.weight", h)
     if not cfg.tie_embeddings:
         out["head.weight"] = padded("lm_head.weight", cfg.vocab_size, cfg.padded_vocab)

@@ -15,6 +15,12 @@ Context parallel (parallel/context.py), each rank holds a zig-zag share of the r
 their K/V are gathered whole over the CP group for its queries (reduce-scattered backward), or
 pass around the CP ring (parallel.cp_comm=p2p, parallel/ring_attention.py).
 
+Per architecture: q/k norms (an RMSNorm over each head's width, before rotary: Qwen3, Gemma 3),
+whose replicated weights sum their gradients over TP (each rank normalises its own heads); a
+softmax scale of query_pre_attn_scalar ** -0.5 (Gemma 3); a sliding window (Mistral, Gemma 3),
+the layout's mask narrowed to the last `window` keys of each query (SequenceLayout.windowed), in
+training, CP, packed rows and decoding alike; the window layers' own rotary base (Gemma 3).
+
 Kernels: SDPA, causal with no mask where that is exact (flash on GPU) or with the layout's dense
 mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/doc_attention.py).
 """
@@ -31,6 +37,7 @@ from megalite.model.doc_attention import FLEX_MIN_HEAD_DIM, block_mask_as_dense,
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
+from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary
 from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
@@ -44,7 +51,12 @@ class Attention(nn.Module):
         super().__init__()
         tp = pstate.tp_size
         self.layer = layer
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_size
+        self.window = cfg.window_of(layer)
+        self.rope = "local" if self.window is not None and cfg.rope_local_theta is not None else "global"
+        # None: SDPA's head_dim ** -0.5
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.split_heads = tp > 1  # per-head weights (q/k norms) see only this rank's heads
         self.heads = cfg.n_heads // tp
         self.kv_heads = max(1, cfg.kv_heads // tp)
         self.dropout = cfg.dropout
@@ -54,18 +66,20 @@ class Attention(nn.Module):
         self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
         std = cfg.init_std
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_dim, pstate,
+        self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
                                            bias=qkv_bias, init_std=std)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
-        self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim, pstate,
+        self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
                                             bias=qkv_bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
-        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.hidden, pstate,
+        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
                                           bias=cfg.bias, init_std=down_init_std(cfg))
+        self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
+        self.k_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
         q, kv = column_parallel_linears(x, self.tp_group, sequence_parallel,
                                         self.q_proj.weight_and_bias(), self.kv_proj.weight_and_bias())
@@ -73,12 +87,16 @@ class Attention(nn.Module):
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         kv = kv.view(batch, seq, self.kv_heads, 2, self.head_dim)
         k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
+        if self.window is not None:
+            layout = layout.windowed(self.window)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
         if self.ring is not None:
-            y = ring_attention(q, k, v, layout.mask, self.ring)
+            y = ring_attention(q, k, v, layout.mask, self.ring, self.scale)
         else:
             if self.cp_group is not None:
                 # Context parallel: this rank's queries see the whole row's keys and values.
@@ -93,7 +111,7 @@ class Attention(nn.Module):
         gqa = self.kv_heads != self.heads
         dropout = self.dropout if self.training else 0.0
         if layout.block_mask is not None and dropout == 0 and self.head_dim >= FLEX_MIN_HEAD_DIM:
-            return flex(q, k, v, layout.block_mask, gqa)
+            return flex(q, k, v, layout.block_mask, gqa, self.scale)
         # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
         # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
         # without attention dropout, on heads of 64 or more).
@@ -104,4 +122,5 @@ class Attention(nn.Module):
         # generator, so that ranks do not drop the same pattern in different heads.
         with self.rng.fork() if dropout > 0 else nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  dropout_p=dropout, enable_gqa=gqa)
+                                                  dropout_p=dropout, enable_gqa=gqa,
+                                                  scale=self.scale)

@@ -65,5 +65,5 @@ def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-         enable_gqa: bool) -> torch.Tensor:
-    return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+         enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
+    return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=enable_gqa, scale=scale)

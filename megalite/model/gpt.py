@@ -102,8 +102,10 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = Norm(cfg, pstate)
         self.attn = Attention(cfg, pstate, rng, layer)
+        self.attn_post_norm = Norm(cfg, pstate) if cfg.post_norms else None
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
+        self.mlp_post_norm = Norm(cfg, pstate) if cfg.post_norms else None
         self.rng = rng
         self.dropout = cfg.dropout
 
@@ -113,11 +115,15 @@ class Block(nn.Module):
         a training forward's (an MoE layer's balancing losses are scaled by it)."""
         sp = inputs.sp
         h = self.attn(self.attn_norm(x, sp), inputs.layout, rotary, cache, sp)
+        if self.attn_post_norm is not None:
+            h = self.attn_post_norm(h, sp)
         # Residual dropout: the same mask on every TP rank for the replicated stream, its own
         # mask on each rank's shard (rng.dropout).
         x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
         h = self.mlp_norm(x, sp)
         h = self.mlp(h, inputs.tokens, sp, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h, sp)
+        if self.mlp_post_norm is not None:
+            h = self.mlp_post_norm(h, sp)
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
 
 
@@ -220,6 +226,8 @@ class GPT(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)
+        if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
+            x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
             positions = layout.positions
             if sp:

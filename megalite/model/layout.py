@@ -8,7 +8,7 @@ Left-padded rows, prompts and KV-cache decoding keep the dense mask: generation,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -21,6 +21,50 @@ class SequenceLayout:
     positions: torch.Tensor  # [batch, seq] position of each token within its sequence/document
     mask: torch.Tensor | None
     block_mask: BlockMask | None = None  # instead of mask: packed documents on GPU
+    # [seq] each query's index among the keys (a CP share, tokens after a KV cache's); None:
+    # the queries are the keys, 0 .. seq - 1
+    queries: torch.Tensor | None = None
+    _windows: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def windowed(self, window: int) -> "SequenceLayout":
+        """This layout for a sliding-window layer: a query also sees only the keys less than
+        `window` places before it in the row (transformers' sliding_window_overlay; within a
+        document or between real tokens, places and positions differ alike). Built once per
+        forward and window, shared by the layers; the layout itself where nothing falls out."""
+        if window in self._windows:
+            return self._windows[window]
+        seq, device = self.positions.shape[1], self.positions.device
+        queries = torch.arange(seq, device=device) if self.queries is None else self.queries
+        if self.mask is not None:
+            keys = self.mask.shape[-1]
+        elif self.block_mask is not None:
+            keys = self.block_mask.seq_lengths[1]
+        else:
+            keys = int(queries[-1]) + 1 if seq else 0
+        if window >= keys:
+            self._windows[window] = self
+            return self
+        if self.mask is not None:
+            near = queries.view(-1, 1) - torch.arange(keys, device=device) < window
+            layout = SequenceLayout(self.positions, self.mask & near, queries=self.queries)
+        else:
+            if self.block_mask is not None:
+                rule, batch = self.block_mask.mask_mod, self.block_mask.kv_num_blocks.shape[0]
+            else:
+                def rule(b, h, q, k):
+                    return k <= queries[q]
+                batch = 1  # the same for every row: broadcast
+
+            def near_rule(b, h, q, k):
+                return rule(b, h, q, k) & (queries[q] - k < window)
+            if uses_flex(device):
+                layout = SequenceLayout(self.positions, None,
+                                        block_mask(near_rule, batch, seq, device, keys), self.queries)
+            else:
+                layout = SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
+                                        queries=self.queries)
+        self._windows[window] = layout
+        return layout
 
 
 def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -33,7 +77,7 @@ def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         # Causal within the new tokens is what SDPA's is_causal does only when nothing is cached.
         if start and seq > 1:
             raise ValueError("several new tokens after a cached prefix need an attention_mask")
-        return SequenceLayout(index.expand(batch, seq), None)
+        return SequenceLayout(index.expand(batch, seq), None, queries=index)
     return _padded_layout(attention_mask.bool(), start)
 
 
@@ -43,7 +87,8 @@ def _padded_layout(real: torch.Tensor, start: int) -> SequenceLayout:
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
     keys = torch.arange(real.shape[1], device=real.device)
     rows = torch.arange(real.shape[0], device=real.device).view(-1, 1, 1)
-    return SequenceLayout(positions, _sees(real, rows, keys[start:].unsqueeze(-1), keys).unsqueeze(1))
+    return SequenceLayout(positions, _sees(real, rows, keys[start:].unsqueeze(-1), keys).unsqueeze(1),
+                          queries=keys[start:])
 
 
 def _sees(real: torch.Tensor, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -95,7 +140,7 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
     (ring attention cuts its blocks' masks from them), built once here for every layer."""
     positions, device = layout.positions[:, index], index.device
     if layout.mask is not None:
-        return SequenceLayout(positions, layout.mask[:, :, index])
+        return SequenceLayout(positions, layout.mask[:, :, index], queries=index)
 
     if layout.block_mask is not None:
         rule: MaskMod = layout.block_mask.mask_mod
@@ -106,5 +151,5 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
         def rows(b, h, q, k):
             return k <= index[q]
     if uses_flex(device) and not dense:
-        return SequenceLayout(positions, None, block_mask(rows, batch, len(index), device, seq))
-    return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq))
+        return SequenceLayout(positions, None, block_mask(rows, batch, len(index), device, seq), index)
+    return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq), queries=index)

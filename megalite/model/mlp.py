@@ -3,7 +3,7 @@
 The activation is element-wise, so it runs on each rank's columns with no communication: one
 all-reduce forward (g, in B) and one backward (the shared f on the input); sequence parallel,
 the SP paper's g and g-bar in their place. SwiGLU (Llama) computes silu(X A_gate) * (X A_up),
-both column-parallel with the same split.
+both column-parallel with the same split (GeGLU, Gemma: tanh GeLU in place of silu).
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from megalite.parallel.state import ParallelState
 
 
 def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """The MLP's element-wise middle (gate: SwiGLU's second projection)."""
+    """The MLP's element-wise middle (gate: SwiGLU's and GeGLU's second projection)."""
     if activation == "swiglu":
         return F.silu(gate) * up
+    if activation == "geglu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     return F.gelu(up, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
@@ -41,7 +43,7 @@ class MLP(nn.Module):
         def column() -> ColumnParallelLinear:
             return ColumnParallelLinear(cfg.hidden, ffn, pstate, bias=cfg.bias, init_std=cfg.init_std)
 
-        self.gate = column() if cfg.activation == "swiglu" else None
+        self.gate = column() if cfg.gated else None
         self.up = column()
         self.down = RowParallelLinear(ffn, cfg.hidden, pstate, bias=cfg.bias,
                                       init_std=down_init_std(cfg))

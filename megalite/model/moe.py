@@ -46,7 +46,7 @@ class Experts(nn.Module):
             return set_init(p, Init(std=std))
 
         ffn, hidden = cfg.expert_ffn, cfg.hidden
-        self.gate = stacked(ffn, hidden, cfg.init_std) if cfg.activation == "swiglu" else None
+        self.gate = stacked(ffn, hidden, cfg.init_std) if cfg.gated else None
         self.up = stacked(ffn, hidden, cfg.init_std)
         self.down = stacked(hidden, ffn, down_init_std(cfg))
 

@@ -1,4 +1,5 @@
-"""LayerNorm (GPT-2) or RMSNorm (Llama), replicated on every TP rank.
+"""LayerNorm (GPT-2) or RMSNorm (Llama), replicated on every TP rank. Gemma's RMSNorm scales by
+(1 + weight), its weight starting at zero: model.norm_weight_offset=1.
 
 Sequence parallel, each rank normalises its own shard of the tokens (a norm is per token) and
 the weight's gradient is summed over TP (sum_grad_over_shards)."""
@@ -15,18 +16,24 @@ from megalite.parallel.state import ParallelState
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, width: int | None = None):
+        """width: what is normalised (default hidden; a head's width for q/k norms)."""
         super().__init__()
-        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.kind, self.eps, self.offset = cfg.norm, cfg.norm_eps, cfg.norm_weight_offset
         self.tp_group = pstate.tp_group
-        self.weight = set_init(nn.Parameter(torch.empty(cfg.hidden, device=pstate.device)),
-                               Init(fill=1.0))
+        width = cfg.hidden if width is None else width
+        self.weight = set_init(nn.Parameter(torch.empty(width, device=pstate.device)),
+                               Init(fill=1.0 - self.offset))
         self.bias = None
         if cfg.norm == "layernorm" and cfg.bias:
-            self.bias = set_init(nn.Parameter(torch.empty(cfg.hidden, device=pstate.device)), Init())
+            self.bias = set_init(nn.Parameter(torch.empty(width, device=pstate.device)), Init())
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """sequence_parallel: x is this rank's part of what the weight applies to (a sequence
+        shard, or its heads), so the weight's gradient is summed over TP."""
         weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
+        if self.offset:
+            weight = weight + self.offset
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         bias = None if self.bias is None else sum_grad_over_shards(self.bias, self.tp_group,

@@ -30,25 +30,38 @@ class LearnedPositions(nn.Module):
 class Rotary(nn.Module):
     """Rotary embeddings (Su et al. 2021) in the rotate-half layout that Hugging Face Llama uses.
     The angles are a function of the position alone, so every rank (a TP, CP or pipeline rank, a
-    KV-cache step) takes its tokens' angles from its positions."""
+    KV-cache step) takes its tokens' angles from its positions. With model.rope_local_theta the
+    sliding-window layers turn at a base of their own (Gemma 3)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(cfg, device), persistent=False)
+        local = cfg.rope_local_theta
+        self.register_buffer("local_inv_freq", None if local is None else
+                             inverse_frequencies(cfg, device, local), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [batch, 1, seq, head_dim], broadcast over heads."""
-        angles = positions.unsqueeze(-1).float() * self.inv_freq
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        return angles.cos(), angles.sin()
+    def forward(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin of shape [batch, 1, seq, head_dim], broadcast over heads: "global" for
+        every layer, "local" for sliding-window layers where they have a base of their own."""
+        return {kind: _angles(positions, inv_freq) for kind, inv_freq in
+                (("global", self.inv_freq), ("local", self.local_inv_freq)) if inv_freq is not None}
 
 
-def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None) -> torch.Tensor:
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions.unsqueeze(-1).float() * inv_freq
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+    return angles.cos(), angles.sin()
+
+
+def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
+                        local_theta: float | None = None) -> torch.Tensor:
     """The angle per position of each pair of head dimensions: theta^(-2i/head_dim), scaled by
-    cfg.rope_scaling."""
-    d = cfg.head_dim
+    cfg.rope_scaling; at base local_theta, if given, unscaled (Gemma 3's local layers)."""
+    d = cfg.head_size
     exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
-    inv_freq = 1.0 / cfg.rope_theta ** exponents
+    inv_freq = 1.0 / (local_theta or cfg.rope_theta) ** exponents
+    if local_theta is not None:
+        return inv_freq
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_scaling == "llama3":

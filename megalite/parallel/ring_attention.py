@@ -77,8 +77,7 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, ring: Ring, seq: int):
-        scale = 1 / math.sqrt(q.shape[-1])
+    def forward(ctx, q, k, v, mask, ring: Ring, seq: int, scale: float):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.cat((k, v), dim=1)
@@ -96,14 +95,14 @@ class RingAttention(torch.autograd.Function):
                 kv = incoming.wait()
         ring.comm.finish()
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.ring, ctx.seq = ring, seq
+        ctx.ring, ctx.seq, ctx.scale = ring, seq, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         ring, seq = ctx.ring, ctx.seq
-        scale, heads, kv_heads = 1 / math.sqrt(q.shape[-1]), q.shape[1], k.shape[1]
+        scale, heads, kv_heads = ctx.scale, q.shape[1], k.shape[1]
         dout = dout.float()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -131,15 +130,17 @@ class RingAttention(torch.autograd.Function):
                 kv = incoming.wait()
         dk, dv = dkv.wait().chunk(2, dim=1)
         ring.comm.finish()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   ring: Ring) -> torch.Tensor:
+                   ring: Ring, scale: float | None = None) -> torch.Tensor:
     """Softmax attention of this rank's queries [b, h, local, d] over the whole row's keys,
     whose blocks (this rank's k, v: [b, kv_heads, local, d]) pass around the ring. mask:
-    [b or 1, 1, local, seq], the layout's rows of these queries against every key."""
+    [b or 1, 1, local, seq], the layout's rows of these queries against every key. scale: of
+    the scores (None: 1 / sqrt(d))."""
     # The merge's math is fp32 by design: autocast would run its matmuls in bf16 (backward,
     # outside autocast, would then recompute probabilities that forward did not use).
     with torch.autocast(q.device.type, enabled=False):
-        return RingAttention.apply(q, k, v, mask, ring, mask.shape[-1])
+        return RingAttention.apply(q, k, v, mask, ring, mask.shape[-1],
+                                   1 / math.sqrt(q.shape[-1]) if scale is None else scale)

@@ -20,8 +20,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     """N of the PaLM formula: every weight used in a matmul, the LM head once even if tied;
     embedding and position lookups excluded. MoE layers count what a token uses: the router,
     its top-k experts and the shared ones."""
-    attention = cfg.hidden * cfg.n_heads * cfg.head_dim * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_dim
-    per_width = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden
+    attention = cfg.hidden * cfg.n_heads * cfg.head_size * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_size
+    per_width = (3 if cfg.gated else 2) * cfg.hidden
     moe = (cfg.hidden * cfg.n_experts + per_width * (cfg.moe_top_k * cfg.expert_ffn + cfg.shared_ffn)
            + cfg.hidden * cfg.moe_shared_gate)
     mlps = sum(moe if cfg.is_moe_layer(i) else per_width * cfg.ffn for i in range(cfg.n_layers))

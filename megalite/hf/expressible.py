@@ -1,0 +1,39 @@
+"""Whether a Hugging Face architecture can hold a megalite model config: one rule for every
+architecture. Each says which settings it fixes (`needs`) and which it can carry at any value
+(`free`); every other setting must be at its default, or the export would silently drop it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megalite.config import ModelConfig
+from megalite.typed_config import ConfigError
+
+# What every architecture carries: the sizes, and what only training reads.
+SHARED = frozenset({"architecture", "vocab_size", "vocab_pad_multiple", "max_seq_len", "n_layers",
+                    "hidden", "n_heads", "ffn_hidden", "norm_eps", "dropout", "init_std"})
+# A decoder of Llama's shape: GQA, rotary (and its scalings), a head of its own or tied.
+DECODER = frozenset({"n_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rope_factor",
+                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+                     "tie_embeddings"})
+LLAMA_NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+# A mixture of experts' settings that training alone reads (capacity, balancing losses).
+MOE = frozenset({"n_experts", "moe_top_k", "moe_ffn_hidden", "moe_aux_loss_coeff",
+                 "moe_z_loss_coeff", "moe_capacity_factor"})
+
+
+def check_expressible(cfg: ModelConfig, name: str, needs: dict[str, object],
+                      free: frozenset[str], problems: list[str] = ()) -> None:
+    """A ConfigError "not exportable as NAME: ..." listing each setting `name` cannot hold,
+    after the architecture's own `problems`."""
+    wrong = list(problems)
+    wrong += [f"model.{key}={getattr(cfg, key)!r} ({name} needs {value!r})"
+              for key, value in needs.items() if getattr(cfg, key) != value]
+    for field in dataclasses.fields(ModelConfig):
+        key = field.name
+        if key not in needs and key not in free and key not in SHARED:
+            if getattr(cfg, key) != field.default:
+                wrong.append(f"model.{key}={getattr(cfg, key)!r} ({name} has no such setting: "
+                             f"{field.default!r})")
+    if wrong:
+        raise ConfigError(f"not exportable as {name}: " + "; ".join(wrong))

@@ -1,0 +1,29 @@
+"""megalite <-> Hugging Face MistralForCausalLM: Llama's tensors and names, a head width of its
+own (Mistral-Nemo: 128 at hidden 5120 with 32 heads) and a sliding window on every layer where
+its config sets one (v0.1: 4096; null later)."""
+from __future__ import annotations
+
+from megalite.config import ModelConfig
+from megalite.hf import llama
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.layout import Recipe
+
+NAME = "MistralForCausalLM"
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    check_expressible(cfg, NAME, LLAMA_NEEDS, DECODER | {"sliding_window"})
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "mistral",
+            "sliding_window": cfg.sliding_window}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    sliding, problems = llama.sliding_from_hf({**hf, "layer_types": None})
+    return llama.decoder_from_hf(hf, "Mistral", problems, **sliding)
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    return llama.recipe(cfg)

@@ -1,0 +1,31 @@
+"""megalite <-> Hugging Face Qwen2ForCausalLM (Qwen2, Qwen2.5): Llama with biases on q, k and v
+(o_proj without), sliding-window layers where its config turns them on."""
+from __future__ import annotations
+
+from megalite.config import ModelConfig
+from megalite.hf import llama
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.layout import Recipe
+
+NAME = "Qwen2ForCausalLM"
+SLIDING = frozenset({"sliding_window", "sliding_window_pattern"})
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qkv_bias": True}, DECODER | SLIDING)
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen2",
+           **llama.sliding_to_hf(cfg)}
+    del out["attention_bias"], out["mlp_bias"]  # Qwen2's biases are fixed: on q, k and v
+    return out
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    sliding, problems = llama.sliding_from_hf(hf)
+    return llama.decoder_from_hf(hf, "Qwen2", problems, qkv_bias=True, **sliding)
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    return llama.recipe(cfg)

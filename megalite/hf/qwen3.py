@@ -1,0 +1,29 @@
+"""megalite <-> Hugging Face Qwen3ForCausalLM: Llama with an RMSNorm over each head's q and k
+before rotary (`q_norm`, `k_norm`, of head_dim), a head width free of hidden / heads (128 at
+hidden 1024 with 16 heads), no biases; small models tie the head."""
+from __future__ import annotations
+
+from megalite.config import ModelConfig
+from megalite.hf import llama, qwen2
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.layout import Recipe
+
+NAME = "Qwen3ForCausalLM"
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qk_norm": True}, DECODER | qwen2.SLIDING)
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen3",
+            **llama.sliding_to_hf(cfg)}
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    sliding, problems = llama.sliding_from_hf(hf)
+    return llama.decoder_from_hf(hf, "Qwen3", problems, qk_norm=True, **sliding)
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    return llama.recipe(cfg)
