@@ -1,0 +1,95 @@
+"""The architectures people bring, against transformers itself (CPU, fp32): for each, a random
+model of transformers' own (weights perturbed off their init, so that biases, norms and q/k
+norms count) imported, evaluated by `torchrun ... megalite eval --tp 2` with transformers' loss
+on the same windows, exported back and read by AutoModelForCausalLM with the same loss, and
+greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
+windows are shorter than the eval windows and the generated text, so they are real."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
+from megalite.model import GPT  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
+from megalite.training.checkpoint import load_checkpoint  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
+from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
+from tests.test_resume import run, torchrun  # noqa: E402
+
+SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
+             intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# name -> (transformers config, what the import must read off it)
+ARCHITECTURES = {
+    "qwen2": (lambda: transformers.Qwen2Config(**SHAPE),
+              dict(qkv_bias=True, sliding_window=None)),
+    "mistral": (lambda: transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=6),
+                dict(head_dim=16, sliding_window=6, sliding_window_pattern=1)),
+    "qwen3": (lambda: transformers.Qwen3Config(
+        **{**SHAPE, "tie_word_embeddings": True}, head_dim=16, use_sliding_window=True,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+        dict(head_dim=16, qk_norm=True, tie_embeddings=True, sliding_window=5,
+             sliding_window_pattern=2)),
+    "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
+        **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, moe_intermediate_size=24,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
+        dict(head_dim=16, qk_norm=True, n_experts=4, moe_dense_layers=(1,),
+             moe_renormalize=True)),
+}
+
+
+def random_model(name: str, directory, tokenizer_file):
+    torch.manual_seed(0)
+    config, _ = ARCHITECTURES[name]
+    hf = transformers.AutoModelForCausalLM.from_config(config()).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # off the init: zero biases, unit norms and small weights hide errors
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+    hf.save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    return hf
+
+
+def generate_at_tp2(ckpt: str, prompt):
+    from megalite.generate import generate
+    ps = ParallelState.from_world(2)
+    model = GPT(checkpoint_model_config(ckpt), ps, init=False)
+    load_checkpoint(ckpt, model, ps)
+    return generate(model, [prompt], 20, pad_id=2)[0]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
+        tmp_path, tokenizer_file, name):
+    hf = random_model(name, tmp_path / "hf", tokenizer_file)
+    cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    expected = {"architecture": type(hf).__name__, **ARCHITECTURES[name][1]}
+    assert {key: getattr(cfg, key) for key in expected} == expected
+    text = tmp_path / "text.txt"
+    text.write_text("tensor parallel training of language models, " * 30)  # > 2 windows
+    ep = ["--ep", "2"] if cfg.n_experts else []
+    done = run(torchrun(2 * (1 + bool(ep))) + ["-m", "megalite", "eval", "--ckpt",
+                                               str(tmp_path / "ckpt"), "--text", str(text),
+                                               "--tp", "2", *ep, "--json"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok(text.read_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    loss, count = transformers_loss(hf, ids)
+    assert len(ids) > 2 * CONTEXT and result["tokens"] == count
+    assert result["loss"] == pytest.approx(loss, abs=1e-5)
+
+    assert export_hf(tmp_path / "ckpt", tmp_path / "out", torch.float32) == type(hf).__name__
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
+
+    prompt = [17, 45, 3, 99, 120]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+    ours = run_distributed(generate_at_tp2, 2, str(tmp_path / "ckpt"), prompt)[0]
+    assert ours == theirs and len(set(theirs)) > 3
