@@ -24,7 +24,8 @@ import torch
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
-from megalite.hf import gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from megalite.hf import (gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+                         qwen3_moe)
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
@@ -33,7 +34,7 @@ from megalite.typed_config import ConfigError, from_dict
 # recipe (check_exportable, config_to_hf, config_from_hf, recipe). An export without
 # model.architecture takes the first that holds the config.
 ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MistralForCausalLM": mistral,
-                 "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
+                 "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3, "Gemma3ForCausalLM": gemma3,
                  "MixtralForCausalLM": mixtral, "Qwen2MoeForCausalLM": qwen2_moe,
                  "Qwen3MoeForCausalLM": qwen3_moe}
 

@@ -1,0 +1,81 @@
+"""megalite <-> Hugging Face Gemma3ForCausalLM (Gemma 3, text): embeddings times sqrt(hidden),
+RMSNorms scaling by (1 + weight), four of them a layer (before and after attention and MLP),
+q/k norms, GeGLU with tanh GeLU, scores scaled by query_pre_attn_scalar ** -0.5, sliding-window
+layers (`layer_types`, 5 of 6 by default) with a rotary base of their own, a tied head."""
+from __future__ import annotations
+
+from megalite.config import ModelConfig
+from megalite.hf import llama
+from megalite.hf.expressible import DECODER, check_expressible
+from megalite.hf.layout import Recipe
+
+NAME = "Gemma3ForCausalLM"
+NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "geglu_tanh", "bias": False,
+         "norm_weight_offset": 1.0, "post_norms": True, "scale_embeddings": True, "qk_norm": True,
+         "tie_embeddings": True}
+LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
+         "attn.out_proj.weight": "self_attn.o_proj.weight",
+         "attn_post_norm.weight": "post_attention_layernorm.weight",
+         "mlp_norm.weight": "pre_feedforward_layernorm.weight",
+         "mlp_post_norm.weight": "post_feedforward_layernorm.weight",
+         "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
+         "mlp.down.weight": "mlp.down_proj.weight"}
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    check_expressible(cfg, NAME, NEEDS, DECODER | {"query_pre_attn_scalar", "sliding_window",
+                                                   "sliding_window_pattern", "rope_local_theta"})
+
+
+def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
+           "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_size),
+           "final_logit_softcapping": None, "attn_logit_softcapping": None,
+           "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
+    del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    out["rope_parameters"] = {"full_attention": out["rope_parameters"],
+                              "sliding_attention": local if cfg.rope_local_theta else out["rope_parameters"]}
+    return out
+
+
+def _int_if_whole(x: float) -> int | float:
+    """transformers' config class takes query_pre_attn_scalar as an int (every release's is)."""
+    return int(x) if float(x).is_integer() else x
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    sliding, problems = llama.sliding_from_hf(hf)
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            problems.append(f"{key} {hf[key]} (megalite's attention and head do not soft-cap)")
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention (megalite's attention is causal)")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):
+        problems.append(f"hidden_activation {hf['hidden_activation']!r}")
+    # transformers 5: rope_parameters per layer type; before: rope_theta, rope_scaling and
+    # rope_local_base_freq
+    ropes = hf.get("rope_parameters") or {}
+    full = ropes.get("full_attention", ropes or hf.get("rope_scaling") or {})
+    local = ropes.get("sliding_attention")
+    if local is None and "rope_local_base_freq" in hf:
+        local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    rope, problems = llama.rope_from_hf(hf, problems, full)
+    fields = dict(rope, **sliding)
+    if local is not None and "sliding_window" in sliding:
+        local_rope, problems = llama.rope_from_hf(hf, problems, local)
+        if local_rope.get("rope_scaling", "none") != "none":
+            problems.append(f"rope scaling {local.get('rope_type')!r} on the sliding-window layers")
+        fields["rope_local_theta"] = local_rope["rope_theta"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    scalar = float(hf.get("query_pre_attn_scalar", head_dim))
+    return llama.decoder_from_hf(
+        {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
+        problems, **fields, activation="geglu_tanh", norm_weight_offset=1.0, post_norms=True,
+        scale_embeddings=True, qk_norm=True, tie_embeddings=True,
+        query_pre_attn_scalar=None if scalar == head_dim else scalar)
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    return llama.recipe(cfg, LAYER)
