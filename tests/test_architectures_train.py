@@ -1,0 +1,58 @@
+"""Each architecture's recipe trains at every layout as one process does: losses, gradient
+norms (clipping active) and final weights after 10 steps, to 1e-5 (fp32). Sliding windows are
+shorter than the rows (packed rows: shorter than most documents), so the window is real in
+training, under CP (all-gather and ring) and across pipeline stages."""
+import pytest
+
+from tests.test_train import assert_same_training, common, train_run
+
+# Llama's shape, at the learning rate of the other Llama-shaped trainer tests.
+LLAMA = ["model.position=rotary", "model.n_kv_heads=2", "model.activation=swiglu",
+         "model.norm=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+QWEN3 = LLAMA + ["model.qk_norm=true", "model.head_dim=16", "model.sliding_window=8",
+                 "model.sliding_window_pattern=2"]
+ARCHITECTURES = {  # name -> (its settings, rows)
+    "qwen2": (LLAMA + ["model.qkv_bias=true"], "padded"),
+    "mistral": (LLAMA + ["model.head_dim=16", "model.sliding_window=8"], "packed"),
+    "qwen3": (QWEN3, "packed"),
+    "qwen3_moe": (QWEN3 + ["model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=24",
+                           "model.moe_dense_layers=[0]", "model.tie_embeddings=true"], "padded"),
+    "gemma3": (LLAMA + ["model.activation=geglu_tanh", "model.norm_weight_offset=1.0",
+                        "model.post_norms=true", "model.scale_embeddings=true",
+                        "model.qk_norm=true", "model.head_dim=16",
+                        "model.query_pre_attn_scalar=24", "model.sliding_window=8",
+                        "model.sliding_window_pattern=2", "model.rope_local_theta=100",
+                        "model.rope_theta=1e6", "model.tie_embeddings=true"], "packed"),
+}
+LAYOUTS = {
+    "tp2-dp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2-cp2": ["parallel.pp=2", "parallel.cp=2"],
+}
+# The second layout of some runs: experts over EP, the ring instead of the all-gather.
+EXTRA = {("qwen3_moe", "tp2-dp2-sp"): ["parallel.ep=2"], ("qwen3_moe", "pp2-cp2"): ["parallel.ep=2"],
+         ("mistral", "pp2-cp2"): ["parallel.cp_comm=p2p"], ("qwen3", "pp2-cp2"): ["parallel.cp_comm=p2p"]}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    """Each architecture's one-process run, made once for the module."""
+    runs = {}
+
+    def run(name: str):
+        if name not in runs:
+            settings, mode = ARCHITECTURES[name]
+            runs[name] = tmp_path_factory.mktemp(f"single-{name}")
+            train_run(1, common(cache, runs[name], mode) + settings
+                      + ["parallel.tp=1", "train.micro_batch_size=8"])
+        return runs[name]
+    return run
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_architecture_trains_like_one_process(tmp_path, cache, single, name, layout):
+    settings, mode = ARCHITECTURES[name]
+    run_dir = tmp_path / layout
+    train_run(4, common(cache, run_dir, mode) + settings + LAYOUTS[layout]
+              + EXTRA.get((name, layout), []) + ["train.micro_batch_size=2"])
+    assert_same_training(single(name), run_dir)
