@@ -100,12 +100,38 @@ def markdown() -> str:
              "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
     for name, cls in sections():
         lines += [f"## {name}", ""] + table(name, cls)
+    lines += architectures()
     lines += ["# Sweep files", "",
               "`megalite slurm SWEEP.yaml` (see [clusters](clusters.md) and "
               "`configs/sweeps/demo-lr.yaml`) reads these keys (`megalite/launch/sweep.py`).", ""]
     for name, cls in sweep_sections():
         lines += [f"## {name or 'top level'}", ""] + table(name, cls)
     return "\n".join(lines)
+
+
+def architectures() -> list[str]:
+    """Per Hugging Face architecture (hf/convert.ARCHITECTURES): the model settings its recipe
+    fixes and those it carries, from the recipe itself; the presets it holds."""
+    from megalite.config import PRESET_DIR, load_model_config
+    from megalite.hf.convert import ARCHITECTURES, exportable_as
+    from megalite.hf.expressible import SHARED
+    presets = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        presets.setdefault(exportable_as(load_model_config(path.stem))[0], []).append(path.stem)
+    lines = ["# Architectures", "",
+             "What `megalite import --from-hf` reads and `megalite export --to-hf` writes, one "
+             "recipe each (`megalite/hf/<name>.py`, registered in `hf/convert.ARCHITECTURES`; "
+             "[adding one](architectures.md)). Import sets the `model.` keys from config.json. "
+             "An export takes `model.architecture`, or the first architecture that holds the "
+             "config: one that fixes each setting below, carries the others listed at any value, "
+             "and finds every remaining key at its default (the sizes, "
+             + ", ".join(sorted(k for k in SHARED if k != "architecture")) + ", go everywhere).",
+             "", "| architecture | fixes | carries | presets |", "|---|---|---|---|"]
+    for name, arch in ARCHITECTURES.items():
+        fixed = ", ".join(f"{key}={value!r}" for key, value in arch.NEEDS.items())
+        lines.append(f"| {name} | {fixed} | {', '.join(sorted(arch.FREE))} | "
+                     f"{', '.join(presets.get(name, [])) or '-'} |")
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ class ModelConfig:
     # tokens before it. None: the whole context. Every layer slides when sliding_window_pattern
     # is 1; with N > 1, layers i with (i + 1) % N == 0 attend to the whole context (Gemma 3: 6).
     sliding_window: Optional[int] = None
-    sliding_window_pattern: int = 1
+    sliding_window_pattern: int = 1  # N > 1: every N-th layer attends to the whole context
     ffn_hidden: Optional[int] = None  # None: 4 * hidden
     # MLP: GeLU (exact or tanh), SwiGLU (Llama) or GeGLU with tanh GeLU (Gemma)
     activation: Literal["gelu", "gelu_tanh", "swiglu", "geglu_tanh"] = "gelu_tanh"
@@ -186,7 +186,8 @@ def read_preset(name: str) -> dict:
 def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
     """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
     path = Path(name_or_path)
-    if path.suffix and not path.is_file():
+    is_file = path.suffix in (".yaml", ".yml") or path.is_file()  # a preset: qwen3-0.6b
+    if is_file and not path.is_file():
         raise ConfigError(f"model config file '{path}' not found")
-    data = (yaml.safe_load(path.read_text()) or {}) if path.suffix else read_preset(str(name_or_path))
+    data = (yaml.safe_load(path.read_text()) or {}) if is_file else read_preset(str(name_or_path))
     return from_dict(ModelConfig, {**data, **overrides}, "model.")

@@ -9,6 +9,7 @@ error naming the nearest valid one. `model` is a preset name, or a mapping whose
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,8 @@ def _drop_retired(raw: dict) -> None:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """As a checkpoint's meta.json holds it: tuples are lists there, so compare like with like."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def _set_dotted(raw: dict, keys: list[str], value) -> None:

@@ -58,7 +58,7 @@ def test_optional_fields_accept_null_and_ints_become_floats():
 
 
 def test_missing_preset_lists_the_available_ones():
-    with pytest.raises(ConfigError, match=r"model config 'gpt5' not found \(presets: gpt2-medium, gpt2-small, llama-1b, tiny\)"):
+    with pytest.raises(ConfigError, match=r"model config 'gpt5' not found \(presets: gemma3-1b, gpt2-medium, gpt2-small, llama-1b, qwen3-0.6b, tiny\)"):
         load_model_config("gpt5")
 
 

@@ -32,6 +32,19 @@ def test_flops_per_token_matches_the_published_gpt2_small_figure():
     assert matmul_params(llama) == blocks + 128256 * 2048
 
 
+def test_flops_per_token_counts_free_head_widths_and_sliding_windows():
+    """Gemma 3 1B: 4 heads of 256 (1024 wide, hidden 1152), 4 global layers of 26 (5, 11, 17,
+    23), the others seeing a window of 512 at s=4096; GeGLU's three matrices."""
+    cfg = load_model_config("gemma3-1b")
+    attention = 1152 * 4 * 256 * 2 + 1152 * 2 * 1 * 256
+    assert matmul_params(cfg) == 26 * (attention + 3 * 1152 * 6912) + 262144 * 1152
+    assert [i for i in range(26) if cfg.window_of(i) is None] == [5, 11, 17, 23]
+    seen = 4 * 4096 + 22 * 512
+    assert flops_per_token(cfg, 4096) == 6 * matmul_params(cfg) + 12 * 1024 * seen
+    # Below the window, every layer sees the whole sequence.
+    assert flops_per_token(cfg, 256) == 6 * matmul_params(cfg) + 12 * 1024 * 26 * 256
+
+
 def test_packed_labels_never_cross_a_document_boundary(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n" for i in range(20)))

@@ -26,17 +26,17 @@ from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
 from megalite.hf import (gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
                          qwen3_moe)
+from megalite.hf.expressible import check_expressible
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
 
-# Every architecture megalite reads and writes, by its Hugging Face class: each module holds its
-# recipe (check_exportable, config_to_hf, config_from_hf, recipe). An export without
-# model.architecture takes the first that holds the config.
-ARCHITECTURES = {"GPT2LMHeadModel": gpt2, "LlamaForCausalLM": llama, "MistralForCausalLM": mistral,
-                 "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3, "Gemma3ForCausalLM": gemma3,
-                 "MixtralForCausalLM": mixtral, "Qwen2MoeForCausalLM": qwen2_moe,
-                 "Qwen3MoeForCausalLM": qwen3_moe}
+# Every architecture megalite reads and writes, by its Hugging Face class: each module is its
+# recipe (NAME; NEEDS and FREE, the model settings it fixes and carries: hf/expressible.py;
+# config_to_hf, config_from_hf; recipe, its tensors as Hugging Face's: hf/layout.py). An export
+# without model.architecture takes the first that holds the config.
+ARCHITECTURES = {arch.NAME: arch for arch in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral,
+                                               qwen2_moe, qwen3_moe)}
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
@@ -53,12 +53,12 @@ def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
         if cfg.architecture not in ARCHITECTURES:
             raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
                               f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
-        ARCHITECTURES[cfg.architecture].check_exportable(cfg)
+        check_expressible(cfg, ARCHITECTURES[cfg.architecture])
         return cfg.architecture, ARCHITECTURES[cfg.architecture]
     errors = []
     for name, arch in ARCHITECTURES.items():
         try:
-            arch.check_exportable(cfg)
+            check_expressible(cfg, arch)
             return name, arch
         except ConfigError as err:
             errors.append(str(err))

@@ -22,18 +22,23 @@ MOE = frozenset({"n_experts", "moe_top_k", "moe_ffn_hidden", "moe_aux_loss_coeff
                  "moe_z_loss_coeff", "moe_capacity_factor"})
 
 
-def check_expressible(cfg: ModelConfig, name: str, needs: dict[str, object],
-                      free: frozenset[str], problems: list[str] = ()) -> None:
-    """A ConfigError "not exportable as NAME: ..." listing each setting `name` cannot hold,
-    after the architecture's own `problems`."""
-    wrong = list(problems)
+def check_expressible(cfg: ModelConfig, arch) -> None:
+    """A ConfigError "not exportable as NAME: ..." listing each setting the architecture
+    module `arch` cannot hold (its NEEDS, FREE and, if it has them, its own problems first)."""
+    name, needs = arch.NAME, arch.NEEDS
+    wrong = list(getattr(arch, "problems", lambda _: [])(cfg))
     wrong += [f"model.{key}={getattr(cfg, key)!r} ({name} needs {value!r})"
               for key, value in needs.items() if getattr(cfg, key) != value]
     for field in dataclasses.fields(ModelConfig):
         key = field.name
-        if key not in needs and key not in free and key not in SHARED:
+        if key not in needs and key not in arch.FREE and key not in SHARED:
             if getattr(cfg, key) != field.default:
                 wrong.append(f"model.{key}={getattr(cfg, key)!r} ({name} has no such setting: "
                              f"{field.default!r})")
     if wrong:
         raise ConfigError(f"not exportable as {name}: " + "; ".join(wrong))
+
+
+def moe_problems(cfg: ModelConfig) -> list[str]:
+    """A mixture-of-experts architecture's (Mixtral, Qwen3-MoE)."""
+    return [] if cfg.n_experts else ["model.n_experts=0 (a mixture of experts needs >= 1)"]

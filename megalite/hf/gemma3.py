@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, check_expressible
+from megalite.hf.expressible import DECODER
 from megalite.hf.layout import Recipe
 
 NAME = "Gemma3ForCausalLM"
 NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "geglu_tanh", "bias": False,
          "norm_weight_offset": 1.0, "post_norms": True, "scale_embeddings": True, "qk_norm": True,
          "tie_embeddings": True}
+FREE = (DECODER - {"tie_embeddings"}) | {"query_pre_attn_scalar", "sliding_window",
+                                         "sliding_window_pattern", "rope_local_theta"}
 LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
          "attn.out_proj.weight": "self_attn.o_proj.weight",
          "attn_post_norm.weight": "post_attention_layernorm.weight",
@@ -20,11 +22,6 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "se
          "mlp_post_norm.weight": "post_feedforward_layernorm.weight",
          "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
          "mlp.down.weight": "mlp.down_proj.weight"}
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    check_expressible(cfg, NAME, NEEDS, DECODER | {"query_pre_attn_scalar", "sliding_window",
-                                                   "sliding_window_pattern", "rope_local_theta"})
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

@@ -6,21 +6,23 @@ and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head
 from __future__ import annotations
 
 from megalite.config import ModelConfig
-from megalite.hf.expressible import check_expressible
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
 ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    problems = [] if cfg.kv_heads == cfg.n_heads else [
+NAME = "GPT2LMHeadModel"
+NEEDS = {"position": "learned", "norm": "layernorm", "bias": True, "tie_embeddings": True}
+FREE = frozenset({"activation", "n_kv_heads"})
+
+
+def problems(cfg: ModelConfig) -> list[str]:
+    out = [] if cfg.kv_heads == cfg.n_heads else [
         f"model.n_kv_heads={cfg.n_kv_heads!r} (GPT-2 needs {cfg.n_heads!r}: no GQA)"]
     if cfg.activation not in ACTIVATIONS:
-        problems.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
-    check_expressible(cfg, "GPT2LMHeadModel", {"position": "learned", "norm": "layernorm",
-                                               "bias": True, "tie_embeddings": True},
-                      frozenset({"activation", "n_kv_heads"}), problems)
+        out.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
+    return out
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

@@ -8,15 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import ModelConfig
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
 NAME = "LlamaForCausalLM"
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    check_expressible(cfg, NAME, LLAMA_NEEDS, DECODER)
+NEEDS, FREE = LLAMA_NEEDS, DECODER
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

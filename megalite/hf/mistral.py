@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "MistralForCausalLM"
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    check_expressible(cfg, NAME, LLAMA_NEEDS, DECODER | {"sliding_window"})
+NEEDS, FREE = LLAMA_NEEDS, DECODER | {"sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

@@ -12,16 +12,13 @@ import dataclasses
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, moe_problems
 from megalite.hf.layout import Recipe
 
 NAME = "MixtralForCausalLM"
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    problems = ["model.n_experts=0 (Mixtral is a mixture of experts)"] if cfg.n_experts == 0 else []
-    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "moe_router": "softmax", "moe_renormalize": True},
-                      DECODER | MOE | {"sliding_window"}, problems)
+NEEDS = {**LLAMA_NEEDS, "moe_router": "softmax", "moe_renormalize": True}
+FREE = DECODER | MOE | {"sliding_window"}
+problems = moe_problems
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

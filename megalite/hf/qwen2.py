@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen2ForCausalLM"
 SLIDING = frozenset({"sliding_window", "sliding_window_pattern"})
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qkv_bias": True}, DECODER | SLIDING)
+NEEDS, FREE = {**LLAMA_NEEDS, "qkv_bias": True}, DECODER | SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

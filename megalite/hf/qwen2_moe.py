@@ -12,19 +12,17 @@ import dataclasses
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
 from megalite.hf.layout import Recipe, whole
 
 NAME = "Qwen2MoeForCausalLM"
+NEEDS = {**LLAMA_NEEDS, "qkv_bias": True, "moe_router": "softmax", "moe_shared_gate": True}
+FREE = DECODER | MOE | {"moe_renormalize", "moe_every", "moe_dense_layers", "n_shared_experts"}
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    problems = ([] if cfg.n_experts and cfg.n_shared_experts else
-                ["model.n_experts and model.n_shared_experts must be >= 1 (Qwen2-MoE)"])
-    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qkv_bias": True, "moe_router": "softmax",
-                                  "moe_shared_gate": True},
-                      DECODER | MOE | {"moe_renormalize", "moe_every", "moe_dense_layers",
-                                       "n_shared_experts"}, problems)
+def problems(cfg: ModelConfig) -> list[str]:
+    return ([] if cfg.n_experts and cfg.n_shared_experts else
+            ["model.n_experts and model.n_shared_experts must be >= 1 (Qwen2-MoE)"])
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

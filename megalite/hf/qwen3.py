@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama, qwen2
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen3ForCausalLM"
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qk_norm": True}, DECODER | qwen2.SLIDING)
+NEEDS, FREE = {**LLAMA_NEEDS, "qk_norm": True}, DECODER | qwen2.SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

@@ -9,17 +9,13 @@ import dataclasses
 from megalite.config import ModelConfig
 from megalite.hf import llama, qwen2, qwen2_moe
 from megalite.hf.experts import with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, check_expressible
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, moe_problems
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen3MoeForCausalLM"
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    problems = [] if cfg.n_experts else ["model.n_experts=0 (Qwen3-MoE is a mixture of experts)"]
-    check_expressible(cfg, NAME, {**LLAMA_NEEDS, "qk_norm": True, "moe_router": "softmax"},
-                      DECODER | MOE | qwen2.SLIDING | {"moe_renormalize", "moe_every",
-                                                       "moe_dense_layers"}, problems)
+NEEDS = {**LLAMA_NEEDS, "qk_norm": True, "moe_router": "softmax"}
+FREE = DECODER | MOE | qwen2.SLIDING | {"moe_renormalize", "moe_every", "moe_dense_layers"}
+problems = moe_problems
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

@@ -29,8 +29,12 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 N (forward and backward of the matmuls) + 12 L h s (attention scores and values)."""
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.hidden * seq_len
+    """6 N (forward and backward of the matmuls) + 12 L h s (attention scores and values), h
+    the heads' total width (n_heads x head_dim) and s what a query sees: the sequence, or a
+    sliding layer's window where shorter."""
+    width = cfg.n_heads * cfg.head_size
+    seen = sum(min(seq_len, cfg.window_of(i) or seq_len) for i in range(cfg.n_layers))
+    return 6 * matmul_params(cfg) + 12 * width * seen
 
 
 def peak_memory_bytes(ps: ParallelState) -> float:
