@@ -69,6 +69,8 @@ class ModelConfig:
     scale_embeddings: bool = False  # the embeddings times sqrt(hidden) (Gemma)
     qkv_bias: bool = False  # biases on the q, k and v projections even without `bias` (Qwen2)
     tie_embeddings: bool = True  # the LM head is the embedding matrix
+    # The logits soft-capped to cap x tanh(logits / cap) (Gemma 2's final_logit_softcapping)
+    final_logit_softcap: Optional[float] = None
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
     init_std: float = 0.02  # normal init's std; projections into the residual / sqrt(2 n_layers)
     # Mixture of experts (model/moe.py): 0 keeps the dense MLP in every layer. Otherwise layers

@@ -88,6 +88,8 @@ def _attention_problems(model: ModelConfig) -> list[str]:
         (pattern >= 1, f"model.sliding_window_pattern={pattern} must be >= 1"),
         (scalar is None or scalar > 0, f"model.query_pre_attn_scalar={scalar} must be > 0"),
         (local is None or local > 0, f"model.rope_local_theta={local} must be > 0"),
+        (model.final_logit_softcap is None or model.final_logit_softcap > 0,
+         f"model.final_logit_softcap={model.final_logit_softcap} must be > 0 (or null: none)"),
         (local is None or (window is not None and model.position == "rotary"),
          f"model.rope_local_theta={local} is the sliding-window layers' rotary base: it needs "
          f"model.position=rotary and model.sliding_window"),

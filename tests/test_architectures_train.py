@@ -22,7 +22,8 @@ ARCHITECTURES = {  # name -> (its settings, rows)
                         "model.qk_norm=true", "model.head_dim=16",
                         "model.query_pre_attn_scalar=24", "model.sliding_window=8",
                         "model.sliding_window_pattern=2", "model.rope_local_theta=100",
-                        "model.rope_theta=1e6", "model.tie_embeddings=true"], "packed"),
+                        "model.rope_theta=1e6", "model.tie_embeddings=true",
+                        "model.final_logit_softcap=3.0"], "packed"),
 }
 LAYOUTS = {
     "tp2-dp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],

@@ -1,7 +1,7 @@
 """The fused, chunked LM head + loss equals the unfused path it replaced: the full logits of the
 single-process model through F.cross_entropy. Loss, per-token losses and every gradient, fp32,
 TP 1/2/4 (and 2 with sequence parallelism), tied and untied heads, a padded vocabulary, ignored
-labels, chunks that do and do not divide the tokens; both the training path (loss_scale:
+labels, chunks that do and do not divide the tokens, soft-capped logits; both the training path (loss_scale:
 gradients made in forward) and per-token losses (any weights, logits recomputed in backward).
 And the training path keeps nothing of the logits' size for backward."""
 import dataclasses
@@ -33,8 +33,8 @@ def grads(model: GPT, ps: ParallelState) -> dict:
     return {n: gather_full(p.grad, shard_of(p), ps) for n, p in model.named_parameters()}
 
 
-def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False):
-    cfg = CONFIGS[config_name]
+def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False, **changes):
+    cfg = dataclasses.replace(CONFIGS[config_name], **changes)
     ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel) if tp > 1 else ParallelState()
     ids, mask, labels = padded_batch(cfg, "right")
     count = (labels != -100).sum()
@@ -79,6 +79,17 @@ def test_fused_head_loss_equals_the_unfused_path(config_name, tp):
 
 def test_fused_head_loss_with_sequence_parallelism():
     run_distributed(check_head_loss, 2, "gpt2", 2, True)
+
+
+def test_soft_capped_logits_train_as_the_unfused_path():
+    """Gemma 2's final_logit_softcapping, capped low enough to bend the logits: the unfused
+    path differentiates cap x tanh(z / cap) by autograd, the fused one by its slope."""
+    check_capped(1)
+    run_distributed(check_capped, 2, 2)
+
+
+def check_capped(tp: int):
+    check_head_loss("llama", tp, tp > 1, final_logit_softcap=0.5)
 
 
 def test_training_path_saves_nothing_of_the_logits_size():

@@ -42,14 +42,15 @@ ARCHITECTURES = {
              moe_renormalize=True)),
     "gemma3": (lambda: transformers.Gemma3TextConfig(
         **{**SHAPE, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16,
-        query_pre_attn_scalar=24, sliding_window=6,
+        query_pre_attn_scalar=24, sliding_window=6, final_logit_softcapping=3.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0}}),
         dict(head_dim=16, qk_norm=True, sliding_window=6, sliding_window_pattern=3,
              rope_local_theta=100.0, rope_scaling="linear", query_pre_attn_scalar=24.0,
-             norm_weight_offset=1.0, post_norms=True, scale_embeddings=True)),
+             norm_weight_offset=1.0, post_norms=True, scale_embeddings=True,
+             final_logit_softcap=3.0)),
 }
 
 

@@ -14,7 +14,8 @@ NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "geglu_tanh", "b
          "norm_weight_offset": 1.0, "post_norms": True, "scale_embeddings": True, "qk_norm": True,
          "tie_embeddings": True}
 FREE = (DECODER - {"tie_embeddings"}) | {"query_pre_attn_scalar", "sliding_window",
-                                         "sliding_window_pattern", "rope_local_theta"}
+                                         "sliding_window_pattern", "rope_local_theta",
+                                         "final_logit_softcap"}
 LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
          "attn.out_proj.weight": "self_attn.o_proj.weight",
          "attn_post_norm.weight": "post_attention_layernorm.weight",
@@ -28,7 +29,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
            "hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_size),
-           "final_logit_softcapping": None, "attn_logit_softcapping": None,
+           "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
     local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
@@ -44,9 +45,9 @@ def _int_if_whole(x: float) -> int | float:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.sliding_from_hf(hf)
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            problems.append(f"{key} {hf[key]} (megalite's attention and head do not soft-cap)")
+    if hf.get("attn_logit_softcapping") is not None:
+        problems.append(f"attn_logit_softcapping {hf['attn_logit_softcapping']} (megalite's "
+                        f"attention kernels do not soft-cap scores)")
     if hf.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention (megalite's attention is causal)")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):
@@ -71,6 +72,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
         problems, **fields, activation="geglu_tanh", norm_weight_offset=1.0, post_norms=True,
         scale_embeddings=True, qk_norm=True, tie_embeddings=True,
+        final_logit_softcap=hf.get("final_logit_softcapping"),
         query_pre_attn_scalar=None if scalar == head_dim else scalar)
 
 

@@ -59,7 +59,7 @@ from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
-from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
+from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses, soft_cap
 from megalite.parallel.mappings import (all_gather, copy_to_tensor_parallel_region,
                                         gather_from_sequence_parallel_region)
 from megalite.parallel.random import TensorParallelRNG
@@ -217,7 +217,8 @@ class GPT(nn.Module):
         batch, padded_seq = x.shape[:2]
         labels = F.pad(inputs.labels, (0, padded_seq - inputs.seq), value=IGNORE_INDEX)  # SP's padding
         x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
-        shard = HeadShard(self.vocab_start, self.padded_from, group, self.loss_chunk_tokens)
+        shard = HeadShard(self.vocab_start, self.padded_from, group, self.loss_chunk_tokens,
+                          self.cfg.final_logit_softcap)
         if loss_scale is None:
             losses, loss = head_token_losses(x, self.head_weight, labels, shard), None
         else:
@@ -244,7 +245,7 @@ class GPT(nn.Module):
     def _logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
         logits, = column_parallel_linears(x, self.pstate.tp_group, sequence_parallel,
                                           (self.head_weight, None))
-        logits = logits[:, :seq]  # without the padding to shards
+        logits = soft_cap(logits[:, :seq], self.cfg.final_logit_softcap)  # SP's padding cut
         if self.padded_from is not None:
             padding = torch.arange(logits.shape[-1], device=logits.device) >= self.padded_from
             logits = logits.masked_fill(padding, float("-inf"))

@@ -31,21 +31,39 @@ import torch
 from megalite.parallel.vocab import SoftmaxStats, label_columns, softmax_grad_, softmax_stats_
 
 
+def soft_cap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap x tanh(z / cap) (Gemma 2's final logit soft-capping); z itself without a cap."""
+    return z if cap is None else torch.tanh(z / cap) * cap
+
+
 class HeadShard:
     """This rank's vocab rows of the head: where they start, where padding starts among them
-    (None: no padding here), and how many tokens one chunk holds."""
+    (None: no padding here), how many tokens one chunk holds, and the logits' soft cap (None:
+    none)."""
 
-    def __init__(self, vocab_start: int, padded_from: int | None, group, chunk_tokens: int):
+    def __init__(self, vocab_start: int, padded_from: int | None, group, chunk_tokens: int,
+                 cap: float | None = None):
         self.vocab_start, self.padded_from = vocab_start, padded_from
-        self.group, self.chunk_tokens = group, chunk_tokens
+        self.group, self.chunk_tokens, self.cap = group, chunk_tokens, cap
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the tokens x [n, hidden], padding at -inf; x and weight already in
-        the matmul dtype."""
-        z = torch.mm(x, weight.t()).float()
+        """fp32 logits of the tokens x [n, hidden], soft-capped, padding at -inf; x and weight
+        already in the matmul dtype."""
+        z = soft_cap(torch.mm(x, weight.t()).float(), self.cap)
         if self.padded_from is not None:
             z[:, self.padded_from:] = float("-inf")
         return z
+
+    def cap_slope(self, z: torch.Tensor) -> torch.Tensor | None:
+        """d capped / d uncapped of logits z (capped): 1 - (z / cap)^2, 0 at the padding; None
+        without a cap."""
+        if self.cap is None:
+            return None
+        return torch.where(torch.isinf(z), 0.0, 1 - (z / self.cap).square())
+
+    def raw_grad(self, grad_z: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
+        """The gradient of the uncapped logits from that of the capped ones."""
+        return grad_z if slope is None else grad_z.mul_(slope)
 
     def chunks(self, n: int) -> Iterator[slice]:
         return (slice(i, min(i + self.chunk_tokens, n)) for i in range(0, n, self.chunk_tokens))
@@ -82,10 +100,12 @@ class _HeadLossSum(torch.autograd.Function):
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(dtype)
             z = shard.logits(xc, w)
+            slope = shard.cap_slope(z) if needs_grad else None  # before z becomes exp(z - max)
             stats = softmax_stats_(z, labels[rows], shard.vocab_start, shard.group)
             losses[rows] = stats.loss
             if needs_grad:
-                _add_chunk_grads(softmax_grad_(z, stats, weights[rows]), xc, w, grad_x[rows], grad_w)
+                grad_z = shard.raw_grad(softmax_grad_(z, stats, weights[rows]), slope)
+                _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
             del z
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
@@ -125,11 +145,13 @@ class _HeadTokenLosses(torch.autograd.Function):
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(ctx.dtype)
             z = shard.logits(xc, w)
+            slope = shard.cap_slope(z)
             z.sub_(z_max[rows].unsqueeze(-1)).exp_()
             # What softmax_grad_ reads, from the saved max and sum of exp: no collective.
             stats = SoftmaxStats(z_max[rows], sum_exp[rows], None,
                                  *label_columns(labels[rows], shard.vocab_start, z.shape[-1]))
-            _add_chunk_grads(softmax_grad_(z, stats, grad_loss[rows]), xc, w, grad_x[rows], grad_w)
+            grad_z = shard.raw_grad(softmax_grad_(z, stats, grad_loss[rows]), slope)
+            _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
             del z
         return grad_x, grad_w.to(weight.dtype), None, None
 
