@@ -161,8 +161,9 @@ def compare_sliced_load(tp: int, pp: int, dirs: dict[str, str]) -> dict[str, int
         for key, p in mine.items():
             assert p.dtype == theirs[key].dtype and torch.equal(p, theirs[key]), (name, key)
         # Only this rank's slices were read: its parameters less the vocab padding rows.
-        padding = sum(max(0, min(ours.vocab_start + p.shape[0], cfg.padded_vocab)
-                          - max(ours.vocab_start, cfg.vocab_size)) * p.shape[1]
+        start = ps.tp_rank * (cfg.padded_vocab // ps.tp_size)  # this rank's first vocab row
+        padding = sum(max(0, min(start + p.shape[0], cfg.padded_vocab)
+                          - max(start, cfg.vocab_size)) * p.shape[1]
                       for key, p in mine.items() if key in ("embed.weight", "head.weight"))
         assert CountingFiles.elements == sum(p.numel() for p in mine.values()) - padding, name
         read[name] = CountingFiles.elements

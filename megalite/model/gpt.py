@@ -43,7 +43,6 @@ from functools import partial
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -58,13 +57,11 @@ from megalite.model.moe import MoE
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
 from megalite.parallel.init import init_parameters_
-from megalite.parallel.layers import ColumnParallelLinear, column_parallel_linears
-from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses, soft_cap
-from megalite.parallel.mappings import (all_gather, copy_to_tensor_parallel_region,
-                                        gather_from_sequence_parallel_region)
+from megalite.model.head import LMHead
+from megalite.parallel.mappings import all_gather
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
-from megalite.parallel.vocab import IGNORE_INDEX, VocabParallelEmbedding
+from megalite.parallel.vocab import VocabParallelEmbedding
 from megalite.pipeline.stages import chunks_of
 
 
@@ -166,16 +163,9 @@ class GPT(nn.Module):
         self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
                               for chunk in self.chunks for i in chunk.layers})
         self.norm = Norm(cfg, pstate) if ends else None
-        self.head = (ColumnParallelLinear(cfg.hidden, cfg.padded_vocab, pstate, bias=False,
-                                          init_std=std)
-                     if ends and not cfg.tie_embeddings else None)
-        # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
-        # They are the last columns of the last ranks.
-        local_vocab = cfg.padded_vocab // pstate.tp_size
-        self.vocab_start = pstate.tp_rank * local_vocab
-        padded_from = max(0, cfg.vocab_size - self.vocab_start)
-        self.padded_from = padded_from if padded_from < local_vocab else None
-        self.activation_checkpointing, self.loss_chunk_tokens = activation_checkpointing, loss_chunk_tokens
+        self.head = (LMHead(cfg, pstate, self.embed if cfg.tie_embeddings else None,
+                            loss_chunk_tokens) if ends else None)
+        self.activation_checkpointing = activation_checkpointing
         if init:
             init_parameters_(self, seed)
 
@@ -208,22 +198,10 @@ class GPT(nn.Module):
         if not stage.is_last:
             return Output(hidden=x)
         x = self.norm(x, sp)
-        make_logits = partial(self._logits, x, inputs.seq, sp)
+        make_logits = partial(self.head.logits, x, inputs.seq, sp)
         if labels is None:
             return Output(make_logits)
-        # The head's input enters the TP region: f, or sequence parallel the SP paper's g.
-        group = self.pstate.tp_group
-        x = gather_from_sequence_parallel_region(x, group) if sp else copy_to_tensor_parallel_region(x, group)
-        batch, padded_seq = x.shape[:2]
-        labels = F.pad(inputs.labels, (0, padded_seq - inputs.seq), value=IGNORE_INDEX)  # SP's padding
-        x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
-        shard = HeadShard(self.vocab_start, self.padded_from, group, self.loss_chunk_tokens,
-                          self.cfg.final_logit_softcap)
-        if loss_scale is None:
-            losses, loss = head_token_losses(x, self.head_weight, labels, shard), None
-        else:
-            loss, losses = head_loss_sum(x, self.head_weight, labels, loss_scale, shard)
-        return Output(make_logits, losses.view(batch, padded_seq)[:, :inputs.seq], loss)
+        return Output(make_logits, *self.head(x, inputs.labels, inputs.seq, sp, loss_scale))
 
     def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
         x = self.embed(input_ids, sp)
@@ -235,21 +213,6 @@ class GPT(nn.Module):
                 positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
             x = x + self.positions(positions, sp)
         return self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
-
-    @property
-    def head_weight(self) -> nn.Parameter:
-        """E_r, this rank's vocab rows of the LM head: tied or not, the head is that matrix
-        applied after f, and the tied case has no module of its own."""
-        return self.embed.weight if self.head is None else self.head.weight
-
-    def _logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
-        logits, = column_parallel_linears(x, self.pstate.tp_group, sequence_parallel,
-                                          (self.head_weight, None))
-        logits = soft_cap(logits[:, :seq], self.cfg.final_logit_softcap)  # SP's padding cut
-        if self.padded_from is not None:
-            padding = torch.arange(logits.shape[-1], device=logits.device) >= self.padded_from
-            logits = logits.masked_fill(padding, float("-inf"))
-        return logits
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""

@@ -1,0 +1,79 @@
+"""The end of the model: the LM head and its loss, one part whatever the architecture.
+
+    logits_r = f(x) E_r^T        this rank's vocab rows E_r (its own, or the tied embedding's),
+                                 soft-capped where the model says, padding at -inf
+    loss = vocab-parallel cross-entropy of logits_r, fused with the head in chunks of tokens
+                                 (parallel/head_loss.py): the logits are never whole
+
+x enters the TP region through f, or sequence parallel through the SP paper's g (all-gather of
+the shards); the rows padded to SP's shards are cut from the logits and ignored by the loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses, soft_cap
+from megalite.parallel.init import Init, set_init
+from megalite.parallel.layers import column_parallel_linears
+from megalite.parallel.mappings import (copy_to_tensor_parallel_region,
+                                        gather_from_sequence_parallel_region)
+from megalite.parallel.sharding import mark_sharded
+from megalite.parallel.state import ParallelState
+from megalite.parallel.vocab import IGNORE_INDEX, VocabParallelEmbedding
+
+
+class LMHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState,
+                 tied: VocabParallelEmbedding | None, chunk_tokens: int):
+        """tied: the embedding whose rows are the head's (no weight of its own then).
+        chunk_tokens: tokens per chunk of the fused head + loss."""
+        super().__init__()
+        local = cfg.padded_vocab // pstate.tp_size
+        self._tied = (tied,)  # a tuple: the embedding stays registered where it is, once
+        if tied is None:
+            self.weight = set_init(nn.Parameter(torch.empty(local, cfg.hidden, device=pstate.device)),
+                                   Init(std=cfg.init_std))
+            mark_sharded(self.weight, 0, pstate.tp_rank, pstate.tp_size)
+        # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
+        # They are the last columns of the last ranks.
+        start = pstate.tp_rank * local
+        padded_from = max(0, cfg.vocab_size - start)
+        self.shard = HeadShard(start, padded_from if padded_from < local else None,
+                               pstate.tp_group, chunk_tokens, cfg.final_logit_softcap)
+
+    @property
+    def rows(self) -> nn.Parameter:
+        """E_r, this rank's vocab rows: tied or not, the head is that matrix applied after f."""
+        tied = self._tied[0]
+        return self.weight if tied is None else tied.weight
+
+    def logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
+        """[batch, seq, padded_vocab / tp] of the final hidden states x (a shard of them under
+        SP), without the padding to shards."""
+        shard = self.shard
+        logits, = column_parallel_linears(x, shard.group, sequence_parallel, (self.rows, None))
+        logits = soft_cap(logits[:, :seq], shard.cap)
+        if shard.padded_from is not None:
+            padding = torch.arange(logits.shape[-1], device=logits.device) >= shard.padded_from
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, seq: int, sequence_parallel: bool,
+                loss_scale: torch.Tensor | float | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-token losses [batch, seq], and with loss_scale their sum x loss_scale, whose
+        gradients are made here in forward; the losses are then not differentiable)."""
+        group = self.shard.group
+        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
+             else copy_to_tensor_parallel_region(x, group))
+        batch, padded_seq = x.shape[:2]
+        labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # SP's padding
+        x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)
+        if loss_scale is None:
+            losses, loss = head_token_losses(x, self.rows, labels, self.shard), None
+        else:
+            loss, losses = head_loss_sum(x, self.rows, labels, loss_scale, self.shard)
+        return losses.view(batch, padded_seq)[:, :seq], loss
