@@ -1,7 +1,8 @@
 """The architectures people bring, against transformers itself (CPU, fp32): for each, a random
 model of transformers' own (weights perturbed off their init, so that biases, norms and q/k
-norms count) imported, evaluated by `torchrun ... megalite eval --tp 2` with transformers' loss
-on the same windows, exported back and read by AutoModelForCausalLM with the same loss, and
+norms count) imported by `megalite import --from-hf`, evaluated by `torchrun ... megalite eval --tp 2` with transformers' loss
+on the same windows, exported back (`megalite export --dtype fp32`) and read by
+AutoModelForCausalLM with the same loss, and
 greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
 windows are shorter than the eval windows and the generated text, so they are real."""
 import json
@@ -12,12 +13,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
+from megalite.hf.convert import checkpoint_model_config  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
+from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
 from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
 from tests.test_resume import run, torchrun  # noqa: E402
 
@@ -83,7 +84,8 @@ def generate_at_tp2(ckpt: str, prompt):
 def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
         tmp_path, tokenizer_file, name):
     hf = random_model(name, tmp_path / "hf", tokenizer_file)
-    cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
+    cfg = checkpoint_model_config(tmp_path / "ckpt")
     expected = {"architecture": type(hf).__name__, **ARCHITECTURES[name][1]}
     assert {key: getattr(cfg, key) for key in expected} == expected
     text = tmp_path / "text.txt"
@@ -101,7 +103,8 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
     assert len(ids) > 2 * CONTEXT and result["tokens"] == count
     assert result["loss"] == pytest.approx(loss, abs=1e-5)
 
-    assert export_hf(tmp_path / "ckpt", tmp_path / "out", torch.float32) == type(hf).__name__
+    assert f"wrote {type(hf).__name__}" in run_cli("export", "--ckpt", str(tmp_path / "ckpt"),
+                                                   "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert type(back) is type(hf)
     assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
