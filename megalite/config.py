@@ -29,6 +29,14 @@ class ModelConfig:
     hidden: int = 768  # width of the residual stream
     n_heads: int = 12  # attention (query) heads
     n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
+    # gqa: heads of keys and values (multi-head, grouped-query, multi-query); mla: multi-head
+    # latent attention (DeepSeek-V2/V3), keys and values from a latent (model/latent_attention.py)
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: Optional[int] = None  # mla: the queries' latent width; None: a plain projection
+    kv_lora_rank: int = 512  # mla: the keys' and values' latent width
+    qk_nope_head_dim: int = 128  # mla: each head's query/key width without rotary
+    qk_rope_head_dim: int = 64  # mla: the rotary part of each query, and the one shared rotary key
+    v_head_dim: int = 128  # mla: each head's value width
     head_dim: Optional[int] = None  # width of a head; None: hidden / n_heads (Qwen3: free of it)
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3, Gemma 3)
     # Softmax scale of the attention scores, as query_pre_attn_scalar ** -0.5 (Gemma 3); None:
@@ -83,6 +91,11 @@ class ModelConfig:
     # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
     moe_router: Literal["softmax", "sigmoid"] = "softmax"
     moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
+    # Group-limited routing (DeepSeek-V3): experts in moe_groups groups; a token picks its top-k
+    # among the moe_topk_groups groups with the best sums of their two best scores
+    moe_groups: int = 1
+    moe_topk_groups: int = 1  # groups a token's experts come from (with moe_groups > 1)
+    moe_routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
     # Switch-style load-balancing loss coefficient (Fedus et al. 2021), per MoE layer
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0  # router z-loss (Zoph et al. 2022): mean logsumexp^2
@@ -104,6 +117,20 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.hidden // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The width rotary positions turn: a head's, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def qk_width(self) -> int:
+        """A head's query/key width (the scores' dot products)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    @property
+    def v_width(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_size
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of a layer, or None where it attends to the whole context."""

@@ -31,6 +31,10 @@ def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size
         problems.append(f"world size {world_size} is not divisible by {what}: {tps}launch a "
                         f"multiple of {tp * cp * pp} processes")
     problems += pipeline_problems(None if model is None else model.n_layers, parallel, micro_batches)
+    if model is not None and cp > 1 and model.attention == "mla" and parallel.cp_comm == "p2p":
+        problems.append(f"parallel.cp={cp} with model.attention=mla gathers each layer's latent "
+                        f"(kv_lora_rank + qk_rope_head_dim per token, less than a ring's K/V): "
+                        f"set parallel.cp_comm=all_gather")
     if model is not None and cp > 1 and model.dropout > 0:
         # A CP rank holds a zig-zag subset of the tokens: the single process's dropout masks
         # would have to be drawn whole and indexed for every layer to stay the same model.
@@ -74,7 +78,31 @@ def _model_value_problems(model: ModelConfig) -> list[str]:
         (model.rope_theta > 0, f"model.rope_theta={model.rope_theta} must be > 0"),
     ]
     return (problems + [message for ok, message in checks if not ok] + _rope_scaling_problems(model)
-            + _attention_problems(model) + _moe_problems(model))
+            + _attention_problems(model) + _latent_problems(model) + _moe_problems(model))
+
+
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _latent_problems(model: ModelConfig) -> list[str]:
+    if model.attention != "mla":  # a setting that would silently do nothing
+        stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
+                 if f.name in MLA_KEYS and getattr(model, f.name) != f.default]
+        return [f"{_listed(stray)} only apply to model.attention=mla: set it, or leave them "
+                f"out"] if stray else []
+    sizes = {"kv_lora_rank": model.kv_lora_rank, "qk_rope_head_dim": model.qk_rope_head_dim,
+             "v_head_dim": model.v_head_dim, "q_lora_rank": model.q_lora_rank or 1}
+    problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
+    if model.qk_nope_head_dim < 0:
+        problems.append(f"model.qk_nope_head_dim={model.qk_nope_head_dim} must be >= 0")
+    if model.position != "rotary":
+        problems.append(f"model.attention=mla rotates one shared key: it needs "
+                        f"model.position=rotary, not {model.position!r}")
+    if model.n_kv_heads not in (None, model.n_heads) or model.head_dim is not None or model.qk_norm:
+        problems.append("model.attention=mla makes keys and values from a latent: leave "
+                        "model.n_kv_heads, head_dim and qk_norm out (its widths are "
+                        "qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+    return problems
 
 
 def _attention_problems(model: ModelConfig) -> list[str]:
@@ -111,6 +139,17 @@ def _moe_problems(model: ModelConfig) -> list[str]:
         (1 <= model.moe_top_k <= model.n_experts, f"model.moe_top_k={model.moe_top_k} must be "
                                                   f"in [1, model.n_experts={model.n_experts}]"),
         (model.moe_every >= 1, f"model.moe_every={model.moe_every} must be >= 1"),
+        (model.moe_groups >= 1 and model.n_experts % model.moe_groups == 0
+         and (model.moe_groups == 1 or model.n_experts // model.moe_groups >= 2),
+         f"model.moe_groups={model.moe_groups} must divide model.n_experts={model.n_experts} "
+         f"into groups of 2 or more (a group is ranked by its two best scores), or be 1"),
+        (1 <= model.moe_topk_groups <= model.moe_groups and (
+            model.moe_groups == 1
+            or model.moe_top_k <= model.moe_topk_groups * (model.n_experts // model.moe_groups)),
+         f"model.moe_topk_groups={model.moe_topk_groups} must be in [1, model.moe_groups="
+         f"{model.moe_groups}] and its groups hold model.moe_top_k={model.moe_top_k} experts"),
+        (model.moe_routed_scaling > 0,
+         f"model.moe_routed_scaling={model.moe_routed_scaling} must be > 0"),
         (all(0 <= i < model.n_layers for i in model.moe_dense_layers),
          f"model.moe_dense_layers={list(model.moe_dense_layers)} must name layers in "
          f"[0, model.n_layers={model.n_layers})"),
@@ -171,15 +210,15 @@ def _rope_scaling_problems(model: ModelConfig) -> list[str]:
 
 def _model_split_problems(model: ModelConfig) -> list[str]:
     checks = [
-        (model.head_dim is not None or model.hidden % model.n_heads == 0,
+        (model.head_dim is not None or model.attention == "mla" or model.hidden % model.n_heads == 0,
          f"model.hidden={model.hidden} is not divisible by model.n_heads={model.n_heads}: "
          f"choose n_heads among {_divisors(model.hidden)}, or set model.head_dim"),
         (model.n_heads % model.kv_heads == 0,
          f"model.n_heads={model.n_heads} is not divisible by model.n_kv_heads={model.kv_heads}: "
          f"choose n_kv_heads among {_divisors(model.n_heads)}"),
-        (model.position != "rotary" or model.head_size % 2 == 0,
-         f"rotary positions need an even head dim, got {model.head_size}: change "
-         f"model.head_dim (or model.hidden or model.n_heads)"),
+        (model.position != "rotary" or model.rotary_dim % 2 == 0,
+         f"rotary positions need an even head dim, got {model.rotary_dim}: change "
+         f"model.head_dim (or model.hidden or model.n_heads; MLA: model.qk_rope_head_dim)"),
     ]
     return [message for ok, message in checks if not ok]
 

@@ -24,8 +24,8 @@ import torch
 from megalite.cli import command_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
-from megalite.hf import (gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-                         qwen3_moe)
+from megalite.hf import (deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
+                         qwen3, qwen3_moe)
 from megalite.hf.expressible import check_expressible
 from megalite.hf.layout import HFPlan, LastRead, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
@@ -36,7 +36,7 @@ from megalite.typed_config import ConfigError, from_dict
 # config_to_hf, config_from_hf; recipe, its tensors as Hugging Face's: hf/layout.py). An export
 # without model.architecture takes the first that holds the config.
 ARCHITECTURES = {arch.NAME: arch for arch in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral,
-                                               qwen2_moe, qwen3_moe)}
+                                               qwen2_moe, qwen3_moe, deepseek_v3)}
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:

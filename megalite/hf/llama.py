@@ -6,6 +6,7 @@ embedding uses the rotate-half convention, as megalite does, so Q and K need no 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from megalite.config import ModelConfig
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS
@@ -137,29 +138,36 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "se
          "mlp.up.weight": "mlp.up_proj.weight", "mlp.down.weight": "mlp.down_proj.weight"}
 
 
-def recipe(cfg: ModelConfig, layer_names: dict[str, str] = LAYER) -> Recipe:
+def recipe(cfg: ModelConfig, layer_names: dict[str, str] = LAYER,
+           attention: Callable[[ModelConfig, str], Recipe] | None = None) -> Recipe:
     """Each megalite tensor as rows of Llama's (see layout.py), and of the families that share
-    its names: q, k and v biases (Qwen2), q and k norms (Qwen3, Gemma 3). layer_names: a
-    block's tensors but for q/k/v (Gemma 3 names four norms)."""
-    h, d = cfg.hidden, cfg.head_size
-    rows = {"attn.q_proj.weight": cfg.n_heads * d, "mlp.gate.weight": cfg.ffn,
+    its names. layer_names: a block's tensors but for K/V and what `attention` (default
+    gqa_rows) gives, the attention's tensors of a layer from its Hugging Face prefix."""
+    h = cfg.hidden
+    rows = {"attn.q_proj.weight": cfg.n_heads * cfg.head_size, "mlp.gate.weight": cfg.ffn,
             "mlp.up.weight": cfg.ffn}
     out = {"embed.weight": padded("model.embed_tokens.weight", cfg.vocab_size, cfg.padded_vocab)}
     for i in range(cfg.n_layers):
         m, l = f"blocks.{i}.", f"model.layers.{i}."
-        a = l + "self_attn."
         out.update({m + ours: whole(l + theirs, rows.get(ours, h))
                     for ours, theirs in layer_names.items()})
-        out[m + "attn.kv_proj.weight"] = kv_interleaved(a + "k_proj.weight", a + "v_proj.weight",
-                                                        cfg.kv_heads, d)
-        if cfg.qkv_bias:
-            out[m + "attn.q_proj.bias"] = whole(a + "q_proj.bias", cfg.n_heads * d)
-            out[m + "attn.kv_proj.bias"] = kv_interleaved(a + "k_proj.bias", a + "v_proj.bias",
-                                                          cfg.kv_heads, d)
-        if cfg.qk_norm:
-            out[m + "attn.q_norm.weight"] = whole(a + "q_norm.weight", d)
-            out[m + "attn.k_norm.weight"] = whole(a + "k_norm.weight", d)
+        out.update({m + "attn." + ours: theirs
+                    for ours, theirs in (attention or gqa_rows)(cfg, l + "self_attn.").items()})
     out["norm.weight"] = whole("model.norm.weight", h)
     if not cfg.tie_embeddings:
         out["head.weight"] = padded("lm_head.weight", cfg.vocab_size, cfg.padded_vocab)
+    return out
+
+
+def gqa_rows(cfg: ModelConfig, a: str) -> Recipe:
+    """The attention's interleaved K/V (and q, k and v biases: Qwen2; q and k norms: Qwen3,
+    Gemma 3) as rows of the layer's `a` (model.layers.{i}.self_attn.) tensors."""
+    d, out = cfg.head_size, {}
+    out["kv_proj.weight"] = kv_interleaved(a + "k_proj.weight", a + "v_proj.weight", cfg.kv_heads, d)
+    if cfg.qkv_bias:
+        out["q_proj.bias"] = whole(a + "q_proj.bias", cfg.n_heads * d)
+        out["kv_proj.bias"] = kv_interleaved(a + "k_proj.bias", a + "v_proj.bias", cfg.kv_heads, d)
+    if cfg.qk_norm:
+        out["q_norm.weight"] = whole(a + "q_norm.weight", d)
+        out["k_norm.weight"] = whole(a + "k_norm.weight", d)
     return out

@@ -78,6 +78,11 @@ class Attention(nn.Module):
         self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
         self.k_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
 
+    def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        return shape, shape
+
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
@@ -102,25 +107,27 @@ class Attention(nn.Module):
                 # Context parallel: this rank's queries see the whole row's keys and values.
                 kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
                 k, v = kv.chunk(2, dim=1)
-            y = self.attend(q, k, v, layout)
+            y = attend(q, k, v, layout, self.dropout if self.training else 0.0, self.rng,
+                       self.scale)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
                              sequence_parallel)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               layout: SequenceLayout) -> torch.Tensor:
-        gqa = self.kv_heads != self.heads
-        dropout = self.dropout if self.training else 0.0
-        if layout.block_mask is not None and dropout == 0 and self.head_dim >= FLEX_MIN_HEAD_DIM:
-            return flex(q, k, v, layout.block_mask, gqa, self.scale)
-        # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
-        # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
-        # without attention dropout, on heads of 64 or more).
-        mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
-        # A prompt attends causally; a decoded token, alone, attends every cached token.
-        causal = mask is None and q.shape[2] > 1
-        # Attention probabilities belong to this rank's heads only: dropped with the per-rank
-        # generator, so that ranks do not drop the same pattern in different heads.
-        with self.rng.fork() if dropout > 0 else nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  dropout_p=dropout, enable_gqa=gqa,
-                                                  scale=self.scale)
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+           dropout: float, rng: TensorParallelRNG, scale: float | None) -> torch.Tensor:
+    """softmax(q k^T x scale) v over the layout's mask, this rank's heads ([b, heads, s, d]; k
+    and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
+    gqa = k.shape[1] != q.shape[1]
+    if layout.block_mask is not None and dropout == 0 and q.shape[-1] >= FLEX_MIN_HEAD_DIM:
+        return flex(q, k, v, layout.block_mask, gqa, scale)
+    # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
+    # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
+    # without attention dropout, on heads of 64 or more).
+    mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
+    # A prompt attends causally; a decoded token, alone, attends every cached token.
+    causal = mask is None and q.shape[2] > 1
+    # Attention probabilities belong to this rank's heads only: dropped with the per-rank
+    # generator, so that ranks do not drop the same pattern in different heads.
+    with rng.fork() if dropout > 0 else nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              dropout_p=dropout, enable_gqa=gqa, scale=scale)

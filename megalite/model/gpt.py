@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.layout_rules import check_layout
 from megalite.model.attention import Attention
+from megalite.model.latent_attention import LatentAttention
 from megalite.model.kv_cache import KVCache
 from megalite.model.inputs import RankInputs, RankSplit
 from megalite.model.layout import SequenceLayout
@@ -94,11 +95,14 @@ class Output:
         return self._logits
 
 
+ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention -> the part
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.attn_norm = Norm(cfg, pstate)
-        self.attn = Attention(cfg, pstate, rng, layer)
+        self.attn = ATTENTIONS[cfg.attention](cfg, pstate, rng, layer)
         self.attn_post_norm = Norm(cfg, pstate) if cfg.post_norms else None
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
@@ -216,9 +220,9 @@ class GPT(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""
-        attention = next(iter(self.blocks)).attn
-        return KVCache(self.cfg.n_layers, batch, attention.kv_heads, max_len, attention.head_dim,
-                       self.pstate.device, dtype or next(attention.parameters()).dtype)
+        shapes = {int(i): block.attn.cache_shapes(batch, max_len) for i, block in self.blocks.items()}
+        dtype = dtype or next(next(iter(self.blocks)).attn.parameters()).dtype
+        return KVCache(shapes, self.pstate.device, dtype)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocab columns of `logits` (a collective over TP), the padding stripped."""

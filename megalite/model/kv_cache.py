@@ -9,12 +9,18 @@ import torch
 
 
 class KVCache:
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+    def __init__(self, shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]],
                  device: torch.device, dtype: torch.dtype):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        """shapes: per layer, its keys' and values' [batch, heads, max_len, width] (the
+        attention's: per-head K/V, or MLA's latent and rotary key)."""
+        self.keys = {layer: torch.empty(k, device=device, dtype=dtype) for layer, (k, _) in shapes.items()}
+        self.values = {layer: torch.empty(v, device=device, dtype=dtype) for layer, (_, v) in shapes.items()}
         self.offset = 0  # tokens already cached; advanced by the model after each forward
+
+    def bytes_per_token(self) -> int:
+        """What one more token of a sequence costs, over this rank's layers."""
+        return sum(t.shape[1] * t.shape[3] * t.element_size()
+                   for t in (*self.keys.values(), *self.values.values()))
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.offset + k.shape[2]

@@ -16,10 +16,13 @@ from megalite.parallel.state import ParallelState
 
 
 class Norm(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, width: int | None = None):
-        """width: what is normalised (default hidden; a head's width for q/k norms)."""
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, width: int | None = None,
+                 eps: float | None = None):
+        """width: what is normalised (default hidden; a head's width for q/k norms, a latent's
+        for MLA). eps: default the model's."""
         super().__init__()
-        self.kind, self.eps, self.offset = cfg.norm, cfg.norm_eps, cfg.norm_weight_offset
+        self.kind, self.offset = cfg.norm, cfg.norm_weight_offset
+        self.eps = cfg.norm_eps if eps is None else eps
         self.tp_group = pstate.tp_group
         width = cfg.hidden if width is None else width
         self.weight = set_init(nn.Parameter(torch.empty(width, device=pstate.device)),

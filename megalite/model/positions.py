@@ -57,7 +57,7 @@ def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
                         local_theta: float | None = None) -> torch.Tensor:
     """The angle per position of each pair of head dimensions: theta^(-2i/head_dim), scaled by
     cfg.rope_scaling; at base local_theta, if given, unscaled (Gemma 3's local layers)."""
-    d = cfg.head_size
+    d = cfg.rotary_dim
     exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
     inv_freq = 1.0 / (local_theta or cfg.rope_theta) ** exponents
     if local_theta is not None:

@@ -2,7 +2,8 @@
 
 Layout-independent by construction, so that every parallel layout routes every token alike:
 - logits in fp32 from the token's own hidden state (replicated weight), ties broken toward the
-  lower expert index (a stable sort, not topk);
+  lower expert index (a stable sort, not topk; DeepSeek-V3's group-limited routing ties as
+  transformers' topk does);
 - what counts tokens (the capacity's queue, the load-balancing loss) counts the micro-batch's
   real tokens over the ranks that share them (`token_group`: CP's shares, SP's shards), never
   SP's padding, and orders them by their place in the batch.
@@ -40,6 +41,25 @@ class Routing:
     aux_loss: torch.Tensor | None  # this rank's part of the balancing losses (with loss_scale)
 
 
+def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, k] the k best columns of each row, best first, ties to the lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def group_limited(scores: torch.Tensor, groups: int, keep: int, k: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing, [tokens, k] best first: the experts, in `groups`
+    consecutive groups, compete only within each token's `keep` groups with the best sums of
+    their two best scores. Picked by torch.topk as transformers picks, so that ties go the
+    same way (topk's order: a function of the scores and the device, the same on every rank)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, groups, experts // groups)
+    chosen = grouped.topk(2, dim=-1).values.sum(-1).topk(keep, dim=-1, sorted=False).indices
+    inside = torch.zeros(tokens, groups, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
+    limited = grouped.masked_fill(~inside.unsqueeze(-1), float("-inf")).view(tokens, experts)
+    picked = limited.topk(k, dim=-1, sorted=False).indices
+    return picked.gather(1, best(limited.gather(1, picked), k))
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState):
         super().__init__()
@@ -62,10 +82,15 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
         k = cfg.moe_top_k
         picking = scores.detach() + self.expert_bias.float()
-        experts = torch.sort(picking, dim=-1, descending=True, stable=True).indices[:, :k]
+        if cfg.moe_groups > 1:
+            experts = group_limited(picking, cfg.moe_groups, cfg.moe_topk_groups, k)
+        else:
+            experts = best(picking, k)
         weights = scores.gather(1, experts)
         if cfg.moe_renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if cfg.moe_routed_scaling != 1.0:
+            weights = weights * cfg.moe_routed_scaling
         chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
         totals = all_reduce_over(torch.cat([chosen.sum(0), real.sum().view(1)]), group)
         load, n_tokens = totals[:-1], max(int(totals[-1]), 1)

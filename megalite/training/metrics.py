@@ -20,7 +20,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     """N of the PaLM formula: every weight used in a matmul, the LM head once even if tied;
     embedding and position lookups excluded. MoE layers count what a token uses: the router,
     its top-k experts and the shared ones."""
-    attention = cfg.hidden * cfg.n_heads * cfg.head_size * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_size
+    attention = attention_params(cfg)
     per_width = (3 if cfg.gated else 2) * cfg.hidden
     moe = (cfg.hidden * cfg.n_experts + per_width * (cfg.moe_top_k * cfg.expert_ffn + cfg.shared_ffn)
            + cfg.hidden * cfg.moe_shared_gate)
@@ -28,13 +28,24 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * attention + mlps + cfg.vocab_size * cfg.hidden
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention matrices: Q, K, V and O; MLA's down- and up-projections."""
+    if cfg.attention == "mla":
+        heads, rank = cfg.n_heads, cfg.kv_lora_rank
+        q_width = heads * cfg.qk_width
+        q = cfg.hidden * q_width if cfg.q_lora_rank is None else cfg.q_lora_rank * (cfg.hidden + q_width)
+        kv = cfg.hidden * (rank + cfg.qk_rope_head_dim) + rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return q + kv + heads * cfg.v_head_dim * cfg.hidden
+    return cfg.hidden * cfg.n_heads * cfg.head_size * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_size
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 N (forward and backward of the matmuls) + 12 L h s (attention scores and values), h
-    the heads' total width (n_heads x head_dim) and s what a query sees: the sequence, or a
-    sliding layer's window where shorter."""
-    width = cfg.n_heads * cfg.head_size
+    the heads' total width (n_heads x head_dim; MLA: the mean of its q/k and v widths) and s
+    what a query sees: the sequence, or a sliding layer's window where shorter."""
+    widths = cfg.n_heads * (cfg.qk_width + cfg.v_width)
     seen = sum(min(seq_len, cfg.window_of(i) or seq_len) for i in range(cfg.n_layers))
-    return 6 * matmul_params(cfg) + 12 * width * seen
+    return 6 * matmul_params(cfg) + 6 * widths * seen
 
 
 def peak_memory_bytes(ps: ParallelState) -> float:

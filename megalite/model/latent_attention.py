@@ -1,0 +1,102 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), its heads split across TP ranks.
+
+    q      = W_qup norm(W_qdown x)         (or W_q x without q_lora_rank): per head nope + rope dims
+    c, k_r = W_kvdown x                    a latent of kv_lora_rank and ONE rotary key per token
+    k_h, v_h = W_kvup_h norm(c)            each head's key (nope dims) and value from the latent
+    k_h = [k_h, rope(k_r)], q_h = [q_h_nope, rope(q_h_rope)]; softmax(q k^T / sqrt(nope + rope)) v
+
+What is split how: the down-projections and their norms are replicated (every rank makes the
+whole latent from the same x, which enters the TP region once, through f or SP's g); the
+up-projections are column-parallel by heads, reading the latent with no further f (its
+gradient here is this rank's heads' part, as is that of the replicated weights: summed over TP,
+the weights' by their own f, x's by the shared one); the output projection is row-parallel.
+Per layer the collectives are GQA's: one all-reduce forward (g), one backward (f).
+
+Context parallel: what moves between CP ranks is the latent and the rotary key,
+(kv_lora_rank + qk_rope_head_dim) per token, not per-head keys and values; each rank then
+up-projects the whole row's latent for its heads. Generation: the KV cache holds the same,
+the latent and the rotated rotary key of each token (KVCache's keys and values).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.config import ModelConfig
+from megalite.model.attention import attend
+from megalite.model.kv_cache import KVCache
+from megalite.model.layout import SequenceLayout
+from megalite.model.mlp import down_init_std
+from megalite.model.norm import Norm
+from megalite.model.positions import apply_rotary
+from megalite.parallel.context import gather_from_context_parallel_region
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from megalite.parallel.random import TensorParallelRNG
+from megalite.parallel.state import ParallelState
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon, whatever the model's
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
+        super().__init__()
+        tp, std = pstate.tp_size, cfg.init_std
+        self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
+        self.heads = cfg.n_heads // tp
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.window = cfg.window_of(layer)
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.tp_group, self.cp_group = pstate.tp_group, pstate.cp_group
+        self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
+        q_width = cfg.n_heads * (self.nope + self.rope)
+        rank = cfg.q_lora_rank
+        # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
+        self.q_down = (ColumnParallelLinear(cfg.hidden, rank, pstate, bias=False, init_std=std, shards=1)
+                       if rank else None)
+        self.q_norm = Norm(cfg, pstate, rank, eps=LATENT_NORM_EPS) if rank else None
+        self.q_up = ColumnParallelLinear(rank or cfg.hidden, q_width, pstate, bias=False, init_std=std)
+        self.kv_down = ColumnParallelLinear(cfg.hidden, self.rank + self.rope, pstate, bias=False,
+                                            init_std=std, shards=1)
+        self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
+        self.kv_up = ColumnParallelLinear(self.rank, cfg.n_heads * (self.nope + self.v_dim), pstate,
+                                          bias=False, init_std=std)
+        self.out_proj = RowParallelLinear(cfg.n_heads * self.v_dim, cfg.hidden, pstate, bias=False,
+                                          init_std=down_init_std(cfg))
+
+    def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """What a KV cache holds per token: the latent and the rotary key, one of each for all
+        heads (GQA: kv_heads x head_dim twice)."""
+        return (batch, 1, max_len, self.rank), (batch, 1, max_len, self.rope)
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout,
+                rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+        first = self.q_down if self.q_down is not None else self.q_up
+        q, latent = column_parallel_linears(x, self.tp_group, sequence_parallel,
+                                            first.weight_and_bias(), self.kv_down.weight_and_bias())
+        batch, seq, _ = q.shape
+        if self.q_down is not None:
+            q = F.linear(self.q_norm(q, self.split), self.q_up.weight)  # this rank's heads
+        q = q.view(batch, seq, self.heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        c, k_rot = latent.split([self.rank, self.rope], dim=-1)
+        c, k_rot = self.kv_norm(c, self.split).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
+        cos, sin = rotary["global"]
+        q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+        if cache is not None:
+            c, k_rot = cache.extend(self.layer, c, k_rot)
+        if self.cp_group is not None:  # the whole row's latents and rotary keys: small
+            both = gather_from_context_parallel_region(torch.cat((c, k_rot), dim=-1), self.cp_group)
+            c, k_rot = both.split([self.rank, self.rope], dim=-1)
+        kv = F.linear(c.squeeze(1), self.kv_up.weight)
+        kv = kv.view(batch, -1, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
+        if self.window is not None:
+            layout = layout.windowed(self.window)
+        y = attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, self.dropout if self.training
+                   else 0.0, self.rng, self.scale)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.v_dim),
+                             sequence_parallel)

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 against transformers itself (CPU, fp32): random DeepseekV3ForCausalLM models (a
+dense layer then MoE layers with a shared expert, group-limited sigmoid routing with a
+correction bias and a routed scale; q_lora on and off; weights and biases perturbed off their
+init) imported by `megalite import`, evaluated by `torchrun ... megalite eval` at TP2 and at
+TP2 x EP2 with transformers' loss, exported back with the same loss, and greedy generation at
+TP2 through the latent KV cache equal to transformers'. The router's choices equal
+transformers' on the same scores, ties included; the cache holds the latent and the rotary
+key per token, as its formula says."""
+import json
+
+import pytest
+import tokenizers
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megalite.config import ModelConfig  # noqa: E402
+from megalite.hf.convert import checkpoint_model_config  # noqa: E402
+from megalite.model import GPT  # noqa: E402
+from megalite.model.router import group_limited  # noqa: E402
+from megalite.parallel.state import ParallelState  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
+from tests.test_hf_architectures import generate_at_tp2  # noqa: E402
+from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
+from tests.test_resume import run, torchrun  # noqa: E402
+
+
+def deepseek_config(q_lora_rank):
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, norm_topk_prob=True, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)
+
+
+def random_deepseek(directory, tokenizer_file, q_lora_rank):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(deepseek_config(q_lora_rank)).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in [*hf.parameters(), *(b for n, b in hf.named_buffers() if "correction" in n)]:
+            t.add_(torch.randn(t.shape, generator=generator) * 0.3)
+    hf.save_pretrained(directory)
+    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    return hf
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "no-q_lora"])
+def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, tokenizer_file,
+                                                                    q_lora_rank):
+    hf = random_deepseek(tmp_path / "hf", tokenizer_file, q_lora_rank)
+    run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
+    cfg = checkpoint_model_config(tmp_path / "ckpt")
+    assert (cfg.attention, cfg.q_lora_rank, cfg.moe_dense_layers, cfg.moe_groups,
+            cfg.moe_routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
+    text = tmp_path / "text.txt"
+    text.write_text("tensor parallel training of language models, " * 30)
+    ids = torch.tensor(tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+                       .encode(text.read_text(), add_special_tokens=False).ids)
+    loss, count = transformers_loss(hf, ids)
+    for nproc, ep in ((2, []), (4, ["--ep", "2"])):
+        done = run(torchrun(nproc) + ["-m", "megalite", "eval", "--ckpt", str(tmp_path / "ckpt"),
+                                      "--text", str(text), "--tp", "2", *ep, "--json"])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
+
+    assert "wrote DeepseekV3ForCausalLM" in run_cli(
+        "export", "--ckpt", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
+
+    prompt = [17, 45, 3, 99, 120]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+    ours = run_distributed(generate_at_tp2, 2, str(tmp_path / "ckpt"), prompt)[0]
+    assert ours == theirs and len(set(theirs)) > 3
+
+
+@pytest.mark.parametrize("bias", [[0.0] * 8, [0.5, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5]])
+def test_group_limited_choices_equal_transformers_ties_included(bias):
+    """Logits of two values, so that experts and groups tie at the cut (checked)."""
+    config = deepseek_config(None)
+    config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok = 8, 4, 2, 3
+    router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+    logits = torch.randint(0, 2, (500, 8), generator=torch.Generator().manual_seed(0)).float()
+    bias = torch.tensor(bias)
+    router.e_score_correction_bias.copy_(bias)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8, 32))  # logits = the first 8 hidden features
+        _, _, theirs = router(torch.nn.functional.pad(logits, (0, 24)))
+    picking = logits.sigmoid() + bias
+    ours = group_limited(picking, 4, 2, 3)
+    assert (ours.sort(-1).values == theirs.sort(-1).values).all()
+    groups = picking.view(500, 4, 2).sum(-1).sort(-1, descending=True).values
+    assert (groups[:, 1] == groups[:, 2]).sum() > 50  # ties at the groups' cut
+    assert (picking.gather(1, ours).diff(dim=-1) <= 0).all()  # best first
+
+
+def test_the_latent_cache_holds_the_latent_and_the_rotary_key():
+    """Bytes per token and layer: (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), the same at
+    every TP rank; GQA's: 2 x kv_heads / tp x head_dim x 4."""
+    mla = ModelConfig(attention="mla", position="rotary", norm="rmsnorm", activation="swiglu",
+                      bias=False, vocab_size=100, n_layers=3, hidden=32, n_heads=4, kv_lora_rank=16,
+                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, max_seq_len=32)
+    gqa = ModelConfig(position="rotary", norm="rmsnorm", activation="swiglu", bias=False,
+                      vocab_size=100, n_layers=3, hidden=32, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    assert GPT(mla, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * (16 + 4) * 4
+    assert GPT(gqa, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * 2 * 2 * 8 * 4
+    assert run_distributed(cache_bytes_at_tp2, 2, mla) == [3 * (16 + 4) * 4] * 2
+
+
+def cache_bytes_at_tp2(cfg):
+    return GPT(cfg, ParallelState.from_world(2)).new_cache(1, 10).bytes_per_token()
