@@ -1,0 +1,46 @@
+"""DeepSeek-V3's shape (multi-head latent attention with a query latent, a dense layer then
+MoE layers with a shared expert, group-limited sigmoid routing with the auxiliary-loss-free
+bias and a routed scale) trains at TP2 x DP2, TP2 + SP, EP2 x TP2, PP2 and CP2 as one process
+does: losses, gradient norms (clipping active) and final weights after 10 steps, to 1e-5
+(fp32), padded and packed."""
+import pytest
+
+from tests.test_architectures_train import LLAMA
+from tests.test_train import assert_same_training, common, train_run
+
+DEEPSEEK = LLAMA + ["model.n_kv_heads=null", "model.attention=mla", "model.q_lora_rank=24",
+                    "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4",
+                    "model.v_head_dim=12", "model.n_experts=4", "model.moe_top_k=2",
+                    "model.moe_ffn_hidden=16", "model.n_shared_experts=1", "model.moe_router=sigmoid",
+                    "model.moe_groups=2", "model.moe_topk_groups=1", "model.moe_routed_scaling=2.5",
+                    "model.moe_dense_layers=[0]", "model.moe_bias_update_rate=0.01", "model.n_layers=3",
+                    "parallel.pp_layers=null"]
+LAYOUTS = {
+    "tp2-dp2": ["parallel.tp=2"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2-tp2": ["parallel.tp=2", "parallel.ep=2"],
+    "pp2": ["parallel.pp=2", "parallel.pp_layers=[1,2]"],
+    "cp2": ["parallel.cp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    runs = {}
+
+    def run(mode: str):
+        if mode not in runs:
+            runs[mode] = tmp_path_factory.mktemp(f"single-{mode}")
+            train_run(1, common(cache, runs[mode], mode) + DEEPSEEK
+                      + ["parallel.tp=1", "train.micro_batch_size=8"])
+        return runs[mode]
+    return run
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_deepseek_v3_trains_like_one_process(tmp_path, cache, single, mode, layout):
+    run_dir = tmp_path / layout
+    train_run(4, common(cache, run_dir, mode) + DEEPSEEK + LAYOUTS[layout]
+              + ["train.micro_batch_size=2"])
+    assert_same_training(single(mode), run_dir)
