@@ -42,6 +42,12 @@ LAYOUTS = {"name": "layouts", "base": DEMO, "batch": "packed",
                       {"parallel.cp": 2, "parallel.cp_comm": "p2p"},
                       {"parallel.cp": 4, "parallel.cp_comm": "p2p"}],
            "warmup_steps": 0, "steps": 1}
+# Multi-head latent attention (DeepSeek-V3's), at TP2 and at CP2: what TP and CP move.
+MLA = {"model.position": "rotary", "model.norm": "rmsnorm", "model.activation": "swiglu",
+       "model.bias": False, "model.attention": "mla", "model.q_lora_rank": 24,
+       "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 4,
+       "model.v_head_dim": 12}
+LAYOUTS["points"] += [{**MLA, "parallel.tp": 2}, {**MLA, "parallel.cp": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +107,20 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
             comm[("all_gather", "tp")] = bsh + micro_batches * 2 * L * b * s * h
             comm[("all_reduce", "tp")] = loss + micro_batches * replicated + 1
         else:
-            comm[("all_reduce", "tp")] = bsh + loss + 1
+            comm[("all_reduce", "tp")] = bsh + loss + 1 + micro_batches * L * latent_weights(cfg.model)
     if c > 1:
         comm.update(kv_elements(point, cfg))
     n, group = grad_group(point)
     return {**comm, **{key: elements for key, (elements, _) in grad_sync(cfg, t, n, group).items()}}
+
+
+def latent_weights(m) -> int:
+    """MLA: one layer's replicated weights read by this rank's heads only (the down-projections
+    and the latent norms), whose gradients are all-reduced over TP in each backward."""
+    if m.attention != "mla":
+        return 0
+    q = (m.hidden + 1) * m.q_lora_rank if m.q_lora_rank else 0
+    return q + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
 
 
 def grad_group(point: dict) -> tuple[int, str]:
@@ -149,10 +164,15 @@ def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
     micro-batch, all_gather gathers K and V of the whole row (b x 2 kv_heads x s x head_dim) and
     reduce-scatters their gradients; p2p receives cp - 1 K/V blocks of s / cp tokens forward,
     the same backward, and cp dK/dV accumulators, each a step behind its block, the last one
-    its own block's, home."""
+    its own block's, home. MLA gathers the latent and the rotary key of each token instead
+    (b x s x (kv_lora_rank + qk_rope_head_dim)), whatever the heads."""
     m = cfg.model
     b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
-    per = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b * m.kv_heads * m.head_size
+    layers = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b
+    if m.attention == "mla":
+        per = layers * (m.kv_lora_rank + m.qk_rope_head_dim) * s
+        return {("all_gather", "cp"): per, ("reduce_scatter", "cp"): per}
+    per = layers * m.kv_heads * m.head_size
     if point["cp_comm"] == "all_gather":
         return {("all_gather", "cp"): per * 2 * s, ("reduce_scatter", "cp"): per * 2 * s}
     return {("recv", "cp"): per * (s // cp) * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)}
