@@ -59,18 +59,31 @@ class ModelConfig:
     # unscaled; None: rope_theta and its scaling, as every other layer
     rope_local_theta: Optional[float] = None
     # Rotary frequencies stretched for contexts longer than pretraining's: none, linear (every
-    # frequency / rope_factor) or llama3 (Llama 3.1+: long wavelengths / rope_factor, short ones
-    # kept, a smooth blend between; model/positions.py)
-    rope_scaling: Literal["none", "linear", "llama3"] = "none"
-    rope_factor: float = 1.0  # linear and llama3: how much longer the context is (Llama 3.1: 8)
+    # frequency / rope_factor), llama3 (Llama 3.1+: long wavelengths / rope_factor, short ones
+    # kept, a smooth blend between) or yarn (YaRN, Peng et al. 2023: a blend by rotations over
+    # the pretraining context, and an attention factor; DeepSeek-V3, Qwen2.5 long context;
+    # model/positions.py)
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is (Llama 3.1: 8)
     # llama3: wavelengths above rope_original_max_seq_len / rope_low_freq_factor are divided by
     # rope_factor (Llama 3.1: 1)
     rope_low_freq_factor: float = 1.0
     # llama3: wavelengths below rope_original_max_seq_len / rope_high_freq_factor are kept
     # (Llama 3.1: 4)
     rope_high_freq_factor: float = 4.0
-    # llama3: the context length the model was pretrained at (Llama 3.1: 8192)
+    # llama3, yarn: the context length the model was pretrained at (Llama 3.1: 8192)
     rope_original_max_seq_len: int = 8192
+    # yarn: frequencies turning more than rope_beta_fast times over the pretraining context are
+    # kept, fewer than rope_beta_slow times divided by rope_factor, a linear ramp between
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0  # yarn: see rope_beta_fast
+    # yarn: cos and sin times this; None: 0.1 ln(factor) + 1, or with rope_mscale and
+    # rope_mscale_all_dim the ratio of those two scales (DeepSeek-V3: 1)
+    rope_attention_factor: Optional[float] = None
+    rope_mscale: float = 0.0  # yarn: see rope_attention_factor (0: unset)
+    # yarn: see rope_attention_factor; MLA's softmax scale is also multiplied by
+    # (0.1 rope_mscale_all_dim ln(factor) + 1)^2 (DeepSeek-V3)
+    rope_mscale_all_dim: float = 0.0
     bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
     # Norms also on the attention's and the MLP's outputs, before the residual adds (Gemma 2/3)
     post_norms: bool = False

@@ -196,6 +196,14 @@ def _rope_scaling_problems(model: ModelConfig) -> list[str]:
                 f"model.rope_scaling=none"]
     checks = [(model.rope_factor > 0, f"model.rope_factor={model.rope_factor} must be > 0 "
                                       f"(with model.rope_scaling={scaling!r})")]
+    if scaling == "yarn":
+        checks += [
+            (model.rope_beta_fast > model.rope_beta_slow > 0,
+             f"model.rope_beta_fast={model.rope_beta_fast} must be > model.rope_beta_slow="
+             f"{model.rope_beta_slow} > 0 (YaRN: 32 and 1)"),
+            (model.rope_original_max_seq_len >= 1,
+             f"model.rope_original_max_seq_len={model.rope_original_max_seq_len} must be >= 1"),
+        ]
     if scaling == "llama3":
         low, high = model.rope_low_freq_factor, model.rope_high_freq_factor
         checks += [

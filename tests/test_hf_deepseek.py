@@ -115,3 +115,35 @@ def test_the_latent_cache_holds_the_latent_and_the_rotary_key():
 
 def cache_bytes_at_tp2(cfg):
     return GPT(cfg, ParallelState.from_world(2)).new_cache(1, 10).bytes_per_token()
+
+
+def logits_of(directory, ids):
+    from megalite.hf.convert import load_pretrained, pretrained_config
+    model = GPT(pretrained_config(directory), ParallelState(), init=False)
+    load_pretrained(directory, model, ParallelState())
+    with torch.no_grad():
+        return model.full_logits(model(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen2"])
+def test_yarn_scaled_models_give_transformers_logits(tmp_path, tokenizer_file, name):
+    """YaRN over a pretraining context of 16 in a model of 64 (factor 4): the ramped
+    frequencies, cos and sin times the attention factor, and DeepSeek-V3's softmax rescaled by
+    its mscale_all_dim correction squared; logits at every position to 1e-5."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0}
+    if name == "deepseek_v3":
+        config = deepseek_config(24)
+        config.rope_parameters = {**yarn, "mscale": 1.0, "mscale_all_dim": 0.7}
+    else:
+        config = transformers.Qwen2Config(vocab_size=VOCAB, max_position_embeddings=CONTEXT,
+                                          hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          rope_parameters=yarn)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, CONTEXT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    torch.testing.assert_close(logits_of(tmp_path / "hf", ids), theirs, atol=1e-5, rtol=1e-5)

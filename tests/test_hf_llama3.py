@@ -241,11 +241,11 @@ def write_llama_config(directory, **changes) -> None:
     (directory / "config.json").write_text(json.dumps({**config, **changes}))
 
 
-SUPPORTED = r"\(megalite computes rope_type 'default', 'linear', 'llama3'\)"
+SUPPORTED = r"\(megalite computes rope_type 'default', 'linear', 'llama3', 'yarn'\)"
 
 
 @pytest.mark.parametrize("rope,message", [
-    ({"rope_type": "yarn", "factor": 4.0}, f"rope scaling 'yarn' {SUPPORTED}"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "yarn with truncate=false"),
     ({"rope_type": "dynamic", "factor": 2.0}, f"rope scaling 'dynamic' {SUPPORTED}"),
     ({"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
      f"rope scaling 'longrope' {SUPPORTED}"),

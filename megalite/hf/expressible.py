@@ -15,7 +15,8 @@ SHARED = frozenset({"architecture", "vocab_size", "vocab_pad_multiple", "max_seq
 # A decoder of Llama's shape: GQA, rotary (and its scalings), a head of its own or tied.
 DECODER = frozenset({"n_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rope_factor",
                      "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
-                     "tie_embeddings"})
+                     "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_mscale",
+                     "rope_mscale_all_dim", "tie_embeddings"})
 LLAMA_NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
 # A mixture of experts' settings that training alone reads (capacity, balancing losses).
 MOE = frozenset({"n_experts", "moe_top_k", "moe_ffn_hidden", "moe_aux_loss_coeff",

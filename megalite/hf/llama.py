@@ -86,13 +86,19 @@ def sliding_to_hf(cfg: ModelConfig) -> dict:
 
 
 # Hugging Face's rope_type -> model.rope_scaling
-SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}
+SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # The rope parameters each scaling reads: megalite's name -> Hugging Face's.
 ROPE_KEYS = {"none": {},
              "linear": {"rope_factor": "factor"},
              "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                         "rope_high_freq_factor": "high_freq_factor",
-                        "rope_original_max_seq_len": "original_max_position_embeddings"}}
+                        "rope_original_max_seq_len": "original_max_position_embeddings"},
+             "yarn": {"rope_factor": "factor",
+                      "rope_original_max_seq_len": "original_max_position_embeddings"}}
+# Keys a scaling may leave out (their default is megalite's): megalite's name -> Hugging Face's.
+ROPE_OPTIONAL = {"yarn": {"rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow",
+                          "rope_attention_factor": "attention_factor", "rope_mscale": "mscale",
+                          "rope_mscale_all_dim": "mscale_all_dim"}}
 
 
 def rope_from_hf(hf: dict, problems: list[str] | None = None,
@@ -113,20 +119,28 @@ def rope_from_hf(hf: dict, problems: list[str] | None = None,
         problems.append(f"partial_rotary_factor {partial} (megalite rotates the whole head)")
     out["rope_scaling"] = SCALINGS[rope_type]
     # transformers' default: the pretraining context is the model's
-    given = {"original_max_position_embeddings": hf["max_position_embeddings"], **rope}
+    given = {"original_max_position_embeddings": hf["max_position_embeddings"],
+             **{k: v for k, v in rope.items() if v is not None}}
+    if rope_type == "yarn":  # DeepSeek's may leave the factor to the two contexts' ratio
+        given.setdefault("factor", hf["max_position_embeddings"] / given["original_max_position_embeddings"])
+        if rope.get("truncate", True) is False:
+            problems.append("yarn with truncate=false (megalite rounds the ramp's ends out)")
     for ours, theirs in ROPE_KEYS[out["rope_scaling"]].items():
         if theirs in given:
             out[ours] = type(getattr(ModelConfig, ours))(given[theirs])  # the field's int or float
         else:
             problems.append(f"rope scaling {rope_type!r} without {theirs!r}")
+    out.update({ours: float(given[theirs])
+                for ours, theirs in ROPE_OPTIONAL.get(out["rope_scaling"], {}).items() if theirs in given})
     return out, problems
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
     """transformers 5's rope_parameters, and rope_theta and rope_scaling for older readers."""
-    keys = ROPE_KEYS[cfg.rope_scaling]
+    keys = {**ROPE_KEYS[cfg.rope_scaling], **ROPE_OPTIONAL.get(cfg.rope_scaling, {})}
     scaling = {"rope_type": next(t for t, ours in SCALINGS.items() if ours == cfg.rope_scaling),
-               **{theirs: getattr(cfg, ours) for ours, theirs in keys.items()}}
+               **{theirs: getattr(cfg, ours) for ours, theirs in keys.items()
+                  if getattr(cfg, ours) is not None}}
     return {"rope_theta": cfg.rope_theta,
             "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
             "rope_scaling": scaling if keys else None}

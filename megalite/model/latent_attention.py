@@ -29,7 +29,7 @@ from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
-from megalite.model.positions import apply_rotary
+from megalite.model.positions import apply_rotary, yarn_scale
 from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from megalite.parallel.random import TensorParallelRNG
@@ -47,7 +47,11 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.window = cfg.window_of(layer)
-        self.scale = (self.nope + self.rope) ** -0.5
+        # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
+        # correction, squared (transformers' yarn_apply_mscale)
+        mscale = (yarn_scale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+                  if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim else 1.0)
+        self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
         self.tp_group, self.cp_group = pstate.tp_group, pstate.cp_group
         self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
         q_width = cfg.n_heads * (self.nope + self.rope)

@@ -36,6 +36,7 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(cfg, device), persistent=False)
+        self.factor = attention_factor(cfg)
         local = cfg.rope_local_theta
         self.register_buffer("local_inv_freq", None if local is None else
                              inverse_frequencies(cfg, device, local), persistent=False)
@@ -43,14 +44,18 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos and sin of shape [batch, 1, seq, head_dim], broadcast over heads: "global" for
         every layer, "local" for sliding-window layers where they have a base of their own."""
-        return {kind: _angles(positions, inv_freq) for kind, inv_freq in
-                (("global", self.inv_freq), ("local", self.local_inv_freq)) if inv_freq is not None}
+        return {kind: _angles(positions, inv_freq, factor) for kind, inv_freq, factor in
+                (("global", self.inv_freq, self.factor), ("local", self.local_inv_freq, 1.0))
+                if inv_freq is not None}
 
 
-def _angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _angles(positions: torch.Tensor, inv_freq: torch.Tensor,
+            factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.unsqueeze(-1).float() * inv_freq
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
@@ -66,7 +71,42 @@ def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
         return inv_freq / cfg.rope_factor
     if cfg.rope_scaling == "llama3":
         return _llama3(inv_freq, cfg)
+    if cfg.rope_scaling == "yarn":
+        return _yarn(inv_freq, cfg)
     return inv_freq
+
+
+def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): pair i of the head turns r_i = L / wavelength_i times over the
+    pretraining context L; a pair with r_i >= rope_beta_fast keeps its frequency, one with
+    r_i <= rope_beta_slow takes frequency / rope_factor, and between them the two blend by a
+    linear ramp over the pair index, its ends floored and ceiled (transformers' truncate)."""
+    d, base = cfg.rotary_dim, cfg.rope_theta
+
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index turning that often
+        return d * math.log(cfg.rope_original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_of(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(pair_of(cfg.rope_beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / max(high - low, 0.001)).clamp(0.0, 1.0)
+    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_scale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times longer: 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (1 without it)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return yarn_scale(cfg.rope_factor, cfg.rope_mscale) / yarn_scale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+    return yarn_scale(cfg.rope_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
