@@ -45,6 +45,25 @@ def test_flops_per_token_counts_free_head_widths_and_sliding_windows():
     assert flops_per_token(cfg, 256) == 6 * matmul_params(cfg) + 12 * 1024 * 26 * 256
 
 
+def test_flops_per_token_count_latent_attention_and_the_experts_a_token_uses():
+    """DeepSeek-V3 (671B, 37B active): MLA's down- and up-projections, 3 dense layers, 58 MoE
+    layers of 8 routed + 1 shared expert of 2048 and the router; scores of 192 dims, values of
+    128, over 128 heads."""
+    from megalite.config import ModelConfig
+    cfg = ModelConfig(vocab_size=129280, n_layers=61, hidden=7168, n_heads=128, attention="mla",
+                      position="rotary", norm="rmsnorm", activation="swiglu", bias=False,
+                      q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, ffn_hidden=18432, n_experts=256, moe_top_k=8,
+                      moe_ffn_hidden=2048, n_shared_experts=1, moe_dense_layers=(0, 1, 2),
+                      tie_embeddings=False)
+    attention = (7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
+                 + 128 * 128 * 7168)
+    moe = 7168 * 256 + 3 * 7168 * (8 * 2048 + 2048)
+    n = 61 * attention + 3 * 3 * 7168 * 18432 + 58 * moe + 129280 * 7168
+    assert matmul_params(cfg) == n and 36e9 < n < 38e9  # the published 37B active, less embeddings
+    assert flops_per_token(cfg, 4096) == 6 * n + 6 * 128 * (192 + 128) * 61 * 4096
+
+
 def test_packed_labels_never_cross_a_document_boundary(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n" for i in range(20)))

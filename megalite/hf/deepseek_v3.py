@@ -6,7 +6,9 @@ layers, mixtures of experts with shared experts, sigmoid scores with e_score_cor
 Layouts: megalite's q_up and kv_down are q_b_proj (or q_proj) and kv_a_proj_with_mqa, whose
 rotary rows transformers lays out in interleaved pairs (rope_interleave): megalite holds each
 rotary block's even rows, then its odd ones, so that its rotate-half rotation is the same
-rotation (q and k permuted alike: the same scores). Files hold one tensor per expert.
+rotation (q and k permuted alike: the same scores). Files hold one tensor per expert. The
+multi-token-prediction layers (num_nextn_predict_layers) are not read: transformers does not
+run them either; export writes none.
 """
 from __future__ import annotations
 

@@ -41,6 +41,10 @@ def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -
         problems.append("attention_bias / mlp_bias")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}")
+    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's released fp8 blocks and their scales
+        method = hf["quantization_config"].get("quant_method", "?")
+        problems.append(f"quantization_config ({method}: megalite reads unquantized weights; "
+                        f"dequantize to bf16 first)")
     if problems:
         raise ConfigError(f"unsupported {family} checkpoint: " + "; ".join(problems))
     cfg = ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
