@@ -36,16 +36,16 @@ EXTRA = {("qwen3_moe", "tp2-dp2-sp"): ["parallel.ep=2"], ("qwen3_moe", "pp2-cp2"
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache):
-    """Each architecture's one-process run, made once for the module."""
+    """The one-process run of some settings on padded or packed rows, made once a module."""
     runs = {}
 
-    def run(name: str):
-        if name not in runs:
-            settings, mode = ARCHITECTURES[name]
-            runs[name] = tmp_path_factory.mktemp(f"single-{name}")
-            train_run(1, common(cache, runs[name], mode) + settings
+    def run(settings: list[str], mode: str):
+        key = (*settings, mode)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp(f"single-{mode}")
+            train_run(1, common(cache, runs[key], mode) + settings
                       + ["parallel.tp=1", "train.micro_batch_size=8"])
-        return runs[name]
+        return runs[key]
     return run
 
 
@@ -56,4 +56,4 @@ def test_architecture_trains_like_one_process(tmp_path, cache, single, name, lay
     run_dir = tmp_path / layout
     train_run(4, common(cache, run_dir, mode) + settings + LAYOUTS[layout]
               + EXTRA.get((name, layout), []) + ["train.micro_batch_size=2"])
-    assert_same_training(single(name), run_dir)
+    assert_same_training(single(settings, mode), run_dir)

@@ -5,7 +5,8 @@ does: losses, gradient norms (clipping active) and final weights after 10 steps,
 (fp32), padded and packed."""
 import pytest
 
-from tests.test_architectures_train import LLAMA
+from tests.test_architectures_train import LLAMA, single  # noqa: F401  (the fixture)
+from tests.test_moe_train import assert_docs_command_trains_like_one_process
 from tests.test_train import assert_same_training, common, train_run
 
 DEEPSEEK = LLAMA + ["model.n_kv_heads=null", "model.attention=mla", "model.q_lora_rank=24",
@@ -24,47 +25,18 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, cache):
-    runs = {}
-
-    def run(mode: str):
-        if mode not in runs:
-            runs[mode] = tmp_path_factory.mktemp(f"single-{mode}")
-            train_run(1, common(cache, runs[mode], mode) + DEEPSEEK
-                      + ["parallel.tp=1", "train.micro_batch_size=8"])
-        return runs[mode]
-    return run
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_deepseek_v3_trains_like_one_process(tmp_path, cache, single, mode, layout):
     run_dir = tmp_path / layout
     train_run(4, common(cache, run_dir, mode) + DEEPSEEK + LAYOUTS[layout]
               + ["train.micro_batch_size=2"])
-    assert_same_training(single(mode), run_dir)
+    assert_same_training(single(DEEPSEEK, mode), run_dir)
 
 
 def test_the_docs_command_trains_like_one_process(tmp_path, cache):
     """docs/architectures.md's DeepSeek-V3 command (configs/demo-deepseek.yaml at TP2 x EP2), a
     few steps, gives the single process's losses."""
-    from pathlib import Path
-
-    from tests.test_train import losses
-    root = Path(__file__).resolve().parent.parent
-    docs = (root / "docs" / "architectures.md").read_text().split("## Multi-head latent attention")[1]
-    command = docs.split("```bash")[1].split("```")[0].split()
-    assert command[:3] == ["torchrun", "--nproc_per_node", "4"]
-    argv = command[command.index("--config"):]
-    assert argv[1] == "configs/demo-deepseek.yaml" and {"parallel.ep=2", "parallel.tp=2"} <= set(argv)
-    short = [f"data.cache_dir={cache}", "data.bpe_vocab_size=512", "train.max_steps=3",
-             "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64",
-             "train.eval_every=0", "train.eval_tokens=64", "sample.max_new_tokens=2"]
-    argv = [a.replace("configs/", f"{root}/configs/") for a in argv]
-    train_run(4, argv + short + [f"run.dir={tmp_path / 'ep2'}"])
-    train_run(1, argv + short + [f"run.dir={tmp_path / 'one'}", "parallel.ep=1", "parallel.tp=1"])
-    one, ep2 = losses(tmp_path / "one"), losses(tmp_path / "ep2")
-    assert sorted(ep2) == [1, 2, 3] and sorted(one) == sorted(ep2)
-    for step in one:
-        assert abs(one[step] - ep2[step]) <= 1e-5, (step, one[step], ep2[step])
+    assert_docs_command_trains_like_one_process(tmp_path, cache, "architectures.md",
+                                                "## Multi-head latent attention",
+                                                "configs/demo-deepseek.yaml")

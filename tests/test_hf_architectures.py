@@ -88,20 +88,27 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
     cfg = checkpoint_model_config(tmp_path / "ckpt")
     expected = {"architecture": type(hf).__name__, **ARCHITECTURES[name][1]}
     assert {key: getattr(cfg, key) for key in expected} == expected
+    same_as_transformers(hf, tmp_path, [["--ep", "2"]] if cfg.n_experts else [[]])
+
+
+def same_as_transformers(hf, tmp_path, eps: list[list[str]]) -> None:
+    """The checkpoint imported at tmp_path/ckpt from tmp_path/hf: `torchrun ... megalite eval
+    --tp 2` (with each of `eps`' options) gives transformers' loss; exported in fp32,
+    transformers reads the same model; greedy generation at TP2 equals transformers'."""
     text = tmp_path / "text.txt"
     text.write_text("tensor parallel training of language models, " * 30)  # > 2 windows
-    ep = ["--ep", "2"] if cfg.n_experts else []
-    done = run(torchrun(2 * (1 + bool(ep))) + ["-m", "megalite", "eval", "--ckpt",
-                                               str(tmp_path / "ckpt"), "--text", str(text),
-                                               "--tp", "2", *ep, "--json"])
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     # The tokenizer file itself: AutoTokenizer would pick each family's class (Gemma's wants
     # an <unk> this small BPE lacks).
     tok = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
     ids = torch.tensor(tok.encode(text.read_text(), add_special_tokens=False).ids)
     loss, count = transformers_loss(hf, ids)
-    assert len(ids) > 2 * CONTEXT and result["tokens"] == count
-    assert result["loss"] == pytest.approx(loss, abs=1e-5)
+    assert len(ids) > 2 * CONTEXT
+    for ep in eps:
+        done = run(torchrun(4 if ep else 2) + ["-m", "megalite", "eval", "--ckpt",
+                                               str(tmp_path / "ckpt"), "--text", str(text),
+                                               "--tp", "2", *ep, "--json"])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
 
     assert f"wrote {type(hf).__name__}" in run_cli("export", "--ckpt", str(tmp_path / "ckpt"),
                                                    "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")

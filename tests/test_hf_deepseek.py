@@ -6,10 +6,7 @@ TP2 x EP2 with transformers' loss, exported back with the same loss, and greedy 
 TP2 through the latent KV cache equal to transformers'. The router's choices equal
 transformers' on the same scores, ties included; the cache holds the latent and the rotary
 key per token, as its formula says."""
-import json
-
 import pytest
-import tokenizers
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -21,9 +18,8 @@ from megalite.model.router import group_limited  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_architectures import generate_at_tp2  # noqa: E402
-from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
-from tests.test_resume import run, torchrun  # noqa: E402
+from tests.test_hf_architectures import same_as_transformers  # noqa: E402
+from tests.test_hf_moe import CONTEXT  # noqa: E402
 
 
 def deepseek_config(q_lora_rank):
@@ -57,27 +53,7 @@ def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, t
     cfg = checkpoint_model_config(tmp_path / "ckpt")
     assert (cfg.attention, cfg.q_lora_rank, cfg.moe_dense_layers, cfg.moe_groups,
             cfg.moe_routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
-    text = tmp_path / "text.txt"
-    text.write_text("tensor parallel training of language models, " * 30)
-    ids = torch.tensor(tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-                       .encode(text.read_text(), add_special_tokens=False).ids)
-    loss, count = transformers_loss(hf, ids)
-    for nproc, ep in ((2, []), (4, ["--ep", "2"])):
-        done = run(torchrun(nproc) + ["-m", "megalite", "eval", "--ckpt", str(tmp_path / "ckpt"),
-                                      "--text", str(text), "--tp", "2", *ep, "--json"])
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
-
-    assert "wrote DeepseekV3ForCausalLM" in run_cli(
-        "export", "--ckpt", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
-
-    prompt = [17, 45, 3, 99, 120]
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
-    ours = run_distributed(generate_at_tp2, 2, str(tmp_path / "ckpt"), prompt)[0]
-    assert ours == theirs and len(set(theirs)) > 3
+    same_as_transformers(hf, tmp_path, [[], ["--ep", "2"]])
 
 
 @pytest.mark.parametrize("bias", [[0.0] * 8, [0.5, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5]])
