@@ -91,17 +91,26 @@ def _latent_problems(model: ModelConfig) -> list[str]:
         return [f"{_listed(stray)} only apply to model.attention=mla: set it, or leave them "
                 f"out"] if stray else []
     sizes = {"kv_lora_rank": model.kv_lora_rank, "qk_rope_head_dim": model.qk_rope_head_dim,
-             "v_head_dim": model.v_head_dim, "q_lora_rank": model.q_lora_rank or 1}
+             "v_head_dim": model.v_head_dim}
     problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
     if model.qk_nope_head_dim < 0:
         problems.append(f"model.qk_nope_head_dim={model.qk_nope_head_dim} must be >= 0")
     if model.position != "rotary":
         problems.append(f"model.attention=mla rotates one shared key: it needs "
                         f"model.position=rotary, not {model.position!r}")
-    if model.n_kv_heads not in (None, model.n_heads) or model.head_dim is not None or model.qk_norm:
-        problems.append("model.attention=mla makes keys and values from a latent: leave "
-                        "model.n_kv_heads, head_dim and qk_norm out (its widths are "
-                        "qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+    if model.q_lora_rank is not None and model.q_lora_rank < 1:
+        problems.append(f"model.q_lora_rank={model.q_lora_rank} must be >= 1, or null (a plain "
+                        f"query projection)")
+    ignored = [f"model.{key}={getattr(model, key)}" for key, unset in (
+        ("n_kv_heads", model.n_kv_heads in (None, model.n_heads)), ("head_dim", model.head_dim is None),
+        ("qk_norm", not model.qk_norm), ("bias", not model.bias), ("qkv_bias", not model.qkv_bias),
+        ("query_pre_attn_scalar", model.query_pre_attn_scalar is None),
+        ("rope_local_theta", model.rope_local_theta is None)) if not unset]
+    if ignored:
+        problems.append(f"model.attention=mla makes keys and values from a latent, without "
+                        f"biases, at a scale of its own: {_listed(ignored)} would do nothing; "
+                        f"leave them out (its widths are qk_nope_head_dim, qk_rope_head_dim, "
+                        f"v_head_dim)")
     return problems
 
 
@@ -114,6 +123,9 @@ def _attention_problems(model: ModelConfig) -> list[str]:
         (window is None or window >= 1,
          f"model.sliding_window={window} must be >= 1 (or null: the whole context)"),
         (pattern >= 1, f"model.sliding_window_pattern={pattern} must be >= 1"),
+        (pattern == 1 or window is not None,
+         f"model.sliding_window_pattern={pattern} spaces the global layers among sliding ones: "
+         f"it needs model.sliding_window"),
         (scalar is None or scalar > 0, f"model.query_pre_attn_scalar={scalar} must be > 0"),
         (local is None or local > 0, f"model.rope_local_theta={local} must be > 0"),
         (model.final_logit_softcap is None or model.final_logit_softcap > 0,
@@ -188,6 +200,13 @@ def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfi
 
 def _rope_scaling_problems(model: ModelConfig) -> list[str]:
     scaling = model.rope_scaling
+    yarn_keys = ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_mscale",
+                 "rope_mscale_all_dim")
+    stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
+             if f.name in yarn_keys and getattr(model, f.name) != f.default]
+    if stray and scaling != "yarn":
+        return [f"{_listed(stray)} only apply to model.rope_scaling=yarn (got {scaling!r}): "
+                f"set it, or leave them out"]
     if scaling == "none":
         return []
     if model.position != "rotary":

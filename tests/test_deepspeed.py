@@ -111,3 +111,14 @@ def test_zero_with_pipeline_stages_trains_like_the_native_engine(tmp_path, cache
     assert saved.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_latent_attention_at_tp2_trains_like_the_native_engine(tmp_path, cache):
+    """DeepSeek-V3's shape at TP2 x DP2 under ZeRO-1: MLA's down-projections, whole on every TP
+    rank, count once in DeepSpeed's gradient norm (clipping is active), as in the native one."""
+    from tests.test_deepseek_train import DEEPSEEK
+    native, zero = tmp_path / "native", tmp_path / "zero1"
+    argv = common(cache, tmp_path, "padded") + DEEPSEEK + LAYOUT
+    train_run(4, argv + [f"run.dir={native}"])
+    train_run(4, argv + [f"run.dir={zero}", "train.engine=deepspeed", "train.zero_stage=1"])
+    assert_same_training(native, zero)

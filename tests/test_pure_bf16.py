@@ -191,3 +191,17 @@ def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {s: v for s, v in losses(tmp_path / "a").items() if s > 3}
     assert (tmp_path / "b" / "samples.txt").read_text()
+
+
+def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
+    """(1 + w) in bf16 would round w = 0.003 away (steps of 2^-7 near 1): transformers and
+    megalite compute the offset and the norm in fp32, then cast."""
+    from megalite.config import ModelConfig
+    from megalite.model.norm import Norm
+    from megalite.parallel.state import ParallelState
+    norm = Norm(ModelConfig(norm="rmsnorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    with torch.no_grad():
+        norm.weight.fill_(0.003)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = (torch.nn.functional.rms_norm(x.float(), (8,), eps=1e-5) * 1.003).to(torch.bfloat16)
+    assert torch.equal(norm.to(torch.bfloat16)(x), expected)

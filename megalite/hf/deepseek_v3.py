@@ -56,6 +56,10 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 def config_from_hf(hf: dict) -> ModelConfig:
     problems = [] if hf.get("rope_interleave", True) else [
         "rope_interleave=false (megalite reads DeepSeek's interleaved rotary rows)"]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("mscale_all_dim") and rope.get("rope_type", rope.get("type")) not in ("yarn", "default", None):
+        problems.append(f"mscale_all_dim with rope_type {rope.get('rope_type')!r} (megalite "
+                        f"rescales MLA's scores by it under yarn only)")
     dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
     return llama.decoder_from_hf(
         {**hf, "head_dim": None}, "DeepSeek-V3", problems, attention="mla", n_kv_heads=None,

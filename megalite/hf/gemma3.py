@@ -43,8 +43,24 @@ def _int_if_whole(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
 
 
+# Gemma3TextConfig's defaults, for config.json files that leave a key out
+DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True}
+
+
+def gemma_sliding(hf: dict) -> list[str]:
+    """transformers' rule without layer_types: every sliding_window_pattern-th layer global."""
+    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(hf["num_hidden_layers"])]
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf(hf)
+    hf = {**DEFAULTS, **hf}
+    sliding, problems = llama.sliding_from_hf(hf, gemma_sliding)
+    if not hf["tie_word_embeddings"]:
+        problems.append("tie_word_embeddings=false (Gemma 3's head is its embedding)")
     if hf.get("attn_logit_softcapping") is not None:
         problems.append(f"attn_logit_softcapping {hf['attn_logit_softcapping']} (megalite's "
                         f"attention kernels do not soft-cap scores)")
@@ -57,23 +73,23 @@ def config_from_hf(hf: dict) -> ModelConfig:
     ropes = hf.get("rope_parameters") or {}
     full = ropes.get("full_attention", ropes or hf.get("rope_scaling") or {})
     local = ropes.get("sliding_attention")
-    if local is None and "rope_local_base_freq" in hf:
+    if local is None:
         local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
     rope, problems = llama.rope_from_hf(hf, problems, full)
     fields = dict(rope, **sliding)
-    if local is not None and "sliding_window" in sliding:
+    # Sliding layers turning as the global ones (an export's, without a base of their own):
+    # no local base.
+    if local != full and "sliding_window" in sliding:
         local_rope, problems = llama.rope_from_hf(hf, problems, local)
         if local_rope.get("rope_scaling", "none") != "none":
             problems.append(f"rope scaling {local.get('rope_type')!r} on the sliding-window layers")
         fields["rope_local_theta"] = local_rope["rope_theta"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    scalar = float(hf.get("query_pre_attn_scalar", head_dim))
     return llama.decoder_from_hf(
         {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
         problems, **fields, activation="geglu_tanh", norm_weight_offset=1.0, post_norms=True,
-        scale_embeddings=True, qk_norm=True, tie_embeddings=True,
+        scale_embeddings=True, qk_norm=True,
         final_logit_softcap=hf.get("final_logit_softcapping"),
-        query_pre_attn_scalar=None if scalar == head_dim else scalar)
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]))
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

@@ -60,16 +60,14 @@ def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -
     return dataclasses.replace(cfg, **fields)
 
 
-def sliding_from_hf(hf: dict) -> tuple[dict, list[str]]:
+def sliding_from_hf(hf: dict, default_types: Callable[[dict], list[str]]) -> tuple[dict, list[str]]:
     """(ModelConfig's sliding_window and sliding_window_pattern, what megalite cannot compute)
-    of a config.json: `layer_types` where given (Qwen2/3, Gemma 3), else sliding_window on every
-    layer (Mistral, Mixtral) unless use_sliding_window says no (Qwen2/3 without layer_types)."""
+    of a config.json: its `layer_types`, or where it has none the family's `default_types`
+    (transformers' rule for its older configs)."""
     window = hf.get("sliding_window")
-    types = hf.get("layer_types")
-    if window is None or hf.get("use_sliding_window") is False:
+    if window is None:
         return {}, []
-    if types is None:
-        return {"sliding_window": int(window)}, []
+    types = hf.get("layer_types") or default_types(hf)
     sliding = [t == "sliding_attention" for t in types]
     if not any(sliding):
         return {}, []
@@ -79,6 +77,19 @@ def sliding_from_hf(hf: dict) -> tuple[dict, list[str]]:
         return {}, [f"layer_types {types} (megalite's full-attention layers are every "
                     f"sliding_window_pattern-th, the others sliding)"]
     return {"sliding_window": int(window), "sliding_window_pattern": pattern}, []
+
+
+def every_layer_slides(hf: dict) -> list[str]:
+    """Mistral's and Mixtral's rule: the window applies to every layer."""
+    return ["sliding_attention"] * hf["num_hidden_layers"]
+
+
+def qwen_sliding(hf: dict) -> list[str]:
+    """Qwen2/3's rule without layer_types: no window unless use_sliding_window, then the
+    layers from max_window_layers on."""
+    start = hf.get("max_window_layers", 0) if hf.get("use_sliding_window") else hf["num_hidden_layers"]
+    return ["sliding_attention" if i >= start else "full_attention"
+            for i in range(hf["num_hidden_layers"])]
 
 
 def sliding_to_hf(cfg: ModelConfig) -> dict:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import ModelConfig
-from megalite.hf import llama, qwen2, qwen2_moe
+from megalite.hf import llama, qwen2_moe
 from megalite.hf.experts import with_experts
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, moe_problems
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen3MoeForCausalLM"
 NEEDS = {**LLAMA_NEEDS, "qk_norm": True, "moe_router": "softmax"}
-FREE = DECODER | MOE | qwen2.SLIDING | {"moe_renormalize", "moe_every", "moe_dense_layers"}
+# Qwen3-MoE has no layer_types: one window (use_sliding_window) on every layer
+FREE = DECODER | MOE | {"sliding_window", "moe_renormalize", "moe_every", "moe_dense_layers"}
 problems = moe_problems
 
 
@@ -24,11 +25,14 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
             "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.expert_ffn,
             "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": list(cfg.moe_dense_layers),
             "norm_topk_prob": cfg.moe_renormalize, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            "output_router_logits": False, **llama.sliding_to_hf(cfg)}
+            "output_router_logits": False, "sliding_window": cfg.sliding_window,
+            "use_sliding_window": cfg.sliding_window is not None}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf(hf)
+    sliding, problems = llama.sliding_from_hf(
+        {**hf, "layer_types": None} if hf.get("use_sliding_window") else {**hf, "sliding_window": None},
+        llama.every_layer_slides)
     return llama.decoder_from_hf(hf, "Qwen3-MoE", problems, qk_norm=True,
                                  **qwen2_moe.moe_from_hf(hf), **sliding)
 

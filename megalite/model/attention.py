@@ -118,7 +118,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLa
     """softmax(q k^T x scale) v over the layout's mask, this rank's heads ([b, heads, s, d]; k
     and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
     gqa = k.shape[1] != q.shape[1]
-    if layout.block_mask is not None and dropout == 0 and q.shape[-1] >= FLEX_MIN_HEAD_DIM:
+    if (layout.block_mask is not None and dropout == 0
+            and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
         return flex(q, k, v, layout.block_mask, gqa, scale)
     # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
     # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs

@@ -39,8 +39,10 @@ class SequenceLayout:
             keys = self.mask.shape[-1]
         elif self.block_mask is not None:
             keys = self.block_mask.seq_lengths[1]
+        elif self.queries is None:
+            keys = seq  # plain causal rows: the keys are the queries
         else:
-            keys = int(queries[-1]) + 1 if seq else 0
+            keys = int(queries[-1]) + 1 if seq else 0  # decoding: every cached token
         if window >= keys:
             self._windows[window] = self
             return self
@@ -57,7 +59,8 @@ class SequenceLayout:
 
             def near_rule(b, h, q, k):
                 return rule(b, h, q, k) & (queries[q] - k < window)
-            if uses_flex(device):
+            # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
+            if uses_flex(device) and (self.block_mask is not None or self.queries is None):
                 layout = SequenceLayout(self.positions, None,
                                         block_mask(near_rule, batch, seq, device, keys), self.queries)
             else:

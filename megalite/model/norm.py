@@ -35,8 +35,9 @@ class Norm(nn.Module):
         """sequence_parallel: x is this rank's part of what the weight applies to (a sequence
         shard, or its heads), so the weight's gradient is summed over TP."""
         weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
-        if self.offset:
-            weight = weight + self.offset
+        if self.offset:  # Gemma: (offset + w) and the norm in fp32, as transformers computes
+            return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + self.offset,
+                              self.eps).to(x.dtype)
         if self.kind == "rmsnorm":
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         bias = None if self.bias is None else sum_grad_over_shards(self.bias, self.tp_group,

@@ -155,7 +155,9 @@ class DeepSpeedEngine(AdamEngine):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
         import deepspeed
         for p in model.parameters():
-            if shard_of(p) is not None:
+            # Split over TP: each rank's slice counts in the norm. A matrix every TP rank holds
+            # whole (MLA's down-projections: shards=1) counts once, as replicated weights do.
+            if shard_of(p) is not None and shard_of(p).count == pstate.tp_size:
                 p.tensor_model_parallel = True
             if getattr(p, "pipeline_copy", False):
                 p.ds_pipe_replicated = True  # ZeRO's norm counts the first stage's weight only
