@@ -10,6 +10,7 @@ COMMANDS = {
     "peer": ("bench.peer", "main", "megalite against Hugging Face transformers"),
     "gpu-check": ("bench.gpu_check", "main", "the GPU tests and benchmarks in one command"),
     "scale-model": ("bench.scaling_cli", "main", "predicted step time of a layout across nodes"),
+    "profile-split": ("bench.profile", "main", "committed profiles re-stated: of the unprofiled step"),
 }
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def measure(system: str, cfg, device, seq: int, micro: int, warmup: int, steps: 
     peak_memory_gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     tokens_per_s = micro * seq / step_s  # every position is a real token, packed or not
     flops, peak = flops_per_token(cfg, seq), peak_flops(device)
-    summary = profile_steps(lambda: step(rows), device) if profiled else None
+    summary = profile_steps(lambda: step(rows), device, step_s=step_s) if profiled else None
     row = {"system": system, "compile": compiled, "batch": batch, "step_s": step_s, "tokens_per_s": tokens_per_s,
            "tflops": tokens_per_s * flops / 1e12, "mfu": tokens_per_s * flops / peak if peak else None,
            "peak_memory_gb": peak_memory_gb, "final_loss": loss.item(), "profile": summary}

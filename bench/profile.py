@@ -2,8 +2,15 @@
 
 On a GPU the times are the kernels' own (self device time); on CPU the operators' self CPU
 time. Each kernel or operator is put in one class by its name: attention, matmul, optimizer,
-communication, or elementwise (everything else: norms, activations, copies, the loss). Idle is
-the part of the profiled wall time the device spent in none of them (launch gaps, host waits).
+communication, or elementwise (everything else: norms, activations, copies, the loss). User
+annotations (torch.profiler.record_function ranges such as Optimizer.step#AdamW.step) span
+kernels and are never counted as kernel time: counted, they doubled the optimizer's share.
+
+The shares are of the unprofiled step time, which the caller measured (the profiler slows the
+host: its own overhead is not the device's idle time), and the rows sum to 1: idle is the step
+less the kernels, or 0 where the profiled kernels alone take longer than the unprofiled step
+(then the kernels' shares are of their own sum). Without the unprofiled time, of the profiled
+wall time.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ def classify(name: str) -> str:
     return next((label for label, pattern in CLASSES if pattern.search(name)), "elementwise")
 
 
-def profile_steps(step, device: torch.device, steps: int = 3, top: int = 10) -> dict:
+def profile_steps(step, device: torch.device, steps: int = 3, top: int = 10,
+                  step_s: float | None = None) -> dict:
     """Profile `steps` calls of step() (already warmed up): the top `top` kernels or operators
-    by self time, and the share of the wall time of each class and of idle."""
+    by self time, and the share of the step of each class and of idle. step_s: the step's
+    unprofiled time, the shares' basis (None: the profiled wall time per step)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     synchronize(device)
@@ -40,24 +49,93 @@ def profile_steps(step, device: torch.device, steps: int = 3, top: int = 10) -> 
             step()
         synchronize(device)
         wall_us = (time.perf_counter() - started) * 1e6
+    return summarize(prof.key_averages(), cuda, steps, wall_us, top, step_s)
+
+
+def summarize(events, cuda: bool, steps: int, wall_us: float, top: int = 10,
+              step_s: float | None = None) -> dict:
+    """The split of profiler averages (`events`, torch's FunctionEventAvg or alike) of `steps`
+    steps that took wall_us profiled: see the module's docstring."""
     # On CPU, an operator's self time excludes its children, so the sum counts each
     # microsecond once; profiler bookkeeping rows (no aten/kernel name) are left out.
-    events = [e for e in prof.key_averages()
-              if (e.device_type.name == "CUDA") == cuda and _self_us(e, cuda) > 0
+    events = [e for e in events
+              if not getattr(e, "is_user_annotation", False)
+              and (e.device_type.name == "CUDA") == cuda and _self_us(e, cuda) > 0
               and (cuda or e.key.startswith("aten::") or classify(e.key) != "elementwise")]
     busy = sum(_self_us(e, cuda) for e in events)
+    step_us = steps * step_s * 1e6 if step_s else wall_us
+    basis = max(busy, step_us)
     shares: dict[str, float] = {}
     for e in events:
         label = classify(e.key)
-        shares[label] = shares.get(label, 0.0) + _self_us(e, cuda) / wall_us
-    shares["idle"] = max(0.0, 1.0 - busy / wall_us)
+        shares[label] = shares.get(label, 0.0) + _self_us(e, cuda) / basis
+    shares["idle"] = 1.0 - busy / basis
     ranked = sorted(events, key=lambda e: _self_us(e, cuda), reverse=True)[:top]
     return {"steps": steps, "wall_ms": wall_us / 1e3, "time": "device kernels" if cuda else "CPU operators",
+            "basis": "unprofiled step" if step_s else "profiled wall time",
+            "step_ms": step_us / steps / 1e3, "kernel_ms_per_step": busy / steps / 1e3,
             "shares": {k: round(v, 4) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
             "top": [{"name": e.key[:120], "class": classify(e.key), "calls": e.count,
-                     "ms": _self_us(e, cuda) / 1e3, "share": _self_us(e, cuda) / wall_us}
+                     "ms": _self_us(e, cuda) / 1e3, "share": _self_us(e, cuda) / basis}
                     for e in ranked]}
+
+
+# A record_function range's name (Optimizer.step#AdamW.step), not a kernel's (whose template
+# arguments may hold '#' too, as in {lambda()#3}).
+ANNOTATION = re.compile(r"^[\w.]+#[\w.]+$")
+
+
+def restate(profile: dict, step_s: float) -> dict:
+    """A profile written before annotations were left out and shares taken of the unprofiled
+    step (benchmarks/results/*-2026-11-26), re-stated from its own numbers: each class's time
+    (its share of the profiled wall time), less the annotations its top list shows, as shares
+    of the unprofiled step; idle what is left."""
+    wall_ms = profile["wall_ms"]
+    ms = {k: v * wall_ms for k, v in profile["shares"].items() if k != "idle"}
+    annotations = [t for t in profile["top"] if ANNOTATION.match(t["name"])]
+    for t in annotations:
+        ms[t["class"]] -= t["ms"]
+    busy, step_ms = sum(ms.values()), profile["steps"] * step_s * 1e3
+    basis = max(busy, step_ms)
+    shares = {k: v / basis for k, v in ms.items()}
+    return {"shares": {**shares, "idle": 1.0 - busy / basis},
+            "annotations": [t["name"] for t in annotations],
+            "profiled_over_unprofiled": wall_ms / step_ms}
 
 
 def _self_us(event, cuda: bool) -> float:
     return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+
+CLASS_ORDER = ("matmul", "elementwise", "attention", "optimizer", "communication", "idle")
+
+
+def restated_table(paths: list[str]) -> str:
+    """Markdown: each profiled row of peer-bench JSON files, its shares as written and as
+    re-stated (restate), in percent."""
+    import json
+    from pathlib import Path
+    lines = ["| result | model | rows | system | compiled | profiled / unprofiled step | "
+             + " | ".join(CLASS_ORDER) + " | left out |", "|---" * (7 + len(CLASS_ORDER)) + "|"]
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        for row in result["rows"]:
+            if not row.get("profile"):
+                continue
+            new = restate(row["profile"], row["step_s"])
+            cells = [f"{100 * row['profile']['shares'].get(k, 0):.1f} -> {100 * new['shares'].get(k, 0):.1f}"
+                     for k in CLASS_ORDER]
+            lines.append(f"| {Path(path).parent.name} | {result['model']} | {result['batch']} | "
+                         f"{row['system']} | {row['compile']} | {new['profiled_over_unprofiled']:.2f} | "
+                         + " | ".join(cells) + f" | {', '.join(new['annotations']) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    """`python -m bench profile-split FILE...`: the re-stated table of peer-bench results."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("python -m bench profile-split PEER_JSON...: the profiler's split of each row as "
+              "written and re-stated (of the unprofiled step, annotations left out)")
+        return 0 if argv else 2
+    print(restated_table(argv), end="")
+    return 0
