@@ -133,9 +133,10 @@ def restated_table(paths: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     """`python -m bench profile-split FILE...`: the re-stated table of peer-bench results."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print("python -m bench profile-split PEER_JSON...: the profiler's split of each row as "
-              "written and re-stated (of the unprofiled step, annotations left out)")
-        return 0 if argv else 2
-    print(restated_table(argv), end="")
+    from megalite.cli import command_parser
+    parser = command_parser("python -m bench profile-split",
+                            "The profiler's split of each peer-bench row, as written and re-stated: "
+                            "of the unprofiled step, user annotations left out (markdown).")
+    parser.add_argument("files", nargs="+", help="peer-bench JSON files (benchmarks/results/*/peer-*.json)")
+    print(restated_table(parser.parse_args(argv).files), end="")
     return 0
