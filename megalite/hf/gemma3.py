@@ -32,7 +32,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
-    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
     out["rope_parameters"] = {"full_attention": out["rope_parameters"],
                               "sliding_attention": local if cfg.rope_local_theta else out["rope_parameters"]}
     return out

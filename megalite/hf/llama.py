@@ -79,17 +79,26 @@ def sliding_from_hf(hf: dict, default_types: Callable[[dict], list[str]]) -> tup
     return {"sliding_window": int(window), "sliding_window_pattern": pattern}, []
 
 
-def every_layer_slides(hf: dict) -> list[str]:
-    """Mistral's and Mixtral's rule: the window applies to every layer."""
-    return ["sliding_attention"] * hf["num_hidden_layers"]
+def one_window(hf: dict) -> dict:
+    """Mistral's, Mixtral's and Qwen3-MoE's rule (no layer_types): sliding_window, if set, on
+    every layer."""
+    return {} if hf.get("sliding_window") is None else {"sliding_window": int(hf["sliding_window"])}
 
 
-def qwen_sliding(hf: dict) -> list[str]:
-    """Qwen2/3's rule without layer_types: no window unless use_sliding_window, then the
-    layers from max_window_layers on."""
-    start = hf.get("max_window_layers", 0) if hf.get("use_sliding_window") else hf["num_hidden_layers"]
-    return ["sliding_attention" if i >= start else "full_attention"
-            for i in range(hf["num_hidden_layers"])]
+def qwen_window(hf: dict, per_layer: bool = True) -> tuple[dict, list[str]]:
+    """Qwen's rule: no window unless use_sliding_window; then by layer_types, or without them
+    on the layers from max_window_layers on (Qwen2/3); on every layer (Qwen3-MoE, per_layer
+    False)."""
+    if not hf.get("use_sliding_window"):
+        return {}, []
+    if not per_layer:
+        return one_window(hf), []
+
+    def from_max_window_layers(hf: dict) -> list[str]:
+        start = hf.get("max_window_layers", 0)
+        return ["sliding_attention" if i >= start else "full_attention"
+                for i in range(hf["num_hidden_layers"])]
+    return sliding_from_hf(hf, from_max_window_layers)
 
 
 def sliding_to_hf(cfg: ModelConfig) -> dict:

@@ -18,8 +18,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf({**hf, "layer_types": None}, llama.every_layer_slides)
-    return llama.decoder_from_hf(hf, "Mistral", problems, **sliding)
+    return llama.decoder_from_hf(hf, "Mistral", **llama.one_window(hf))
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

@@ -30,9 +30,8 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf({**hf, "layer_types": None}, llama.every_layer_slides)
-    return llama.decoder_from_hf(hf, "Mixtral", problems, **sliding, n_experts=hf["num_local_experts"],
-                                 moe_top_k=hf["num_experts_per_tok"],
+    return llama.decoder_from_hf(hf, "Mixtral", **llama.one_window(hf),
+                                 n_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
                                  moe_ffn_hidden=hf["intermediate_size"],
                                  moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
 

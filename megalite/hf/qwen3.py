@@ -18,8 +18,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf(
-        hf if hf.get("use_sliding_window") else {**hf, "sliding_window": None}, llama.qwen_sliding)
+    sliding, problems = llama.qwen_window(hf)
     return llama.decoder_from_hf(hf, "Qwen3", problems, qk_norm=True, **sliding)
 
 

@@ -30,9 +30,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.sliding_from_hf(
-        {**hf, "layer_types": None} if hf.get("use_sliding_window") else {**hf, "sliding_window": None},
-        llama.every_layer_slides)
+    sliding, problems = llama.qwen_window(hf, per_layer=False)
     return llama.decoder_from_hf(hf, "Qwen3-MoE", problems, qk_norm=True,
                                  **qwen2_moe.moe_from_hf(hf), **sliding)
 
