@@ -3,6 +3,7 @@ before any collective runs: one ConfigError naming each value and its fix."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.typed_config import ConfigError
@@ -86,8 +87,7 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 
 def _latent_problems(model: ModelConfig) -> list[str]:
     if model.attention != "mla":  # a setting that would silently do nothing
-        stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
-                 if f.name in MLA_KEYS and getattr(model, f.name) != f.default]
+        stray = _set(model, lambda name: name in MLA_KEYS)
         return [f"{_listed(stray)} only apply to model.attention=mla: set it, or leave them "
                 f"out"] if stray else []
     sizes = {"kv_lora_rank": model.kv_lora_rank, "qk_rope_head_dim": model.qk_rope_head_dim,
@@ -141,9 +141,7 @@ def _moe_problems(model: ModelConfig) -> list[str]:
     if model.n_experts < 0:
         return [f"model.n_experts={model.n_experts} must be >= 0 (0: dense)"]
     if model.n_experts == 0:  # a dense model: a mixture's setting would silently do nothing
-        stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
-                 if (f.name.startswith("moe_") or f.name == "n_shared_experts")
-                 and getattr(model, f.name) != f.default]
+        stray = _set(model, lambda name: name.startswith("moe_") or name == "n_shared_experts")
         return [f"{_listed(stray)} only apply to a mixture of experts, and model.n_experts=0: "
                 f"set model.n_experts, or leave them out"] if stray else []
     cf = model.moe_capacity_factor
@@ -202,8 +200,7 @@ def _rope_scaling_problems(model: ModelConfig) -> list[str]:
     scaling = model.rope_scaling
     yarn_keys = ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_mscale",
                  "rope_mscale_all_dim")
-    stray = [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
-             if f.name in yarn_keys and getattr(model, f.name) != f.default]
+    stray = _set(model, lambda name: name in yarn_keys)
     if stray and scaling != "yarn":
         return [f"{_listed(stray)} only apply to model.rope_scaling=yarn (got {scaling!r}): "
                 f"set it, or leave them out"]
@@ -280,6 +277,13 @@ def _tp_misfits(model: ModelConfig, tp: int) -> dict[str, int]:
         ("shared experts' width", model.shared_ffn, model.shared_ffn % tp == 0),
         ("padded vocab", model.padded_vocab, model.padded_vocab % tp == 0),
     ) if not ok}
+
+
+def _set(model: ModelConfig, among: Callable[[str], bool]) -> list[str]:
+    """"model.KEY=VALUE" of each setting `among` names that is not at its default: a part's
+    settings given where that part is not used (they would silently do nothing)."""
+    return [f"model.{f.name}={getattr(model, f.name)}" for f in dataclasses.fields(model)
+            if among(f.name) and getattr(model, f.name) != f.default]
 
 
 def _listed(items: list[str]) -> str:
