@@ -62,14 +62,12 @@ def summarize(events, cuda: bool, steps: int, wall_us: float, top: int = 10,
               if not getattr(e, "is_user_annotation", False)
               and (e.device_type.name == "CUDA") == cuda and _self_us(e, cuda) > 0
               and (cuda or e.key.startswith("aten::") or classify(e.key) != "elementwise")]
-    busy = sum(_self_us(e, cuda) for e in events)
     step_us = steps * step_s * 1e6 if step_s else wall_us
-    basis = max(busy, step_us)
-    shares: dict[str, float] = {}
+    by_class: dict[str, float] = {}
     for e in events:
-        label = classify(e.key)
-        shares[label] = shares.get(label, 0.0) + _self_us(e, cuda) / basis
-    shares["idle"] = 1.0 - busy / basis
+        by_class[classify(e.key)] = by_class.get(classify(e.key), 0.0) + _self_us(e, cuda)
+    shares, basis = split(by_class, step_us)
+    busy = sum(by_class.values())
     ranked = sorted(events, key=lambda e: _self_us(e, cuda), reverse=True)[:top]
     return {"steps": steps, "wall_ms": wall_us / 1e3, "time": "device kernels" if cuda else "CPU operators",
             "basis": "unprofiled step" if step_s else "profiled wall time",
@@ -95,12 +93,18 @@ def restate(profile: dict, step_s: float) -> dict:
     annotations = [t for t in profile["top"] if ANNOTATION.match(t["name"])]
     for t in annotations:
         ms[t["class"]] -= t["ms"]
-    busy, step_ms = sum(ms.values()), profile["steps"] * step_s * 1e3
-    basis = max(busy, step_ms)
-    shares = {k: v / basis for k, v in ms.items()}
-    return {"shares": {**shares, "idle": 1.0 - busy / basis},
+    step_ms = profile["steps"] * step_s * 1e3
+    return {"shares": split(ms, step_ms)[0],
             "annotations": [t["name"] for t in annotations],
             "profiled_over_unprofiled": wall_ms / step_ms}
+
+
+def split(by_class: dict[str, float], step: float) -> tuple[dict[str, float], float]:
+    """(each class's share and idle's, summing to 1; the basis): of `step`, the time the steps
+    took unprofiled (or profiled), or of the classes' own sum where they take longer."""
+    busy = sum(by_class.values())
+    basis = max(busy, step)
+    return {**{k: v / basis for k, v in by_class.items()}, "idle": 1.0 - busy / basis}, basis
 
 
 def _self_us(event, cuda: bool) -> float:
