@@ -205,3 +205,18 @@ def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expected = (torch.nn.functional.rms_norm(x.float(), (8,), eps=1e-5) * 1.003).to(torch.bfloat16)
     assert torch.equal(norm.to(torch.bfloat16)(x), expected)
+
+
+def test_a_norm_offset_scales_a_layernorm_too():
+    """model.norm_weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
+    (it ran as an RMSNorm before)."""
+    from megalite.config import ModelConfig
+    from megalite.model.norm import Norm
+    from megalite.parallel.state import ParallelState
+    norm = Norm(ModelConfig(norm="layernorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    with torch.no_grad():
+        norm.weight.fill_(0.5)
+        norm.bias.fill_(0.25)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.layer_norm(x, (8,), torch.full((8,), 1.5), torch.full((8,), 0.25))
+    torch.testing.assert_close(norm(x), expected)

@@ -35,11 +35,13 @@ class Norm(nn.Module):
         """sequence_parallel: x is this rank's part of what the weight applies to (a sequence
         shard, or its heads), so the weight's gradient is summed over TP."""
         weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
-        if self.offset:  # Gemma: (offset + w) and the norm in fp32, as transformers computes
-            return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + self.offset,
-                              self.eps).to(x.dtype)
+        dtype = x.dtype
+        if self.offset:  # Gemma: (offset + w), and the norm, in fp32 as transformers computes
+            x, weight = x.float(), weight.float() + self.offset
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        bias = None if self.bias is None else sum_grad_over_shards(self.bias, self.tp_group,
-                                                                   sequence_parallel)
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+            y = F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        else:
+            bias = None if self.bias is None else sum_grad_over_shards(self.bias, self.tp_group,
+                                                                       sequence_parallel)
+            y = F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+        return y.to(dtype) if self.offset else y
