@@ -45,7 +45,7 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import Config, DataConfig, TrainConfig
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.metrics import flops_per_token, peak_flops
-from megalite.training.optim import build_optimizer
+from megalite.training.optimizers.build import adamw
 
 
 def megalite_step(cfg, device, compiled: bool):
@@ -66,7 +66,7 @@ def hf_step(cfg, device, compiled: bool):
     hf_config = transformers.AutoConfig.for_model(**arch.config_to_hf(cfg, {}))
     model = transformers.AutoModelForCausalLM.from_config(
         hf_config, attn_implementation="sdpa").to(device)
-    optimizer = build_optimizer(model, TrainConfig(), device)
+    optimizer = adamw(list(model.parameters()), TrainConfig(), device)
     forward = torch.compile(model) if compiled else model
     autocast = autocast_for(device, "auto")
 

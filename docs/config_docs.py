@@ -54,9 +54,13 @@ def default_of(field: dataclasses.Field):
     return field.default
 
 
-def sections() -> list[tuple[str, type]]:
-    hints = typing.get_type_hints(Config)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(Config)]
+def sections(cls=Config, prefix: str = "") -> list[tuple[str, type]]:
+    """Every section of a run config, a nested one (train.muon) after its parent."""
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += [(prefix + f.name, hints[f.name])] + sections(hints[f.name], f"{prefix}{f.name}.")
+    return out
 
 
 def sweep_sections() -> list[tuple[str, type]]:

@@ -58,6 +58,26 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MuonConfig:
+    """train.optimizer=muon: Newton-Schulz orthogonalised momentum for the blocks' matrices,
+    torch.optim.Muon's settings; embeddings, the LM head, norms and biases take AdamW."""
+    lr: float = 0.02  # Muon's peak learning rate; the schedule scales it as it scales train.lr
+    momentum: float = 0.95  # the momentum buffer's decay: buf = momentum x buf + (1 - momentum) x grad
+    nesterov: bool = True  # orthogonalise grad + momentum x (buf - grad), not buf
+    weight_decay: float = 0.1  # decoupled, as AdamW's: w -= lr x weight_decay x w
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)  # the quintic's a, b, c
+    eps: float = 1e-7  # floor of the norm the update is divided by before the iterations
+    # The update's scale per matrix of shape A x B: original (Keller Jordan's), sqrt(max(1,
+    # A / B)); match_rms_adamw (Moonlight's), 0.2 x sqrt(max(A, B)), with which Muon can take
+    # AdamW's learning rate and weight decay; none: 1.
+    adjust_lr: Literal["original", "match_rms_adamw", "none"] = "original"
+    # The iterations' dtype: bf16 as torch.optim.Muon; fp32 costs more and is what the layout
+    # exactness tests use (bf16 rounds the layouts' last-bit differences apart).
+    ns_dtype: Literal["bf16", "fp32"] = "bf16"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks together
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
@@ -69,6 +89,13 @@ class TrainConfig:
     # kept by a resume that raises max_steps (the extra steps train at min_lr); set it to the
     # new max_steps to stretch the decay instead.
     decay_steps: int = 0
+    # adamw; or muon: Muon for the blocks' matrices (train.muon), AdamW (train.lr, beta1,
+    # beta2, weight_decay) for the rest (engine=native only). docs/optimizers.md says which when.
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    # Resuming, load the checkpoint's optimizer state (false: its weights and step only, the
+    # optimizer starting fresh: the way to resume with another train.optimizer).
+    load_optimizer: bool = True
     weight_decay: float = 0.1  # AdamW's decay, on matrices only (not biases or norms)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay

@@ -76,7 +76,23 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     if t.profile_steps is not None and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.max_steps:
         raise ConfigError(f"train.profile_steps={list(t.profile_steps)} must be [first, last] optimizer "
                           f"steps with 1 <= first <= last <= train.max_steps={t.max_steps}")
+    check_muon(t)
     check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
+
+
+def check_muon(t: TrainConfig) -> None:
+    if t.optimizer != "muon":
+        return
+    m = t.muon
+    rules = [("train.lr", t.lr, t.lr > 0, "> 0 (Muon's rate follows its schedule as a ratio)"),
+             ("train.muon.lr", m.lr, m.lr > 0, "> 0"),
+             ("train.muon.momentum", m.momentum, 0 <= m.momentum < 1, "in [0, 1), e.g. 0.95"),
+             ("train.muon.weight_decay", m.weight_decay, m.weight_decay >= 0, ">= 0"),
+             ("train.muon.ns_steps", m.ns_steps, 1 <= m.ns_steps < 100, "in [1, 100), e.g. 5"),
+             ("train.muon.eps", m.eps, m.eps > 0, "> 0, e.g. 1e-7")]
+    for key, value, ok, need in rules:
+        if not ok:
+            raise ConfigError(f"{key}={value} with train.optimizer=muon: it must be {need}")
 
 
 def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:
@@ -157,6 +173,7 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     now, before = _flat(to_dict(cfg)), {**_flat(to_dict(Config())), **_flat(saved["config"])}
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
                if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
+    check_same_optimizer(cfg.train, saved["config"].get("train", {}), path)
     if saved.get("data_cache_key") != data.meta["cache_key"]:
         changed.append("the tokenized data (corpus or tokenizer) differs")
     if changed:
@@ -165,6 +182,16 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
         raise ConfigError(f"cannot resume from '{path}': " + "; ".join(changed) +
                           f". Resume with the saved values, {fix}")
     return path
+
+
+def check_same_optimizer(t: TrainConfig, saved_train: dict, path: Path) -> None:
+    """A checkpoint's optimizer state loads into the optimizer that wrote it only."""
+    saved = saved_train.get("optimizer", "adamw")  # checkpoints before train.optimizer: AdamW's
+    if t.load_optimizer and saved != t.optimizer:
+        raise ConfigError(f"cannot resume from '{path}': it holds the state of train.optimizer={saved}, "
+                          f"this run's is train.optimizer={t.optimizer}. Resume with "
+                          f"train.optimizer={saved}, or set train.load_optimizer=false to load the "
+                          f"weights alone ({t.optimizer} then starts from fresh state)")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

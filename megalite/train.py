@@ -29,7 +29,7 @@ from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
-                                          read_moments)
+                                          read_optimizer_state)
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_loss, loss_sum
@@ -83,8 +83,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         load_pretrained(Path(t.init_from), model, ps)
     # After the weights: DeepSpeed copies them into its fp32 partitions.
     engine = build_engine(model, t, ps, cfg.parallel)
-    if resume_from is not None:
-        engine.load_moments(read_moments(resume_from, model, engine.held_rows), start)
+    if resume_from is not None and t.load_optimizer:
+        engine.load_optimizer_state(read_optimizer_state(resume_from, model, engine.held_rows,
+                                                         engine.state_names), start)
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")

@@ -42,7 +42,7 @@ def worker(args) -> None:
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     from megalite.run_config import TrainConfig
-    from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_moments
+    from megalite.training.checkpoint import CheckpointWriter, load_checkpoint, read_optimizer_state
     from megalite.training.build import build_engine
     torch.set_num_threads(1)
     check_layout(None, ParallelConfig(tp=args.tp), int(os.environ["WORLD_SIZE"]))  # before any collective
@@ -76,12 +76,12 @@ def worker(args) -> None:
         io, mapped = io_bytes(), status_bytes()["RssFile"]
         start = time.perf_counter()
         load_checkpoint(path, model, ps)
-        moments = read_moments(path, model, engine.held_rows)
+        state = read_optimizer_state(path, model, engine.held_rows, engine.state_names)
         seconds = time.perf_counter() - start
         syscalls, mapped = io_bytes()["rchar"] - io["rchar"], max(0, status_bytes()["RssFile"] - mapped)
         read = syscalls + mapped
         share = sum(p.numel() * 4 for p in model.parameters()) + sum(
-            t.numel() * t.element_size() for _, m in moments for t in m.values())
+            t.numel() * t.element_size() for _, m in state for t in m.values())
         row.update(seconds=seconds, read_gb=read / GB, read_syscalls_gb=syscalls / GB,
                    mapped_gb=mapped / GB, share_gb=share / GB, read_per_share=read / share)
     rows = [None] * ps.world_size

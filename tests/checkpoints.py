@@ -18,7 +18,7 @@ class WeightsOnly:
     def master(self, p: torch.nn.Parameter) -> torch.Tensor:
         return p
 
-    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         return {}
 
 

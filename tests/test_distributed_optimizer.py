@@ -6,8 +6,8 @@ engine's to 1e-5 in fp32 at TP2xDP2 (sequence parallel, GQA), PP2xDP2 (1f1b, tie
 across stages), PP2xDP2 interleaved (2 virtual stages), CP2xDP2 and DP4 with 3 accumulation
 micro-batches and rows that do not split evenly; and under pure_bf16 (bf16 tolerance, below).
 Each rank's Adam moments and fp32 masters are 1/dp of the replicated engine's, to a row per
-tensor. Moments read from one engine (`held_rows`, `master`, `moments`) and loaded into a fresh
-one (`load_moments`) give the same next step, bitwise. zero_stage=2 is refused before the run (run_setup.validate).
+tensor. Moments read from one engine (`held_rows`, `master`, `optimizer_state`) and loaded into a fresh
+one (`load_optimizer_state`) give the same next step, bitwise. zero_stage=2 is refused before the run (run_setup.validate).
 """
 import dataclasses
 
@@ -120,7 +120,7 @@ def check_same_training(name: str, world_layout: dict, micro: int, precision: st
                 assert (start, stop) == row_range(p.shape[0], ps.grad_rank, ps.grad_size)
                 assert engine.master(p).shape == (stop - start, *p.shape[1:])
                 assert engine.master(p).dtype == torch.float32
-                assert all(m.shape == engine.master(p).shape for m in engine.moments(p).values())
+                assert all(m.shape == engine.master(p).shape for m in engine.optimizer_state(p).values())
                 if precision == "pure_bf16":
                     assert p.dtype == torch.bfloat16
                     assert torch.equal(p.detach()[start:stop], engine.master(p).detach().bfloat16())
@@ -195,7 +195,7 @@ def check_moments_round_trip() -> None:
     ps = ParallelState.from_world(1)
     cfg = UNEVEN
     a = make_engine(cfg, ps, 1, "pure_bf16")
-    assert all(not a.moments(p) for p in a.model.parameters())  # none before the first step
+    assert all(not a.optimizer_state(p) for p in a.model.parameters())  # none before the first step
     train(a, cfg, ps, 3, 2, "1f1b")
     b = make_engine(cfg, ps, 1, "pure_bf16")
     with torch.no_grad():
@@ -203,13 +203,13 @@ def check_moments_round_trip() -> None:
             assert b.held_rows(q) == a.held_rows(p)
             q.copy_(p)
             b.master(q).copy_(a.master(p))
-    b.load_moments([(q, {m: t.clone() for m, t in a.moments(p).items()})
+    b.load_optimizer_state([(q, {m: t.clone() for m, t in a.optimizer_state(p).items()})
                     for p, q in zip(a.model.parameters(), b.model.parameters())], step=3)
     assert train(a, cfg, ps, 1, 2, "1f1b", first=3) == train(b, cfg, ps, 1, 2, "1f1b", first=3)
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q) and torch.equal(a.master(p), b.master(q))
-        for m, t in a.moments(p).items():
-            assert torch.equal(t, b.moments(q)[m])
+        for m, t in a.optimizer_state(p).items():
+            assert torch.equal(t, b.optimizer_state(q)[m])
 
 
 def test_moments_round_trip_through_held_rows():

@@ -78,8 +78,8 @@ def check_model_is_the_rounded_masters(engine: NativeEngine) -> None:
         assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert p.grad is None and master.grad.dtype == torch.float32
         assert torch.equal(p.detach(), master.detach().bfloat16())
-        assert all(m.dtype == torch.float32 for m in engine.moments(p).values())
-        assert engine.moments(p)
+        assert all(m.dtype == torch.float32 for m in engine.optimizer_state(p).values())
+        assert engine.optimizer_state(p)
 
 
 def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:

@@ -41,6 +41,7 @@ from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary
 from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from megalite.parallel.sharding import mark_interleaved
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.state import ParallelState
@@ -73,6 +74,7 @@ class Attention(nn.Module):
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
                                             bias=qkv_bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
+        mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
                                           bias=cfg.bias, init_std=down_init_std(cfg))
         self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None

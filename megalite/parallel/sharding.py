@@ -49,6 +49,16 @@ def expert_shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "ep_shard", None)
 
 
+def mark_interleaved(param: torch.nn.Parameter, parts: int, size: int) -> None:
+    """param's dim 0 is blocks of `parts` fused matrices' rows, `size` rows each (the fused K/V
+    weight [k_0, v_0, k_1, v_1, ...]): what Muon orthogonalises apart."""
+    param.interleaved = (parts, size)
+
+
+def interleaved_of(param: torch.Tensor) -> tuple[int, int] | None:
+    return getattr(param, "interleaved", None)
+
+
 def split_of(param: torch.Tensor) -> Shard | None:
     """The slice of the whole tensor that `param` is: TP's, or EP's for experts (never both)."""
     return shard_of(param) or expert_shard_of(param)

@@ -2,7 +2,8 @@
 
     RUN_DIR/checkpoints/step_00000012/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): "model/<name>" and
-                                "optimizer/<name>.exp_avg|exp_avg_sq", each rank's blocks
+                                "optimizer/<name>.<state>" (AdamW's exp_avg and exp_avg_sq,
+                                Muon's momentum_buffer), each rank's blocks
         rng/rank_<r>.safetensors  every rank's generator states
         meta.json               step, layout, config; written last
 
@@ -14,7 +15,7 @@ leaves the previous checkpoints untouched, and `latest_checkpoint` never sees th
 one. `CheckpointWriter` writes the files in a background thread while training continues.
 
 Checkpoints written before this format (model.safetensors + optimizer.safetensors, whole
-tensors) still load: `load_checkpoint` and `read_moments` read them as before.
+tensors) still load: `load_checkpoint` and `read_optimizer_state` read them as before.
 """
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.training.metrics import max_over_ranks
-from megalite.training.sharded_state import (MOMENTS, Piece, WholeReader, blocks, load_pieces,
-                                             moment_pieces, read_metadata, save_pieces,
+from megalite.training.sharded_state import (Piece, WholeReader, blocks, load_pieces,
+                                             read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.typed_config import ConfigError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
+StateNames = Callable[[torch.nn.Parameter], tuple[str, ...]]
 
 
 class CheckpointError(RuntimeError):
@@ -150,8 +152,8 @@ class CheckpointWriter:
              tokenizer: TokenizerInfo | None = None) -> Path:
         """Start saving; return the directory the checkpoint will have once written.
 
-        `engine`: the weights and Adam state (`held_rows`, `master`, `moments`: see
-        training/engine.py). `engine.moments` may be a
+        `engine`: the weights and optimizer state (`held_rows`, `master`, `optimizer_state`:
+        see training/engine.py). `engine.optimizer_state` may be a
         collective (DeepSpeed's ZeRO), so every rank saves every parameter in the same order.
         `tokenizer`: stored in (with its special tokens named), so the checkpoint is self-contained."""
         self.finish()
@@ -255,7 +257,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
                     pstate: ParallelState) -> tuple[dict, dict[str, torch.Tensor] | None]:
     """Load weights into this rank's slices (a collective: every rank calls it); return (meta,
     this rank's RNG state, or None when the checkpoint was written with another layout).
-    `read_moments` reads the optimizer state."""
+    `read_optimizer_state` reads the optimizer state."""
     path = Path(path)
     wrong = not_a_checkpoint(path)
     if wrong:
@@ -277,8 +279,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
 
 
 class CheckpointTensors:
-    """A checkpoint's weights (part="model", by parameter name) or Adam moments ("optimizer",
-    by "<name>.exp_avg"...), whole, one tensor at a time, in this one process: for tools
+    """A checkpoint's weights (part="model", by parameter name) or optimizer state
+    ("optimizer", by "<name>.exp_avg"...), whole, one tensor at a time, in this one process: for tools
     (export) and tests, not training. The sharded format through DCP, its metadata read once;
     the whole-tensor one through safetensors, opened for each tensor (a tensor is a view of
     the file's mapping, whose pages leave this process's memory with it)."""
@@ -338,25 +340,31 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             p.copy_(full[tuple(index)])
 
 
-def read_moments(path: Path, model: torch.nn.Module,
-                 held_rows: HeldRows) -> list[tuple[torch.nn.Parameter, dict]]:
-    """(parameter, {moment: rows `held_rows(p)` of this rank's slice}) for each parameter with
-    stored Adam moments (none in an imported checkpoint); a collective, as `load_checkpoint`."""
+def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: HeldRows,
+                         state_names: StateNames) -> list[tuple[torch.nn.Parameter, dict]]:
+    """(parameter, {name: rows `held_rows(p)` of this rank's slice}) for each parameter with
+    stored optimizer state (none in an imported checkpoint), whose names must be
+    `state_names(p)`; a collective, as `load_checkpoint`."""
     path = Path(path)
     if _whole_tensors(path):
-        return list(_read_whole_moments(path, model, held_rows))
+        return list(_read_whole_state(path, model, held_rows, state_names))
     metadata = read_metadata(path)
-    wanted = moment_pieces(model, held_rows, metadata.state_dict_metadata)
+    wanted = state_pieces(model, held_rows, state_names, metadata.state_dict_metadata, str(path))
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 
 
-def _read_whole_moments(path: Path, model, held_rows: HeldRows) -> Iterator[tuple]:
+def _read_whole_state(path: Path, model, held_rows: HeldRows, state_names: StateNames) -> Iterator[tuple]:
+    """The format before sharded checkpoints, written by AdamW alone."""
     with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         for name, p in model.named_parameters():
-            if f"{name}.{MOMENTS[0]}" in keys:
+            if f"{name}.exp_avg" in keys:
+                if "exp_avg" not in state_names(p):
+                    raise ConfigError(f"'{path}' holds AdamW's state for {name}, where this run's "
+                                      f"optimizer keeps {list(state_names(p))}: set "
+                                      f"train.load_optimizer=false to load the weights alone")
                 start, stop = held_rows(p)
-                # A copy: a view would keep the whole moment alive in the optimizer's state.
+                # A copy: a view would keep the whole tensor alive in the optimizer's state.
                 yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
-                          for m in MOMENTS}
+                          for m in state_names(p)}

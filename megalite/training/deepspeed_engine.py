@@ -12,7 +12,7 @@ engine, to float rounding:
   norm adds their squares on every TP rank and counts the replicated ones on TP rank 0 only.
   A slice held by several TP ranks (GQA with fewer KV heads than TP ranks) would be counted once
   per copy, so that layout is refused (check_deepspeed).
-- Checkpoints keep megalite's format: Adam's moments are read and written whole per parameter
+- Checkpoints keep megalite's format: AdamW's moments are read and written whole per parameter
   through ZeRO's parameter-to-partition map, so a run can resume on either engine.
 
 How gradients cross DP (DeepSpeedEngine): ZeRO-2 without pipeline stages reduces them during
@@ -35,10 +35,10 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
-from megalite.training.checkpoint import MOMENTS
-from megalite.training.engine import AdamEngine
+from megalite.training.engine import EngineBase
 from megalite.training.grads import clip_grad_norm_, sum_embedding_copies
-from megalite.training.optim import build_optimizer
+from megalite.training.optimizers.build import adamw
+from megalite.training.optimizers.chained import ADAMW_STATE
 from megalite.typed_config import ConfigError
 
 # Set by megalite from train.*; a passthrough value for one of them must agree.
@@ -102,6 +102,11 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
         raise ConfigError(f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
                           f"group would not hold the context-parallel ranks, whose gradients must be "
                           f"summed too; use train.engine=native (or parallel.cp=1)")
+    if train.optimizer != "adamw":
+        raise ConfigError(f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands "
+                          f"DeepSpeed AdamW only (ZeRO partitions state by flat element ranges, and "
+                          f"{train.optimizer} needs whole matrices); use train.engine=native for "
+                          f"{train.optimizer} (train.zero_stage 0 or 1), or train.optimizer=adamw")
     if train.precision == "pure_bf16":
         raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
                           "masters live in its own engine): set train.engine=native, or use "
@@ -151,7 +156,7 @@ def deepspeed_config(train: TrainConfig, dp: int) -> dict:
                                   "stage": train.zero_stage}}
 
 
-class DeepSpeedEngine(AdamEngine):
+class DeepSpeedEngine(EngineBase):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState):
         import deepspeed
         for p in model.parameters():
@@ -163,7 +168,7 @@ class DeepSpeedEngine(AdamEngine):
                 p.ds_pipe_replicated = True  # ZeRO's norm counts the first stage's weight only
         deepspeed.init_distributed(dist_backend="nccl" if pstate.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=build_optimizer(model, cfg, pstate.device),
+            model=model, optimizer=adamw(list(model.parameters()), cfg, pstate.device),
             mpu=ModelParallelUnit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
@@ -206,24 +211,33 @@ class DeepSpeedEngine(AdamEngine):
                 # DeepSpeed 0.19 links each parameter to its slice of Adam's state right after
                 # the FIRST parameter group's first update, before the other groups have any
                 # state, and never again: link once more now that all have it (the state
-                # tensors are updated in place from then on), or `moments` finds nothing for
+                # tensors are updated in place from then on), or `optimizer_state` finds nothing for
                 # the no-decay group.
                 self._link_adam_state()
                 self.state_linked = True
             norm = torch.as_tensor(self.engine.get_global_grad_norm())
         return norm
 
-    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    def state_names(self, p: torch.nn.Parameter) -> tuple[str, ...]:
+        return ADAMW_STATE
+
+    def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         if not self.zero:
-            return super().moments(p)
+            state = self.optimizer.state.get(p, {})
+            return {m: state[m] for m in ADAMW_STATE if m in state}
         from deepspeed.utils import safe_get_full_optimizer_state
         # An all-reduce over DP of each rank's part of the partitioned moment: every rank calls.
-        full = {m: safe_get_full_optimizer_state(p, m) for m in MOMENTS}
+        full = {m: safe_get_full_optimizer_state(p, m) for m in ADAMW_STATE}
         return {m: t for m, t in full.items() if t is not None}
 
-    def load_moments(self, moments, step: int) -> None:
+    def load_optimizer_state(self, pairs, step: int) -> None:
         if not self.zero:
-            super().load_moments(moments, step)
+            # Stage 0: DeepSpeed steps torch's AdamW as it is.
+            index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups
+                                                    for p in g["params"])}
+            state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in pairs}
+            self.optimizer.load_state_dict({"state": state,
+                                            "param_groups": self.optimizer.state_dict()["param_groups"]})
             return
         from deepspeed.utils import safe_set_full_optimizer_state
         # Adam's state comes with its first step: give each flat fp32 partition (one per
@@ -234,15 +248,15 @@ class DeepSpeedEngine(AdamEngine):
         for flat in self.optimizer.single_partition_of_fp32_groups:
             adam.state[flat] = {"step": torch.tensor(float(step), dtype=torch.float32,
                                                      device=flat.device if on_device else "cpu"),
-                                **{m: torch.zeros_like(flat) for m in MOMENTS}}
+                                **{m: torch.zeros_like(flat) for m in ADAMW_STATE}}
         self._link_adam_state()
-        for p, tensors in moments:
+        for p, tensors in pairs:
             for m, full in tensors.items():
                 safe_set_full_optimizer_state(p, full, m)  # this rank's part of p, if any
 
     def _link_adam_state(self) -> None:
         """Point each parameter's fragment at the Adam state its partition holds now. DeepSpeed
-        has no public call for this (nor for making that state before a step, load_moments'
+        has no public call for this (nor for making that state before a step, load_optimizer_state's
         loop): the only places that reach into its ZeRO optimizer."""
         self.optimizer._hp_optimizer_states_linked = False
         self.optimizer._lazy_init_hp_params_optimizer_state()

@@ -1,9 +1,9 @@
 """The distributed optimizer (train.zero_stage=1, Megatron's --use-distributed-optimizer, ZeRO-1):
-each replica of a parameter keeps the fp32 weight and the Adam moments of its rows only.
+each replica of a parameter keeps the fp32 weight and the optimizer state of its rows only.
 
 The replicas of a TP slice are the ranks of the gradient group (CP x DP, `pstate.grad_group`);
 member k holds rows `row_range(rows, k, grad_size)` of each parameter's local tensor (the
-contract with checkpoints: `held_rows`, `master`, `moments`). What crosses which group:
+contract with checkpoints: `held_rows`, `master`, `optimizer_state`). What crosses which group:
 
   backward  each micro-batch's gradient accumulates locally, whole (fp32; pure_bf16's bf16
             gradients into an fp32 sum). On the last micro-batch, as backward finishes a bucket
@@ -13,14 +13,16 @@ contract with checkpoints: `held_rows`, `master`, `moments`). What crosses which
             each rank receives the sum of its rows. The whole gradients are then freed.
   step      tied embeddings: the two pipeline copies' rows are summed over the embedding group;
             the norm's sums of squares of the rows over the gradient group, then TP and PP
-            (grads.clip_grad_norm_); AdamW updates the rows; each bucket's updated rows are
+            (grads.clip_grad_norm_); the optimizer updates the rows; each bucket's updated rows are
             all-gathered over the gradient group into the parameters, in their dtype (pure_bf16:
             each row rounded to bf16 once, as the replicated engine rounds its whole masters).
   forward   nothing: the parameters are whole again (the all-gathers end the step, they do not
             overlap the next forward).
 
 AdamW is element-wise, so updating rows with their summed gradients and the global clipping
-coefficient is the replicated update of those rows.
+coefficient is the replicated update of those rows. Muon's momentum is element-wise too; its
+orthogonalisation all-gathers the rows of each matrix's update over the replica group (and the
+TP slices), runs on the whole matrix, and keeps the rows (optimizers/matrices.py).
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
-from megalite.training.grads import DataParallelGradSync, replica_rank
+from megalite.training.grads import DataParallelGradSync, replica_group, replica_rank
 from megalite.training.mixed_precision import MasterWeights, copy_marks
-from megalite.training.optim import build_optimizer
+from megalite.training.optimizers.build import build_optimizer
+from megalite.training.optimizers.matrices import layout_of
 
 # torch 2.13 renames these two (…_single); the old names work in every supported torch and are
 # the ones bench/comm.py's CommLog counts.
@@ -159,9 +162,12 @@ class DistributedOptimizer(NativeEngine):
                       for p in params]
         self.shard = {id(p): s for p, s in zip(params, shards)}
         # What the optimizer steps and the clipping scales: the rows. Decay groups by dim, which
-        # rows of a tensor share with it.
+        # rows of a tensor share with it; Muon gathers the rows of its matrices.
         self.trained = nn.ParameterList(shards)
-        self.optimizer = build_optimizer(self.trained, cfg, pstate.device)
+        self.optimizer = build_optimizer(
+            model, cfg, pstate, self.master,
+            layout=lambda p: layout_of(p, pstate, self.held_rows(p),
+                                       (replica_group(p, pstate), *replica_rank(p, pstate))))
         # Buckets of dp_bucket_mb of fp32 gradient, whatever the parameters' dtype.
         bucket_mb = parallel.dp_bucket_mb * params[0].element_size() / 4
         self.grad_sync = DataParallelGradSync(

@@ -7,15 +7,16 @@
     engine.backward(micro_loss, last=...)   in the schedule's order (pipeline/runner.py)
     grad_norm = engine.step()               clip, update, zero the gradients
 
-native (the default): torch's AdamW and the TP-aware clipping of grads.py. With
+native (the default): train.optimizer's optimizers and the TP-aware clipping of grads.py. With
 train.zero_stage=1 (the default) and more than one replica of each parameter (CP x DP > 1),
-the distributed optimizer (distributed_optimizer.py): each replica holds the fp32 weight and Adam
-moments of its rows of each parameter, gradients are reduce-scattered and the updated rows
+the distributed optimizer (distributed_optimizer.py): each replica holds the fp32 weight and
+optimizer state of its rows of each parameter, gradients are reduce-scattered and the updated rows
 all-gathered; with zero_stage=0, or a single replica, NativeEngine: replicated state, gradients
 all-reduced in buckets overlapped with backward. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
 (deepspeed_engine.py). Every engine tells which rows of a parameter's local tensor it holds
-(`held_rows`) and reads and sets their weight and Adam moments (`master`, `moments`,
-`load_moments`), so checkpoints stay layout- and engine-independent.
+(`held_rows`) and reads and sets their weight and optimizer state by name (`master`,
+`state_names`, `optimizer_state`, `load_optimizer_state`), so checkpoints stay layout-,
+engine- and optimizer-independent. Which optimizer steps (AdamW, Muon) is training/optimizers/.
 
 train.precision=pure_bf16 (native only): the engine keeps fp32 masters of the then bf16 model
 (mixed_precision.py); `master(p)` is the fp32 weight a checkpoint saves for model parameter p.
@@ -30,19 +31,20 @@ import torch
 from megalite.config import ParallelConfig
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
-from megalite.training.checkpoint import MOMENTS
 from megalite.pipeline.runner import train_pipelined
 from megalite.model.moe import update_expert_bias
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
 from megalite.training.mixed_precision import MasterWeights
-from megalite.training.optim import build_optimizer
+from megalite.training.optimizers.build import build_optimizer
+from megalite.training.optimizers.chained import ChainedOptimizer
 
 
-class AdamEngine:
-    """What both engines share: a torch AdamW (`self.optimizer`, set by the subclass), its
-    learning rate, and its moments read and set per model parameter."""
+class EngineBase:
+    """What every engine shares: its optimizer (`self.optimizer`, set by the subclass: a
+    ChainedOptimizer, or DeepSpeed's wrapper of one AdamW), the learning rate, and the
+    optimizer's per-parameter state read and set by name for each model parameter."""
 
-    optimizer: torch.optim.Optimizer
+    optimizer: ChainedOptimizer
 
     def master(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
         """The tensor the optimizer steps for model parameter p (and its full-precision weight),
@@ -51,34 +53,32 @@ class AdamEngine:
 
     def held_rows(self, p: torch.nn.Parameter) -> tuple[int, int]:
         """Rows [start, stop) of p's local tensor (this rank's TP slice) whose fp32 weight
-        (`master`) and Adam moments (`moments`) this rank holds: all of them, but for a
-        distributed optimizer."""
+        (`master`) and optimizer state (`optimizer_state`) this rank holds: all of them, but for
+        a distributed optimizer."""
         return 0, p.shape[0]
 
     def set_lr(self, lr: float) -> None:
+        """The schedule's rate: train.lr's groups take it, Muon's it times muon.lr / lr."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)
 
-    def moments(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """Each Adam moment of p, rows `held_rows(p)` of this rank's TP slice (none before the
-        first step)."""
-        state = self.optimizer.state.get(self.master(p), {})
-        return {m: state[m] for m in MOMENTS if m in state}
+    def state_names(self, p: torch.nn.Parameter) -> tuple[str, ...]:
+        """The per-parameter state p's optimizer keeps (AdamW's moments, Muon's momentum)."""
+        return self.optimizer.state_names(self.master(p))
 
-    def load_moments(self, moments: Iterable[tuple[torch.nn.Parameter, dict]], step: int) -> None:
-        """Set the Adam state from (parameter, {moment: rows `held_rows(p)` of this rank's TP
-        slice}) pairs."""
-        # Through load_state_dict, so torch places "step" and the moments as its AdamW variant
-        # (fused or not) expects.
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(params)}
-        state = {index[id(self.master(p))]: {"step": torch.tensor(float(step)), **tensors}
-                 for p, tensors in moments}
-        self.optimizer.load_state_dict({"state": state,
-                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
+    def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """p's optimizer state by name, rows `held_rows(p)` of this rank's TP slice (none
+        before the first step)."""
+        return self.optimizer.state_of(self.master(p))
+
+    def load_optimizer_state(self, pairs: Iterable[tuple[torch.nn.Parameter, dict]],
+                             step: int) -> None:
+        """Set the optimizer state from (parameter, {name: rows `held_rows(p)` of this rank's
+        TP slice}) pairs, `step` steps in."""
+        self.optimizer.load_state(((self.master(p), tensors) for p, tensors in pairs), step)
 
 
-class NativeEngine(AdamEngine):
+class NativeEngine(EngineBase):
     """Replicated optimizer state, gradients all-reduced over CP x DP (train.zero_stage=0, or
     one replica). build_engine picks the distributed optimizer for zero_stage=1; constructed
     directly, this class is the replicated engine whatever cfg.zero_stage says."""
@@ -92,7 +92,7 @@ class NativeEngine(AdamEngine):
         self.masters = MasterWeights(model) if cfg.precision == "pure_bf16" else None
         # What the optimizer steps, the DP sync sums and the clipping scales.
         self.trained = model if self.masters is None else self.masters
-        self.optimizer = build_optimizer(self.trained, cfg, pstate.device)
+        self.optimizer = build_optimizer(model, cfg, pstate, self.master)
         self.grad_sync = DataParallelGradSync(self.trained, pstate, parallel.dp_bucket_mb,
                                               parallel.dp_reduce_dtype,
                                               hooks=self.masters is None)

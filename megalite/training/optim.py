@@ -1,24 +1,9 @@
-"""AdamW with decay / no-decay groups, and the warmup + cosine learning-rate schedule.
-
-AdamW is element-wise, so a rank updating its TP slice computes exactly the slice of the TP=1
-update, given the same gradients and the same clipping coefficient.
-"""
+"""The warmup + cosine learning-rate schedule (the optimizers themselves: optimizers/)."""
 from __future__ import annotations
 
 import math
 
-import torch
-
 from megalite.run_config import TrainConfig
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # Matrices (linear weights, embeddings) decay; vectors (biases, norm weights) do not.
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2),
-                             fused=device.type == "cuda")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

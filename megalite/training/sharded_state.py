@@ -6,7 +6,7 @@ and the block's offsets in it. DCP writes every rank's pieces in parallel, recor
 its metadata, and on load reads, for each piece a rank asks for, only the stored blocks that
 overlap it: a checkpoint loads at any TP x CP x PP x DP layout and any zero stage.
 
-Who writes what: each tensor of a TP slice (weight, Adam moments) is held by the slice's
+Who writes what: each tensor of a TP slice (weight, optimizer state) is held by the slice's
 replicas, the CP x DP ranks of the gradient group (MoE experts: those holding the same experts,
 grads.replica_group) and, for GQA's KV heads, several TP ranks. Replica k of n writes rows
 `row_range(rows, k, n)` (the rows the distributed optimizer gives it), split again between the TP ranks that hold the same slice
@@ -41,7 +41,6 @@ from megalite.typed_config import ConfigError
 # DCP warns whenever it runs in one process, which tools and single-process runs mean to do.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 BLOCKS = 32  # a reader of 1/8 of a tensor's rows reads at most 1/4 more than it needs
 MIN_BLOCK_BYTES = 1 << 16  # smaller blocks cost more in per-item overhead than they save
 
@@ -59,8 +58,9 @@ def weight_key(name: str) -> str:
     return f"model/{name}"
 
 
-def moment_key(name: str, moment: str) -> str:
-    return f"optimizer/{name}.{moment}"
+def state_key(name: str, state: str) -> str:
+    """An optimizer's per-parameter state by name: AdamW's exp_avg, Muon's momentum_buffer."""
+    return f"optimizer/{name}.{state}"
 
 
 def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
@@ -78,12 +78,12 @@ def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -
 
 
 def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Iterator[Piece]:
-    """The weights and Adam moments this rank writes (see the module docstring).
+    """The weights and optimizer state this rank writes (see the module docstring).
 
-    `engine.moments(p)` may be a collective (DeepSpeed's ZeRO gathers): it is asked for every
-    parameter on every rank, in the same order."""
+    `engine.optimizer_state(p)` may be a collective (DeepSpeed's ZeRO gathers): it is asked for
+    every parameter on every rank, in the same order."""
     for name, p in model.named_parameters():
-        moments = engine.moments(p)
+        state = engine.optimizer_state(p)
         shard = shard_of(p)
         copies = pstate.tp_size // shard.count if shard is not None else pstate.tp_size
         if getattr(p, "pipeline_copy", False):
@@ -100,8 +100,8 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.detach().narrow(0, start - held[0], stop - start)
         yield _rows_piece(weight_key(name), p, rows(engine.master(p)), start)
-        for m, t in moments.items():
-            yield _rows_piece(moment_key(name, m), p, rows(t), start)
+        for key, t in state.items():
+            yield _rows_piece(state_key(name, key), p, rows(t), start)
 
 
 def weight_pieces(model: torch.nn.Module) -> list[Piece]:
@@ -109,19 +109,32 @@ def weight_pieces(model: torch.nn.Module) -> list[Piece]:
     return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
 
 
-def moment_pieces(model: torch.nn.Module, held_rows: Callable,
-                  stored: dict) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
-    """Zeroed fp32 tensors for the Adam moments of the rows `held_rows(p)` of each parameter
-    whose moments are `stored` (a checkpoint's metadata; none in an imported one)."""
+def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Callable,
+                 stored: dict, source: str) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
+    """Zeroed fp32 tensors for the optimizer state `state_names(p)` of the rows `held_rows(p)`
+    of each parameter whose state is `stored` (a checkpoint's metadata; none in an imported
+    one). State of other names (another optimizer's) is a ConfigError."""
+    saved: dict[str, set[str]] = {}
+    for key in stored:
+        if key.startswith("optimizer/"):
+            name, _, state = key.removeprefix("optimizer/").rpartition(".")
+            saved.setdefault(name, set()).add(state)
     out = []
     for name, p in model.named_parameters():
-        if not all(moment_key(name, m) in stored for m in MOMENTS):
+        names = state_names(p)
+        if name not in saved:
             continue
+        if saved[name] != set(names):
+            raise ConfigError(
+                f"'{source}' holds optimizer state {sorted(saved[name])} for {name}, where this "
+                f"run's optimizer keeps {list(names)}: it was saved by another train.optimizer. "
+                f"Resume with that optimizer, or set train.load_optimizer=false to load the "
+                f"weights alone")
         start, stop = held_rows(p)
         shape = (stop - start, *p.shape[1:])
-        out.append((p, {m: _rows_piece(moment_key(name, m), p,
-                                       torch.zeros(shape, dtype=torch.float32, device=p.device), start)
-                        for m in MOMENTS}))
+        out.append((p, {key: _rows_piece(state_key(name, key), p,
+                                         torch.zeros(shape, dtype=torch.float32, device=p.device), start)
+                        for key in names}))
     return out
 
 

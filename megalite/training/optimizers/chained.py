@@ -1,0 +1,69 @@
+"""Several torch optimizers over disjoint tensors, stepped as one (Megatron's ChainedOptimizer):
+what the engines hold as `optimizer`, and the one place that reads and sets per-parameter state
+by name, for checkpoints."""
+from __future__ import annotations
+
+from collections import ChainMap
+from typing import Iterable
+
+import torch
+
+
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def state_names(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-parameter state an optimizer keeps: torch's AdamW (DeepSpeed takes it by its
+    exact type) its two moments; megalite's own optimizers say theirs."""
+    return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else optimizer.state_names
+
+
+def counts_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether its per-parameter state holds the step count (AdamW's bias correction)."""
+    return isinstance(optimizer, torch.optim.AdamW)
+
+
+class ChainedOptimizer:
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+        self.owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> ChainMap:
+        return ChainMap(*(o.state for o in self.optimizers))
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_names(self, t: torch.Tensor) -> tuple[str, ...]:
+        """The names of the per-parameter state the optimizer of stepped tensor t keeps."""
+        return state_names(self.owner[id(t)])
+
+    def state_of(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stepped tensor t's state by name (none before its first step)."""
+        owner = self.owner[id(t)]
+        state = owner.state.get(t, {})
+        return {name: state[name] for name in state_names(owner) if name in state}
+
+    def load_state(self, pairs: Iterable[tuple[torch.Tensor, dict]], step: int) -> None:
+        """Set each stepped tensor's state from {name: tensor} after `step` steps."""
+        mine: dict[int, dict] = {id(o): {} for o in self.optimizers}
+        for t, tensors in pairs:
+            mine[id(self.owner[id(t)])][id(t)] = tensors
+        for o in self.optimizers:
+            # Through load_state_dict, so torch places "step" and the state as each optimizer
+            # (fused or not) expects.
+            index = {id(p): i for i, p in enumerate(p for g in o.param_groups for p in g["params"])}
+            # A step tensor each: AdamW increments them in place.
+            state = {index[k]: {**({"step": torch.tensor(float(step))} if counts_steps(o) else {}), **v}
+                     for k, v in mine[id(o)].items()}
+            o.load_state_dict({"state": state, "param_groups": o.state_dict()["param_groups"]})

