@@ -157,7 +157,7 @@ def check_background_write_failing_on_rank_0(tmp):
     model = tiny_model(ps)
 
     class WithMoments(WeightsOnly):
-        def moments(self, p):
+        def optimizer_state(self, p):
             return {"exp_avg": p.detach()}
 
     with CheckpointWriter(ps) as writer:

@@ -7,7 +7,8 @@ TP1 x DP4 and at PP2 with the original's losses; an AdamW checkpoint is refused 
 naming both optimizers, and loads its weights alone when asked."""
 import pytest
 
-from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+from megalite.typed_config import ConfigError
+from tests.test_train import STEPS, assert_same_training, common, losses, run_train, train_run
 
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
         "train.checkpoint_every=5"]
@@ -77,3 +78,21 @@ def test_a_muon_checkpoint_resumes_at_another_layout(tmp_path, cache, tp2_dp2, l
     assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
     for step in got:
         assert abs(got[step] - expected[step]) <= 1e-5, (layout, step, got[step], expected[step])
+
+
+def test_an_adamw_checkpoint_is_refused_by_a_muon_run_or_gives_its_weights_alone(
+        tmp_path, cache, tp2dp2_padded):
+    """conftest.py's AdamW run (TP2 x DP2, checkpointed at step 5)."""
+    checkpoint = tp2dp2_padded / "checkpoints" / f"step_{SAVED_AT:08d}"
+    argv = common(cache, tmp_path / "muon", "padded") + [
+        "parallel.tp=1", "train.micro_batch_size=8", "train.optimizer=muon",
+        f"train.resume={checkpoint}"]
+    with pytest.raises(ConfigError, match=r"train\.optimizer=adamw, this run's is "
+                                          r"train\.optimizer=muon.*train\.load_optimizer=false"):
+        run_train(argv)
+    train_run(1, argv + ["train.load_optimizer=false"])
+    adamw, muon = losses(tp2dp2_padded), losses(tmp_path / "muon")
+    assert sorted(muon) == list(range(SAVED_AT + 1, STEPS + 1))
+    # Step 6's loss is of the loaded weights; Muon's first update then parts the runs.
+    assert abs(muon[SAVED_AT + 1] - adamw[SAVED_AT + 1]) <= 1e-5
+    assert abs(muon[STEPS] - adamw[STEPS]) > 1e-3
