@@ -33,6 +33,7 @@ from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_chec
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_loss, loss_sum
+from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
@@ -53,6 +54,8 @@ def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = with_pretrained(cfg)
     validate(cfg, world, launched="WORLD_SIZE" in os.environ)

@@ -3,7 +3,6 @@ what the engines hold as `optimizer`, and the one place that reads and sets per-
 by name, for checkpoints."""
 from __future__ import annotations
 
-from collections import ChainMap
 from typing import Iterable
 
 import torch
@@ -33,8 +32,9 @@ class ChainedOptimizer:
         return [g for o in self.optimizers for g in o.param_groups]
 
     @property
-    def state(self) -> ChainMap:
-        return ChainMap(*(o.state for o in self.optimizers))
+    def state(self) -> dict:
+        """Every optimizer's state by stepped tensor, merged (a copy of the index)."""
+        return {t: s for o in self.optimizers for t, s in o.state.items()}
 
     def step(self) -> None:
         for o in self.optimizers:
