@@ -1,0 +1,122 @@
+"""AdamW against Muon on the demo: each at a few learning rates, loss against steps and against
+wall time, plotted; the result as it comes out.
+
+    python scripts/bench_optimizers.py --out benchmarks/optimizers
+
+The demo (configs/demo.yaml: the tiny preset at 4 layers, the embedded corpus, packed rows of
+128 tokens, 16 rows a step) in one process (TP1: no rank waits on another), STEPS steps of the
+demo's schedule (warmup, cosine). AdamW sweeps train.lr; Muon sweeps train.muon.lr with the
+rest of the model on AdamW at the demo's train.lr. Writes OUT/results.json (device, date,
+commit, command, every point's losses and times), OUT/results.csv, OUT/results.md and
+OUT/loss_vs_step.png, OUT/loss_vs_time.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.provenance import git_commit  # noqa: E402
+from megalite.training.metrics import read_records  # noqa: E402
+
+POINTS = [("adamw", "train.lr", lr) for lr in (1e-3, 3e-3, 1e-2, 3e-2)] + \
+         [("muon", "train.muon.lr", lr) for lr in (0.01, 0.02, 0.05)]
+
+
+def run_point(optimizer: str, key: str, lr: float, steps: int, cache: str) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        subprocess.run([sys.executable, "-m", "megalite.train", "--config", "configs/demo.yaml",
+                        "parallel.tp=1", f"train.optimizer={optimizer}", f"{key}={lr}",
+                        f"train.max_steps={steps}", f"train.eval_every={steps // 3}",
+                        "train.checkpoint_every=0", f"run.dir={run_dir}", f"data.cache_dir={cache}",
+                        "sample.max_new_tokens=1"],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        records = read_records(Path(run_dir) / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    start = train[0]["time"] - (train[1]["time"] - train[0]["time"])  # one step before the first log
+    return {"optimizer": optimizer, "setting": key, "lr": lr,
+            "steps": [r["step"] for r in train], "loss": [r["loss"] for r in train],
+            "seconds": [r["time"] - start for r in train],
+            "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]}
+
+
+def plot(points: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for x, name, label in (("steps", "loss_vs_step.png", "optimizer step"),
+                           ("seconds", "loss_vs_time.png", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for p in points:
+            ax.plot(p[x], p["loss"], label=f"{p['optimizer']} {p['setting'].split('.')[-1]}={p['lr']:g}",
+                    linestyle="-" if p["optimizer"] == "muon" else "--", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("training loss")
+        ax.set_ylim(top=min(max(p["loss"][0] for p in points), 8.5))
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+
+def report(results: dict) -> str:
+    lines = [f"AdamW and Muon on the demo (configs/demo.yaml, one process), {results['steps']} "
+             f"steps, {results['device']}, commit {results['commit'][:10]}, "
+             f"{results['date'][:10]}.", "",
+             "| optimizer | learning rate | final training loss | final val loss | seconds |",
+             "|---|---|---|---|---|"]
+    for p in results["points"]:
+        lines.append(f"| {p['optimizer']} | {p['setting']}={p['lr']:g} | {p['loss'][-1]:.3f} | "
+                     f"{p['val'][-1][1]:.3f} | {p['seconds'][-1]:.0f} |")
+    best = {o: min((p for p in results["points"] if p["optimizer"] == o), key=lambda p: p["val"][-1][1])
+            for o in ("adamw", "muon")}
+    a, m = best["adamw"], best["muon"]
+    winner = "Muon" if m["val"][-1][1] < a["val"][-1][1] else "AdamW"
+    lines += ["", f"Best of each by the final validation loss: AdamW at {a['setting']}={a['lr']:g} "
+              f"({a['val'][-1][1]:.3f}, {a['seconds'][-1]:.0f} s), Muon at "
+              f"{m['setting']}={m['lr']:g} ({m['val'][-1][1]:.3f}, {m['seconds'][-1]:.0f} s): "
+              f"{winner} is lower here."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/optimizers")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--cache", default=".megalite_cache")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = git_commit(paths=("megalite", "scripts"))
+    points = [run_point(o, key, lr, args.steps, args.cache) for o, key, lr in POINTS]
+    results = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+               "date": datetime.now(timezone.utc).isoformat(), "commit": commit.removesuffix("-dirty"),
+               "dirty": commit.endswith("-dirty"), "steps": args.steps,
+               "command": " ".join([Path(sys.executable).name] + sys.argv),
+               "torch": __import__("torch").__version__, "points": points}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["optimizer", "setting", "lr", "step", "loss", "seconds"])
+        for p in points:
+            for step, loss, seconds in zip(p["steps"], p["loss"], p["seconds"]):
+                writer.writerow([p["optimizer"], p["setting"], p["lr"], step, loss, f"{seconds:.3f}"])
+    (out / "results.md").write_text(report(results))
+    plot(points, out)
+    print(report(results))
+
+
+if __name__ == "__main__":
+    main()
