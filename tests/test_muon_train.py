@@ -2,7 +2,7 @@
 (clipping active) and final weights after 10 steps, to 1e-5 (fp32, Newton-Schulz in fp32:
 train.muon.ns_dtype=fp32). Each layout takes Muon's matrices apart differently: TP slices by
 rows and by columns (and a KV head held by two TP ranks), ZeRO-1 rows over the replicas,
-pipeline stages, experts over EP. A Muon checkpoint written at TP2 x DP2 (ZeRO-1) resumes at
+pipeline stages, experts over EP, CP ranks as replicas. A Muon checkpoint written at TP2 x DP2 (ZeRO-1) resumes at
 TP1 x DP4 and at PP2 with the original's losses; an AdamW checkpoint is refused by a Muon run
 naming both optimizers, and loads its weights alone when asked."""
 import pytest
@@ -23,6 +23,7 @@ LAYOUTS = {  # name -> (model, layout settings)
                                         "train.zero_stage=0"]),
     "pp2-dp2-zero1": ("llama", ["parallel.pp=2", "model.n_layers=4"]),
     "ep2-dp2-zero1": ("moe", ["parallel.ep=2"]),
+    "cp2-dp2-zero1": ("llama", ["parallel.cp=2"]),
 }
 SAVED_AT = 5
 
