@@ -31,6 +31,19 @@ def git_commit(tree: Path = ROOT, paths: tuple[str, ...] = ()) -> str:
     return sha + ("-dirty" if dirty else "")
 
 
+def cpu_script_header() -> dict:
+    """What a CPU benchmark script's results.json opens with: the machine, the date, the commit
+    of megalite/ and scripts/ (and whether it had uncommitted changes), the command, torch."""
+    import platform
+    from datetime import datetime, timezone
+    commit = git_commit(paths=("megalite", "scripts"))
+    return {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "date": datetime.now(timezone.utc).isoformat(), "commit": commit.removesuffix("-dirty"),
+            "dirty": commit.endswith("-dirty"),
+            "command": " ".join([Path(sys.executable).name] + sys.argv),
+            "torch": __import__("torch").__version__}
+
+
 def extract_commit(commit: str, root: Path, paths: tuple[str, ...] = ()) -> tuple[str, Path]:
     """`paths` of `commit` (all of it by default), extracted once under `root`:
     (full sha, directory). Written beside and renamed, so a cut run leaves no half tree."""

@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
 from bench.proc_counters import io_bytes, reset_peak_rss, status_bytes  # noqa: E402
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import cpu_script_header  # noqa: E402
 
 GB = 1e9
 
@@ -138,13 +136,7 @@ def main() -> None:
     stages = [int(s) for s in args.zero_stages.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "checkpoints" / "step_00000001"
-        commit = git_commit(paths=("megalite", "scripts"))
-        results = {"device": f"cpu ({platform.processor() or platform.machine()}, "
-                             f"{os.cpu_count()} cores)",
-                   "date": datetime.now(timezone.utc).isoformat(), "commit": commit.removesuffix("-dirty"),
-                   "dirty": commit.endswith("-dirty"),
-                   "command": " ".join([Path(sys.executable).name] + sys.argv),
-                   "torch": __import__("torch").__version__, "layers": args.layers,
+        results = {**cpu_script_header(), "layers": args.layers,
                    "save": torchrun("save", 4, 0, ckpt, args.layers)}
         results["checkpoint_gb"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / GB
         results["loads"] = [torchrun("load", tp, zero, ckpt, args.layers)

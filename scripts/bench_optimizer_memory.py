@@ -15,17 +15,15 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
 from bench.proc_counters import status_bytes  # noqa: E402
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import cpu_script_header  # noqa: E402
 
 MB = 1e6
 STEPS, MICRO, ROWS, SEQ = 6, 4, 4, 128
@@ -141,12 +139,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = git_commit(paths=("megalite", "scripts"))
-    results = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-               "date": datetime.now(timezone.utc).isoformat(), "commit": commit.removesuffix("-dirty"),
-               "dirty": commit.endswith("-dirty"),
-               "command": " ".join([Path(sys.executable).name] + sys.argv),
-               "torch": __import__("torch").__version__,
+    results = {**cpu_script_header(),
                "runs": [torchrun(o, int(zero)) for o in args.optimizers.split(",")
                         for zero in args.zero_stages.split(",")]}
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -16,16 +16,14 @@ import argparse
 import csv
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import cpu_script_header  # noqa: E402
 from megalite.training.metrics import read_records  # noqa: E402
 
 POINTS = [("adamw", "train.lr", lr) for lr in (1e-3, 3e-3, 1e-2, 3e-2)] + \
@@ -99,13 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = git_commit(paths=("megalite", "scripts"))
+    header = cpu_script_header()  # the commit measured: before the runs
     points = [run_point(o, key, lr, args.steps, args.cache) for o, key, lr in POINTS]
-    results = {"device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-               "date": datetime.now(timezone.utc).isoformat(), "commit": commit.removesuffix("-dirty"),
-               "dirty": commit.endswith("-dirty"), "steps": args.steps,
-               "command": " ".join([Path(sys.executable).name] + sys.argv),
-               "torch": __import__("torch").__version__, "points": points}
+    results = {**header, "steps": args.steps, "points": points}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)

@@ -1,6 +1,6 @@
 """`python -m bench sweep`: a CPU sweep writes its results and plots, the collectives it counts are
 the ones the Megatron formulas predict, byte for byte, for every kind of layout (TP, SP, DP with
-the distributed optimizer, PP, CP), and a bad or stuck point is recorded while the sweep goes on,
+the distributed optimizer, PP, CP, Muon's whole-matrix gathers), and a bad or stuck point is recorded while the sweep goes on,
 and a crashed one names the rank that crashed and why.
 
 The sweeps here are written by the tests: each kind of layout of the shipped ones
@@ -48,6 +48,9 @@ MLA = {"model.position": "rotary", "model.norm": "rmsnorm", "model.activation": 
        "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 4,
        "model.v_head_dim": 12}
 LAYOUTS["points"] += [{**MLA, "parallel.tp": 2}, {**MLA, "parallel.cp": 2}]
+# Muon with TP, SP and ZeRO-1: each matrix's update gathered whole (optimizer_gathers).
+LAYOUTS["points"] += [{"parallel.tp": 2, "parallel.sequence_parallel": True, "dp": 2,
+                       "scaling": "weak", "train.optimizer": "muon"}]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +105,8 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     if t > 1:
         bsh = micro_batches * (4 * L + 2) * b * s * h
         loss = micro_batches * 3 * b * s
+        comm.update({key: e for key, (e, _) in optimizer_gathers(cfg, t, 1, "tp").items()
+                     if key[1] == "tp"})
         if point["sequence_parallel"]:
             comm[("reduce_scatter", "tp")] = bsh
             comm[("all_gather", "tp")] = bsh + micro_batches * 2 * L * b * s * h
@@ -111,7 +116,45 @@ def expected_comm(point: dict) -> dict[tuple[str, str], int]:
     if c > 1:
         comm.update(kv_elements(point, cfg))
     n, group = grad_group(point)
-    return {**comm, **{key: elements for key, (elements, _) in grad_sync(cfg, t, n, group).items()}}
+    return {**comm, **{key: elements for key, (elements, _) in dp_side(cfg, t, n, group).items()}}
+
+
+def dp_side(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(elements, calls) of each collective of the gradient sync and the optimizer over the
+    gradient group."""
+    both: dict[tuple[str, str], tuple[int, int]] = {}
+    optimizer = {k: v for k, v in optimizer_gathers(cfg, tp, replicas, group).items() if k[1] == group}
+    for key, (elements, calls) in [*grad_sync(cfg, tp, replicas, group).items(), *optimizer.items()]:
+        before = both.get(key, (0, 0))
+        both[key] = (before[0] + elements, before[1] + calls)
+    return both
+
+
+def optimizer_gathers(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """train.optimizer=muon: each block matrix's update gathered whole before Newton-Schulz
+    (docs/optimizers.md): its ZeRO-1 rows over the replicas (a block of the longest share's
+    rows from each), then its TP slices over TP (each slice from each rank), one all-gather
+    each. Experts' rows are whole experts, gathered from nobody."""
+    if cfg.train.optimizer != "muon":
+        return {}
+    gathers = {}
+    for name, p in GPT(cfg.model, ParallelState(), seed=0).named_parameters():
+        if not (name.startswith("blocks.") and p.dim() == 2):
+            continue
+        shape, shard = list(p.shape), shard_of(p)
+        split = shard is not None and tp > 1  # as grad_sync counts TP slices
+        if split:
+            shape[shard.dim] //= tp
+        cols = math.prod(shape[1:])
+        if replicas > 1 and cfg.train.zero_stage == 1:
+            longest = max(stop - start for start, stop in
+                          (row_range(shape[0], k, replicas) for k in range(replicas)))
+            elements, calls = gathers.get(("all_gather_into_tensor", group), (0, 0))
+            gathers[("all_gather_into_tensor", group)] = (elements + replicas * longest * cols, calls + 1)
+        if split:
+            elements, calls = gathers.get(("all_gather_into_tensor", "tp"), (0, 0))
+            gathers[("all_gather_into_tensor", "tp")] = (elements + tp * math.prod(shape), calls + 1)
+    return gathers
 
 
 def latent_weights(m) -> int:
@@ -212,7 +255,7 @@ def test_counted_communication_equals_the_formulas(results):
         assert counted == expected_comm(point), point["point"]
         n, group = grad_group(point)
         grad_calls = {c["op"]: c["calls"] for c in point["comm"] if c["group"] == group}
-        expected = grad_sync(point_config(point), point["tp"], n, group)
+        expected = dp_side(point_config(point), point["tp"], n, group)
         assert grad_calls == {op: calls for (op, _), (_, calls) in expected.items()}, point["point"]
         for c in point["comm"]:
             assert c["bytes"] == 4 * c["elements"]  # fp32 on CPU
