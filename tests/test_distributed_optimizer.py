@@ -21,7 +21,7 @@ from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
-from megalite.run_config import TrainConfig, load_config
+from megalite.run_config import MuonConfig, TrainConfig, load_config
 from megalite.run_setup import validate
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
@@ -65,9 +65,11 @@ def total(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x
 
 
-def make_engine(cfg, ps, zero_stage: int, precision: str, reduce: str = "fp32"):
+def make_engine(cfg, ps, zero_stage: int, precision: str, reduce: str = "fp32",
+                optimizer: str = "adamw"):
     model = GPT(cfg, ps, seed=3)
-    train = TrainConfig(precision=precision, zero_stage=zero_stage, grad_clip=0.5)
+    train = TrainConfig(precision=precision, zero_stage=zero_stage, grad_clip=0.5,
+                        optimizer=optimizer, muon=MuonConfig(ns_dtype="fp32"))
     return build_engine(model, train, ps, ParallelConfig(dp_bucket_mb=BUCKET_MB,
                                                          dp_reduce_dtype=reduce))
 
@@ -102,14 +104,14 @@ def row_bytes(engine) -> int:
 
 
 def check_same_training(name: str, world_layout: dict, micro: int, precision: str,
-                        reduce: str = "fp32") -> dict:
+                        reduce: str = "fp32", optimizer: str = "adamw") -> dict:
     cfg = MODELS[name]
     layout = ParallelConfig(**world_layout)
     ps = ParallelState.from_world(layout.tp, sequence_parallel=layout.sequence_parallel,
                                   pipeline=layout)
     runs, sizes = {}, {}
     for stage in (0, 1):
-        engine = make_engine(cfg, ps, stage, precision, reduce)
+        engine = make_engine(cfg, ps, stage, precision, reduce, optimizer)
         assert isinstance(engine, DistributedOptimizer) == (stage == 1)
         runs[stage] = train(engine, cfg, ps, STEPS, micro, layout.pp_schedule)
         sizes[stage] = state_bytes(engine)
@@ -158,6 +160,16 @@ def test_zero1_trains_as_the_replicated_engine_fp32(layout):
     compare(results, loss_atol=1e-5, norm_rtol=1e-5)
     # Clipping is active: the norms pass grad_clip=0.5 on some steps.
     assert max(results[0]["losses"][0][1]) > 0.5
+
+
+@pytest.mark.parametrize("layout", ["tp2xdp2-sp", "dp4-accumulation"])
+def test_zero1_muon_trains_as_the_replicated_engine(layout):
+    """Muon's matrices gathered from rows that split unevenly over 4 replicas (dp4: 30 and 42
+    rows), and from rows and TP slices (TP2 x DP2 + SP): the replicated engine's training."""
+    name, world_layout, micro = LAYOUTS[layout]
+    results = run_distributed(check_same_training, WORLD, name, world_layout, micro, "fp32",
+                              "fp32", "muon")
+    compare(results, loss_atol=1e-5, norm_rtol=1e-5)
 
 
 # pure_bf16: both engines round the same fp32 masters to bf16, and differ only in the order fp32
