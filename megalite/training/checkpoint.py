@@ -37,8 +37,8 @@ from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.training.metrics import max_over_ranks
-from megalite.training.sharded_state import (Piece, WholeReader, blocks, load_pieces,
-                                             read_metadata, save_pieces, state_pieces,
+from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
+                                             load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.typed_config import ConfigError
 
@@ -360,10 +360,7 @@ def _read_whole_state(path: Path, model, held_rows: HeldRows, state_names: State
         keys = set(f.keys())
         for name, p in model.named_parameters():
             if f"{name}.exp_avg" in keys:
-                if "exp_avg" not in state_names(p):
-                    raise ConfigError(f"'{path}' holds AdamW's state for {name}, where this run's "
-                                      f"optimizer keeps {list(state_names(p))}: set "
-                                      f"train.load_optimizer=false to load the weights alone")
+                check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
                 start, stop = held_rows(p)
                 # A copy: a view would keep the whole tensor alive in the optimizer's state.
                 yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)

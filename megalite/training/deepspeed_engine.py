@@ -38,7 +38,7 @@ from megalite.run_config import TrainConfig
 from megalite.training.engine import EngineBase
 from megalite.training.grads import clip_grad_norm_, sum_embedding_copies
 from megalite.training.optimizers.build import adamw
-from megalite.training.optimizers.chained import ADAMW_STATE
+from megalite.training.optimizers.chained import ADAMW_STATE, load_state, state_by_name
 from megalite.typed_config import ConfigError
 
 # Set by megalite from train.*; a passthrough value for one of them must agree.
@@ -223,8 +223,7 @@ class DeepSpeedEngine(EngineBase):
 
     def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         if not self.zero:
-            state = self.optimizer.state.get(p, {})
-            return {m: state[m] for m in ADAMW_STATE if m in state}
+            return state_by_name(self.optimizer, p, ADAMW_STATE)
         from deepspeed.utils import safe_get_full_optimizer_state
         # An all-reduce over DP of each rank's part of the partitioned moment: every rank calls.
         full = {m: safe_get_full_optimizer_state(p, m) for m in ADAMW_STATE}
@@ -233,11 +232,7 @@ class DeepSpeedEngine(EngineBase):
     def load_optimizer_state(self, pairs, step: int) -> None:
         if not self.zero:
             # Stage 0: DeepSpeed steps torch's AdamW as it is.
-            index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups
-                                                    for p in g["params"])}
-            state = {index[id(p)]: {"step": torch.tensor(float(step)), **tensors} for p, tensors in pairs}
-            self.optimizer.load_state_dict({"state": state,
-                                            "param_groups": self.optimizer.state_dict()["param_groups"]})
+            load_state(self.optimizer, {id(p): tensors for p, tensors in pairs}, step, counted=True)
             return
         from deepspeed.utils import safe_set_full_optimizer_state
         # Adam's state comes with its first step: give each flat fp32 partition (one per

@@ -109,6 +109,16 @@ def weight_pieces(model: torch.nn.Module) -> list[Piece]:
     return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
 
 
+def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
+    """The state a checkpoint holds for parameter `name` is the state this run's optimizer keeps
+    for it, or a ConfigError naming both."""
+    if saved != set(names):
+        raise ConfigError(
+            f"'{source}' holds optimizer state {sorted(saved)} for {name}, where this run's "
+            f"optimizer keeps {list(names)}: it was saved by another train.optimizer. Resume with "
+            f"that optimizer, or set train.load_optimizer=false to load the weights alone")
+
+
 def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Callable,
                  stored: dict, source: str) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
     """Zeroed fp32 tensors for the optimizer state `state_names(p)` of the rows `held_rows(p)`
@@ -124,12 +134,7 @@ def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Calla
         names = state_names(p)
         if name not in saved:
             continue
-        if saved[name] != set(names):
-            raise ConfigError(
-                f"'{source}' holds optimizer state {sorted(saved[name])} for {name}, where this "
-                f"run's optimizer keeps {list(names)}: it was saved by another train.optimizer. "
-                f"Resume with that optimizer, or set train.load_optimizer=false to load the "
-                f"weights alone")
+        check_state_names(source, name, saved[name], names)
         start, stop = held_rows(p)
         shape = (stop - start, *p.shape[1:])
         out.append((p, {key: _rows_piece(state_key(name, key), p,

@@ -24,8 +24,8 @@ def takes_muon(name: str, p: torch.Tensor) -> bool:
 def adamw(params: list[torch.Tensor], cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                 fused=device.type == "cuda")
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
+                             betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, pstate,

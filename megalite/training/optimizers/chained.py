@@ -22,6 +22,24 @@ def counts_steps(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.AdamW)
 
 
+def state_by_name(optimizer, t: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Stepped tensor t's state `names` in `optimizer` (none before its first step)."""
+    state = optimizer.state.get(t, {})
+    return {name: state[name] for name in names if name in state}
+
+
+def load_state(optimizer, tensors: dict[int, dict], step: int, counted: bool) -> None:
+    """Set the state of `optimizer`'s tensors from {id(tensor): {name: tensor}}, `step` steps in
+    (counted: each tensor's state holds the step count, as AdamW's)."""
+    # Through load_state_dict, so torch places "step" and the state as each optimizer (fused
+    # or not) expects.
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    # A step tensor each: AdamW increments them in place.
+    state = {index[k]: {**({"step": torch.tensor(float(step))} if counted else {}), **v}
+             for k, v in tensors.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 class ChainedOptimizer:
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -51,8 +69,7 @@ class ChainedOptimizer:
     def state_of(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """Stepped tensor t's state by name (none before its first step)."""
         owner = self.owner[id(t)]
-        state = owner.state.get(t, {})
-        return {name: state[name] for name in state_names(owner) if name in state}
+        return state_by_name(owner, t, state_names(owner))
 
     def load_state(self, pairs: Iterable[tuple[torch.Tensor, dict]], step: int) -> None:
         """Set each stepped tensor's state from {name: tensor} after `step` steps."""
@@ -60,10 +77,4 @@ class ChainedOptimizer:
         for t, tensors in pairs:
             mine[id(self.owner[id(t)])][id(t)] = tensors
         for o in self.optimizers:
-            # Through load_state_dict, so torch places "step" and the state as each optimizer
-            # (fused or not) expects.
-            index = {id(p): i for i, p in enumerate(p for g in o.param_groups for p in g["params"])}
-            # A step tensor each: AdamW increments them in place.
-            state = {index[k]: {**({"step": torch.tensor(float(step))} if counts_steps(o) else {}), **v}
-                     for k, v in mine[id(o)].items()}
-            o.load_state_dict({"state": state, "param_groups": o.state_dict()["param_groups"]})
+            load_state(o, mine[id(o)], step, counts_steps(o))
