@@ -78,6 +78,20 @@ class MuonConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """train.fp8: the blocks' matmuls in FP8 with torchao's float8 training (docs/fp8.md)."""
+    # none; tensorwise (one scale per tensor), rowwise (per row of each matmul operand, scales
+    # rounded to powers of 2), rowwise_with_gw_hp (rowwise, weight gradients in high precision):
+    # torchao's Float8LinearRecipeName.
+    recipe: Literal["none", "tensorwise", "rowwise", "rowwise_with_gw_hp"] = "none"
+    # auto: torchao's size filter for the recipe (layers too small to gain stay in high
+    # precision), asked about each layer's whole shape; all: every block linear and expert.
+    layers: Literal["auto", "all"] = "auto"
+    exclude: tuple[str, ...] = ()  # parameter-name parts kept in high precision, e.g. [out_proj]
+    emulate: bool = False  # cast to FP8, multiply in fp32 (torchao's emulate): GPUs without FP8
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks together
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
@@ -96,6 +110,7 @@ class TrainConfig:
     # Resuming, load the checkpoint's optimizer state (false: its weights and step only, the
     # optimizer starting fresh: the way to resume with another train.optimizer).
     load_optimizer: bool = True
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     weight_decay: float = 0.1  # AdamW's decay, on matrices only (not biases or norms)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay

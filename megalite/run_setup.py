@@ -77,6 +77,12 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
         raise ConfigError(f"train.profile_steps={list(t.profile_steps)} must be [first, last] optimizer "
                           f"steps with 1 <= first <= last <= train.max_steps={t.max_steps}")
     check_muon(t)
+    if t.fp8.recipe != "none" and installed and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"train.fp8.recipe={t.fp8.recipe} needs the torchao package: pip install "
+                          f"'torchao>=0.18', or set train.fp8.recipe=none")
+    if any(not part for part in t.fp8.exclude):
+        raise ConfigError(f"train.fp8.exclude={list(t.fp8.exclude)} has an empty entry, which would "
+                          f"exclude every layer: list name parts such as out_proj, or none")
     check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
 
 

@@ -40,7 +40,7 @@ from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary
 from megalite.parallel.context import gather_from_context_parallel_region
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.sharding import mark_interleaved
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.ring_attention import Ring, ring_attention
@@ -88,8 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-        q, kv = column_parallel_linears(x, self.tp_group, sequence_parallel,
-                                        self.q_proj.weight_and_bias(), self.kv_proj.weight_and_bias())
+        q, kv = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
         batch, seq, _ = q.shape  # the whole sequence, also when x is a shard of it
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         kv = kv.view(batch, seq, self.kv_heads, 2, self.head_dim)

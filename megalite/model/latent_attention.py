@@ -31,7 +31,7 @@ from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary, yarn_scale
 from megalite.parallel.context import gather_from_context_parallel_region
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
 
@@ -66,6 +66,8 @@ class LatentAttention(nn.Module):
         self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
         self.kv_up = ColumnParallelLinear(self.rank, cfg.n_heads * (self.nope + self.v_dim), pstate,
                                           bias=False, init_std=std)
+        # Under CP it reads the whole row's latents: each rank's output gradient is its queries' part.
+        self.kv_up.partial_output_grad |= pstate.cp_size > 1
         self.out_proj = RowParallelLinear(cfg.n_heads * self.v_dim, cfg.hidden, pstate, bias=False,
                                           init_std=down_init_std(cfg))
 
@@ -78,11 +80,10 @@ class LatentAttention(nn.Module):
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
         first = self.q_down if self.q_down is not None else self.q_up
-        q, latent = column_parallel_linears(x, self.tp_group, sequence_parallel,
-                                            first.weight_and_bias(), self.kv_down.weight_and_bias())
+        q, latent = fused_column_parallel(x, sequence_parallel, first, self.kv_down)
         batch, seq, _ = q.shape
         if self.q_down is not None:
-            q = F.linear(self.q_norm(q, self.split), self.q_up.weight)  # this rank's heads
+            q = self.q_up.project(self.q_norm(q, self.split))  # this rank's heads
         q = q.view(batch, seq, self.heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
@@ -94,7 +95,7 @@ class LatentAttention(nn.Module):
         if self.cp_group is not None:  # the whole row's latents and rotary keys: small
             both = gather_from_context_parallel_region(torch.cat((c, k_rot), dim=-1), self.cp_group)
             c, k_rot = both.split([self.rank, self.rope], dim=-1)
-        kv = F.linear(c.squeeze(1), self.kv_up.weight)
+        kv = self.kv_up.project(c.squeeze(1))
         kv = kv.view(batch, -1, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)

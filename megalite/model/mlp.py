@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.state import ParallelState
 
 
@@ -50,8 +50,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if self.gate is not None:
-            gate, up = column_parallel_linears(x, self.tp_group, sequence_parallel,
-                                               self.gate.weight_and_bias(), self.up.weight_and_bias())
+            gate, up = fused_column_parallel(x, sequence_parallel, self.gate, self.up)
         else:
             gate, up = None, self.up(x, sequence_parallel)
         return self.down(activate(self.activation, up, gate), sequence_parallel)

@@ -27,6 +27,7 @@ from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import all_reduce_over, sum_grad_over_shards
+from megalite.parallel.matmul import HIGH, NO_SPLITS, Splits
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
 from megalite.parallel.state import ParallelState
@@ -39,6 +40,7 @@ class Experts(nn.Module):
         super().__init__()
         self.activation, self.pstate = cfg.activation, pstate
         local = cfg.n_experts // pstate.ep_size
+        self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
 
         def stacked(out: int, into: int, std: float) -> nn.Parameter:
             p = nn.Parameter(torch.empty(local, out, into, device=pstate.device))
@@ -55,15 +57,30 @@ class Experts(nn.Module):
         group = self.pstate.tp_group
         up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
         gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
-        hidden = activate(self.activation, experts_linear(rows, up, per_expert),
-                          None if gate is None else experts_linear(rows, gate, per_expert))
-        return experts_linear(hidden, down, per_expert)
+        matmul, splits = self.matmul, self.splits
+        hidden = activate(self.activation, experts_linear(rows, up, per_expert, matmul, splits),
+                          None if gate is None else experts_linear(rows, gate, per_expert, matmul, splits))
+        return experts_linear(hidden, down, per_expert, matmul, splits)
 
 
-def experts_linear(x: torch.Tensor, weight: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+def expert_token_groups(pstate) -> tuple:
+    """The groups over which an expert's rows, as one process would multiply them, are spread:
+    TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every CP
+    rank's rows to the expert (an EP group of whole CP groups)."""
+    groups = (pstate.tp_group,) if pstate.sequence_parallel else ()
+    if pstate.ep_size == 1:
+        groups += (pstate.cp_group,)
+    return groups
+
+
+def experts_linear(x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
+                   matmul=HIGH, splits: Splits = NO_SPLITS) -> torch.Tensor:
     """Each expert's rows of x (expert-major) times its weight [out, in]: on a GPU in bf16
     (autocast, or bf16 weights) one grouped matmul (the fast kernel takes bf16 only), else a
-    loop over the experts."""
+    loop over the experts; under another precision recipe (FP8), the loop, scaled per expert."""
+    if matmul is not HIGH:
+        return torch.cat([matmul.linear(part, weight[e], None, splits)
+                          for e, part in enumerate(x.split(per_expert))])
     if x.is_cuda and (torch.is_autocast_enabled("cuda") or weight.dtype == torch.bfloat16):
         ends = torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
         return F.grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(1, 2), offs=ends)

@@ -15,10 +15,10 @@ the tokens and store 1/t of the activations.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
+from megalite.parallel.matmul import HIGH, Splits, shared_matmul, token_groups
 from megalite.parallel.mappings import (SEQ_DIM, all_gather,
                                         copy_to_tensor_parallel_region,
                                         gather_from_tensor_parallel_region, group_size,
@@ -30,7 +30,8 @@ from megalite.parallel.state import ParallelState
 
 
 def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
-                            *layers: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+                            *layers: tuple[torch.Tensor, torch.Tensor | None], matmul=HIGH,
+                            tokens: tuple = ()) -> list[torch.Tensor]:
     """X A_i + b_i for each (A_i, b_i) of column-parallel layers that read the same X (Q and KV,
     SwiGLU's gate and up, or one layer; all with biases or none): X enters the TP region once
     for all of them, so backward sums its gradient over the ranks once, not once per layer.
@@ -41,13 +42,26 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     X replicated: through f (identity forward, all-reduce backward). X split along the sequence
     (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
     backward), storing only this rank's shard for backward (_GatheredLinear).
+
+    matmul: the precision recipe (parallel/matmul.py); tokens: the groups splitting X's rows.
     """
     weight, bias, sizes = _fused(layers)
+    splits = Splits(tokens=tokens, outer=group)
     if sequence_parallel and group_size(group) > 1:
-        y = _GatheredLinear.apply(x, group, weight, bias)
+        y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
     else:
-        y = F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)
+        y = matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits)
     return list(y.split(sizes, dim=-1))
+
+
+def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
+                          *layers: "ColumnParallelLinear") -> list[torch.Tensor]:
+    """column_parallel_linears of ColumnParallelLinear modules, each's A_r (and b_r) and the
+    precision recipe they share."""
+    return column_parallel_linears(x, layers[0].tp_group, sequence_parallel,
+                                   *(layer.weight_and_bias() for layer in layers),
+                                   matmul=shared_matmul(layer.matmul for layer in layers),
+                                   tokens=layers[0].tokens)
 
 
 def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -68,15 +82,16 @@ class _GatheredLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, weight, bias):
+    def forward(ctx, x, group, weight, bias, matmul, splits):
         ctx.group, ctx.input_dtype, ctx.has_bias = group, x.dtype, bias is not None
+        ctx.matmul, ctx.splits = matmul, splits
         device = x.device.type
         if torch.is_autocast_enabled(device):
             # The matmul reads X in the autocast dtype anyway: casting the shard first halves
             # what is gathered and stored, and gives the same values.
             x = x.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather(x, SEQ_DIM, group), weight, bias)
+        return matmul.forward(all_gather(x, SEQ_DIM, group), weight, bias, splits)
 
     @staticmethod
     def backward(ctx, grad):
@@ -84,11 +99,12 @@ class _GatheredLinear(torch.autograd.Function):
         full = all_gather(x, SEQ_DIM, ctx.group)
         # The input gradient in the matmul's dtype, reduced in X's (fp32 under autocast), as
         # autograd and f do without sequence parallelism.
-        grad_full = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
+        matmul, splits = ctx.matmul, ctx.splits
+        grad_full = matmul.grad_input(grad, weight, splits).to(ctx.input_dtype)
         grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad.t().matmul(full.reshape(-1, full.shape[-1]).to(grad.dtype))
+        grad_weight = matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), splits)
         return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, grad_weight,
-                grad.sum(0) if ctx.has_bias else None)
+                grad.sum(0) if ctx.has_bias else None, None, None)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -115,9 +131,14 @@ class ColumnParallelLinear(nn.Module):
                              "copies, the gathered output would repeat columns")
         index = pstate.tp_rank // copies
         self.tp_group = pstate.tp_group
+        self.matmul, self.tokens = HIGH, token_groups(pstate)
+        # Each copy's output gradient is a part of the whole (its ranks' heads'): a recipe that
+        # scales by the whole gradient (FP8) could not equal one process (fp8/convert.py).
+        self.partial_output_grad = copies > 1
         self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
+        self.shards = shards
         self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),
                                Init(std=init_std))
         mark_sharded(self.weight, 0, index, shards)
@@ -133,8 +154,16 @@ class ColumnParallelLinear(nn.Module):
         return weight, bias
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        y, = column_parallel_linears(x, self.tp_group, sequence_parallel, self.weight_and_bias())
+        y, = fused_column_parallel(x, sequence_parallel, self)
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """X A_r alone, for an input already in the TP region (no f, no bias)."""
+        return self.matmul.linear(x, self.weight, None, Splits(self.tokens, outer=self.tp_group))
+
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        return self.weight.shape[0] * self.shards, self.weight.shape[1]
 
 
 class RowParallelLinear(nn.Module):
@@ -148,10 +177,13 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = pstate.tp_group
         self.input_is_parallel = input_is_parallel
+        self.matmul, self.partial_output_grad = HIGH, False
+        self.splits = Splits(token_groups(pstate), inner=pstate.tp_group)
         local = in_features // pstate.tp_size
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local, device=pstate.device)),
                                Init(std=init_std))
         mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
+        self.tp_size = pstate.tp_size
         self.bias = None
         if bias:
             # Replicated and added after the reduce: added before it, it would count t times.
@@ -160,7 +192,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        z = reduce_partial_sums(F.linear(x, self.weight), self.tp_group, sequence_parallel)
+        z = reduce_partial_sums(self.matmul.linear(x, self.weight, None, self.splits),
+                                self.tp_group, sequence_parallel)
         if self.bias is None:
             return z
         return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)
+
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * self.tp_size

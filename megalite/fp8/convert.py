@@ -1,0 +1,71 @@
+"""Which matmuls run in FP8 (train.fp8): the blocks' column- and row-parallel linears and the
+experts, chosen by name and size as torchtitan's float8 converter chooses nn.Linear modules
+(filter_fqns, auto_filter_small_kn); the LM head, the router (fp32 logits) and the embeddings
+keep their precision."""
+from __future__ import annotations
+
+
+from torch import nn
+
+from megalite.model.moe import Experts
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.typed_config import ConfigError
+
+
+def _shapes(module: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(whole [N, K], this rank's [N, K]) of each matrix the module multiplies by."""
+    if isinstance(module, Experts):
+        return [(tuple(w.shape[1:]),) * 2 for w in (module.gate, module.up, module.down)
+                if w is not None]
+    return [(module.logical_shape, tuple(module.weight.shape))]
+
+
+def _size_filter(recipe: str):
+    """torchao's auto filter for the recipe (H100 thresholds below which FP8 loses to bf16),
+    asked about an nn.Linear of the whole shape; rowwise's for rowwise_with_gw_hp."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+    pick = _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, [])
+
+    def keep(name: str, n: int, k: int) -> bool:
+        return pick(nn.Linear(k, n, bias=False, device="meta"), name)
+    return keep
+
+
+def _refuse_inexact(name: str, module: nn.Module, pstate, exclude_key: str) -> None:
+    if getattr(module, "partial_output_grad", False):
+        raise ConfigError(
+            f"train.fp8 on {name}: at this layout each rank holds only part of its output "
+            f"gradient (a slice held by several TP ranks, or latents every CP rank reads), so its "
+            f"FP8 scales could not equal one process's; add '{name.split('.')[-1]}' to "
+            f"{exclude_key}, or use a layout where the layer is split over every TP rank "
+            f"(e.g. model.n_kv_heads >= parallel.tp)")
+    if isinstance(module, Experts) and pstate.ep_size > 1 and pstate.ep_size % pstate.cp_size:
+        raise ConfigError(
+            f"train.fp8 on {name} with parallel.ep={pstate.ep_size} and parallel.cp="
+            f"{pstate.cp_size}: an expert's rows would come from part of the CP ranks; use an ep "
+            f"that is a multiple of cp, or add 'experts' to {exclude_key}")
+
+
+def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
+    """Set the FP8 recipe (fp8: train.fp8) on each chosen layer; returns their names."""
+    if fp8.recipe == "none":
+        return []
+    from megalite.fp8.recipe import Float8Matmul, float8_config
+    recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate), fp8.recipe)
+    keep = _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
+    chosen = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, Experts)):
+            continue
+        if any(part in name for part in fp8.exclude):
+            continue
+        shapes = _shapes(module)
+        # torch._scaled_mm multiplies dims that are multiples of 16 (what this rank holds).
+        if not all(d % 16 == 0 for _, local in shapes for d in local):
+            continue
+        if not all(keep(name, n, k) for (n, k), _ in shapes):
+            continue
+        _refuse_inexact(name, module, pstate, "train.fp8.exclude")
+        module.matmul = recipe
+        chosen.append(name)
+    return chosen

@@ -1,0 +1,81 @@
+"""The one seam every weight matmul of the model goes through: Y = X W^T (+ b), W [out, in] as
+nn.Linear holds it, X [..., in].
+
+The parallel layers decide what is communicated; a precision recipe (`Matmul`) decides only how
+the product is computed: HIGH, the matmul in the tensors' own dtype (autocast's under autocast),
+or megalite/fp8's casts to float8 (torchao). A recipe sees `Splits`: which process groups cut
+this rank's operands out of the logical ones, so that whatever it derives from a whole tensor
+(FP8's amax) it can reduce over exactly those groups and equal one process.
+
+    X [M, K]   M (tokens) split over Splits.tokens, K over Splits.inner (row-parallel)
+    W [N, K]   N split over Splits.outer (column-parallel), K over Splits.inner
+    dY [M, N]  M over Splits.tokens, N over Splits.outer
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megalite.parallel.mappings import group_size
+
+
+@dataclass(frozen=True)
+class Splits:
+    tokens: tuple = ()  # groups whose ranks' rows together are the rows one process multiplies
+    inner: object = None  # the group splitting K (row-parallel's input and weight)
+    outer: object = None  # the group splitting N (column-parallel's weight and output)
+
+    def of(self, dims: str) -> tuple:
+        """The distinct groups of more than one rank that split any of `dims` ('m', 'k', 'n')."""
+        found = [*self.tokens] if "m" in dims else []
+        found += [self.inner] if "k" in dims else []
+        found += [self.outer] if "n" in dims else []
+        distinct = []
+        for g in found:
+            if group_size(g) > 1 and all(g is not d for d in distinct):
+                distinct.append(g)
+        return tuple(distinct)
+
+
+NO_SPLITS = Splits()
+
+
+def token_groups(pstate) -> tuple:
+    """The groups over which the rows of one process's micro-batch are spread at a matmul:
+    CP's sequence chunks, and EP's ranks, whose micro-batches the experts take as one batch (a
+    single process with EP x the micro-batch equals the EP run)."""
+    return tuple(g for g in (pstate.cp_group, pstate.ep_group) if group_size(g) > 1)
+
+
+class HighPrecision:
+    """The matmul in the operands' dtype: F.linear, and the two backward products of a layer
+    that writes its own backward (layers._GatheredLinear)."""
+    name = "high"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               splits: Splits) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                splits: Splits) -> torch.Tensor:
+        """As linear, inside an autograd function that writes its own backward."""
+        return F.linear(x, weight, bias)
+
+    def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, splits: Splits) -> torch.Tensor:
+        return grad.matmul(weight.to(grad.dtype))
+
+    def grad_weight(self, grad: torch.Tensor, x: torch.Tensor, splits: Splits) -> torch.Tensor:
+        """grad [M, N], x [M, K] (2-D) -> [N, K]."""
+        return grad.t().matmul(x.to(grad.dtype))
+
+
+HIGH = HighPrecision()
+
+
+def shared_matmul(recipes) -> HighPrecision:
+    """The recipe of a fused matmul (Q and KV, gate and up): its layers' common one, or HIGH
+    when they differ (a fused matmul runs in FP8 only when each of its layers was chosen)."""
+    first, *rest = recipes
+    return first if all(r is first for r in rest) else HIGH

@@ -1,0 +1,112 @@
+"""FP8 through the matmul seam: one process computes what torchao's own Float8Linear computes,
+bit for bit; a column- and row-parallel pair at TP2 (with and without sequence parallelism)
+equals the pair in one process (emulated: rowwise's torch._scaled_mm writes bf16, so at fp32
+each rank's partial product would be rounded before the sum), because each amax is reduced over the TP group where TP splits
+its tensor, and fails to when it is not; train.fp8's layer choice and refusals."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from megalite.fp8.convert import convert_to_fp8
+from megalite.fp8.recipe import RECIPES, Float8Matmul, float8_config
+from megalite.parallel import matmul
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.mappings import SEQ_DIM
+from megalite.parallel.state import ParallelState
+from megalite.run_config import Fp8Config
+from megalite.typed_config import ConfigError
+from tests.harness import run_distributed
+from tests.test_layers import SINGLE, build, randn
+
+
+def fp8(recipe: str, emulate: bool = True) -> Float8Matmul:
+    return Float8Matmul(float8_config(recipe, emulate), recipe)
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_process_is_torchao_float8_linear(recipe, emulate):
+    from torchao.float8.float8_linear import Float8Linear
+    for cls, args in ((ColumnParallelLinear, (64, 48)), (RowParallelLinear, (64, 48))):
+        layer = build(cls, SINGLE, *args, bias=True, init_std=0.5)
+        layer.matmul = fp8(recipe, emulate)
+        linear = torch.nn.Linear(64, 48)
+        linear.load_state_dict(layer.state_dict())
+        ref = Float8Linear.from_float(linear, config=float8_config(recipe, emulate))
+        x, grad = randn(2, 8, 64, seed=1), randn(2, 8, 48, seed=2)
+        outs = []
+        for module in (layer, ref):
+            xi = x.clone().requires_grad_()
+            y = module(xi)
+            y.backward(grad)
+            outs.append((y, xi.grad, module.weight.grad, module.bias.grad))
+        for mine, theirs in zip(*outs):
+            assert torch.equal(mine, theirs), (cls.__name__, recipe)
+
+
+def pair(ps, recipe):
+    up = build(ColumnParallelLinear, ps, 64, 96, bias=False, init_std=0.5)
+    down = build(RowParallelLinear, ps, 96, 64, bias=True, init_std=0.5)
+    up.matmul = down.matmul = fp8(recipe)
+    return up, down
+
+
+def run_pair(ps, recipe, x, grad, sp):
+    up, down = pair(ps, recipe)
+    x = x.clone().requires_grad_()
+    y = down(F.gelu(up(x, sp)), sp)
+    y.backward(grad)
+    return y.detach(), x.grad, up, down
+
+
+def check_pair(recipe: str, sp: bool, reduce: bool):
+    """On each TP2 rank: the largest difference to the one-process pair, relative to the
+    largest value, over the output, the input gradient and both weights' gradients (this rank's
+    slices)."""
+    if not reduce:
+        matmul.Splits.of = lambda self, dims: ()
+    ps = ParallelState.from_world(2, sequence_parallel=sp)
+    r = ps.tp_rank
+    x, grad = randn(2, 16, 64, seed=1) * 3, randn(2, 16, 64, seed=2)
+    ref = run_pair(SINGLE, recipe, x, grad, False)
+    shard = (lambda t: t.chunk(2, SEQ_DIM)[r]) if sp else (lambda t: t)
+    mine = run_pair(ps, recipe, shard(x), shard(grad), sp)
+    pairs = [(mine[0], shard(ref[0])), (mine[1], shard(ref[1])),
+             (mine[2].weight.grad, ref[2].weight.grad.chunk(2, 0)[r]),
+             (mine[3].weight.grad, ref[3].weight.grad.chunk(2, 1)[r])]
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_a_tp2_pair_scales_as_one_process(recipe, sp):
+    assert max(run_distributed(check_pair, 2, recipe, sp, True)) < 1e-6
+    if recipe == "tensorwise":
+        # Each rank scaling by the amax of its own slice: not one process's numbers. (Rowwise
+        # scales are powers of 2, and floats scale by those exactly: a wrong amax shows only
+        # where values reach FP8's subnormals or its maximum.)
+        assert max(run_distributed(check_pair, 2, recipe, sp, False)) > 1e-3
+
+
+def test_layers_auto_keeps_small_layers_in_high_precision():
+    from megalite.model.mlp import MLP
+    from megalite.config import ModelConfig
+    cfg = ModelConfig(hidden=64, n_heads=4, ffn_hidden=128)
+    assert convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise"), SINGLE) == []
+    chosen = convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise", layers="all",
+                                                         exclude=("down",)), SINGLE)
+    assert chosen == ["up"]
+
+
+def check_kv_copies_refused():
+    ps = ParallelState.from_world(2)
+    layer = build(ColumnParallelLinear, ps, 64, 32, bias=False, init_std=0.5, shards=1)
+    with pytest.raises(ConfigError, match=r"kv_proj.*train.fp8.exclude.*n_kv_heads >= parallel.tp"):
+        convert_to_fp8(torch.nn.ModuleDict({"kv_proj": layer}), Fp8Config(recipe="tensorwise",
+                                                                           layers="all"), ps)
+    return True
+
+
+def test_a_slice_held_by_several_ranks_is_refused():
+    assert run_distributed(check_kv_copies_refused, 2) == [True, True]
