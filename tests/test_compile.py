@@ -4,14 +4,16 @@ parallelism (CP2, K/V all-gathered and the ring's autograd function), and at TP=
 forward is one graph, without a break, for padded and packed batches. The graphs are captured
 with the aot_eager backend, which traces the model (dynamo and AOT autograd, as in production)
 without generating kernels, to keep the test fast on CPU; inductor's kernels are measured by
-the GPU benchmarks."""
+the GPU benchmarks. FP8 (train.fp8) compiles to the same numbers at TP=1 and TP=2."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
+from megalite.fp8.convert import convert_to_fp8
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
+from megalite.run_config import Fp8Config
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
 
@@ -20,7 +22,8 @@ def packed_docs(ids: torch.Tensor) -> torch.Tensor:
     return (torch.arange(ids.shape[1]) // 5).expand_as(ids).contiguous()
 
 
-def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfig | None = None) -> None:
+def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfig | None = None,
+                                       fp8: str = "none") -> None:
     ps = ParallelState.from_world(tp, pipeline=layout) if dist.is_initialized() else ParallelState()
     cfg = CONFIGS[name]
     ids, mask, labels = padded_batch(cfg, "right")
@@ -29,6 +32,7 @@ def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfi
     results = []
     for compiled in (False, True):
         model = GPT(cfg, ps, seed=3)
+        assert fp8 == "none" or convert_to_fp8(model, Fp8Config(recipe=fp8, layers="all"), ps)
         if compiled:
             model.compile(backend="aot_eager")
         loss = model(ids, doc_ids=packed_docs(ids), labels=labels, loss_scale=0.1).loss
@@ -51,6 +55,12 @@ def test_compiled_model_matches_eager_single_process():
 
 def test_compiled_model_matches_eager_at_tp2():
     run_distributed(check_compiled_model_matches_eager, 2, 2, "gpt2")
+
+
+def test_compiled_fp8_matches_eager():
+    """FP8 (torchao's casts and scaled matmuls, the amax reduced over TP) compiles too."""
+    check_compiled_model_matches_eager(1, "llama", fp8="rowwise")
+    run_distributed(check_compiled_model_matches_eager, 2, 2, "llama", None, "tensorwise")
 
 
 @pytest.mark.parametrize("cp_comm", ["all_gather", "p2p"])

@@ -34,7 +34,10 @@ LAYOUTS = {
     "tp2-sp-rowwise_with_gw_hp": ("llama", "rowwise_with_gw_hp",
                                   ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 8, 2),
     "pp2-dp2-tensorwise": ("llama", "tensorwise", ["parallel.pp=2", "model.n_layers=4"], 2, 8, 4),
-    "cp2-rowwise": ("llama", "rowwise", ["parallel.cp=2"], 2, 8, 2),
+    "cp2-rowwise-recompute": ("llama", "rowwise", ["parallel.cp=2",
+                                                   "train.activation_checkpointing=true"], 2, 8, 2),
+    "dp2-deepspeed-zero2": ("llama", "rowwise", ["train.engine=deepspeed", "train.zero_stage=2"],
+                            2, 8, 2),
     "ep2-tensorwise": ("moe", "tensorwise", ["parallel.ep=2"], 2, 4, 2),
 }
 
@@ -49,25 +52,36 @@ def settings(cache, run_dir, layout: str, single: bool = False) -> list[str]:
                f"train.global_batch_size={batch}"])
 
 
-def mismatch(a, b) -> tuple[float, float]:
-    """Relative differences of runs a and b: (the largest over steps 1 and 2, of losses and
-    gradient norms; the largest over all steps' losses)."""
+def mismatch(a, b, first: int = 1) -> tuple[float, float]:
+    """Relative differences of runs a and b, which trained steps first..STEPS: (the largest over
+    their first two steps, of losses and gradient norms; the largest over all steps' losses)."""
     early, late = 0.0, 0.0
     for key in ("loss", "grad_norm"):
         la, lb = losses(a, key), losses(b, key)
-        assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+        assert sorted(la) == sorted(lb) == list(range(first, STEPS + 1))
         for step in la:
             d = abs(la[step] - lb[step]) / max(1.0, abs(la[step]))
-            early = max(early, d) if step <= 2 else early
+            early = max(early, d) if step <= first + 1 else early
             late = max(late, d) if key == "loss" else late
     return early, late
 
 
+@pytest.fixture(scope="module")
+def tp2_dp2(tmp_path_factory, cache):
+    """The TP2 x DP2 tensorwise run, checkpoints at steps 5 and 10."""
+    run_dir = tmp_path_factory.mktemp("fp8") / "tp2-dp2-tensorwise"
+    train_run(4, settings(cache, run_dir, "tp2-dp2-tensorwise"))
+    return run_dir
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fp8_trains_like_one_process(tmp_path, cache, layout):
+def test_fp8_trains_like_one_process(tmp_path, cache, layout, request):
     single, parallel = tmp_path / "single", tmp_path / layout
     train_run(1, settings(cache, single, layout, single=True))
-    train_run(LAYOUTS[layout][5], settings(cache, parallel, layout))
+    if layout == "tp2-dp2-tensorwise":
+        parallel = request.getfixturevalue("tp2_dp2")
+    else:
+        train_run(LAYOUTS[layout][5], settings(cache, parallel, layout))
     early, late = mismatch(single, parallel)
     assert early <= TOL and late <= DRIFT, (early, late)
     assert losses(parallel)[STEPS] < losses(parallel)[1] - 0.1  # it learns
@@ -92,3 +106,34 @@ def test_the_amax_group_matters(tmp_path, cache):
                                torchrun_env=True) == [0] * 4
         early, _ = mismatch(single, run_dir)
         assert early > 10 * TOL, (groups, early)
+
+
+def resumed(cache, run_dir, checkpoint, model: list[str], mode: str, layout: list[str],
+            fp8: str) -> None:
+    world = 4 if "parallel.tp=2" in layout or "parallel.pp=2" in layout else 2
+    train_run(world, common(cache, run_dir, mode) + model + layout + ALL
+              + [f"train.fp8.recipe={fp8}", "train.micro_batch_size=2", f"train.resume={checkpoint}"])
+
+
+def test_checkpoints_cross_precision_and_layout(tmp_path, cache, tp2_dp2, tp2dp2_padded):
+    """Weights and optimizer state stay in their high precision: an FP8 checkpoint (TP2 x DP2)
+    resumes without FP8 at DP2 and at PP2 x DP2 as at its own layout (fp32: to 1e-5 every step);
+    a high-precision one resumes in FP8 at PP2 x DP2 as at its own layout (FP8's bounds)."""
+    fp8_checkpoint = tp2_dp2 / "checkpoints" / "step_00000005"
+    model = MODELS["llama"]
+    own = tmp_path / "fp8-to-fp32-own"
+    resumed(cache, own, fp8_checkpoint, model, "packed", ["parallel.tp=2"], "none")
+    for name, layout in (("dp2", ["parallel.tp=1"]), ("pp2", ["parallel.pp=2"])):
+        other = tmp_path / f"fp8-to-fp32-{name}"
+        resumed(cache, other, fp8_checkpoint, model, "packed", layout, "none")
+        early, late = mismatch(own, other, first=6)
+        assert early <= 1e-5 and late <= 1e-5, (name, early, late)
+
+    checkpoint = tp2dp2_padded / "checkpoints" / "step_00000005"
+    own, other = tmp_path / "fp32-to-fp8-own", tmp_path / "fp32-to-fp8-pp2"
+    resumed(cache, own, checkpoint, [], "padded", ["parallel.tp=2"], "tensorwise")
+    resumed(cache, other, checkpoint, [], "padded", ["parallel.pp=2"], "tensorwise")
+    early, late = mismatch(own, other, first=6)
+    assert early <= TOL and late <= DRIFT, (early, late)
+    # FP8 changed the run: its steps are not the high-precision run's.
+    assert abs(losses(own)[6] - losses(tp2dp2_padded)[6]) > 10 * TOL
