@@ -2,7 +2,8 @@
 
 On one H100/H200, within --budget-min (20): the GPU tests (tests/test_gpu*.py), `python -m
 bench sweep` on configs/bench/gpu-check.yaml (GPT-2 small at 1024, the 1B Llama at 2048; eager and
-compiled; full and packed rows), then `python -m bench peer` at each of that sweep's shapes on
+compiled; full and packed rows), the same models compiled in bf16 and in each FP8 recipe
+(configs/bench/gpu-fp8.yaml), then `python -m bench peer` at each of that sweep's shapes on
 full and on packed rows (--compile both --max-batch --profile). Every JSON goes into DIR with
 the device, torch and CUDA versions, date, commit and command, and one DIR/summary.md table
 (bench/gpu_summary.py) is written at the end and printed.
@@ -44,10 +45,11 @@ from megalite.typed_config import ConfigError
 TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-kernels": "tests/test_gpu_kernels.py",
          "tests-train": "tests/test_gpu_train.py"}
 SWEEP = "configs/bench/gpu-check.yaml"
+FP8_SWEEP = "configs/bench/gpu-fp8.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
-STEP_KINDS = ("tests", "bench", "peer")
+STEP_KINDS = ("tests", "bench", "fp8", "peer")
 # A step's own cap, seconds; the budget left may cut it shorter.
-CAPS = {"tests": 420.0, "bench": 600.0, "peer": 360.0}
+CAPS = {"tests": 420.0, "bench": 600.0, "fp8": 600.0, "peer": 360.0}
 # What the bench step keeps of its limit to write its report and plots after the last point.
 REPORT_MARGIN_S = 45.0
 ENDED = ("ok", "failed")
@@ -66,7 +68,14 @@ def shown(argv: list[str]) -> str:
     return " ".join(["python", *argv])
 
 
-def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
+def sweep_step(name: str, kind: str, sweep: str, out: Path) -> Step:
+    # --resume: a second call keeps the points the first finished.
+    return Step(name, kind, ["-m", "bench", "sweep", sweep, "--out", str(out / name), "--resume"],
+                f"{name}/results.json")
+
+
+def plan(out: Path, sweep: str, peer_flags: str, skip: list[str],
+         fp8_sweep: str = FP8_SWEEP) -> list[Step]:
     steps = []
     if "tests" not in skip:
         # One step per file: each has its own limit and result, and a test's time shows in its
@@ -78,9 +87,9 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str]) -> list[Step]:
                                               "--junitxml", str(out / f"{name}.xml")],
                               f"{name}.xml"))
     if "bench" not in skip:
-        # --resume: a second call keeps the points the first finished.
-        steps.append(Step("bench", "bench", ["-m", "bench", "sweep", sweep, "--out", str(out / "bench"),
-                                             "--resume"], "bench/results.json"))
+        steps.append(sweep_step("bench", "bench", sweep, out))
+    if "fp8" not in skip:
+        steps.append(sweep_step("bench-fp8", "fp8", fp8_sweep, out))
     if "peer" not in skip:
         for batch in ("full", "packed"):
             for model, seq, micro in peer_shapes(sweep):
@@ -108,7 +117,7 @@ def peer_shapes(sweep: str) -> list[tuple[str, int, int]]:
     return shapes
 
 
-def check(steps: list[Step], sweep: str) -> dict[str, str]:
+def check(steps: list[Step]) -> dict[str, str]:
     """What keeps each step from running (none: it can), by step name."""
     problems = {}
     tests = {step.argv[step.argv.index("pytest") + 1]: step.name for step in steps if step.kind == "tests"}
@@ -120,8 +129,8 @@ def check(steps: list[Step], sweep: str) -> dict[str, str]:
             if not (ROOT / path).is_file() or collect.returncode != 0:
                 problems[name] = f"{path} does not collect: {(collect.stdout + collect.stderr)[-2000:]}"
     for step in steps:
-        if step.kind == "bench":
-            _, points = load_bench(Path(sweep))
+        if step.kind in ("bench", "fp8"):
+            _, points = load_bench(Path(step.argv[step.argv.index("sweep") + 1]))
             bad = [f"point {p.name}: {p.error}" for p in points if p.error]
             if bad:
                 problems[step.name] = "; ".join(bad)
@@ -191,14 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
     parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")
     parser.add_argument("--sweep", default=SWEEP, help="the bench sweep (its points give peer-bench's shapes)")
+    parser.add_argument("--fp8-sweep", default=FP8_SWEEP, help="the bf16 vs FP8 sweep")
     parser.add_argument("--peer-flags", default=PEER_FLAGS, help="peer-bench's flags besides the shape")
     parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
     parser.add_argument("--redo", action="append", default=[], help="run this step again even if it ended")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget_min * 60  # the checks below count against it
     out = Path(args.out).resolve()
-    steps = plan(out, args.sweep, args.peer_flags, args.skip)
-    problems = check(steps, args.sweep)
+    steps = plan(out, args.sweep, args.peer_flags, args.skip, args.fp8_sweep)
+    problems = check(steps)
     if args.dry_run:
         if problems:
             raise ConfigError("gpu-check would launch what cannot run:\n  " +

@@ -18,7 +18,9 @@ def write_summary(out: Path, steps: list[dict], state: dict) -> str:
         lines.append(f"| {step['name']} | {r.get('status', 'not run')}{_why(r)} | {r.get('seconds', '')} | "
                      f"{r.get('limit_s', '')} | {step['output']} | {r.get('log', '')} |")
     lines += [""] + _tests([out / s["output"] for s in steps if s["kind"] == "tests"])
-    lines += [""] + _bench(out / "bench" / "results.json") + [""]
+    for step in steps:
+        if step["kind"] in ("bench", "fp8"):
+            lines += [""] + _bench(out / step["output"], step["name"]) + [""]
     lines += _peer([out / s["output"] for s in steps if s["kind"] == "peer"])
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
@@ -55,22 +57,35 @@ def _tests(paths: list[Path]) -> list[str]:
     return lines + missing + [""] + outcome["failed"] + outcome["skipped"]
 
 
-def _bench(path: Path) -> list[str]:
-    lines = ["## bench sweep", ""]
+def _bench(path: Path, name: str) -> list[str]:
+    lines = [f"## {name} sweep", ""]
     if not path.is_file():
-        return lines + ["No bench/results.json: the bench step did not write its report."]
+        return lines + [f"No {name}/results.json: the {name} step did not write its report."]
     result = json.loads(path.read_text())
     lines += [f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, commit "
               f"{result['git_commit']}: `{result['command']}`", "",
-              "| point | model | seq | micro-batch | compile | rows | tokens/s | MFU | peak GB | status |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| point | model | seq | micro-batch | compile | rows | fp8 (layers) | tokens/s | x bf16 | MFU | "
+              "peak GB | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bf16 = {_shape(p): p.get("tokens_per_s") for p in result["points"] if not p.get("fp8")}
     for p in result["points"]:
         s = p["settings"]
+        base = bf16.get(_shape(p)) if p.get("fp8") else None
+        ratio = f"{p['tokens_per_s'] / base:.2f}" if base and p.get("tokens_per_s") else ""
+        fp8 = f"{p['fp8']} ({p.get('fp8_layers')})" if p.get("fp8") else "-"
         lines.append(f"| {p['point']} | {s.get('model', '')} | {p.get('seq_len', '')} | "
                      f"{p.get('micro_batch_size', '')} | {p.get('compile', '')} | {p.get('batch', '')} | "
-                     f"{_num(p.get('tokens_per_s'))} | {_pct(p.get('mfu'))} | {_num(p.get('peak_memory_gb'), 1)} | "
+                     f"{fp8} | {_num(p.get('tokens_per_s'))} | {ratio} | {_pct(p.get('mfu'))} | "
+                     f"{_num(p.get('peak_memory_gb'), 1)} | "
                      f"{p['status']}{': ' + p['error'][:160] if p.get('error') else ''} |")
+    if any(p.get("fp8") for p in result["points"]):
+        lines += ["", "MFU of FP8 points counts the same FLOPs against the bf16 peak."]
     return lines
+
+
+def _shape(p: dict) -> tuple:
+    """What an FP8 point is compared with: the bf16 point of the same model, shape and settings."""
+    return (p["settings"].get("model"), p.get("seq_len"), p.get("micro_batch_size"),
+            p.get("compile"), p.get("batch"))
 
 
 def _peer(paths: list[Path]) -> list[str]:

@@ -27,6 +27,7 @@ from bench.comm import CommLog
 from bench.timing import synchronize, time_steps
 from megalite.data.batches import Batch, Samples
 from megalite.data.docs import ArrayShard, DocSet, TokenStore
+from megalite.fp8.convert import fp8_layers
 from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
@@ -101,6 +102,8 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
                      ("bf16" if isinstance(autocast, torch.autocast) else "fp32"),
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "seq_len": seq, "layers": cfg.model.n_layers, "hidden": cfg.model.hidden,
+        # MFU counts the same FLOPs against the bf16 peak, FP8 or not.
+        "fp8": None if t.fp8.recipe == "none" else t.fp8.recipe, "fp8_layers": fp8_layers(model),
         "matmul_params": matmul_params(cfg.model), "flops_per_token": flops,
         "step_s": step_s, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": tokens_per_s / ps.world_size,

@@ -24,20 +24,21 @@ def test_dry_run_plans_and_validates_the_shipped_check(capsys):
     assert "tests/test_gpu.py" in steps["tests-gpu"] and "tests/test_gpu_train.py" in steps["tests-train"]
     assert "tests/test_gpu_kernels.py" in steps["tests-kernels"]
     assert "configs/bench/gpu-check.yaml" in steps["bench"] and "--resume" in steps["bench"]
+    assert list(steps)[4] == "bench-fp8" and "configs/bench/gpu-fp8.yaml" in steps["bench-fp8"]
     expected = [f"peer-{m}-{s}-{b}" for b in ("full", "packed") for m, s in (("gpt2-small", 1024), ("llama-1b", 2048))]
-    assert list(steps)[4:] == expected
+    assert list(steps)[5:] == expected
     for name in expected:
         assert PEER_FLAGS in steps[name] and f"--batch {name.rsplit('-', 1)[1]}" in steps[name]
     assert "--micro-batch 16" in steps["peer-gpt2-small-1024-full"]
     assert "--micro-batch 4" in steps["peer-llama-1b-2048-packed"]
-    assert lines[-1] == "gpu-check: 8 steps valid (dry run: nothing launched)"
+    assert lines[-1] == "gpu-check: 9 steps valid (dry run: nothing launched)"
 
 
-def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml"):
-    path = tmp_path / "sweep.yaml"
+def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml", name="sweep", grid=None):
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"name": "tiny", "base": str(base), "batch": "full",
                                     "overrides": ["parallel.tp=1", "model=tiny"], "warmup_steps": 0,
-                                    "steps": 1, "timeout_s": 300, "points": points}))
+                                    "steps": 1, "timeout_s": 300, "points": points, "grid": grid or {}}))
     return str(path)
 
 
@@ -63,7 +64,9 @@ def test_dry_run_refuses_what_could_not_run(tmp_path, capsys, points, flags, nam
 
 def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY])]
+    fp8 = _sweep(tmp_path, [{**TINY, "train.fp8.layers": "all"}], name="fp8",
+                 grid={"train.fp8.recipe": ["none", "tensorwise"]})
+    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]), "--fp8-sweep", fp8]
     peers = [f"peer-tiny-64-{batch}" for batch in ("full", "packed")]
     # Steps that cannot run are recorded, and the others go on.
     assert gpu_check(args + ["--peer-flags", "--compile sometimes"]) == 1
@@ -81,7 +84,8 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
     assert "bench: ok in an earlier run, kept" in printed
     assert all(f"{name}: running" in printed for name in peers)
     state = json.loads((out / "steps.json").read_text())
-    assert {k: v["status"] for k, v in state["steps"].items()} == {"bench": "ok", **{n: "ok" for n in peers}}
+    assert {k: v["status"] for k, v in state["steps"].items()} == {
+        "bench": "ok", "bench-fp8": "ok", **{n: "ok" for n in peers}}
     assert len(state["runs"]) == 2
     assert state["runs"][-1]["device"].startswith("cpu") and state["runs"][-1]["torch"]
     assert state["runs"][-1]["missing_packages"] == []  # this machine has what the steps import
@@ -97,11 +101,16 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
                         if re.match(rf"\| tiny \| 64 \| {batch} \| False \| {r['system']} \|", line))
             assert f"| {r['tokens_per_s']:,.0f} |" in line
     assert "Not run (--skip tests)" in summary
+    bf16, fp8 = json.loads((out / "bench-fp8" / "results.json").read_text())["points"]
+    assert bf16["fp8"] is None and fp8["fp8"] == "tensorwise" and fp8["fp8_layers"] > 0
+    row = next(line for line in summary.splitlines() if line.startswith(f"| {fp8['point']} |"))
+    assert f"| tensorwise ({fp8['fp8_layers']}) |" in row
+    assert f"| {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f} |" in row
 
 
 def test_a_bench_the_budget_cuts_is_incomplete_and_not_kept(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--skip", "tests", "--skip", "peer",
+    args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--skip", "fp8",
             "--sweep", _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])]
     # 40 s: the bench step starts with a limit that leaves its sweep a second or so.
     assert gpu_check(args + ["--budget-min", str(40 / 60)]) == 1

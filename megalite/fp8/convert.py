@@ -9,6 +9,7 @@ from torch import nn
 
 from megalite.model.moe import Experts
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.matmul import HIGH
 from megalite.typed_config import ConfigError
 
 
@@ -69,3 +70,8 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
         module.matmul = recipe
         chosen.append(name)
     return chosen
+
+
+def fp8_layers(model: nn.Module) -> int:
+    """How many of the model's layers multiply in FP8."""
+    return sum(getattr(m, "matmul", HIGH) is not HIGH for m in model.modules())
