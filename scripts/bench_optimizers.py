@@ -15,37 +15,21 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
+from bench.demo_run import train_demo  # noqa: E402
 from bench.provenance import cpu_script_header  # noqa: E402
-from megalite.training.metrics import read_records  # noqa: E402
 
 POINTS = [("adamw", "train.lr", lr) for lr in (1e-3, 3e-3, 1e-2, 3e-2)] + \
          [("muon", "train.muon.lr", lr) for lr in (0.01, 0.02, 0.05)]
 
 
 def run_point(optimizer: str, key: str, lr: float, steps: int, cache: str) -> dict:
-    with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, "-m", "megalite.train", "--config", "configs/demo.yaml",
-                        "parallel.tp=1", f"train.optimizer={optimizer}", f"{key}={lr}",
-                        f"train.max_steps={steps}", f"train.eval_every={steps // 3}",
-                        "train.checkpoint_every=0", f"run.dir={run_dir}", f"data.cache_dir={cache}",
-                        "sample.max_new_tokens=1"],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-        records = read_records(Path(run_dir) / "metrics.jsonl")
-    train = [r for r in records if "loss" in r]
-    start = train[0]["time"] - (train[1]["time"] - train[0]["time"])  # one step before the first log
     return {"optimizer": optimizer, "setting": key, "lr": lr,
-            "steps": [r["step"] for r in train], "loss": [r["loss"] for r in train],
-            "seconds": [r["time"] - start for r in train],
-            "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]}
+            **train_demo([f"train.optimizer={optimizer}", f"{key}={lr}"], steps, cache)}
 
 
 def plot(points: list[dict], out: Path) -> None:
