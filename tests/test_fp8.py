@@ -110,3 +110,19 @@ def check_kv_copies_refused():
 
 def test_a_slice_held_by_several_ranks_is_refused():
     assert run_distributed(check_kv_copies_refused, 2) == [True, True]
+
+
+def test_a_fused_matmul_takes_one_precision():
+    """GPT-2 small's Q (768 x 768) alone is below torchao's tensorwise size filter and KV
+    (1536 x 768) above it; they are one matmul [Q; KV] (2304 x 768), chosen as one."""
+    from megalite.config import ModelConfig
+    from megalite.model.attention import Attention
+    from megalite.model.mlp import MLP
+    cfg = ModelConfig(hidden=768, n_heads=12, ffn_hidden=3072, max_seq_len=64)
+    fp8 = Fp8Config(recipe="tensorwise")
+    from megalite.parallel.random import TensorParallelRNG
+    attention = Attention(cfg, SINGLE, TensorParallelRNG(0, SINGLE), layer=0)
+    mlp = MLP(cfg, SINGLE)
+    assert convert_to_fp8(attention, fp8, SINGLE) == ["q_proj", "kv_proj"]
+    assert attention.q_proj.matmul is attention.kv_proj.matmul is not matmul.HIGH
+    assert convert_to_fp8(mlp, fp8, SINGLE) == ["up"]  # 3072 x 768; down (768 x 3072) is not

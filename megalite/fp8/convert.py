@@ -4,7 +4,6 @@ experts, chosen by name and size as torchtitan's float8 converter chooses nn.Lin
 keep their precision."""
 from __future__ import annotations
 
-
 from torch import nn
 
 from megalite.model.moe import Experts
@@ -47,6 +46,31 @@ def _refuse_inexact(name: str, module: nn.Module, pstate, exclude_key: str) -> N
             f"that is a multiple of cp, or add 'experts' to {exclude_key}")
 
 
+def _units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The model's FP8-able matmuls: each layer alone, or the layers one fused matmul reads
+    together (a module's `fused_linears`: Q and KV, gate and up), which take one precision."""
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear, Experts))}
+    units, grouped = [], set()
+    for name, module in model.named_modules():
+        for group in getattr(module, "fused_linears", ()):
+            names = [f"{name}.{part}" if name else part for part in group]
+            units.append([(n, layers[n]) for n in names])
+            grouped.update(names)
+    units += [[(name, m)] for name, m in layers.items() if name not in grouped]
+    return units
+
+
+def _unit_shapes(unit) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(the whole [N, K] of each matmul the unit does: one for a fused unit, its layers' N
+    stacked; this rank's [N, K] of each matrix)."""
+    shapes = [shape for _, m in unit for shape in _shapes(m)]
+    wholes, local = [whole for whole, _ in shapes], [local for _, local in shapes]
+    if len(unit) > 1:
+        wholes = [(sum(n for n, _ in wholes), wholes[0][1])]
+    return wholes, local
+
+
 def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     """Set the FP8 recipe (fp8: train.fp8) on each chosen layer; returns their names."""
     if fp8.recipe == "none":
@@ -55,21 +79,26 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate), fp8.recipe)
     keep = _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
     chosen = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, Experts)):
+    for unit in _units(model):
+        names = [name for name, _ in unit]
+        if any(part in name for name in names for part in fp8.exclude):
             continue
-        if any(part in name for part in fp8.exclude):
-            continue
-        shapes = _shapes(module)
+        wholes, local = _unit_shapes(unit)
         # torch._scaled_mm multiplies dims that are multiples of 16 (what this rank holds).
-        if not all(d % 16 == 0 for _, local in shapes for d in local):
+        if not all(d % 16 == 0 for shape in local for d in shape):
             continue
-        if not all(keep(name, n, k) for (n, k), _ in shapes):
+        if not all(keep(names[0], n, k) for n, k in wholes):
             continue
-        _refuse_inexact(name, module, pstate, "train.fp8.exclude")
-        module.matmul = recipe
-        chosen.append(name)
-    return chosen
+        for name, module in unit:
+            _refuse_inexact(name, module, pstate, "train.fp8.exclude")
+            module.matmul = recipe
+            chosen.append(name)
+    return sorted(chosen, key=names_order(model))
+
+
+def names_order(model: nn.Module):
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return order.__getitem__
 
 
 def fp8_layers(model: nn.Module) -> int:

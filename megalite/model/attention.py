@@ -75,6 +75,7 @@ class Attention(nn.Module):
                                             bias=qkv_bias, init_std=std,
                                             shards=min(tp, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
+        self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
                                           bias=cfg.bias, init_std=down_init_std(cfg))
         self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None

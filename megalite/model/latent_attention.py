@@ -61,6 +61,7 @@ class LatentAttention(nn.Module):
                        if rank else None)
         self.q_norm = Norm(cfg, pstate, rank, eps=LATENT_NORM_EPS) if rank else None
         self.q_up = ColumnParallelLinear(rank or cfg.hidden, q_width, pstate, bias=False, init_std=std)
+        self.fused_linears = [("q_down" if rank else "q_up", "kv_down")]
         self.kv_down = ColumnParallelLinear(cfg.hidden, self.rank + self.rope, pstate, bias=False,
                                             init_std=std, shards=1)
         self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)

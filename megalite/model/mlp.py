@@ -45,6 +45,7 @@ class MLP(nn.Module):
 
         self.gate = column() if cfg.gated else None
         self.up = column()
+        self.fused_linears = [("gate", "up")] if self.gate is not None else []
         self.down = RowParallelLinear(ffn, cfg.hidden, pstate, bias=cfg.bias,
                                       init_std=down_init_std(cfg))
 
