@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
     parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")
     parser.add_argument("--sweep", default=SWEEP, help="the bench sweep (its points give peer-bench's shapes)")
-    parser.add_argument("--fp8-sweep", default=FP8_SWEEP, help="the bf16 vs FP8 sweep")
+    parser.add_argument("--fp8-sweep", default=FP8_SWEEP, help="the FP8 sweep")
     parser.add_argument("--peer-flags", default=PEER_FLAGS, help="peer-bench's flags besides the shape")
     parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
     parser.add_argument("--redo", action="append", default=[], help="run this step again even if it ended")

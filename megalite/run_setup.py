@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megalite.layout_rules import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
+from megalite.fp8.convert import check_fp8_layout
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, TrainConfig, to_dict
@@ -80,6 +81,7 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     if t.fp8.recipe != "none" and installed and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"train.fp8.recipe={t.fp8.recipe} needs the torchao package: pip install "
                           f"'torchao>=0.18', or set train.fp8.recipe=none")
+    check_fp8_layout(cfg)
     if any(not part for part in t.fp8.exclude):
         raise ConfigError(f"train.fp8.exclude={list(t.fp8.exclude)} has an empty entry, which would "
                           f"exclude every layer: list name parts such as out_proj, or none")

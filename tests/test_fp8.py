@@ -1,8 +1,9 @@
 """FP8 through the matmul seam: one process computes what torchao's own Float8Linear computes,
 bit for bit; a column- and row-parallel pair at TP2 (with and without sequence parallelism)
 equals the pair in one process (emulated: rowwise's torch._scaled_mm writes bf16, so at fp32
-each rank's partial product would be rounded before the sum), because each amax is reduced over the TP group where TP splits
-its tensor, and fails to when it is not; train.fp8's layer choice and refusals."""
+each rank's partial product would be rounded before the sum), because each amax is reduced
+over the TP group where TP splits its tensor, and fails to when it is not; train.fp8's layer
+choice and refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,30 +100,44 @@ def test_layers_auto_keeps_small_layers_in_high_precision():
     assert chosen == ["up"]
 
 
-def check_kv_copies_refused():
+def check_partial_gradients_refused():
+    """At TP2: a KV slice held by both ranks (n_kv_heads=1), and latent attention's replicated
+    down-projections, are refused with the layer named and the fix."""
+    from megalite.config import ModelConfig
+    from megalite.model.attention import Attention
+    from megalite.model.latent_attention import LatentAttention
+    from megalite.parallel.random import TensorParallelRNG
     ps = ParallelState.from_world(2)
-    layer = build(ColumnParallelLinear, ps, 64, 32, bias=False, init_std=0.5, shards=1)
-    with pytest.raises(ConfigError, match=r"kv_proj.*train.fp8.exclude.*n_kv_heads >= parallel.tp"):
-        convert_to_fp8(torch.nn.ModuleDict({"kv_proj": layer}), Fp8Config(recipe="tensorwise",
-                                                                           layers="all"), ps)
-    return True
+    rng = TensorParallelRNG(0, ps)
+    fp8 = Fp8Config(recipe="tensorwise", layers="all")
+    gqa = ModelConfig(hidden=64, n_heads=4, n_kv_heads=1, position="rotary", bias=False)
+    with pytest.raises(ConfigError, match=r"on kv_proj: its slice is held by 2 TP ranks.*"
+                                          r"'kv_proj' to train.fp8.exclude"):
+        convert_to_fp8(Attention(gqa, ps, rng, layer=0), fp8, ps)
+    mla = ModelConfig(hidden=64, n_heads=4, position="rotary", bias=False, attention="mla",
+                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16,
+                      v_head_dim=8)
+    with pytest.raises(ConfigError, match=r"on q_down: its slice is held by 2 TP ranks"):
+        convert_to_fp8(LatentAttention(mla, ps, rng, layer=0), fp8, ps)
+    chosen = convert_to_fp8(LatentAttention(mla, ps, rng, layer=0),
+                            Fp8Config(recipe="tensorwise", layers="all", exclude=("down",)), ps)
+    return chosen
 
 
 def test_a_slice_held_by_several_ranks_is_refused():
-    assert run_distributed(check_kv_copies_refused, 2) == [True, True]
+    assert run_distributed(check_partial_gradients_refused, 2) == [["q_up", "kv_up", "out_proj"]] * 2
 
 
-def test_a_fused_matmul_takes_one_precision():
-    """GPT-2 small's Q (768 x 768) alone is below torchao's tensorwise size filter and KV
-    (1536 x 768) above it; they are one matmul [Q; KV] (2304 x 768), chosen as one."""
-    from megalite.config import ModelConfig
-    from megalite.model.attention import Attention
-    from megalite.model.mlp import MLP
-    cfg = ModelConfig(hidden=768, n_heads=12, ffn_hidden=3072, max_seq_len=64)
-    fp8 = Fp8Config(recipe="tensorwise")
-    from megalite.parallel.random import TensorParallelRNG
-    attention = Attention(cfg, SINGLE, TensorParallelRNG(0, SINGLE), layer=0)
-    mlp = MLP(cfg, SINGLE)
-    assert convert_to_fp8(attention, fp8, SINGLE) == ["q_proj", "kv_proj"]
-    assert attention.q_proj.matmul is attention.kv_proj.matmul is not matmul.HIGH
-    assert convert_to_fp8(mlp, fp8, SINGLE) == ["up"]  # 3072 x 768; down (768 x 3072) is not
+@pytest.mark.parametrize("settings, named", [
+    (["data.mode=padded", "parallel.cp=2"], "parallel.cp=2: rows are padded"),
+    (["data.mode=padded", "parallel.tp=2", "parallel.sequence_parallel=true"], "sequence parallelism"),
+    (["data.seq_len=33", "parallel.tp=2", "parallel.sequence_parallel=true"], "data.seq_len=33"),
+    (["parallel.cp=2", "parallel.ep=3", "model.n_experts=6"], "parallel.ep=3 and parallel.cp=2"),
+])
+def test_layouts_whose_scales_could_not_be_one_process_are_refused(settings, named):
+    from megalite.fp8.convert import check_fp8_layout
+    from megalite.run_config import load_config
+    cfg = load_config(None, ["model=tiny", "data.seq_len=64", "train.fp8.recipe=tensorwise", *settings])
+    with pytest.raises(ConfigError, match=named):
+        check_fp8_layout(cfg)
+    check_fp8_layout(load_config(None, ["model=tiny", *settings]))  # without FP8: fine

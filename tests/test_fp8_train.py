@@ -1,7 +1,7 @@
-"""train.fp8 trains at every layout as one process with the same recipe does. The scales are one
+"""train.fp8 trains at each layout as one process with the same recipe does. The scales are one
 process's because each amax is reduced over the groups that split its tensor (TP's for the
-sharded weights and row-parallel inputs, CP's and EP's for the tokens) and no others: with the
-reduction removed, or taken over the whole world, the first step already differs
+sharded weights and row-parallel inputs, CP's and EP's for the tokens, the experts' own) and no
+others: with a reduction removed, or taken over the whole world, the first steps already differ
 (test_the_amax_group_matters). The one-process reference takes the layout's micro-batches: DP
 does not change what one micro-batch is; EP's ranks hand their micro-batches to the experts as
 one, so its reference takes EP x the micro-batch. Emulated FP8 (fp32 products of the FP8
@@ -39,6 +39,10 @@ LAYOUTS = {
     "dp2-deepspeed-zero2": ("llama", "rowwise", ["train.engine=deepspeed", "train.zero_stage=2"],
                             2, 8, 2),
     "ep2-tensorwise": ("moe", "tensorwise", ["parallel.ep=2"], 2, 4, 2),
+    # The experts' own groups: TP under SP, CP without EP (and CP for the attention).
+    "moe-tp2-sp-tensorwise": ("moe", "tensorwise",
+                              ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 8, 2),
+    "moe-cp2-tensorwise": ("moe", "tensorwise", ["parallel.cp=2"], 2, 8, 2),
 }
 
 
@@ -67,6 +71,19 @@ def mismatch(a, b, first: int = 1) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    """The one-process run of each layout, made once a module."""
+    runs = {}
+
+    def run(layout: str):
+        if layout not in runs:
+            runs[layout] = tmp_path_factory.mktemp("single") / layout
+            train_run(1, settings(cache, runs[layout], layout, single=True))
+        return runs[layout]
+    return run
+
+
+@pytest.fixture(scope="module")
 def tp2_dp2(tmp_path_factory, cache):
     """The TP2 x DP2 tensorwise run, checkpoints at steps 5 and 10."""
     run_dir = tmp_path_factory.mktemp("fp8") / "tp2-dp2-tensorwise"
@@ -75,37 +92,47 @@ def tp2_dp2(tmp_path_factory, cache):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_fp8_trains_like_one_process(tmp_path, cache, layout, request):
-    single, parallel = tmp_path / "single", tmp_path / layout
-    train_run(1, settings(cache, single, layout, single=True))
+def test_fp8_trains_like_one_process(tmp_path, cache, single, layout, request):
     if layout == "tp2-dp2-tensorwise":
         parallel = request.getfixturevalue("tp2_dp2")
     else:
+        parallel = tmp_path / layout
         train_run(LAYOUTS[layout][5], settings(cache, parallel, layout))
-    early, late = mismatch(single, parallel)
+    early, late = mismatch(single(layout), parallel)
     assert early <= TOL and late <= DRIFT, (early, late)
     assert losses(parallel)[STEPS] < losses(parallel)[1] - 0.1  # it learns
 
 
 def train_with_amax_over(groups: str, argv: list[str]) -> int:
-    """run_train with every amax reduced over `groups`: 'none' (each rank its own) or 'world'."""
-    matmul.Splits.of = lambda self, dims: () if groups == "none" else (dist.group.WORLD,)
+    """run_train with the amax reductions changed: 'none' (each rank its own amax), 'world'
+    (every amax over the whole world), 'experts' (the experts' rows not reduced), 'tokens' (the
+    dense layers' rows not reduced over CP or EP)."""
+    from megalite.model import moe
+    from megalite.parallel import layers
+    if groups in ("none", "world"):
+        matmul.Splits.of = lambda self, dims: () if groups == "none" else (dist.group.WORLD,)
+    elif groups == "experts":
+        moe.expert_token_groups = lambda pstate: ()
+    else:
+        layers.token_groups = lambda pstate: ()
     return run_train(argv)
 
 
-def test_the_amax_group_matters(tmp_path, cache):
-    """At TP2 x DP2 (tensorwise), each rank scaling by its own amax, or by the whole world's,
-    misses one process's first steps by more than 10x the tolerance: the comparison above can
-    fail, and the TP group is the one."""
-    single = tmp_path / "single"
-    train_run(1, settings(cache, single, "tp2-dp2-tensorwise", single=True))
-    for groups in ("none", "world"):
-        run_dir = tmp_path / groups
-        assert run_distributed(train_with_amax_over, 4, groups,
-                               settings(cache, run_dir, "tp2-dp2-tensorwise"),
-                               torchrun_env=True) == [0] * 4
-        early, _ = mismatch(single, run_dir)
-        assert early > 10 * TOL, (groups, early)
+@pytest.mark.parametrize("layout, groups", [
+    ("tp2-dp2-tensorwise", "none"), ("tp2-dp2-tensorwise", "world"),
+    ("moe-tp2-sp-tensorwise", "experts"), ("moe-cp2-tensorwise", "experts"),
+    ("moe-cp2-tensorwise", "tokens")])
+def test_the_amax_group_matters(tmp_path, cache, single, layout, groups):
+    """Without each reduction (each rank its own amax, or the whole world's; the experts' rows
+    over TP under SP, or over CP; the attention's rows over CP) the run misses one process's
+    first steps by more than 10x the tolerance: the comparison above can fail, and each group
+    is needed."""
+    run_dir = tmp_path / groups
+    world = LAYOUTS[layout][5]
+    assert run_distributed(train_with_amax_over, world, groups, settings(cache, run_dir, layout),
+                           torchrun_env=True) == [0] * world
+    early, _ = mismatch(single(layout), run_dir)
+    assert early > 10 * TOL, (groups, early)
 
 
 def resumed(cache, run_dir, checkpoint, model: list[str], mode: str, layout: list[str],

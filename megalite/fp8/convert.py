@@ -22,7 +22,8 @@ def _shapes(module: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
 
 def _size_filter(recipe: str):
     """torchao's auto filter for the recipe (H100 thresholds below which FP8 loses to bf16),
-    asked about an nn.Linear of the whole shape; rowwise's for rowwise_with_gw_hp."""
+    asked about an nn.Linear of the whole shape; rowwise's for rowwise_with_gw_hp. A private
+    torchao function (torchtitan calls it too): pyproject pins torchao below 0.19."""
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
     pick = _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, [])
 
@@ -31,19 +32,39 @@ def _size_filter(recipe: str):
     return keep
 
 
-def _refuse_inexact(name: str, module: nn.Module, pstate, exclude_key: str) -> None:
-    if getattr(module, "partial_output_grad", False):
+def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:
+    why = getattr(module, "partial_output_grad", None)
+    if why:
         raise ConfigError(
-            f"train.fp8 on {name}: at this layout each rank holds only part of its output "
-            f"gradient (a slice held by several TP ranks, or latents every CP rank reads), so its "
-            f"FP8 scales could not equal one process's; add '{name.split('.')[-1]}' to "
-            f"{exclude_key}, or use a layout where the layer is split over every TP rank "
-            f"(e.g. model.n_kv_heads >= parallel.tp)")
+            f"train.fp8 on {name}: {why}, so its FP8 scales could not be one process's; add "
+            f"'{name.split('.')[-1]}' to train.fp8.exclude, or use a layout that splits it over "
+            f"every rank (for KV heads: model.n_kv_heads >= parallel.tp)")
     if isinstance(module, Experts) and pstate.ep_size > 1 and pstate.ep_size % pstate.cp_size:
         raise ConfigError(
             f"train.fp8 on {name} with parallel.ep={pstate.ep_size} and parallel.cp="
             f"{pstate.cp_size}: an expert's rows would come from part of the CP ranks; use an ep "
-            f"that is a multiple of cp, or add 'experts' to {exclude_key}")
+            f"that is a multiple of cp, or add 'experts' to train.fp8.exclude")
+
+
+def check_fp8_layout(cfg) -> None:
+    """Before any collective: the layouts whose FP8 scales could not be one process's."""
+    fp8, parallel, data = cfg.train.fp8, cfg.parallel, cfg.data
+    if fp8.recipe == "none":
+        return
+    ep, cp = parallel.ep, parallel.cp
+    if ep > 1 and cp > 1 and ep % cp and cp % ep:
+        raise ConfigError(f"train.fp8.recipe={fp8.recipe} with parallel.ep={ep} and parallel.cp={cp}: "
+                          f"a row's CP ranks would take their scales over different EP groups; "
+                          f"use an ep that is a multiple of cp, or a divisor of it")
+    sp = parallel.sequence_parallel and parallel.tp > 1
+    widened = ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp)
+    if widened:
+        cut = f"parallel.cp={cp}" if cp > 1 else f"sequence parallelism over parallel.tp={parallel.tp}"
+        raise ConfigError(f"train.fp8.recipe={fp8.recipe} with data.mode={data.mode}, data.seq_len="
+                          f"{data.seq_len} and {cut}: rows are padded to whole shards, and that "
+                          f"padding's activations would enter the FP8 scales, which one process "
+                          f"does not have; use data.mode=packed with data.seq_len a multiple of "
+                          f"the shards, or train.fp8.recipe=none")
 
 
 def _units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
@@ -90,7 +111,7 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
         if not all(keep(names[0], n, k) for n, k in wholes):
             continue
         for name, module in unit:
-            _refuse_inexact(name, module, pstate, "train.fp8.exclude")
+            _refuse_inexact(name, module, pstate)
             module.matmul = recipe
             chosen.append(name)
     return sorted(chosen, key=names_order(model))

@@ -17,28 +17,37 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-# Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them: FP8
-# here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile now handles.
-_loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-_levels = [logger.level for logger in _loggers]
-for logger in _loggers:
-    logger.setLevel(logging.ERROR)
-from torchao.float8 import Float8LinearConfig  # noqa: E402
-from torchao.float8.config import CastConfig, ScalingType
-from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
-from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig,
-                                                   ScaledMMConfig, hp_tensor_and_scale_to_float8)
-from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
-
-for logger, level in zip(_loggers, _levels):
-    logger.setLevel(level)
-
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.matmul import Splits
+
+
+@contextmanager
+def _quiet(*names: str):
+    """Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them:
+    FP8 here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile handles."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+with _quiet("torchao", "torch.utils._pytree"):
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import CastConfig, ScalingType
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig,
+                                                       ScaledMMConfig, hp_tensor_and_scale_to_float8)
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -115,6 +124,13 @@ class Float8Matmul:
         if not grad.shape[0]:
             return grad.new_zeros(grad.shape[1], x.shape[1])
         return torch.mm(g.t(), a)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
+                splits: Splits) -> torch.Tensor:
+        """The experts (parallel/matmul.HighPrecision.grouped) one by one, each scaled alone;
+        an expert with no rows here still joins the reductions."""
+        return torch.cat([self.linear(part, weight[e], None, splits)
+                          for e, part in enumerate(x.split(per_expert))])
 
 
 class _Float8Linear(torch.autograd.Function):

@@ -20,7 +20,6 @@ the latent and the rotated rotary key of each token (KVCache's keys and values).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
@@ -67,8 +66,9 @@ class LatentAttention(nn.Module):
         self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
         self.kv_up = ColumnParallelLinear(self.rank, cfg.n_heads * (self.nope + self.v_dim), pstate,
                                           bias=False, init_std=std)
-        # Under CP it reads the whole row's latents: each rank's output gradient is its queries' part.
-        self.kv_up.partial_output_grad |= pstate.cp_size > 1
+        if pstate.cp_size > 1 and self.kv_up.partial_output_grad is None:
+            self.kv_up.partial_output_grad = ("every CP rank reads the whole row's latents, with "
+                                              "its own queries' part of the gradient")
         self.out_proj = RowParallelLinear(cfg.n_heads * self.v_dim, cfg.hidden, pstate, bias=False,
                                           init_std=down_init_std(cfg))
 

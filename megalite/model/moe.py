@@ -27,7 +27,7 @@ from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import all_reduce_over, sum_grad_over_shards
-from megalite.parallel.matmul import HIGH, NO_SPLITS, Splits
+from megalite.parallel.matmul import HIGH, Splits
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
 from megalite.parallel.state import ParallelState
@@ -57,10 +57,10 @@ class Experts(nn.Module):
         group = self.pstate.tp_group
         up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
         gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
-        matmul, splits = self.matmul, self.splits
-        hidden = activate(self.activation, experts_linear(rows, up, per_expert, matmul, splits),
-                          None if gate is None else experts_linear(rows, gate, per_expert, matmul, splits))
-        return experts_linear(hidden, down, per_expert, matmul, splits)
+        mm, splits = self.matmul.grouped, self.splits
+        hidden = activate(self.activation, mm(rows, up, per_expert, splits),
+                          None if gate is None else mm(rows, gate, per_expert, splits))
+        return mm(hidden, down, per_expert, splits)
 
 
 def expert_token_groups(pstate) -> tuple:
@@ -71,20 +71,6 @@ def expert_token_groups(pstate) -> tuple:
     if pstate.ep_size == 1:
         groups += (pstate.cp_group,)
     return groups
-
-
-def experts_linear(x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
-                   matmul=HIGH, splits: Splits = NO_SPLITS) -> torch.Tensor:
-    """Each expert's rows of x (expert-major) times its weight [out, in]: on a GPU in bf16
-    (autocast, or bf16 weights) one grouped matmul (the fast kernel takes bf16 only), else a
-    loop over the experts; under another precision recipe (FP8), the loop, scaled per expert."""
-    if matmul is not HIGH:
-        return torch.cat([matmul.linear(part, weight[e], None, splits)
-                          for e, part in enumerate(x.split(per_expert))])
-    if x.is_cuda and (torch.is_autocast_enabled("cuda") or weight.dtype == torch.bfloat16):
-        ends = torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
-        return F.grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(1, 2), offs=ends)
-    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(per_expert))])
 
 
 class _AuxLossGrad(torch.autograd.Function):

@@ -61,7 +61,7 @@ def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
     return column_parallel_linears(x, layers[0].tp_group, sequence_parallel,
                                    *(layer.weight_and_bias() for layer in layers),
                                    matmul=shared_matmul(layer.matmul for layer in layers),
-                                   tokens=layers[0].tokens)
+                                   tokens=layers[0].splits.tokens)
 
 
 def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -131,10 +131,12 @@ class ColumnParallelLinear(nn.Module):
                              "copies, the gathered output would repeat columns")
         index = pstate.tp_rank // copies
         self.tp_group = pstate.tp_group
-        self.matmul, self.tokens = HIGH, token_groups(pstate)
+        self.matmul = HIGH
+        self.splits = Splits(token_groups(pstate), outer=pstate.tp_group)
         # Each copy's output gradient is a part of the whole (its ranks' heads'): a recipe that
         # scales by the whole gradient (FP8) could not equal one process (fp8/convert.py).
-        self.partial_output_grad = copies > 1
+        self.partial_output_grad = (f"its slice is held by {copies} TP ranks, each with its own "
+                                    f"heads' part of the gradient") if copies > 1 else None
         self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
@@ -159,7 +161,7 @@ class ColumnParallelLinear(nn.Module):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
-        return self.matmul.linear(x, self.weight, None, Splits(self.tokens, outer=self.tp_group))
+        return self.matmul.linear(x, self.weight, None, self.splits)
 
     @property
     def logical_shape(self) -> tuple[int, int]:
@@ -177,7 +179,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = pstate.tp_group
         self.input_is_parallel = input_is_parallel
-        self.matmul, self.partial_output_grad = HIGH, False
+        self.matmul = HIGH
         self.splits = Splits(token_groups(pstate), inner=pstate.tp_group)
         local = in_features // pstate.tp_size
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local, device=pstate.device)),

@@ -43,10 +43,13 @@ NO_SPLITS = Splits()
 
 
 def token_groups(pstate) -> tuple:
-    """The groups over which the rows of one process's micro-batch are spread at a matmul:
-    CP's sequence chunks, and EP's ranks, whose micro-batches the experts take as one batch (a
-    single process with EP x the micro-batch equals the EP run)."""
-    return tuple(g for g in (pstate.cp_group, pstate.ep_group) if group_size(g) > 1)
+    """The group over which the rows of one process's micro-batch are spread at a matmul: CP's
+    sequence chunks, and EP's ranks, whose micro-batches the experts take as one batch (one
+    process with EP x the micro-batch equals the EP run). EP's ranks hold whole CP groups, or
+    lie inside one (fp8/convert.check_fp8_layout refuses the rest): the larger group is the union."""
+    if group_size(pstate.ep_group) > 1 and pstate.ep_size % pstate.cp_size == 0:
+        return (pstate.ep_group,)
+    return (pstate.cp_group,) if group_size(pstate.cp_group) > 1 else ()
 
 
 class HighPrecision:
@@ -58,10 +61,8 @@ class HighPrecision:
                splits: Splits) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                splits: Splits) -> torch.Tensor:
-        """As linear, inside an autograd function that writes its own backward."""
-        return F.linear(x, weight, bias)
+    # Inside an autograd function that writes its own backward (layers._GatheredLinear).
+    forward = linear
 
     def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, splits: Splits) -> torch.Tensor:
         return grad.matmul(weight.to(grad.dtype))
@@ -70,11 +71,22 @@ class HighPrecision:
         """grad [M, N], x [M, K] (2-D) -> [N, K]."""
         return grad.t().matmul(x.to(grad.dtype))
 
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
+                splits: Splits) -> torch.Tensor:
+        """Each expert's rows of x (expert-major) times its weight [experts, out, in]: on a GPU
+        in bf16 (autocast, or bf16 weights) one grouped matmul (the fast kernel takes bf16 only),
+        else a loop over the experts."""
+        if x.is_cuda and (torch.is_autocast_enabled("cuda") or weight.dtype == torch.bfloat16):
+            ends = torch.tensor(per_expert, device=x.device).cumsum(0).to(torch.int32)
+            return F.grouped_mm(x.to(torch.bfloat16), weight.to(torch.bfloat16).transpose(1, 2),
+                                offs=ends)
+        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(x.split(per_expert))])
+
 
 HIGH = HighPrecision()
 
 
-def shared_matmul(recipes) -> HighPrecision:
+def shared_matmul(recipes):
     """The recipe of a fused matmul (Q and KV, gate and up): its layers' common one, or HIGH
     when they differ (a fused matmul runs in FP8 only when each of its layers was chosen)."""
     first, *rest = recipes
