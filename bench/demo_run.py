@@ -2,6 +2,7 @@
 compare them (scripts/bench_optimizers.py, scripts/bench_fp8_loss.py): its losses and times."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,7 +10,20 @@ import tempfile
 from pathlib import Path
 
 from bench import ROOT
+from bench.provenance import cpu_script_header
 from megalite.training.metrics import read_records
+
+
+def demo_bench(doc: str, out: str, steps: int) -> tuple[argparse.Namespace, Path, dict]:
+    """A CPU loss benchmark's command line (--out, --steps, --cache), its OUT made, and its
+    results' header, taken before the runs (the commit measured)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--cache", default=".megalite_cache")
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return args, Path(args.out), cpu_script_header()
 
 
 def train_demo(settings: list[str], steps: int, cache: str) -> dict:

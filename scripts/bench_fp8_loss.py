@@ -12,7 +12,6 @@ OUT/results.csv, OUT/results.md and OUT/loss_vs_step.png.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -20,8 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
-from bench.demo_run import train_demo  # noqa: E402
-from bench.provenance import cpu_script_header  # noqa: E402
+from bench.demo_run import demo_bench, train_demo  # noqa: E402
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 WITHIN = 0.02
@@ -73,15 +71,7 @@ def plot(runs: list[dict], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/fp8-loss")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--cache", default=".megalite_cache")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = cpu_script_header()  # the commit measured: before the runs
+    args, out, header = demo_bench(__doc__, "benchmarks/fp8-loss", 300)
     runs = [run(recipe, args.steps, args.cache) for recipe in RECIPES]
     results = {**header, "steps": args.steps, "within": WITHIN, "runs": runs}
     (out / "results.json").write_text(json.dumps(results, indent=1))

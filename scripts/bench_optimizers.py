@@ -12,7 +12,6 @@ OUT/loss_vs_step.png, OUT/loss_vs_time.png.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -20,8 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # bench/ beside megalite
-from bench.demo_run import train_demo  # noqa: E402
-from bench.provenance import cpu_script_header  # noqa: E402
+from bench.demo_run import demo_bench, train_demo  # noqa: E402
 
 POINTS = [("adamw", "train.lr", lr) for lr in (1e-3, 3e-3, 1e-2, 3e-2)] + \
          [("muon", "train.muon.lr", lr) for lr in (0.01, 0.02, 0.05)]
@@ -73,15 +71,7 @@ def report(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/optimizers")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--cache", default=".megalite_cache")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    header = cpu_script_header()  # the commit measured: before the runs
+    args, out, header = demo_bench(__doc__, "benchmarks/optimizers", 150)
     points = [run_point(o, key, lr, args.steps, args.cache) for o, key, lr in POINTS]
     results = {**header, "steps": args.steps, "points": points}
     (out / "results.json").write_text(json.dumps(results, indent=1))
