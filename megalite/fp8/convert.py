@@ -98,6 +98,7 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
         return []
     from megalite.fp8.recipe import Float8Matmul, float8_config
     recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate), fp8.recipe)
+    experts = Float8Matmul(float8_config(fp8.recipe, fp8.emulate, pad_inner_dim=True), fp8.recipe)
     keep = _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
     chosen = []
     for unit in _units(model):
@@ -112,7 +113,7 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
             continue
         for name, module in unit:
             _refuse_inexact(name, module, pstate)
-            module.matmul = recipe
+            module.matmul = experts if isinstance(module, Experts) else recipe
             chosen.append(name)
     return sorted(chosen, key=names_order(model))
 

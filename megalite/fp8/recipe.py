@@ -52,8 +52,12 @@ with _quiet("torchao", "torch.utils._pytree"):
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
-def float8_config(recipe: str, emulate: bool) -> Float8LinearConfig:
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+def float8_config(recipe: str, emulate: bool, pad_inner_dim: bool = False) -> Float8LinearConfig:
+    """torchao's recipe; pad_inner_dim: zeros pad each matmul's summed dim to a multiple of 16,
+    which torch._scaled_mm needs on a GPU (the experts' weight gradients sum over their rows,
+    as many as the router sent)."""
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               pad_inner_dim=pad_inner_dim)
 
 
 def amax(t: torch.Tensor, cast: CastConfig, dim: int | None) -> torch.Tensor:
