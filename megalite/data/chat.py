@@ -1,0 +1,183 @@
+"""Conversations as training tokens: a tokenizer's chat template rendered as transformers'
+`apply_chat_template` renders it, and a mask of the tokens that are targets.
+
+Rendering: jinja2's immutable sandbox with trim_blocks and lstrip_blocks, loop controls, a
+`tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`; the variables
+`messages`, `add_generation_prompt` and the tokenizer's special tokens (bos_token, eos_token,
+...). The text is tokenized without added special tokens: the template writes them.
+
+Targets (`train_on`): `assistant`, what the assistant says, as the template marks it with
+`{% generation %}...{% endgeneration %}` (a token is a target if it overlaps a marked span, as
+transformers' `return_assistant_tokens_mask`), or, for a template without the mark, each
+assistant turn as the template renders it, found by rendering the conversation prefix by
+prefix (from the end of the prompt before the turn to the end of the turn: its end-of-turn
+token included); `last`: the last assistant turn only; `all`: every token.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from megalite.typed_config import ConfigError
+
+TRAIN_ON = ("assistant", "last", "all")
+# Private-use characters around each {% generation %} block's output while rendering: they
+# give the blocks' places in the text, and are removed after.
+OPEN, CLOSE = "\ue000", "\ue001"
+
+
+class ChatError(ValueError):
+    """A conversation that cannot become training tokens (counted by prepare-data as a bad
+    record, with this message)."""
+
+
+class _Generation(Extension):
+    """{% generation %} ... {% endgeneration %}: what the assistant says."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+        return OPEN + caller() + CLOSE
+
+
+def _raise(message: str):
+    raise ChatError(f"the chat template refused the conversation: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    special_tokens: dict  # bos_token, eos_token, ... as the template sees them
+
+    @property
+    def marks_generation(self) -> bool:
+        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False
+               ) -> tuple[str, list[tuple[int, int]]]:
+        """The text, and the [start, end) character spans of its {% generation %} blocks."""
+        for message in messages:
+            for value in message.values():
+                if isinstance(value, str) and (OPEN in value or CLOSE in value):
+                    raise ChatError("a message holds U+E000 or U+E001, which rendering reserves")
+        try:
+            marked = _compile(self.source).render(messages=messages,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **self.special_tokens)
+        except ChatError:
+            raise
+        except Exception as err:  # jinja2's errors: a template that fails on this conversation
+            raise ChatError(f"the chat template failed on the conversation: "
+                            f"{type(err).__name__}: {err}") from err
+        text, spans, start = [], [], None
+        at = 0
+        for char in marked:
+            if char == OPEN:
+                start = at
+            elif char == CLOSE:
+                spans.append((start, at))
+            else:
+                text.append(char)
+                at += 1
+        return "".join(text), spans
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The text of the conversation and the spans of what the assistant says."""
+        text, marked = self.render(messages)
+        if self.marks_generation:
+            return text, marked
+        spans = []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            prompt, _ = self.render(messages[:i], add_generation_prompt=True)
+            through, _ = self.render(messages[:i + 1])
+            if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
+                raise ChatError("the chat template does not render the conversation prefix by "
+                                "prefix, so its assistant turns cannot be found; mark them with "
+                                "{% generation %}...{% endgeneration %}")
+            spans.append((len(prompt), len(through)))
+        return text, spans
+
+
+def conversation_of(record: dict) -> list[dict]:
+    """The messages of a record: `messages` (a list of {role, content}, the chat shape), or a
+    `prompt` and its `completion`."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in messages):
+            raise ChatError("'messages' is not a list of {role, content} objects")
+        return messages
+    if "prompt" in record and "completion" in record:
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]}]
+    raise ChatError("the record has neither 'messages' nor 'prompt' and 'completion'")
+
+
+def tokens_and_targets(template: ChatTemplate, tokenizer, messages: list[dict],
+                       train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+    """The conversation's token ids (a tokenizers.Tokenizer, no special tokens added) and which
+    of them are targets."""
+    text, spans = template.assistant_spans(messages)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    if train_on == "all":
+        return encoding.ids, [True] * len(encoding.ids)
+    if train_on == "last":
+        spans = spans[-1:]
+    targets, span = [], 0
+    for start, end in encoding.offsets:  # both in order: one pass
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        targets.append(span < len(spans) and end > spans[span][0])
+    if not any(targets):
+        raise ChatError("the chat template renders no assistant tokens for this conversation")
+    return encoding.ids, targets
+
+
+def load_chat_template(directory: Path | None, given: str | None, special_tokens: dict) -> ChatTemplate:
+    """The template given (data.chat_template: the template itself, or a .jinja file), else the
+    tokenizer directory's chat_template.jinja, else its tokenizer_config.json's chat_template."""
+    if given:
+        path = Path(given)
+        source = path.read_text() if given.endswith(".jinja") and path.is_file() else given
+        return ChatTemplate(source, special_tokens)
+    if directory is not None:
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            return ChatTemplate(jinja.read_text(), special_tokens)
+        config = directory / "tokenizer_config.json"
+        if config.is_file():
+            source = json.loads(config.read_text()).get("chat_template")
+            if isinstance(source, list):  # named templates: the default one
+                source = next((t["template"] for t in source if t.get("name") == "default"), None)
+            if source:
+                return ChatTemplate(source, special_tokens)
+    raise ConfigError(f"no chat template: {directory or 'the tokenizer'} has neither "
+                    f"chat_template.jinja nor a chat_template in tokenizer_config.json; give one "
+                    f"with data.chat_template (the template, or a .jinja file)")
