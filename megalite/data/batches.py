@@ -86,11 +86,36 @@ class Samples:
         tokens, docs = self.docs.window(indices * self.seq_len, self.seq_len + 1)
         return list(zip(tokens, docs))
 
+    def row_targets(self, indices) -> list[np.ndarray] | None:
+        """Whether each token of rows(indices) is a target; None where every token is (data
+        without a targets side file: documents, not conversations)."""
+        if not self.docs.store.has_targets:
+            return None
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.mode == "padded":
+            return self.docs.documents(indices, self.seq_len + 1, targets=True)
+        return list(self.docs.window_targets(indices * self.seq_len, self.seq_len + 1))
+
     def collate(self, indices) -> Batch:
-        return collate(self.mode, self.rows(indices), self.pad_id, self.width_multiple)
+        return collate(self.mode, self.rows(indices), self.pad_id, self.width_multiple,
+                       self.row_targets(indices))
 
 
-def collate(mode: str, rows: list, pad_id: int, width_multiple: int = 1) -> Batch:
+def collate(mode: str, rows: list, pad_id: int, width_multiple: int = 1,
+            targets: list | None = None) -> Batch:
+    """targets: per row, whether each token is a target (None for a row, or for all: every
+    token is); a token that is not gets label -100, as padding does."""
+    batch = _collate(mode, rows, pad_id, width_multiple)
+    if targets is not None:
+        for row, target in enumerate(targets):
+            if target is not None:
+                n = min(len(target) - 1, batch.labels.shape[1])
+                keep = torch.from_numpy(np.asarray(target[1:n + 1], dtype=bool))
+                batch.labels[row, :n] = batch.labels[row, :n].masked_fill(~keep, IGNORE_INDEX)
+    return batch
+
+
+def _collate(mode: str, rows: list, pad_id: int, width_multiple: int) -> Batch:
     if mode == "padded":
         # At least one column: a batch of one-token (or empty: Megatron keeps them) documents
         # has no targets, but still a shape. More padding at the end is exact: causal
@@ -139,12 +164,17 @@ class Mixture:
     def collate(self, picks: np.ndarray) -> Batch:
         picks = np.asarray(picks, dtype=np.int64).reshape(-1, 2)
         rows: list = [None] * len(picks)
+        targets: list = [None] * len(picks)
         for s in np.unique(picks[:, 0]):
             where = np.flatnonzero(picks[:, 0] == s)
-            for i, row in zip(where, self.parts[s].rows(picks[where, 1])):
+            part = self.parts[s]
+            part_targets = part.row_targets(picks[where, 1])
+            for j, (i, row) in enumerate(zip(where, part.rows(picks[where, 1]))):
                 rows[i] = row
+                targets[i] = None if part_targets is None else part_targets[j]
         first = self.parts[0]
-        batch = collate(first.mode, rows, first.pad_id, first.width_multiple)
+        batch = collate(first.mode, rows, first.pad_id, first.width_multiple,
+                        targets if any(t is not None for t in targets) else None)
         batch.source = torch.from_numpy(picks[:, 0].copy())
         return batch
 

@@ -23,6 +23,7 @@ class ArrayShard:
 
     tokens: np.ndarray
     offsets: np.ndarray
+    targets: np.ndarray | None = None  # per token, as IndexedShard.targets
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -55,6 +56,12 @@ class TokenStore:
     def n_docs(self) -> int:
         return int(self.doc_base[-1])
 
+    @property
+    def has_targets(self) -> bool:
+        """Whether any shard says which tokens are targets (conversations); without, all are."""
+        return any(s.targets is not None if isinstance(s, ArrayShard) else s.has_targets
+                   for s in self.shards)
+
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Global first token of each global document (n_docs: the end of the store)."""
         docs = np.asarray(docs, dtype=np.int64).ravel()
@@ -81,6 +88,19 @@ class TokenStore:
             tokens[here] = self.shards[s].tokens[local]
             docs[here] = self.doc_base[s] + self.shards[s].doc_of(local)
         return tokens.reshape(positions.shape), docs.reshape(positions.shape)
+
+    def read_targets(self, positions: np.ndarray) -> np.ndarray:
+        """Whether the token at each global position is a target (True where its shard has no
+        targets side file)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        flat = positions.ravel()
+        shard = np.searchsorted(self.token_base, flat, side="right") - 1
+        out = np.ones(flat.shape, dtype=bool)
+        for s, here in _by_shard(shard):
+            targets = self.shards[s].targets
+            if targets is not None:
+                out[here] = targets[flat[here] - self.token_base[s]] != 0
+        return out.reshape(positions.shape)
 
 
 def _by_shard(shard: np.ndarray):
@@ -122,8 +142,9 @@ class DocSet:
         g = self._global_docs(docs)
         return self.store.starts(g + 1) - self.store.starts(g)
 
-    def documents(self, docs, limit: int) -> list[np.ndarray]:
-        """The first `limit` tokens of each document in `docs`."""
+    def documents(self, docs, limit: int, targets: bool = False) -> list[np.ndarray]:
+        """The first `limit` tokens of each document in `docs` (targets: whether each is a
+        target, instead)."""
         g = self._global_docs(docs)
         starts = self.store.starts(g)
         ends = np.minimum(self.store.starts(g + 1), starts + limit)
@@ -133,15 +154,22 @@ class DocSet:
         last = max(int(self.store.token_base[-1]) - 1, 0)
         window = np.minimum(starts[:, None] + np.arange(width), np.maximum(ends - 1, starts)[:, None])
         window = np.minimum(window, last)
-        tokens, _ = self.store.read(window)
-        return [row[: e - s] for row, s, e in zip(tokens, starts, ends)]
+        rows = self.store.read_targets(window) if targets else self.store.read(window)[0]
+        return [row[: e - s] for row, s, e in zip(rows, starts, ends)]
 
     def window(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of `length` tokens of this set's stream from each start: (tokens, document),
         documents numbered by the store, so a change of number is a document boundary."""
+        return self.store.read(self._stream(starts, length))
+
+    def window_targets(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Whether each token of `window(starts, length)` is a target."""
+        return self.store.read_targets(self._stream(starts, length))
+
+    def _stream(self, starts: np.ndarray, length: int) -> np.ndarray:
         stream = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
         k = np.searchsorted(self.token_base, stream, side="right") - 1
-        return self.store.read(self.tok_first[k] + stream - self.token_base[k])
+        return self.tok_first[k] + stream - self.token_base[k]
 
 
 # Held-out runs at most: the split's state stays a few KB at any corpus size, and a thousand

@@ -54,6 +54,12 @@ def idx_path(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + ".idx")
 
 
+def targets_path(prefix: Path) -> Path:
+    """megalite's side file of a shard of conversations: one byte per token of the .bin, 1 where
+    the token is a target (what the assistant says), 0 where it is context only."""
+    return prefix.with_name(prefix.name + ".targets")
+
+
 def is_indexed(prefix: Path) -> bool:
     return idx_path(prefix).is_file() and bin_path(prefix).is_file()
 
@@ -64,15 +70,23 @@ class ShardWriter:
     that could be mistaken for one. A shard of no documents is not written at all (Megatron
     cannot map an empty .bin)."""
 
-    def __init__(self, prefix: Path, dtype: np.dtype):
+    def __init__(self, prefix: Path, dtype: np.dtype, targets: bool = False):
+        """targets: also a side file of which tokens are targets (targets_path)."""
         self.prefix, self.dtype = prefix, np.dtype(dtype)
         self._tmp_bin = prefix.with_name(f".{prefix.name}.bin.tmp")
         self._bin = open(self._tmp_bin, "wb")
+        self._tmp_targets = prefix.with_name(f".{prefix.name}.targets.tmp") if targets else None
+        self._targets = open(self._tmp_targets, "wb") if targets else None
         self._lengths: list[np.ndarray] = []
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Documents laid end to end in `tokens`, document i being `lengths[i]` long."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray | None = None) -> None:
+        """Documents laid end to end in `tokens`, document i being `lengths[i]` long; with a
+        targets side file, `targets[j]` says whether tokens[j] is a target."""
+        if (targets is None) != (self._targets is None) or (targets is not None and len(targets) != len(tokens)):
+            raise ValueError("targets must be given for every token exactly when the writer keeps them")
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        if targets is not None:
+            self._targets.write(np.ascontiguousarray(targets, dtype=np.uint8).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
@@ -82,12 +96,18 @@ class ShardWriter:
         _close_synced(self._bin)
         tmp_idx = self.prefix.with_name(f".{self.prefix.name}.idx.tmp")
         write_index(tmp_idx, self.dtype, self._lengths)
+        if self._targets is not None:  # before the .idx, whose presence marks the shard whole
+            _close_synced(self._targets)
+            os.replace(self._tmp_targets, targets_path(self.prefix))
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
 
     def abandon(self) -> None:
         self._bin.close()
         self._tmp_bin.unlink(missing_ok=True)
+        if self._targets is not None:
+            self._targets.close()
+            self._tmp_targets.unlink(missing_ok=True)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -162,6 +182,12 @@ class IndexedShard:
                               f"data at byte {data_end}: the .bin is truncated or not this index's; "
                               f"prepare or copy the data again")
         self.n_seq, self.n_docs, self.n_tokens = n_seq, n_doc_index - 1, size // self.dtype.itemsize
+        targets = targets_path(self.prefix)
+        self.has_targets = targets.is_file()
+        if self.has_targets and targets.stat().st_size != self.n_tokens:
+            raise ConfigError(f"'{targets}' is {targets.stat().st_size} bytes, not one per token of "
+                              f"'{bin_path(self.prefix)}' ({self.n_tokens}): the targets are truncated "
+                              f"or not this shard's; prepare or copy the data again")
 
     def __len__(self) -> int:
         return self.n_docs
@@ -170,6 +196,11 @@ class IndexedShard:
     def tokens(self) -> np.ndarray:
         """The .bin's token ids, mapped (a view held keeps its map until dropped)."""
         return _LRU.get(self).tokens
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """The targets side file, mapped (None without one: every token is a target)."""
+        return _LRU.get(self).targets
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """The first token of each document in `docs`; `len(self)` gives the end of the data."""
@@ -198,10 +229,18 @@ class _Maps:
             self.tokens = np.frombuffer(self._maps[1], shard.dtype)
         else:
             self.tokens = np.zeros(0, shard.dtype)
+        self.targets = None
+        if shard.has_targets:
+            self.targets = (np.frombuffer(self._add_map(targets_path(shard.prefix), shard.n_tokens), np.uint8)
+                            if shard.n_tokens else np.zeros(0, np.uint8))
         n_seq, index = shard.n_seq, self._maps[0]
         self.pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
         self.doc_index = np.frombuffer(index, np.int64, shard.n_docs + 1, 34 + 12 * n_seq)
         self.end = shard.n_tokens * shard.dtype.itemsize
+
+    def _add_map(self, path: Path, size: int) -> mmap.mmap:
+        self._maps.append(_map(path, size))
+        return self._maps[-1]
 
     def start_bytes(self, docs: np.ndarray) -> np.ndarray:
         """Each document's first byte: its first sequence's, or the end of the data for an
@@ -263,7 +302,7 @@ class _OpenShards:
             return found
 
 
-# Each open shard holds 2 descriptors and 2 maps: 64 keeps a rank far below the usual
+# Each open shard holds 2 descriptors and 2 maps (3 with targets): 64 keeps a rank far below the usual
 # `ulimit -n` of 1,024 and vm.max_map_count (65,530) whatever the corpus's shard count, while a
 # batch spread over more shards only reopens some (a header read and two mmap calls each).
 OPEN_SHARDS = 64
