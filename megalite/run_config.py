@@ -45,6 +45,11 @@ class DataConfig:
     bpe_sample_mb: float = 100.0  # tokenizer=bpe: MB of the documents it is trained on
     text_key: str = "text"  # the JSON field / parquet column holding a document
     strict: bool = False  # a record that is not JSON or lacks text_key: an error, not counted
+    # Conversations instead of documents: jsonl records of `messages` (a list of {role,
+    # content}) or of `prompt` and `completion`, rendered with this chat template (auto: the
+    # tokenizer directory's own; or the template, or a .jinja file); none: documents.
+    chat_template: Optional[str] = None
+    train_on: Literal["assistant", "last", "all"] = "assistant"  # which tokens of a conversation are targets
     workers: int = 0  # tokenizing processes when raw files are prepared (0: in the rank itself)
     seq_len: int = 128  # tokens per training row
     # padded: a document per row; packed: documents joined, no attention across

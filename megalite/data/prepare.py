@@ -297,6 +297,11 @@ def main(argv: list[str]) -> int:
                              "here %(default)s)")
     parser.add_argument("--text-key", default="text", help="the JSON field or parquet column of the text")
     parser.add_argument("--strict", action="store_true", help="a bad record is an error, not counted")
+    parser.add_argument("--chat-template", help="conversations (jsonl `messages`, or `prompt` and "
+                        "`completion`) rendered with this template: auto (the tokenizer's own), the "
+                        "template, or a .jinja file")
+    parser.add_argument("--train-on", choices=("assistant", "last", "all"), default="assistant",
+                        help="which tokens of a conversation are targets")
     parser.add_argument("--bpe-vocab-size", type=int, default=4096, help="tokens of the trained BPE")
     parser.add_argument("--bpe-sample-mb", type=float, default=100.0,
                         help="MB of documents the BPE is trained on")
@@ -317,7 +322,8 @@ def main(argv: list[str]) -> int:
         _check_eos_token(args.tokenizer, args.eos_token)
         settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
                                    args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype,
-                                   shard_size_gb=args.shard_size_gb)
+                                   shard_size_gb=args.shard_size_gb,
+                                   chat_template=args.chat_template, train_on=args.train_on)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
         return 0

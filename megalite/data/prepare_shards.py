@@ -29,8 +29,9 @@ from typing import Iterator
 
 import numpy as np
 
-from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, token_dtype,
-                                   write_atomic)
+from megalite.data.chat import TRAIN_ON, load_chat_template
+from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, targets_path,
+                                   token_dtype, write_atomic)
 from megalite.data.locks import lock_waiting
 from megalite.data.shard_records import whole_shards
 from megalite.data.sources import COUNT_KEYS, RawChunk, Counts, check_readable, documents, read_chunks
@@ -60,6 +61,10 @@ class PrepareSettings:
     # a shard closes after the input file that brings it to this many GB of tokens (a larger
     # file is one shard of its own); 0: one shard per input file
     shard_size_gb: float = 0.0
+    # conversations (jsonl records of `messages`, or `prompt` and `completion`) rendered with a
+    # chat template, each token a target or not (data/chat.py): chat_template None: documents
+    chat_template: str | None = None  # "auto": the tokenizer's own; else a template or a .jinja file
+    train_on: str = "assistant"  # assistant | last | all
 
 
 def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -> dict:
@@ -67,8 +72,15 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
     if not settings.shard_size_gb >= 0:
         raise ConfigError(f"--shard-size-gb {settings.shard_size_gb} must be >= 0 (0: one shard "
                           f"per input file)")
+    if settings.chat_template is not None:
+        if settings.tokenizer is None:
+            raise ConfigError("conversations (--chat-template, data.chat_template) need the model's "
+                              "tokenizer: give --tokenizer (data.tokenizer), whose template renders them")
+        if settings.train_on not in TRAIN_ON:
+            raise ConfigError(f"--train-on {settings.train_on} (data.train_on): use one of "
+                              f"{', '.join(TRAIN_ON)}")
     for f in files:
-        check_readable(f, settings.text_key)
+        check_readable(f, settings.text_key, conversations=settings.chat_template is not None)
     out.mkdir(parents=True, exist_ok=True)
     with lock_waiting(out / ".lock", f"prepare-data waits for another run preparing into {out}"):
         info = _tokenizer(files, out, settings)
@@ -76,15 +88,20 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
         check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
         made_with = {"dtype": dtype.name, "text_key": settings.text_key, "strict": settings.strict,
                      "tokenizer_sha256": info.digest}
+        chat = _chat(info, out, settings)
+        if chat is not None:  # documents' shards keep the records they had
+            made_with.update(chat_template_sha256=hashlib.sha256(chat[0].encode()).hexdigest(),
+                             train_on=settings.train_on)
         names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
         shards, todo = whole_shards(out, files, names, made_with)
         for i in set(range(len(files))) - set(shards):  # shards of an earlier run not kept
-            for path in (out / f"{names[i]}.json", bin_path(out / names[i]), idx_path(out / names[i])):
+            for path in (out / f"{names[i]}.json", bin_path(out / names[i]), idx_path(out / names[i]),
+                         targets_path(out / names[i])):
                 path.unlink(missing_ok=True)
         if todo:
             # Until every shard is whole again, no meta.json may describe the directory.
             (out / "meta.json").unlink(missing_ok=True)
-            shards.update(_run(todo, files, names, out, dtype, made_with, settings))
+            shards.update(_run(todo, files, names, out, dtype, made_with, settings, chat))
         records = [shards[i] for i in sorted(shards)]
         kept = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
         if kept is not None and kept.get("version") == VERSION and kept["shards"] == records:
@@ -99,6 +116,19 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
                 **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS}}
         write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return meta
+
+
+def _chat(info: TokenizerInfo, out: Path, settings: PrepareSettings) -> tuple[str, str] | None:
+    """(the chat template's source, train_on) for conversations, stored in `out` as
+    chat_template.jinja; None for documents."""
+    if settings.chat_template is None:
+        return None
+    source = Path(settings.tokenizer)
+    template = load_chat_template(source if source.is_dir() else None,
+                                  None if settings.chat_template == "auto" else settings.chat_template,
+                                  info.names)
+    write_atomic(out / "chat_template.jinja", template.source)
+    return template.source, settings.train_on
 
 
 def digest(path: Path) -> str:
@@ -195,11 +225,13 @@ class _Shard:
         self.sources: list[dict] = []
         self.file_counts, self.read = Counts(), 0  # of the file being read
 
-    def add(self, chunk: RawChunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts) -> int:
-        """Append a chunk's documents; returns the input bytes it read."""
+    def add(self, chunk: RawChunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts,
+            targets: np.ndarray | None = None) -> int:
+        """Append a chunk's documents (and for conversations, which tokens are targets);
+        returns the input bytes it read."""
         if self.writer is None:
-            self.writer = ShardWriter(self.prefix, self.dtype)
-        self.writer.add(tokens, lengths)
+            self.writer = ShardWriter(self.prefix, self.dtype, targets=targets is not None)
+        self.writer.add(tokens, lengths, targets)
         self.file_counts.add(counts)
         self.tokens += len(tokens)
         read, self.read = chunk.read_to - self.read, chunk.read_to
@@ -236,12 +268,13 @@ class _Shard:
 
 
 def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: Path,
-         dtype: np.dtype, made_with: dict, settings: PrepareSettings) -> dict[int, dict]:
+         dtype: np.dtype, made_with: dict, settings: PrepareSettings,
+         chat: tuple[str, str] | None = None) -> dict[int, dict]:
     """Each run of files [first, end) in turn: their chunks tokenized in the pool, written in
     order into shards named for their first file, each closed after the file that brings it to
     --shard-size-gb (every file at 0) and at the end of the run. Returns {first file: record}.
     The workers load the tokenizer stored in `out`, the output directory (its specials named)."""
-    init = (str(out), dtype.name, settings.text_key, settings.strict, settings.workers > 0)
+    init = (str(out), dtype.name, settings.text_key, settings.strict, chat, settings.workers > 0)
     pool = workers.Workers(settings.workers, init) if settings.workers > 0 else workers.Inline(init)
     jobs = [i for first, end in todo for i in range(first, end)]
     last = {end - 1 for _, end in todo}
@@ -263,9 +296,9 @@ def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: 
                 written[current.first] = current.finish()
                 current = None
             return
-        tokens, lengths, counts = pool.result(work)
-        bar.update(current.add(chunk, tokens, lengths, counts), chunk.text_bytes(), len(tokens),
-                   counts.documents)
+        tokens, lengths, counts, targets = pool.result(work)
+        bar.update(current.add(chunk, tokens, lengths, counts, targets), chunk.text_bytes(),
+                   len(tokens), counts.documents)
 
     try:
         for i in jobs:

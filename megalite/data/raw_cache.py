@@ -37,10 +37,11 @@ def prepared_in_cache(files: list[Path], cfg: DataConfig, given: TokenizerInfo |
                                eos_token=cfg.eos_token, workers=cfg.workers,
                                text_key=cfg.text_key, strict=cfg.strict,
                                bpe_vocab_size=cfg.bpe_vocab_size, bpe_sample_mb=cfg.bpe_sample_mb,
-                               progress=False)
+                               progress=False, chat_template=cfg.chat_template, train_on=cfg.train_on)
     tokenizer = "bpe" if given is None else given.digest
+    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
     key = stat_key(files, f"v{CACHE_VERSION}|{tokenizer}|{settings.bpe_vocab_size}|"
-                          f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}")[:16]
+                          f"{settings.bpe_sample_mb}|{settings.text_key}|{settings.strict}{chat}")[:16]
     root = Path(cfg.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     target = root / key
@@ -79,6 +80,8 @@ def _prepare_command(path: str, settings: PrepareSettings, out: Path) -> str:
         args += [flag, value] if value is not None else []
     args += ["--text-key", settings.text_key] if settings.text_key != "text" else []
     args += ["--strict"] if settings.strict else []
+    if settings.chat_template is not None:
+        args += ["--chat-template", settings.chat_template, "--train-on", settings.train_on]
     if settings.tokenizer is None:
         args += ["--bpe-vocab-size", str(settings.bpe_vocab_size),
                  "--bpe-sample-mb", f"{settings.bpe_sample_mb:g}"]

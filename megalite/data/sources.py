@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from megalite.data.chat import ChatError, conversation_of
 from megalite.typed_config import ConfigError
 
 EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
@@ -71,9 +72,12 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return list({f.resolve(): f for f in files}.values())
 
 
-def check_readable(path: Path, text_key: str) -> None:
+def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
-    or whose footer is lost)."""
+    or whose footer is lost), or conversations (jsonl records only)."""
+    if conversations and kind_of(path) not in (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz"):
+        raise ConfigError(f"'{path}': conversations are read from jsonl records (`messages`, or "
+                          f"`prompt` and `completion`); convert it to jsonl")
     if kind_of(path) == ".parquet":
         import pyarrow.parquet as pq
         with _damage_named(path):
@@ -240,8 +244,10 @@ def _parquet_chunks(path: Path, text_key: str) -> Iterator[RawChunk]:
         first += len(batch)
 
 
-def parse(chunk: RawChunk, text_key: str, strict: bool, name: str) -> tuple[list[str], Counts]:
-    """The chunk's documents and its counts; whitespace-only documents are skipped."""
+def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
+          conversations: bool = False) -> tuple[list, Counts]:
+    """The chunk's documents and its counts; whitespace-only documents are skipped.
+    conversations: each JSON record's messages instead (data/chat.conversation_of)."""
     counts, texts = Counts(), []
 
     def bad(number: int, why: str, kind: str) -> None:
@@ -271,6 +277,12 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str) -> tuple[list
                     value = json.loads(text)
                 except json.JSONDecodeError as err:
                     bad(number, f"not JSON ({err.msg})", "not_json")
+                    continue
+                if conversations:
+                    try:
+                        texts.append(conversation_of(value if isinstance(value, dict) else {}))
+                    except ChatError as err:
+                        bad(number, str(err), "no_text")
                     continue
                 text = value.get(text_key) if isinstance(value, dict) else None
                 if not isinstance(text, str):

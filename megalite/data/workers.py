@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.sources import RawChunk, Counts, parse
+from megalite.data.chat import ChatError, ChatTemplate, tokens_and_targets
+from megalite.data.sources import KEEP_BAD, RawChunk, Counts, parse
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
@@ -119,15 +120,18 @@ class Workers:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool, in_pool: bool) -> None:
+def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool,
+                 chat: tuple[str, str] | None, in_pool: bool) -> None:
+    """chat: (the chat template, train_on) for conversations; None for documents."""
     if in_pool:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
         # Die with the parent: a killed prepare-data must not leave its workers running.
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         # Ctrl-C reaches the whole process group: the main process stops its workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker.update(info=load_tokenizer(Path(tokenizer)), dtype=np.dtype(dtype),
-                   text_key=text_key, strict=strict)
+    info = load_tokenizer(Path(tokenizer))
+    _worker.update(info=info, dtype=np.dtype(dtype), text_key=text_key, strict=strict,
+                   chat=None if chat is None else (ChatTemplate(chat[0], info.names), chat[1]))
 
 
 def _serve(conn, init: tuple) -> None:
@@ -145,11 +149,44 @@ def _serve(conn, init: tuple) -> None:
         conn.send(reply)
 
 
-def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts]:
-    """(tokens, document lengths, counts) of one chunk: each document's ids, ending with eos."""
-    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name)
+def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts, np.ndarray | None]:
+    """(tokens, document lengths, counts, targets) of one chunk: each document's ids, ending
+    with eos; for conversations, which tokens are targets (else None)."""
+    chat = _worker["chat"]
+    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, chat is not None)
     info: TokenizerInfo = _worker["info"]
-    ids = info.encode_documents(texts)
+    targets = None
+    if chat is None:
+        ids = info.encode_documents(texts)
+    else:
+        ids, targets = _conversations(texts, chat, info, counts, chunk.first, name)
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
-    return tokens, lengths, counts
+    if targets is not None:
+        targets = np.fromiter(chain.from_iterable(targets), dtype=np.uint8, count=len(tokens))
+    return tokens, lengths, counts, targets
+
+
+def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts: Counts,
+                   first: int, name: str) -> tuple[list, list]:
+    """Each conversation's ids and targets, ending with eos (not a target unless train_on is
+    all) where the template did not end it so; one the template refuses is counted as bad."""
+    template, train_on = chat
+    ids, targets = [], []
+    for conversation in conversations:
+        try:
+            tokens, wanted = tokens_and_targets(template, info.tokenizer, conversation, train_on)
+        except ChatError as err:
+            if _worker["strict"]:
+                raise ConfigError(f"{name}: a conversation: {err}; fix or drop it, or leave out "
+                                  f"--strict (data.strict) to skip and count such records") from None
+            counts.no_text += 1
+            counts.documents -= 1
+            if len(counts.bad) < KEEP_BAD:
+                counts.bad.append(f"a record from line {first}: {err}")
+            continue
+        if not tokens or tokens[-1] != info.eos_id:
+            tokens, wanted = tokens + [info.eos_id], wanted + [train_on == "all"]
+        ids.append(tokens)
+        targets.append(wanted)
+    return ids, targets
