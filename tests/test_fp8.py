@@ -7,7 +7,6 @@ choice and refusals."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.testing import assert_close
 
 from megalite.fp8.convert import convert_to_fp8
 from megalite.fp8.recipe import RECIPES, Float8Matmul, float8_config
@@ -22,7 +21,7 @@ from tests.test_layers import SINGLE, build, randn
 
 
 def fp8(recipe: str, emulate: bool = True) -> Float8Matmul:
-    return Float8Matmul(float8_config(recipe, emulate), recipe)
+    return Float8Matmul(float8_config(recipe, emulate))
 
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])

@@ -51,16 +51,13 @@ class TokenStore:
         self.shards = shards
         self.doc_base = np.concatenate([[0], np.cumsum([len(s) for s in shards])]).astype(np.int64)
         self.token_base = np.concatenate([[0], np.cumsum([s.n_tokens for s in shards])]).astype(np.int64)
+        # Whether any shard says which tokens are targets (conversations); without, all are.
+        self.has_targets = any(s.targets is not None if isinstance(s, ArrayShard) else s.has_targets
+                               for s in shards)
 
     @property
     def n_docs(self) -> int:
         return int(self.doc_base[-1])
-
-    @property
-    def has_targets(self) -> bool:
-        """Whether any shard says which tokens are targets (conversations); without, all are."""
-        return any(s.targets is not None if isinstance(s, ArrayShard) else s.has_targets
-                   for s in self.shards)
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Global first token of each global document (n_docs: the end of the store)."""

@@ -34,6 +34,7 @@ EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
 CHUNK_BYTES = 1 << 20
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".parquet", ".txt")
 SUPPORTED = ", ".join(SUFFIXES)
+JSONL = tuple(s for s in SUFFIXES if s.startswith(".jsonl"))
 KEEP_BAD = 20  # bad records listed by line per file (all are counted)
 BOM = b"\xef\xbb\xbf"
 
@@ -75,7 +76,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
     or whose footer is lost), or conversations (jsonl records only)."""
-    if conversations and kind_of(path) not in (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz"):
+    if conversations and kind_of(path) not in JSONL:
         raise ConfigError(f"'{path}': conversations are read from jsonl records (`messages`, or "
                           f"`prompt` and `completion`); convert it to jsonl")
     if kind_of(path) == ".parquet":
@@ -115,6 +116,16 @@ class Counts:
     no_text: int = 0
     invalid_utf8: int = 0
     bad: list = field(default_factory=list)  # "line N: why", at most KEEP_BAD
+
+    def count_bad(self, where: str, listed: str, why: str, kind: str, strict: bool) -> None:
+        """A bad record: with `strict` an error naming it (`where`), else counted under `kind`
+        and, among the first KEEP_BAD, listed as `listed: why`."""
+        if strict:
+            raise ConfigError(f"{where}: {why}; fix or drop it, or leave out --strict "
+                              f"(data.strict) to skip and count such records")
+        setattr(self, kind, getattr(self, kind) + 1)
+        if len(self.bad) < KEEP_BAD:
+            self.bad.append(f"{listed}: {why}")
 
     def add(self, other: "Counts") -> None:
         for name in COUNT_KEYS:
@@ -252,12 +263,8 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
 
     def bad(number: int, why: str, kind: str) -> None:
         where = f"{name}:{number}" if chunk.kind == "json" else f"{name} row {number}"
-        if strict:
-            raise ConfigError(f"{where}: {why}; fix or drop it, or leave out --strict "
-                              f"(data.strict) to skip and count such records")
-        setattr(counts, kind, getattr(counts, kind) + 1)
-        if len(counts.bad) < KEEP_BAD:
-            counts.bad.append(f"{'line' if chunk.kind == 'json' else 'row'} {number}: {why}")
+        counts.count_bad(where, f"{'line' if chunk.kind == 'json' else 'row'} {number}", why,
+                         kind, strict)
 
     records = chunk.records.to_pylist() if chunk.kind == "arrow" else chunk.records
     for number, record in enumerate(records, chunk.first):

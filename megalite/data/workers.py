@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from megalite.data.chat import ChatError, ChatTemplate, tokens_and_targets
-from megalite.data.sources import KEEP_BAD, RawChunk, Counts, parse
+from megalite.data.sources import RawChunk, Counts, parse
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
@@ -177,13 +177,9 @@ def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts
         try:
             tokens, wanted = tokens_and_targets(template, info.tokenizer, conversation, train_on)
         except ChatError as err:
-            if _worker["strict"]:
-                raise ConfigError(f"{name}: a conversation: {err}; fix or drop it, or leave out "
-                                  f"--strict (data.strict) to skip and count such records") from None
-            counts.no_text += 1
+            counts.count_bad(f"{name}: a conversation from line {first}",
+                             f"a record from line {first}", str(err), "no_text", _worker["strict"])
             counts.documents -= 1
-            if len(counts.bad) < KEEP_BAD:
-                counts.bad.append(f"a record from line {first}: {err}")
             continue
         if not tokens or tokens[-1] != info.eos_id:
             tokens, wanted = tokens + [info.eos_id], wanted + [train_on == "all"]

@@ -97,8 +97,8 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     if fp8.recipe == "none":
         return []
     from megalite.fp8.recipe import Float8Matmul, float8_config
-    recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate), fp8.recipe)
-    experts = Float8Matmul(float8_config(fp8.recipe, fp8.emulate, pad_inner_dim=True), fp8.recipe)
+    recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate))
+    experts = Float8Matmul(float8_config(fp8.recipe, fp8.emulate, pad_inner_dim=True))
     keep = _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
     chosen = []
     for unit in _units(model):
@@ -115,12 +115,8 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
             _refuse_inexact(name, module, pstate)
             module.matmul = experts if isinstance(module, Experts) else recipe
             chosen.append(name)
-    return sorted(chosen, key=names_order(model))
-
-
-def names_order(model: nn.Module):
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return order.__getitem__
+    return sorted(chosen, key=order.__getitem__)
 
 
 def fp8_layers(model: nn.Module) -> int:

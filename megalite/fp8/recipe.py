@@ -15,7 +15,6 @@ megalite's layers are neither.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from contextlib import contextmanager
 
@@ -72,8 +71,8 @@ def amax(t: torch.Tensor, cast: CastConfig, dim: int | None) -> torch.Tensor:
 class Float8Matmul:
     """A precision recipe (parallel/matmul.py) casting to FP8 as torchao's `config` says."""
 
-    def __init__(self, config: Float8LinearConfig, name: str):
-        self.config, self.name = config, name
+    def __init__(self, config: Float8LinearConfig):
+        self.config = config
         # As Float8Linear builds it: output, grad_input, grad_weight.
         self.mm_config = LinearMMConfig(*(
             ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)

@@ -31,7 +31,7 @@ from megalite.parallel.state import ParallelState
 
 def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
                             *layers: tuple[torch.Tensor, torch.Tensor | None], matmul=HIGH,
-                            tokens: tuple = ()) -> list[torch.Tensor]:
+                            splits: Splits | None = None) -> list[torch.Tensor]:
     """X A_i + b_i for each (A_i, b_i) of column-parallel layers that read the same X (Q and KV,
     SwiGLU's gate and up, or one layer; all with biases or none): X enters the TP region once
     for all of them, so backward sums its gradient over the ranks once, not once per layer.
@@ -43,10 +43,11 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
     backward), storing only this rank's shard for backward (_GatheredLinear).
 
-    matmul: the precision recipe (parallel/matmul.py); tokens: the groups splitting X's rows.
+    matmul: the precision recipe (parallel/matmul.py); splits: its view of the operands (by
+    default N split over `group`, X's rows whole).
     """
     weight, bias, sizes = _fused(layers)
-    splits = Splits(tokens=tokens, outer=group)
+    splits = splits or Splits(outer=group)
     if sequence_parallel and group_size(group) > 1:
         y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
     else:
@@ -61,7 +62,7 @@ def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
     return column_parallel_linears(x, layers[0].tp_group, sequence_parallel,
                                    *(layer.weight_and_bias() for layer in layers),
                                    matmul=shared_matmul(layer.matmul for layer in layers),
-                                   tokens=layers[0].splits.tokens)
+                                   splits=layers[0].splits)
 
 
 def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:

@@ -55,7 +55,6 @@ def token_groups(pstate) -> tuple:
 class HighPrecision:
     """The matmul in the operands' dtype: F.linear, and the two backward products of a layer
     that writes its own backward (layers._GatheredLinear)."""
-    name = "high"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                splits: Splits) -> torch.Tensor:
