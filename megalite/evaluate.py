@@ -1,5 +1,6 @@
-"""`megalite eval --ckpt CKPT --text FILE [--tp N] [--pp N] [--cp N] [--ep N] [--json]`: the
-loss of a model on a text, at any layout training runs (DP over the ranks the others leave).
+"""`megalite eval --ckpt CKPT (--text FILE | --chat FILE.jsonl) [--tp N] [--pp N] [--cp N]
+[--ep N] [--json]`: the loss of a model on a text, or over the target tokens of conversations,
+at any layout training runs (DP over the ranks the others leave).
 
 The file is cut into pieces at line boundaries (megalite/data/text_pieces.py: about 1 MiB
 each, the same for any number of ranks; a file under that size is one piece). Each DP rank
@@ -12,6 +13,12 @@ from the ones before it in that window; the loss is the mean over all of them. W
 split over DP ranks (--ep), whose all-to-alls pair every rank's forwards, each rank tokenizes
 its pieces first and runs as many windows as the rank with the most, adding windows without
 targets.
+
+--chat: a jsonl of conversations (`messages`, or `prompt` and `completion`), each rendered with
+the checkpoint tokenizer's chat template (or --chat-template) exactly as prepare-data renders
+it, eos appended; each is a piece, and the loss is the mean over its target tokens (--train-on,
+the assistant's turns by default), what training on them minimises. DP rank d takes every
+dp-th conversation.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import json
 import math
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -27,34 +35,53 @@ import torch.distributed as dist
 from megalite.cli import command_parser
 from megalite.config import ParallelConfig
 from megalite.data.batches import collate
+from megalite.data.chat import (TRAIN_ON, ChatError, ChatTemplate, conversation_of,
+                                conversation_tokens, load_chat_template)
 from megalite.data.text_pieces import rank_pieces
+from megalite.data.tokenizer import TokenizerInfo
 from megalite.hf.convert import checkpoint_model_config
 from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.model import GPT
 from megalite.parallel.context import context_chunks
-from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.training.evaluation import all_reduce_loss, loss_sum
 from megalite.typed_config import ConfigError
 
 WINDOWS_PER_PASS = 8
 
 
-def windows_loss(model: GPT, ids: list[int], pad_id: int, targets: bool = True) -> torch.Tensor:
+def windows_loss(model: GPT, ids: list[int], pad_id: int,
+                 targets: Sequence[bool] | None = None) -> torch.Tensor:
     """loss_sum over the windows of one piece's ids, a window per micro-batch, WINDOWS_PER_PASS
     micro-batches per pipelined pass (a pass keeps its activations sent until it ends).
-    targets=False: forwards that predict nothing (loss and count 0)."""
+    targets: whether each token is predicted (None: every one; all False: forwards that
+    predict nothing, loss and count 0)."""
     ps, length = model.pstate, model.cfg.max_seq_len
     chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
-    rows = [np.asarray(ids[start:start + length]) for start in window_starts(len(ids), length)]
+    starts = window_starts(len(ids), length)
+    rows = [np.asarray(ids[start:start + length]) for start in starts]
+    wanted = [None if targets is None else targets[start:start + length] for start in starts]
     total = torch.zeros(2, dtype=torch.float64, device=ps.device)
     for first in range(0, len(rows), WINDOWS_PER_PASS):
-        batches = [collate("padded", [row], pad_id, chunks).to(ps.device)
-                   for row in rows[first:first + WINDOWS_PER_PASS]]
-        if not targets:
-            for batch in batches:
-                batch.labels.fill_(IGNORE_INDEX)
+        batches = [collate("padded", [row], pad_id, chunks, [want]).to(ps.device)
+                   for row, want in zip(rows[first:first + WINDOWS_PER_PASS],
+                                        wanted[first:first + WINDOWS_PER_PASS])]
         total += loss_sum(model, batches, nullcontext())
     return total
+
+
+def conversation_pieces(path: Path, template: ChatTemplate, tokenizer: TokenizerInfo,
+                        train_on: str, rank: int, size: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """Every size-th conversation of a jsonl file from the rank-th, as (ids, targets); a line
+    that is not one is an error naming it (an evaluation set is small and meant whole)."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    for n, line in lines[rank::size]:
+        try:
+            yield conversation_tokens(template, tokenizer, conversation_of(json.loads(line)), train_on)
+        except (ChatError, json.JSONDecodeError) as err:
+            raise ConfigError(f"--chat '{path}' line {n}: {err}: give conversations as "
+                              f"{{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} or "
+                              f"{{\"prompt\": ..., \"completion\": ...}}") from None
 
 
 def window_starts(n_ids: int, length: int) -> range:
@@ -76,36 +103,50 @@ def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:
 def main(argv: list[str]) -> int:
     parser = command_parser("megalite eval", __doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
-    parser.add_argument("--text", required=True, help="a UTF-8 text file")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", help="a UTF-8 text file")
+    what.add_argument("--chat", help="a jsonl of conversations (messages, or prompt and "
+                                     "completion): the loss over their target tokens")
+    parser.add_argument("--chat-template", help="--chat's template, or a .jinja file (default: "
+                                                "the checkpoint tokenizer's own)")
+    parser.add_argument("--train-on", choices=TRAIN_ON, default="assistant",
+                        help="--chat: which tokens are predicted (default: the assistant's turns)")
     add_layout_arguments(parser, cp=True)
     parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
     args = parser.parse_args(argv)
     parallel = layout_of(args)
     check_windows_split(checkpoint_model_config(Path(args.ckpt)).max_seq_len, parallel)
-    text_file = Path(args.text)
-    if not text_file.is_file() or not text_file.stat().st_size:
-        raise ConfigError(f"--text '{text_file}' " + ("is empty: nothing to predict" if text_file.is_file()
-                                                      else "not found"))
+    flag, source = ("--chat", Path(args.chat)) if args.chat else ("--text", Path(args.text))
+    if not source.is_file() or not source.stat().st_size:
+        raise ConfigError(f"{flag} '{source}' " + ("is empty: nothing to predict" if source.is_file()
+                                                   else "not found"))
     with loaded(Path(args.ckpt), parallel) as (model, tokenizer):
         ps = model.pstate
         total = torch.zeros(2, dtype=torch.float64, device=ps.device)
-        pieces = (tokenizer.encode(piece) for piece in rank_pieces(text_file, ps.dp_rank, ps.dp_size))
+        if args.chat:
+            template = load_chat_template(tokenizer, args.chat_template)
+            pieces = conversation_pieces(source, template, tokenizer, args.train_on, ps.dp_rank,
+                                         ps.dp_size)
+        else:
+            pieces = ((tokenizer.encode(piece), None)
+                      for piece in rank_pieces(source, ps.dp_rank, ps.dp_size))
         length, spare = model.cfg.max_seq_len, 0
         if ps.ep_size > 1:  # kept: the windows are counted before the first forward
             pieces = list(pieces)
-            mine = sum(len(window_starts(len(ids), length)) for ids in pieces)
+            mine = sum(len(window_starts(len(ids), length)) for ids, _ in pieces)
             most = torch.tensor(mine, device=ps.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.ep_group)
             spare = int(most) - mine
-        for ids in pieces:  # without EP one at a time in memory
-            total += windows_loss(model, ids, tokenizer.pad_id)
+        for ids, targets in pieces:  # without EP one at a time in memory
+            total += windows_loss(model, ids, tokenizer.pad_id, targets)
         if spare:
             total += windows_loss(model, [tokenizer.pad_id] * (spare * length), tokenizer.pad_id,
-                                  targets=False)
+                                  [False] * (spare * length))
         loss_sum_, count = all_reduce_loss(total, ps).tolist()
         if count == 0:
-            raise ConfigError(f"--text '{text_file}' has no token to predict: give a text of "
-                              f"two tokens or more")
+            raise ConfigError(f"{flag} '{source}' has no token to predict: give a text of "
+                              f"two tokens or more" if not args.chat else
+                              f"{flag} '{source}' has no target token (--train-on {args.train_on})")
         loss = loss_sum_ / count
         if ps.is_main:
             result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(count)}

@@ -9,9 +9,15 @@ the same prompts, its experts serving the others' tokens, and takes the tokens o
 first rank, so that all stop together (the all-to-alls pair every rank's forwards).
 
     megalite generate --ckpt CKPT --prompt "The module" --prompt "A list is" [--tp N] [--pp N] [--ep N] ...
+    megalite generate --ckpt CKPT --chat '[{"role": "user", "content": "Hi!"}]' ...
+
+--chat: a conversation (JSON: a list of {role, content}, or a record of `messages` or of a
+`prompt`) rendered with the checkpoint tokenizer's chat template (or --chat-template) with the
+generation prompt, so the model answers as the assistant; the answer stops at eos.
 """
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -20,11 +26,13 @@ import torch.distributed as dist
 
 from megalite.cli import command_parser
 from megalite.data.batches import Batch
+from megalite.data.chat import ChatError, ChatTemplate, conversation_of, load_chat_template
 from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.model import GPT
 from megalite.model.kv_cache import KVCache
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
+from megalite.typed_config import ConfigError
 
 
 @torch.no_grad()
@@ -117,8 +125,12 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 def main(argv: list[str]) -> int:
     parser = command_parser("megalite generate", __doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
-    parser.add_argument("--prompt", action="append", required=True,
-                        help="a prompt; repeat for a batch of several")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of several")
+    given.add_argument("--chat", action="append",
+                       help="a conversation (JSON) for the model to answer; repeat for several")
+    parser.add_argument("--chat-template", help="--chat's template, or a .jinja file (default: "
+                                                "the checkpoint tokenizer's own)")
     add_layout_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -130,10 +142,29 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     args = parser.parse_args(argv)
     with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
-        outputs = generate(model, [tokenizer.encode(p) for p in args.prompt], args.max_new_tokens,
+        if args.chat:
+            template = load_chat_template(tokenizer, args.chat_template)
+            shown = [chat_prompt(template, c) for c in args.chat]
+            prompts = [tokenizer.tokenizer.encode(p, add_special_tokens=False).ids for p in shown]
+        else:
+            shown, prompts = args.prompt, [tokenizer.encode(p) for p in args.prompt]
+        outputs = generate(model, prompts, args.max_new_tokens,
                            pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, eos_id=tokenizer.eos_id, seed=args.seed)
         if model.pstate.is_main:
-            for prompt, new in zip(args.prompt, outputs):
+            for prompt, new in zip(shown, outputs):
                 print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(new)}", flush=True)
     return 0
+
+
+def chat_prompt(template: ChatTemplate, given: str) -> str:
+    """--chat's conversation rendered up to the assistant's turn (the template's generation
+    prompt)."""
+    try:
+        record = json.loads(given)
+        messages = conversation_of(record if isinstance(record, dict) else {"messages": record},
+                                   prompt_only=True)
+        return template.render(messages, add_generation_prompt=True)[0]
+    except (json.JSONDecodeError, ChatError) as err:
+        raise ConfigError(f"--chat {given[:60]!r}: {err}: give a JSON list of {{\"role\": ..., "
+                          f"\"content\": ...}} messages") from None

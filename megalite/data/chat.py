@@ -26,6 +26,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from megalite.data.tokenizer import TokenizerInfo
 from megalite.typed_config import ConfigError
 
 TRAIN_ON = ("assistant", "last", "all")
@@ -124,9 +125,11 @@ class ChatTemplate:
         return text, spans
 
 
-def conversation_of(record: dict) -> list[dict]:
+def conversation_of(record: dict, prompt_only: bool = False) -> list[dict]:
     """The messages of a record: `messages` (a list of {role, content}, the chat shape), or a
-    `prompt` and its `completion`."""
+    `prompt` and its `completion` (prompt_only: a prompt alone, to be answered)."""
+    if not isinstance(record, dict):
+        raise ChatError("the record is not a JSON object")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -137,6 +140,8 @@ def conversation_of(record: dict) -> list[dict]:
     if "prompt" in record and "completion" in record:
         return [{"role": "user", "content": record["prompt"]},
                 {"role": "assistant", "content": record["completion"]}]
+    if prompt_only and "prompt" in record:
+        return [{"role": "user", "content": record["prompt"]}]
     raise ChatError("the record has neither 'messages' nor 'prompt' and 'completion'")
 
 
@@ -160,24 +165,25 @@ def tokens_and_targets(template: ChatTemplate, tokenizer, messages: list[dict],
     return encoding.ids, targets
 
 
-def load_chat_template(directory: Path | None, given: str | None, special_tokens: dict) -> ChatTemplate:
+def conversation_tokens(template: ChatTemplate, tokenizer: TokenizerInfo, messages: list[dict],
+                        train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+    """A conversation as prepared data holds it: tokens_and_targets, then eos (a target only
+    when train_on is all) where the template did not end it so, as a document ends."""
+    tokens, targets = tokens_and_targets(template, tokenizer.tokenizer, messages, train_on)
+    if not tokens or tokens[-1] != tokenizer.eos_id:
+        tokens, targets = tokens + [tokenizer.eos_id], targets + [train_on == "all"]
+    return tokens, targets
+
+
+def load_chat_template(tokenizer: TokenizerInfo, given: str | None) -> ChatTemplate:
     """The template given (data.chat_template: the template itself, or a .jinja file), else the
-    tokenizer directory's chat_template.jinja, else its tokenizer_config.json's chat_template."""
+    tokenizer's own."""
     if given:
         path = Path(given)
         source = path.read_text() if given.endswith(".jinja") and path.is_file() else given
-        return ChatTemplate(source, special_tokens)
-    if directory is not None:
-        jinja = directory / "chat_template.jinja"
-        if jinja.is_file():
-            return ChatTemplate(jinja.read_text(), special_tokens)
-        config = directory / "tokenizer_config.json"
-        if config.is_file():
-            source = json.loads(config.read_text()).get("chat_template")
-            if isinstance(source, list):  # named templates: the default one
-                source = next((t["template"] for t in source if t.get("name") == "default"), None)
-            if source:
-                return ChatTemplate(source, special_tokens)
-    raise ConfigError(f"no chat template: {directory or 'the tokenizer'} has neither "
-                    f"chat_template.jinja nor a chat_template in tokenizer_config.json; give one "
-                    f"with data.chat_template (the template, or a .jinja file)")
+        return ChatTemplate(source, tokenizer.names)
+    if tokenizer.chat_template is not None:
+        return ChatTemplate(tokenizer.chat_template, tokenizer.names)
+    raise ConfigError(f"no chat template: the tokenizer's directory ({tokenizer.file.parent}) has "
+                      f"neither chat_template.jinja nor a chat_template in tokenizer_config.json; "
+                      f"give one with data.chat_template (the template, or a .jinja file)")

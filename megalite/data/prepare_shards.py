@@ -123,10 +123,8 @@ def _chat(info: TokenizerInfo, out: Path, settings: PrepareSettings) -> tuple[st
     chat_template.jinja; None for documents."""
     if settings.chat_template is None:
         return None
-    source = Path(settings.tokenizer)
-    template = load_chat_template(source if source.is_dir() else None,
-                                  None if settings.chat_template == "auto" else settings.chat_template,
-                                  info.names)
+    template = load_chat_template(info, None if settings.chat_template == "auto"
+                                  else settings.chat_template)
     write_atomic(out / "chat_template.jinja", template.source)
     return template.source, settings.train_on
 

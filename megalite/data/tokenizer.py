@@ -47,6 +47,9 @@ class TokenizerInfo:
     names: dict  # eos_token, bos_token and pad_token (those it has): what a stored copy declares
     source_files: dict  # the source's tokenizer_config.json, special_tokens_map.json (stored too)
     digest: str  # what the token ids of a document depend on (see load_tokenizer)
+    # Its chat template (chat_template.jinja beside it, else tokenizer_config.json's), which
+    # travels with it into prepared data, checkpoints and exports; None: it has none.
+    chat_template: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -153,15 +156,30 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
     plain = found["eos_token"][:1] == [names["eos_token"]] and not tokenizer.encode("").ids
     digest = file_hash if plain else \
         hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
-    return TokenizerInfo(tokenizer, file, names, source_files, digest)
+    return TokenizerInfo(tokenizer, file, names, source_files, digest,
+                         _own_chat_template(beside, source_files))
+
+
+def _own_chat_template(beside: Path | None, source_files: dict) -> str | None:
+    jinja = beside / "chat_template.jinja" if beside is not None else None
+    if jinja is not None and jinja.is_file():
+        return jinja.read_text()
+    source = source_files.get("tokenizer_config.json", {}).get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    return source or None
 
 
 def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
     """`info` as a Hugging Face tokenizer directory: tokenizer.json and the files naming its
-    specials (the source's, with the names resolved), so that loading it gives them back."""
+    specials (the source's, with the names resolved), so that loading it gives them back, and
+    its chat template as chat_template.jinja (one place: transformers reads it from there)."""
     directory = Path(directory)
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
               **info.source_files.get("tokenizer_config.json", {}), **info.names}
+    if info.chat_template is not None:
+        config.pop("chat_template", None)
+        write_atomic(directory / "chat_template.jinja", info.chat_template)
     special_map = {**info.source_files.get("special_tokens_map.json", {}), **info.names}
     for name, content in zip(FILES, (config, special_map, None)):
         write_atomic(directory / name, info.file.read_bytes() if content is None else

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.chat import ChatError, ChatTemplate, tokens_and_targets
+from megalite.data.chat import ChatError, ChatTemplate, conversation_tokens
 from megalite.data.sources import RawChunk, Counts, parse
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
@@ -169,20 +169,18 @@ def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts,
 
 def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts: Counts,
                    first: int, name: str) -> tuple[list, list]:
-    """Each conversation's ids and targets, ending with eos (not a target unless train_on is
-    all) where the template did not end it so; one the template refuses is counted as bad."""
+    """Each conversation's ids and targets (conversation_tokens); one the template refuses is
+    counted as bad."""
     template, train_on = chat
     ids, targets = [], []
     for conversation in conversations:
         try:
-            tokens, wanted = tokens_and_targets(template, info.tokenizer, conversation, train_on)
+            tokens, wanted = conversation_tokens(template, info, conversation, train_on)
         except ChatError as err:
             counts.count_bad(f"{name}: a conversation from line {first}",
                              f"a record from line {first}", str(err), "no_text", _worker["strict"])
             counts.documents -= 1
             continue
-        if not tokens or tokens[-1] != info.eos_id:
-            tokens, wanted = tokens + [info.eos_id], wanted + [train_on == "all"]
         ids.append(tokens)
         targets.append(wanted)
     return ids, targets

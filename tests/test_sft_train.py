@@ -1,0 +1,282 @@
+"""Fine-tuning on conversations, as people run it: a transformers model (Qwen2-shaped, and a
+Mixtral-shaped MoE for EP) with its tokenizer and chat template, `train.init_from` it, jsonl
+conversations rendered by data.chat_template=auto, the assistant's turns the only targets.
+
+- Every layout trains as one process does, padded and packed: 10 steps' losses and gradient
+  norms (clipping active), fp32 to 1e-5, and final weights to 1e-4.
+- The trainer's first loss is the mean over the assistant's tokens of what transformers' own
+  model predicts for each conversation alone, the targets taken from transformers'
+  `return_assistant_tokens_mask`: a prompt token counted as a target, or a packed conversation
+  seeing its neighbour, would change it (both alternatives are computed and shown to differ).
+- The fine-tuned model exported to a Hugging Face directory carries the chat template:
+  transformers loads it, renders the held-out conversations, and gives the masked loss
+  `megalite eval --chat` gives; it generates from a chat prompt what `megalite generate --chat`
+  generates.
+"""
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from megalite.data.batches import BatchOrder
+from megalite.data.prepare import prepare_data
+from megalite.evaluate import main as evaluate_main
+from megalite.generate import main as generate_main
+from megalite.hf.convert import main_export
+from megalite.run_config import load_config
+from megalite.run_setup import with_pretrained
+from megalite.train import sample_sets
+from tests.harness import run_distributed
+from tests.test_chat import QWEN
+from tests.test_train import STEPS, assert_same_training, losses, train_run
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = ("tensor parallel rows columns heads vocabulary split gather reduce scatter pipeline "
+         "stage micro batch expert router token loss gradient norm clip warmup decay cosine "
+         "checkpoint resume shard layout rank world group sequence context window cache").split()
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SEQ = 96
+LAYOUTS = {  # name -> (model, world, settings)
+    "tp2-dp2": ("dense", 4, ["parallel.tp=2"]),
+    "tp2-sp": ("dense", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2": ("dense", 2, ["parallel.pp=2"]),
+    "cp2": ("dense", 2, ["parallel.cp=2"]),
+    "ep2": ("moe", 2, ["parallel.ep=2"]),
+}
+
+
+def conversations(seed: int, count: int) -> list[dict]:
+    """Records of both shapes: messages (a system prompt or not, one or two exchanges) and
+    prompt/completion."""
+    rng = random.Random(seed)
+
+    def say(n):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, n))).capitalize() + "."
+
+    records = []
+    for i in range(count):
+        if i % 4 == 3:
+            records.append({"prompt": say(5), "completion": say(8)})
+            continue
+        messages = [{"role": "system", "content": say(4)}] if i % 2 else []
+        for _ in range(1 + i % 3 // 2):
+            messages += [{"role": "user", "content": say(5)}, {"role": "assistant", "content": say(8)}]
+        records.append({"messages": messages})
+    return records
+
+
+def as_messages(record: dict) -> list[dict]:
+    if "messages" in record:
+        return record["messages"]
+    return [{"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["completion"]}]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    train, held = conversations(0, 40), conversations(1, 6)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [m["content"] for r in train + held for m in as_messages(r)] + [
+        "system user assistant You are a helpful assistant."] * 5
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    common = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=SEQ * 2, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6, initializer_range=0.2, eos_token_id=tok.token_to_id("<|im_end|>"))
+    hf = {"dense": transformers.Qwen2Config(intermediate_size=48, **common),
+          "moe": transformers.MixtralConfig(intermediate_size=24, num_local_experts=4,
+                                            num_experts_per_tok=2, **common)}
+    dirs = {}
+    for name, config in hf.items():
+        torch.manual_seed(0)
+        directory = dirs[name] = root / name
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        tok.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN}))
+    return SimpleNamespace(root=root, dirs=dirs, train=write_jsonl(root / "train.jsonl", train),
+                           held=write_jsonl(root / "held.jsonl", held), held_records=held)
+
+
+def settings(sft, model: str, mode: str, run_dir) -> list[str]:
+    return [f"train.init_from={sft.dirs[model]}", f"data.path={sft.train}",
+            f"data.val_path={sft.held}", "data.chat_template=auto", f"data.mode={mode}",
+            f"data.seq_len={SEQ}", f"data.cache_dir={sft.root / 'cache'}",
+            f"train.max_steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "train.warmup_steps=2", "train.lr=3e-3", "train.grad_clip=0.1", "train.eval_tokens=0",
+            "sample.prompts=[]", f"run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, sft):
+    runs = {}
+
+    def run(model: str, mode: str):
+        if (model, mode) not in runs:
+            runs[model, mode] = tmp_path_factory.mktemp(f"single-{model}-{mode}")
+            train_run(1, settings(sft, model, mode, runs[model, mode]))
+        return runs[model, mode]
+    return run
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fine_tuning_trains_like_one_process(tmp_path, sft, single, layout, mode):
+    model, world, extra = LAYOUTS[layout]
+    train_run(world, settings(sft, model, mode, tmp_path) + extra)
+    # Weights to 1e-4: an embedding row of a token seen only in prompts has gradients near
+    # Adam's eps, where the update's size is the gradient's own, last bits included.
+    assert_same_training(single(model, mode), tmp_path, weights_tol=1e-4)
+
+
+def rendered_by_transformers(directory, records) -> list[tuple[list[int], list[int]]]:
+    """Each conversation's ids and assistant mask from transformers' own tokenizer and
+    apply_chat_template, eos appended (not a target) where the template did not end with it:
+    the document's end, as prepared data stores it."""
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    out = []
+    for record in records:
+        got = tok.apply_chat_template(as_messages(record), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        ids, mask = list(got["input_ids"]), list(got["assistant_masks"])
+        if ids[-1] != tok.eos_token_id:
+            ids, mask = ids + [tok.eos_token_id], mask + [0]
+        out.append((ids, mask))
+    return out
+
+
+def masked_loss(hf, pieces, targets_only: bool = True) -> float:
+    """The mean cross-entropy of transformers' model over the targets of each piece, run alone:
+    (ids, the token each position predicts, whether it is a target). targets_only=False: every
+    position with a token to predict counts."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, nexts, keep in pieces:
+            logits = hf(input_ids=torch.tensor([ids])).logits[0].double()
+            for position, (token, target) in enumerate(zip(nexts, keep)):
+                if token is not None and (target or not targets_only):
+                    total += float(F.cross_entropy(logits[position], torch.tensor(token)))
+                    count += 1
+    return total / count
+
+
+def joined(pieces) -> tuple:
+    """Pieces as one sequence: each position predicts what it did in its own piece."""
+    return tuple(sum((list(p[k]) for p in pieces), []) for k in range(3))
+
+
+def first_batch_pieces(sft, mode: str, run_dir, rendered) -> list[list[tuple]]:
+    """The trainer's first global batch (its own batching code: which rows, and where a packed
+    row's documents start) as pieces of the conversations transformers rendered: for each
+    row, its documents' pieces (masked_loss's)."""
+    cfg = with_pretrained(load_config(None, settings(sft, "dense", mode, run_dir)))
+    data = prepare_data(cfg.data)
+    train_set = sample_sets(data.train, cfg, data)
+    order = BatchOrder(train_set.sizes, train_set.weights, cfg.train.global_batch_size, cfg.run.seed)
+    batch = train_set.collate(order.global_batch_picks(0))
+    rows = []
+    for row in range(batch.input_ids.shape[0]):
+        ids = batch.input_ids[row].tolist()
+        if mode == "padded":  # one conversation, its first SEQ + 1 tokens
+            n = int(batch.attention_mask[row].sum())
+            (doc,) = [i for i, (c, _) in enumerate(rendered) if c[:n] == ids[:n]]
+            spans = [(doc, 0, n)]
+        else:  # documents numbered by the store: the records' order
+            docs = batch.doc_ids[row].tolist()
+            cuts = [0] + [i for i in range(1, len(docs)) if docs[i] != docs[i - 1]] + [len(docs)]
+            spans = []
+            for first, end in zip(cuts, cuts[1:]):
+                length, whole = end - first, len(rendered[docs[first]][0])
+                # A document starts within the row, except the first, which may be the end of
+                # one begun in the row before (or the middle of a long one: then found).
+                at = 0 if first > 0 else whole - length if end < len(docs) else next(
+                    o for o in range(whole) if rendered[docs[first]][0][o:o + length] == ids[first:end])
+                spans.append((docs[first], at, length))
+        pieces = []
+        for doc, at, length in spans:
+            c, mask = rendered[doc]
+            following = c[at + 1:at + length + 1] + [None] * (at + length + 1 - len(c))
+            pieces.append((c[at:at + length], following, [bool(m) for m in mask[at + 1:at + length + 1]]
+                           + [False] * (at + length + 1 - len(c))))
+        assert mode == "padded" or joined(pieces)[0] == ids
+        rows.append(pieces)
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_the_loss_is_the_mean_over_the_assistant_tokens(sft, single, mode):
+    run_dir = single("dense", mode)
+    records = [json.loads(line) for line in sft.train.read_text().splitlines()]
+    rendered = rendered_by_transformers(sft.dirs["dense"], records)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(sft.dirs["dense"], dtype=torch.float32).eval()
+    rows = first_batch_pieces(sft, mode, run_dir, rendered)
+    pieces = [p for row in rows for p in row]
+    expected, trained = masked_loss(hf, pieces), losses(run_dir)[1]
+    tol = 1e-5 * expected
+    assert abs(trained - expected) <= tol, (trained, expected)
+    # What the comparison rules out, each missing it by more than 10x its tolerance: prompt
+    # tokens counted as targets; in a packed row, a conversation that sees the one before it.
+    assert abs(masked_loss(hf, pieces, targets_only=False) - expected) > 10 * tol
+    if mode == "packed":
+        assert any(len(row) > 1 for row in rows)
+        assert abs(masked_loss(hf, [joined(row) for row in rows]) - expected) > 10 * tol
+
+
+def test_the_exported_model_evaluates_and_generates_as_transformers(tmp_path, sft, single, capsys):
+    """megalite export writes the chat template with the tokenizer; transformers' masked loss
+    on the held-out conversations is `megalite eval --chat`'s, in one process, at TP2 and at DP2
+    (each rank half the conversations), and its greedy answer to a chat prompt is `megalite generate
+    --chat`'s."""
+    ckpt = single("dense", "padded") / "checkpoints" / f"step_{STEPS:08d}"
+    out = tmp_path / "hf"
+    assert main_export(["--ckpt", str(ckpt), "--to-hf", str(out), "--dtype", "fp32"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == QWEN
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    rendered = rendered_by_transformers(out, sft.held_records)
+    assert max(len(ids) for ids, _ in rendered) <= hf.config.max_position_embeddings  # one window
+    expected = masked_loss(hf, [(ids, ids[1:] + [None], [bool(m) for m in mask[1:]] + [False])
+                                for ids, mask in rendered])
+    capsys.readouterr()
+    argv = ["--ckpt", str(ckpt), "--chat", str(sft.held), "--json"]
+    assert evaluate_main(argv) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert ours["tokens"] == sum(sum(mask) for _, mask in rendered)
+    assert abs(ours["loss"] - expected) <= 1e-5 * expected, (ours, expected)
+    for layout in (["--tp", "2"], []):  # TP2; DP2, each rank half the conversations
+        result = run_distributed(eval_at, 2, argv + layout, torchrun_env=True)[0]
+        assert result["tokens"] == ours["tokens"]
+        assert abs(result["loss"] - expected) <= 1e-5 * expected, (layout, result, expected)
+
+    asked = as_messages(sft.held_records[0])[:-1]
+    prompt = tok.apply_chat_template(asked, add_generation_prompt=True, tokenize=True,
+                                     return_dict=True)["input_ids"]
+    theirs = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=12, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    theirs = theirs[0, len(prompt):].tolist()
+    assert generate_main(["--ckpt", str(ckpt), "--chat", json.dumps(asked),
+                          "--max-new-tokens", "12"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.endswith(tok.decode(list(prompt) + theirs, skip_special_tokens=False) + "\n"), shown
+
+
+def eval_at(argv: list[str]) -> dict:
+    import contextlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert evaluate_main(argv) == 0
+    return json.loads(printed.getvalue() or "{}")
