@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from megalite.cli import command_parser
 from megalite.data.batches import Batch
-from megalite.data.chat import ChatError, ChatTemplate, conversation_of, load_chat_template
+from megalite.data.chat import (ChatError, ChatTemplate, conversation_of, generation_prompt,
+                                load_chat_template)
+from megalite.data.tokenizer import TokenizerInfo
 from megalite.inference import add_layout_arguments, layout_of, loaded
 from megalite.model import GPT
 from megalite.model.kv_cache import KVCache
@@ -144,8 +146,7 @@ def main(argv: list[str]) -> int:
     with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
         if args.chat:
             template = load_chat_template(tokenizer, args.chat_template)
-            shown = [chat_prompt(template, c) for c in args.chat]
-            prompts = [tokenizer.tokenizer.encode(p, add_special_tokens=False).ids for p in shown]
+            shown, prompts = zip(*(chat_prompt(template, tokenizer, c) for c in args.chat))
         else:
             shown, prompts = args.prompt, [tokenizer.encode(p) for p in args.prompt]
         outputs = generate(model, prompts, args.max_new_tokens,
@@ -157,14 +158,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def chat_prompt(template: ChatTemplate, given: str) -> str:
-    """--chat's conversation rendered up to the assistant's turn (the template's generation
-    prompt)."""
+def chat_prompt(template: ChatTemplate, tokenizer: TokenizerInfo, given: str) -> tuple[str, list[int]]:
+    """--chat's conversation rendered up to the assistant's answer: its text and ids."""
     try:
         record = json.loads(given)
         messages = conversation_of(record if isinstance(record, dict) else {"messages": record},
                                    prompt_only=True)
-        return template.render(messages, add_generation_prompt=True)[0]
+        return generation_prompt(template, tokenizer, messages)
     except (json.JSONDecodeError, ChatError) as err:
         raise ConfigError(f"--chat {given[:60]!r}: {err}: give a JSON list of {{\"role\": ..., "
                           f"\"content\": ...}} messages") from None

@@ -52,6 +52,9 @@ class DataConfig:
     train_on: Literal["assistant", "last", "all"] = "assistant"  # which tokens of a conversation are targets
     workers: int = 0  # tokenizing processes when raw files are prepared (0: in the rank itself)
     seq_len: int = 128  # tokens per training row
+    # Documents longer than a row (seq_len + 1 tokens: a conversation, say) left out, where
+    # they would be truncated (padded) or run on into the next row (packed); counted at start.
+    drop_longer: bool = False
     # padded: a document per row; packed: documents joined, no attention across
     mode: Literal["padded", "packed"] = "packed"
     val_fraction: float = 0.02  # held-out share of each source's documents (without val_path)
@@ -101,6 +104,9 @@ class TrainConfig:
     global_batch_size: int = 16  # sequences per optimizer step, all DP ranks together
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
     max_steps: int = 100  # optimizer steps
+    # > 0: passes over the training samples, which set max_steps (rounded up to whole steps:
+    # epochs x samples / global_batch_size), as fine-tuning on a small set counts them
+    epochs: float = 0.0
     lr: float = 1e-3  # peak learning rate, reached after warmup
     min_lr: float = 1e-4  # the cosine decay's floor, from decay_steps on
     warmup_steps: int = 10  # linear warmup steps

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from megalite.layout_rules import check_layout, data_parallel_size
@@ -138,6 +139,24 @@ def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
         return cfg
     model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
     return dataclasses.replace(cfg, model=model)
+
+
+def with_epochs(cfg: Config, samples: int) -> Config:
+    """train.epochs > 0: max_steps is that many passes over the `samples` training samples
+    (a blend's sources together), rounded up to a whole step."""
+    t = cfg.train
+    if t.epochs == 0:
+        return cfg
+    if not 0 < t.epochs < math.inf:
+        raise ConfigError(f"train.epochs={t.epochs} must be > 0 (passes over the training "
+                          f"samples, which set train.max_steps), or 0 to use train.max_steps")
+    steps = max(1, math.ceil(t.epochs * samples / t.global_batch_size))
+    if t.warmup_steps >= steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is not below the {steps} steps "
+                          f"of train.epochs={t.epochs} ({samples} samples, train.global_batch_size="
+                          f"{t.global_batch_size}): the learning rate would never leave warmup; "
+                          f"lower train.warmup_steps")
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
 def with_schedule(cfg: Config, resume_from: Path | None) -> Config:

@@ -19,6 +19,7 @@ import yaml
 
 from megalite.cli import command_parser
 from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
+from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepare import PreparedData, prepare_data
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
@@ -39,7 +40,7 @@ from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics,
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
-from megalite.run_setup import (check_data, find_resume, validate, with_pretrained,
+from megalite.run_setup import (check_data, find_resume, validate, with_epochs, with_pretrained,
                                 with_schedule, with_tokenizer_vocab)
 
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = sample_sets(data.train, cfg, data)
     check_data(cfg, world, data, train_set.sizes)
+    cfg = with_epochs(cfg, sum(train_set.sizes))
     resume_from = find_resume(cfg, data)
     cfg = with_schedule(cfg, resume_from)
     with StopRequest() as stop:
@@ -195,6 +197,9 @@ def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int) -> 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     report_data(data)
     # At every start: a decay kept from a checkpoint, or copied in a config.yaml, shows.
+    if cfg.train.epochs:
+        print(f"steps: {cfg.train.max_steps} of {cfg.train.global_batch_size} samples for "
+              f"train.epochs={cfg.train.epochs:g}", flush=True)
     print(f"lr: {describe_schedule(cfg.train)}", flush=True)
     wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
     return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
@@ -319,9 +324,13 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
                   f"`megalite generate`", flush=True)
         return
     lines = []
+    # Conversations: each prompt a user's message, rendered with the data's chat template.
+    template = None if cfg.data.chat_template is None else load_chat_template(tok, None)
     for i, prompt in enumerate(s.prompts):
         # Encoded as the documents were: bos first where the tokenizer's template puts it.
-        new = generate(model, [tok.encode(prompt)], s.max_new_tokens, pad_id=tok.pad_id,
+        ids = tok.encode(prompt) if template is None else \
+            generation_prompt(template, tok, [{"role": "user", "content": prompt}])[1]
+        new = generate(model, [ids], s.max_new_tokens, pad_id=tok.pad_id,
                        temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
                        seed=cfg.run.seed + i)[0]
         lines.append(f"--- {prompt!r}\n{prompt}{tok.decode(new)}")
@@ -349,6 +358,9 @@ def report_data(data: PreparedData) -> None:
         held = {v.name for v in data.val} & {s.name for s in data.train}
         notes.append(f"{m['truncated']} documents longer than data.seq_len were truncated"
                      + (" (held-out documents included)" if held else ""))
+    if m["dropped"]:
+        notes.append(f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
+                     f"left out (data.drop_longer)")
     print("data: " + "; ".join(notes), flush=True)
 
 

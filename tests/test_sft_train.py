@@ -17,6 +17,7 @@ import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,8 @@ from megalite.evaluate import main as evaluate_main
 from megalite.generate import main as generate_main
 from megalite.hf.convert import main_export
 from megalite.run_config import load_config
-from megalite.run_setup import with_pretrained
+from megalite.run_setup import with_epochs, with_pretrained
+from megalite.typed_config import ConfigError
 from megalite.train import sample_sets
 from tests.harness import run_distributed
 from tests.test_chat import QWEN
@@ -41,6 +43,7 @@ WORDS = ("tensor parallel rows columns heads vocabulary split gather reduce scat
          "checkpoint resume shard layout rank world group sequence context window cache").split()
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SEQ = 96
+ASKED = "Which rank holds the heads?"  # the trainer's sample prompt, a user's message
 LAYOUTS = {  # name -> (model, world, settings)
     "tp2-dp2": ("dense", 4, ["parallel.tp=2"]),
     "tp2-sp": ("dense", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -117,7 +120,8 @@ def settings(sft, model: str, mode: str, run_dir) -> list[str]:
             f"data.seq_len={SEQ}", f"data.cache_dir={sft.root / 'cache'}",
             f"train.max_steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2",
             "train.warmup_steps=2", "train.lr=3e-3", "train.grad_clip=0.1", "train.eval_tokens=0",
-            "sample.prompts=[]", f"run.dir={run_dir}"]
+            f"sample.prompts=['{ASKED}']", "sample.max_new_tokens=6", "sample.temperature=0",
+            f"run.dir={run_dir}"]
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +275,11 @@ def test_the_exported_model_evaluates_and_generates_as_transformers(tmp_path, sf
                           "--max-new-tokens", "12"]) == 0
     shown = capsys.readouterr().out
     assert shown.endswith(tok.decode(list(prompt) + theirs, skip_special_tokens=False) + "\n"), shown
+    # The trainer's own sample asks its prompt as a user's message, rendered the same way.
+    assert generate_main(["--ckpt", str(ckpt), "--chat", json.dumps(
+        [{"role": "user", "content": ASKED}]), "--max-new-tokens", "6"]) == 0
+    answer = capsys.readouterr().out.split("\n<|im_start|>assistant\n", 1)[1]
+    assert (ckpt.parent.parent / "samples.txt").read_text() == f"--- {ASKED!r}\n{ASKED}{answer}"
 
 
 def eval_at(argv: list[str]) -> dict:
@@ -280,3 +289,35 @@ def eval_at(argv: list[str]) -> dict:
     with contextlib.redirect_stdout(printed):
         assert evaluate_main(argv) == 0
     return json.loads(printed.getvalue() or "{}")
+
+
+@pytest.mark.parametrize("mode", ["padded", "packed"])
+def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft, mode):
+    """data.drop_longer: the conversations of more than SEQ + 1 tokens (as transformers renders
+    them) are neither cut (padded) nor run into the next row (packed): left out, counted."""
+    records = [json.loads(line) for line in sft.train.read_text().splitlines()]
+    lengths = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], records)]
+    argv = settings(sft, "dense", mode, tmp_path) + ["data.drop_longer=true"]
+    data = prepare_data(with_pretrained(load_config(None, argv)).data)
+    held = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], sft.held_records)]
+    longer = sum(n > SEQ + 1 for n in lengths)
+    assert 0 < longer < len(records)
+    assert data.meta["dropped"] == longer + sum(n > SEQ + 1 for n in held)  # held-out ones too
+    assert data.meta["truncated"] == 0 and data.meta["train_documents"] == len(records) - longer
+    (train,) = data.train
+    kept = train.docs.lengths(np.arange(len(train.docs)))
+    assert sorted(kept.tolist()) == sorted(n for n in lengths if n <= SEQ + 1)
+    with pytest.raises(ConfigError, match=r"all 40 documents are longer than a row \(data\.seq_len=8 "
+                                          r"\+ 1 tokens\).*raise data\.seq_len, or set data\.drop_longer=false"):
+        prepare_data(with_pretrained(load_config(None, argv + ["data.seq_len=8"])).data)
+
+
+def test_epochs_set_the_steps(sft, tmp_path):
+    cfg = load_config(None, settings(sft, "dense", "padded", tmp_path) + ["train.epochs=2.5"])
+    assert with_epochs(cfg, 40).train.max_steps == 13  # ceil(2.5 x 40 / 8)
+    with pytest.raises(ConfigError, match=r"train\.warmup_steps=20 is not below the 13 steps of "
+                                          r"train\.epochs=2\.5 .*lower train\.warmup_steps"):
+        with_epochs(load_config(None, settings(sft, "dense", "padded", tmp_path)
+                                + ["train.epochs=2.5", "train.warmup_steps=20"]), 40)
+    with pytest.raises(ConfigError, match=r"train\.epochs=-1\.0 must be > 0"):
+        with_epochs(load_config(None, ["train.epochs=-1"]), 40)

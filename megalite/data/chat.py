@@ -175,6 +175,14 @@ def conversation_tokens(template: ChatTemplate, tokenizer: TokenizerInfo, messag
     return tokens, targets
 
 
+def generation_prompt(template: ChatTemplate, tokenizer: TokenizerInfo,
+                      messages: list[dict]) -> tuple[str, list[int]]:
+    """The conversation rendered up to the assistant's answer (the template's generation
+    prompt): its text and ids, as training saw such text."""
+    text, _ = template.render(messages, add_generation_prompt=True)
+    return text, tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def load_chat_template(tokenizer: TokenizerInfo, given: str | None) -> ChatTemplate:
     """The template given (data.chat_template: the template itself, or a .jinja file), else the
     tokenizer's own."""

@@ -130,6 +130,15 @@ class DocSet:
     def n_tokens(self) -> int:
         return int(self.token_base[-1])
 
+    def no_longer_than(self, limit: int) -> "DocSet":
+        """The documents of at most `limit` tokens, in order (their ranges: a pass over every
+        document's length, a table as long as the set)."""
+        kept = self._global_docs(np.flatnonzero(self.lengths(np.arange(len(self))) <= limit))
+        cuts = np.flatnonzero(np.diff(kept) != 1) + 1
+        first = kept[np.concatenate([[0], cuts])] if len(kept) else kept
+        end = kept[np.concatenate([cuts - 1, [len(kept) - 1]])] + 1 if len(kept) else kept
+        return DocSet(self.store, first, end)
+
     def _global_docs(self, docs: np.ndarray) -> np.ndarray:
         docs = np.asarray(docs, dtype=np.int64)
         k = np.searchsorted(self.doc_base, docs, side="right") - 1

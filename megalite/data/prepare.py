@@ -89,16 +89,32 @@ def prepare_data(cfg: DataConfig, in_run: bool = True) -> PreparedData:
     _check_ids([s for s in every if s.tokenizer is None], info, cfg)
     total = sum(w for w, _ in entries)
     train, val = [], []
+    dropped = [0]
     for (weight, path), s in zip(entries, stores):
         docs, held = held_out(s.store, cfg.val_fraction if val_store is None else 0)
-        train.append(Source(path, weight / total, docs))
-        val += [Source(path, weight / total, held)] if len(held) else []
+        train.append(Source(path, weight / total, _within_rows(docs, cfg, path, dropped)))
+        val += [Source(path, weight / total, _within_rows(held, cfg, path, dropped))] if len(held) else []
     if val_store is not None:
-        val = [Source(cfg.val_path, 1.0, DocSet.whole(val_store.store))]
+        val = [Source(cfg.val_path, 1.0, _within_rows(DocSet.whole(val_store.store), cfg,
+                                                      cfg.val_path, dropped))]
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
     return PreparedData(info, train, val,
                         {"cache_key": key, **summary(train, val, [s.meta for s in every]),
-                         "truncated": _truncated(stores, cfg)})
+                         "truncated": 0 if cfg.drop_longer else _truncated(stores, cfg),
+                         "dropped": dropped[0]})
+
+
+def _within_rows(docs: DocSet, cfg: DataConfig, path: str, dropped: list[int]) -> DocSet:
+    """data.drop_longer: the documents that fit a row, the others counted in dropped[0]."""
+    if not cfg.drop_longer or not len(docs):
+        return docs
+    kept = docs.no_longer_than(cfg.seq_len + 1)
+    if not len(kept):
+        raise ConfigError(f"data '{path}': all {len(docs)} documents are longer than a row "
+                          f"(data.seq_len={cfg.seq_len} + 1 tokens), and data.drop_longer=true "
+                          f"drops them: raise data.seq_len, or set data.drop_longer=false")
+    dropped[0] += len(docs) - len(kept)
+    return kept
 
 
 def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
