@@ -8,6 +8,7 @@ import json
 import pytest
 
 from megalite.data.batches import Samples
+from megalite.data.chat import ChatTemplate, tokens_and_targets
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import IndexedShard, targets_path
 from megalite.data.prepare_shards import PrepareSettings, prepare_directory
@@ -75,3 +76,35 @@ def test_conversations_need_jsonl_and_a_tokenizer(tmp_path, model_dir):
     data.write_text(json.dumps(RECORDS[0]) + "\n")
     with pytest.raises(ConfigError, match="need the model's tokenizer"):
         prepare_directory([data], tmp_path / "b", PrepareSettings(chat_template="auto", progress=False))
+
+
+def test_parquet_conversations(tmp_path, model_dir, tokenizer):
+    """A parquet file of a `messages` column (a list of structs, as datasets writes them), and
+    one of `prompt` and `completion` columns, give the jsonl records' targets; a null row is
+    counted; a file with neither is refused naming its columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"messages": [CONVERSATIONS[0], None, CONVERSATIONS[1]]}),
+                   tmp_path / "messages.parquet")
+    pq.write_table(pa.table({"prompt": ["Say hi."], "completion": ["Hi!"]}), tmp_path / "pairs.parquet")
+    meta = prepare_directory([tmp_path / "messages.parquet", tmp_path / "pairs.parquet"],
+                             tmp_path / "out", PrepareSettings(tokenizer=str(model_dir),
+                                                               chat_template="auto", progress=False))
+    assert meta["documents"] == 3 and meta["no_text"] == 1
+    assert "row 1: 'messages' is not a list" in meta["shards"][0]["bad"][0]
+    shards = [IndexedShard(tmp_path / "out" / s["name"]) for s in meta["shards"]]
+    batch = Samples(DocSet.whole(TokenStore(shards)), "padded", seq_len=256, pad_id=0).collate(range(3))
+    said = [[m["content"] for m in c if m["role"] == "assistant"] for c in
+            (CONVERSATIONS[0], CONVERSATIONS[1], [{"role": "assistant", "content": "Hi!"}])]
+    for labels, turns in zip(batch.labels, said):
+        assert tokenizer.decode(labels[labels != IGNORE_INDEX].tolist(), skip_special_tokens=False) \
+            == "".join(t + "<|im_end|>" for t in turns)
+    # Rendered as the jsonl record is: the messages without a `meta` have none (not a null).
+    template = ChatTemplate(QWEN, {"eos_token": "<|im_end|>"})
+    inputs = batch.input_ids[1, :int(batch.attention_mask[1].sum())].tolist()
+    assert inputs == tokens_and_targets(template, tokenizer, CONVERSATIONS[1])[0][:-1]  # eos last
+    pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "docs.parquet")
+    with pytest.raises(ConfigError, match=r"neither a 'messages' column nor 'prompt' and "
+                                          r"'completion' \(its columns: text\)"):
+        prepare_directory([tmp_path / "docs.parquet"], tmp_path / "x", PrepareSettings(
+            tokenizer=str(model_dir), chat_template="auto", progress=False))

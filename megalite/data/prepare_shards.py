@@ -301,7 +301,7 @@ def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: 
     try:
         for i in jobs:
             stat = files[i].stat()
-            for chunk in read_chunks(files[i], settings.text_key):
+            for chunk in read_chunks(files[i], settings.text_key, settings.chat_template is not None):
                 in_flight.append((i, chunk, pool.submit(chunk, str(files[i]))))
                 while len(in_flight) > IN_FLIGHT_PER_WORKER * settings.workers:
                     consume()

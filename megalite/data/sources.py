@@ -34,7 +34,6 @@ EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
 CHUNK_BYTES = 1 << 20
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".parquet", ".txt")
 SUPPORTED = ", ".join(SUFFIXES)
-JSONL = tuple(s for s in SUFFIXES if s.startswith(".jsonl"))
 KEEP_BAD = 20  # bad records listed by line per file (all are counted)
 BOM = b"\xef\xbb\xbf"
 
@@ -76,13 +75,19 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
     or whose footer is lost), or conversations (jsonl records only)."""
-    if conversations and kind_of(path) not in JSONL:
-        raise ConfigError(f"'{path}': conversations are read from jsonl records (`messages`, or "
-                          f"`prompt` and `completion`); convert it to jsonl")
+    if conversations and kind_of(path) == ".txt":
+        raise ConfigError(f"'{path}': conversations are read from jsonl records or parquet rows "
+                          f"(`messages`, or `prompt` and `completion`), not from text")
     if kind_of(path) == ".parquet":
         import pyarrow.parquet as pq
         with _damage_named(path):
             schema = pq.ParquetFile(path).schema_arrow
+        if conversations:
+            if conversation_columns(schema.names) is None:
+                raise ConfigError(f"parquet file '{path}' has neither a 'messages' column nor "
+                                  f"'prompt' and 'completion' (its columns: "
+                                  f"{', '.join(schema.names)}): conversations need one of them")
+            return
         if text_key not in schema.names:
             raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
                               f"{', '.join(schema.names)}): name the text column with --text-key "
@@ -92,10 +97,16 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
             raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
 
 
+def conversation_columns(names: list[str]) -> list[str] | None:
+    """The columns a parquet file's conversations are in: messages, or prompt and completion."""
+    return next((list(c) for c in (("messages",), ("prompt", "completion"))
+                 if set(c) <= set(names)), None)
+
+
 @dataclass
 class RawChunk:
     first: int  # line (1-based, jsonl) or row (0-based, parquet) or document of its first record
-    kind: str  # "json" lines | "text" documents (bytes) | "arrow" strings
+    kind: str  # "json" lines | "text" documents (bytes) | "arrow" strings | "rows" (a RecordBatch)
     records: object
     read_to: int  # bytes of the file read so far (compressed bytes for a compressed file)
 
@@ -104,6 +115,8 @@ class RawChunk:
         if self.kind == "arrow":
             import pyarrow.compute as pc
             return pc.sum(pc.binary_length(self.records)).as_py() or 0
+        if self.kind == "rows":
+            return self.records.nbytes
         return sum(map(len, self.records))
 
 
@@ -149,11 +162,12 @@ def _damage_named(path: Path):
                           f"the file is truncated or corrupt; fetch it again, or leave it out") from None
 
 
-def read_chunks(path: Path, text_key: str) -> Iterator[RawChunk]:
+def read_chunks(path: Path, text_key: str, conversations: bool = False) -> Iterator[RawChunk]:
+    """conversations: a parquet file's rows of conversation_columns."""
     kind = kind_of(path)
     if kind == ".parquet":
         with _damage_named(path):
-            yield from _parquet_chunks(path, text_key)
+            yield from _parquet_chunks(path, text_key, conversations)
         return
     with open(path, "rb") as raw, _decompressed(raw, kind) as stream, _damage_named(path):
         yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
@@ -246,12 +260,14 @@ def _text_chunks(stream, raw) -> Iterator[RawChunk]:
     yield RawChunk(first, "text", docs + ([b"".join(current)] if current else []), raw.tell())
 
 
-def _parquet_chunks(path: Path, text_key: str) -> Iterator[RawChunk]:
+def _parquet_chunks(path: Path, text_key: str, conversations: bool) -> Iterator[RawChunk]:
     import pyarrow.parquet as pq
     source = pq.ParquetFile(path)
     size, rows, first = path.stat().st_size, max(1, source.metadata.num_rows), 0
-    for batch in source.iter_batches(batch_size=256, columns=[text_key]):
-        yield RawChunk(first, "arrow", batch.column(0), size * (first + len(batch)) // rows)
+    columns = conversation_columns(source.schema_arrow.names) if conversations else [text_key]
+    for batch in source.iter_batches(batch_size=256, columns=columns):
+        yield RawChunk(first, "rows" if conversations else "arrow",
+                       batch if conversations else batch.column(0), size * (first + len(batch)) // rows)
         first += len(batch)
 
 
@@ -266,9 +282,15 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
         counts.count_bad(where, f"{'line' if chunk.kind == 'json' else 'row'} {number}", why,
                          kind, strict)
 
-    records = chunk.records.to_pylist() if chunk.kind == "arrow" else chunk.records
+    records = chunk.records.to_pylist() if chunk.kind in ("arrow", "rows") else chunk.records
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
+        if chunk.kind == "rows":
+            try:
+                texts.append(_without_nulls(conversation_of(record)))
+            except ChatError as err:
+                bad(number, str(err), "no_text")
+            continue
         if chunk.kind == "arrow":
             if record is None:
                 bad(number, f"'{text_key}' is null", "no_text")
@@ -308,6 +330,12 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
         texts.append(text)
     counts.documents = len(texts)
     return texts, counts
+
+
+def _without_nulls(messages: list[dict]) -> list[dict]:
+    """A parquet column of messages has every field any message has, null where one lacks it:
+    absent again, as in the record written (a template asks `is defined`); content stays."""
+    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
 
 
 def _decode(data: bytes) -> tuple[str, bool]:
