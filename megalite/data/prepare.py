@@ -313,7 +313,7 @@ def main(argv: list[str]) -> int:
                              "here %(default)s)")
     parser.add_argument("--text-key", default="text", help="the JSON field or parquet column of the text")
     parser.add_argument("--strict", action="store_true", help="a bad record is an error, not counted")
-    parser.add_argument("--chat-template", help="conversations (jsonl `messages`, or `prompt` and "
+    parser.add_argument("--chat-template", help="conversations (jsonl or parquet `messages`, or `prompt` and "
                         "`completion`) rendered with this template: auto (the tokenizer's own), the "
                         "template, or a .jinja file")
     parser.add_argument("--train-on", choices=("assistant", "last", "all"), default="assistant",
