@@ -321,3 +321,13 @@ def test_epochs_set_the_steps(sft, tmp_path):
                                 + ["train.epochs=2.5", "train.warmup_steps=20"]), 40)
     with pytest.raises(ConfigError, match=r"train\.epochs=-1\.0 must be > 0"):
         with_epochs(load_config(None, ["train.epochs=-1"]), 40)
+
+
+def test_a_bad_conversation_is_named(tmp_path, sft, single):
+    ckpt = single("dense", "padded") / "checkpoints" / f"step_{STEPS:08d}"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
+    with pytest.raises(ConfigError, match=r"--chat '.*bad\.jsonl' line 2: the record has neither "
+                                          r"'messages' nor 'prompt' and 'completion'"):
+        evaluate_main(["--ckpt", str(ckpt), "--chat", str(bad)])
+    with pytest.raises(ConfigError, match=r"--chat 'hello': .*give a JSON list of"):
+        generate_main(["--ckpt", str(ckpt), "--chat", "hello"])
