@@ -25,6 +25,7 @@ COMMANDS = {
 # Commands that left the package with the measuring tools: their name under `python -m bench`.
 MOVED = {"bench": "sweep", "peer-bench": "peer", "gpu-check": "gpu-check", "scale-model": "scale-model"}
 USAGE = 2  # the exit status of bad input, as argparse's
+INTERRUPTED = 130  # a shell's status for a process Ctrl-C stopped (128 + SIGINT)
 # Set by `megalite torchrun` for its workers: the directory where a rank leaves its error line.
 ERROR_DIR = "MEGALITE_ERROR_DIR"
 # How long a rank other than 0 waits before printing its error: rank 0 meets the same checks
@@ -108,6 +109,10 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     except ConfigError as err:
         report_error(str(err))
         return USAGE
+    except KeyboardInterrupt:  # Ctrl-C (a run's second: see training/preemption.py)
+        if os.environ.get("RANK", "0") == "0":
+            print("megalite: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
 
 
 def report_error(message: str) -> None:

@@ -259,7 +259,10 @@ def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
         return []
     room = world_size // cp_pp if world_size % cp_pp == 0 else world_size
     fits = [t for t in _divisors(room) if model is None or not _tp_misfits(model, t)]
-    fix = f"use parallel.tp among {fits}"
+    of = f"the world size {world_size}" if room == world_size else \
+        f"{room} (the world size {world_size} / (cp x pp) {cp_pp})"
+    fix = f"use parallel.tp among {fits} (the divisors of {of}" + (
+        " that split the model)" if model is not None else ")")
     if not sizes:
         fix += f" or launch a multiple of {tp * cp_pp} processes"
     if list(sizes) == ["padded vocab"]:

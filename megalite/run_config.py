@@ -142,9 +142,10 @@ class TrainConfig:
     # data.tokenizer=bpe, its tokenizer.json is used.
     init_from: str = ""
     eval_every: int = 0  # steps; 0: only at the end
-    # Validation tokens per evaluation: 0 is the whole held-out set; N takes the first
-    # ceil(N / data.seq_len) held-out samples (a fixed set, so evaluations compare).
-    eval_tokens: int = 0
+    # Validation tokens per evaluation: the first ceil(N / data.seq_len) held-out samples (a
+    # fixed set, so evaluations compare; its size is printed at start); 0: the whole held-out
+    # set, which on a large corpus costs as much as many training steps.
+    eval_tokens: int = 1 << 20
     log_every: int = 1  # steps between metrics records (each waits for the device)
     # [first, last]: trace these optimizer steps (1-based) with torch.profiler; each rank writes
     # run.dir/profile/steps{A}-{B}_rank{R}.json (chrome://tracing, ui.perfetto.dev). None: off.

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 from megalite.layout_rules import check_layout, data_parallel_size
@@ -78,7 +79,7 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     if t.profile_steps is not None and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.max_steps:
         raise ConfigError(f"train.profile_steps={list(t.profile_steps)} must be [first, last] optimizer "
                           f"steps with 1 <= first <= last <= train.max_steps={t.max_steps}")
-    check_muon(t)
+    check_ranges(t)
     if t.fp8.recipe != "none" and installed and importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"train.fp8.recipe={t.fp8.recipe} needs the torchao package: pip install "
                           f"'torchao>=0.18', or set train.fp8.recipe=none")
@@ -89,19 +90,44 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
 
 
-def check_muon(t: TrainConfig) -> None:
-    if t.optimizer != "muon":
-        return
-    m = t.muon
-    rules = [("train.lr", t.lr, t.lr > 0, "> 0 (Muon's rate follows its schedule as a ratio)"),
-             ("train.muon.lr", m.lr, m.lr > 0, "> 0"),
-             ("train.muon.momentum", m.momentum, 0 <= m.momentum < 1, "in [0, 1), e.g. 0.95"),
-             ("train.muon.weight_decay", m.weight_decay, m.weight_decay >= 0, ">= 0"),
-             ("train.muon.ns_steps", m.ns_steps, 1 <= m.ns_steps < 100, "in [1, 100), e.g. 5"),
-             ("train.muon.eps", m.eps, m.eps > 0, "> 0, e.g. 1e-7")]
+def check_run_dir(run_dir: Path) -> None:
+    """Every rank writes its share of each checkpoint into run.dir: one it cannot write (a
+    read-only or full filesystem, a path through a file) is bad input, found before the
+    process group exists."""
+    probe = run_dir / f".writable.{os.environ.get('RANK', '0')}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"megalite")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"run.dir '{run_dir}' cannot be written ({err.strerror or err}): "
+                          f"give a run.dir on a writable filesystem with room for the "
+                          f"checkpoints") from None
+
+
+def check_ranges(t: TrainConfig) -> None:
+    """The numbers an optimizer or schedule would take in a form of its own (torch reports a
+    bad lr as the scheduled value, not the one typed): each named with the value given."""
+    rules = [("train.lr", t.lr, t.lr >= 0, ">= 0"), ("train.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
+             ("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0 (0: no warmup)"),
+             ("train.epochs", t.epochs, 0 <= t.epochs < math.inf, ">= 0 (0: train.max_steps)"),
+             ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
+             ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1), e.g. 0.9"),
+             ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1), e.g. 0.95"),
+             ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0: no clipping)"),
+             ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: at the end)"),
+             ("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0: at the end)")]
+    m, muon = t.muon, " with train.optimizer=muon"
+    if t.optimizer == "muon":
+        rules += [("train.lr", t.lr, t.lr > 0, f"> 0{muon} (Muon's rate follows its schedule as a ratio)"),
+                  ("train.muon.lr", m.lr, m.lr > 0, f"> 0{muon}"),
+                  ("train.muon.momentum", m.momentum, 0 <= m.momentum < 1, f"in [0, 1){muon}, e.g. 0.95"),
+                  ("train.muon.weight_decay", m.weight_decay, m.weight_decay >= 0, f">= 0{muon}"),
+                  ("train.muon.ns_steps", m.ns_steps, 1 <= m.ns_steps < 100, f"in [1, 100){muon}, e.g. 5"),
+                  ("train.muon.eps", m.eps, m.eps > 0, f"> 0{muon}, e.g. 1e-7")]
     for key, value, ok, need in rules:
-        if not ok:
-            raise ConfigError(f"{key}={value} with train.optimizer=muon: it must be {need}")
+        if not ok:  # NaN fails every rule
+            raise ConfigError(f"{key}={value} must be {need}")
 
 
 def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:

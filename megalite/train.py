@@ -40,8 +40,8 @@ from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics,
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
-from megalite.run_setup import (check_data, find_resume, validate, with_epochs, with_pretrained,
-                                with_schedule, with_tokenizer_vocab)
+from megalite.run_setup import (check_data, check_run_dir, find_resume, validate, with_epochs,
+                                with_pretrained, with_schedule, with_tokenizer_vocab)
 
 
 def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
@@ -58,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The tokenizer a pretrained model brings, unless data.tokenizer names one.
+    tokenizer_from = "train.init_from" if cfg.train.init_from and cfg.data.tokenizer == "bpe" \
+        else "data.tokenizer"
     cfg = with_pretrained(cfg)
     validate(cfg, world, launched="WORLD_SIZE" in os.environ)
-    data = prepare_data(cfg.data)
+    check_run_dir(Path(cfg.run.dir))
+    data = prepare_data(cfg.data, tokenizer_from=tokenizer_from)
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = sample_sets(data.train, cfg, data)
     check_data(cfg, world, data, train_set.sizes)
@@ -97,6 +101,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         return
     metrics = open_run(cfg, ps, data, start)
     val_set = sample_sets(data.val, cfg, data).nonempty()
+    if ps.is_main:
+        print(eval_plan(cfg, val_set), flush=True)
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
     autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -282,6 +288,18 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
 
 
 @torch.no_grad()
+def eval_plan(cfg: Config, val_set: Mixture) -> str:
+    """What each evaluation will read, said before the first."""
+    t, held = cfg.train, sum(val_set.sizes)
+    if held == 0:
+        return "eval: none (no held-out data)"
+    n = sum(val_set.leading_counts(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None))
+    when = f"every {t.eval_every} steps and at the end" if t.eval_every else "at the end"
+    return (f"eval: {n:,} of {held:,} held-out samples (rows of data.seq_len={cfg.data.seq_len}: "
+            f"up to {n * cfg.data.seq_len:,} tokens) {when}; train.eval_tokens="
+            f"{t.eval_tokens} (0: all)")
+
+
 def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
     """Mean loss over the held-out set (train.eval_tokens=0), or over its first
     ceil(eval_tokens / seq_len) samples, each source's in proportion to its weight; each sample

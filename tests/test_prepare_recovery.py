@@ -81,8 +81,8 @@ def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     read = prepare_shards.read_chunks
 
-    def appended_while_read(path, text_key):
-        yield from read(path, text_key)  # the file as it was: TEXTS
+    def appended_while_read(path, *args):
+        yield from read(path, *args)  # the file as it was: TEXTS
         with open(path, "a") as f:
             f.write(json.dumps({"text": "a late document"}) + "\n")
 

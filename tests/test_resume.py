@@ -128,17 +128,42 @@ def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly
     assert_continues_exactly(stopped, whole_tp2, step)
 
 
-def test_sigterm_stops_a_single_process_run_with_the_preempted_status(tmp_path, cache):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_stops_a_single_process_run_with_the_preempted_status(tmp_path, cache, sig):
+    """Ctrl-C (SIGINT) stops as preemption does: at a step's end, with a checkpoint, no
+    traceback."""
     from megalite.training.preemption import PREEMPTED
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable] + args(cache, run_dir), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while latest_checkpoint(run_dir) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == PREEMPTED
-    assert "on SIGTERM" in (run_dir / "PREEMPTED").read_text()
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == PREEMPTED, err
+    marker = (run_dir / "PREEMPTED").read_text()
+    assert f"on {sig.name}" in marker and "Traceback" not in err, err
+    assert latest_checkpoint(run_dir).name == f"step_{int(marker.split()[3]):08d}"
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(capsys):
+    """The first SIGINT asks for a stop at the step's end; the second raises, and the command
+    ends with one line and the shell's status for Ctrl-C."""
+    from megalite.cli import INTERRUPTED, run_reporting_errors
+    from megalite.training.preemption import StopRequest
+
+    def run(argv):
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes: here, not in the raise below
+            assert stop.requested and stop.signal_name == "SIGINT"
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        raise AssertionError("the second Ctrl-C did not stop it")
+    assert run_reporting_errors(run, []) == INTERRUPTED
+    err = capsys.readouterr().err
+    assert "Ctrl-C again to stop at once" in err and err.endswith("megalite: interrupted\n")
 
 
 KILL_DURING_SAVE = """

@@ -331,3 +331,23 @@ def test_a_bad_conversation_is_named(tmp_path, sft, single):
         evaluate_main(["--ckpt", str(ckpt), "--chat", str(bad)])
     with pytest.raises(ConfigError, match=r"--chat 'hello': .*give a JSON list of"):
         generate_main(["--ckpt", str(ckpt), "--chat", "hello"])
+
+
+def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
+    """Prepared data whose tokenizer is not the pretrained model's: the error names the
+    setting that brought the model's tokenizer, train.init_from, not data.tokenizer."""
+    from megalite.data.prepare_shards import PrepareSettings, prepare_directory
+    from megalite.train import main as train_main
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.train_from_iterator(WORDS * 3, trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other.save(str(tmp_path / "other.json"))
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": " ".join(WORDS)}] * 8)
+    prepare_directory([docs], tmp_path / "prepared", PrepareSettings(
+        tokenizer=str(tmp_path / "other.json"), progress=False))
+    with pytest.raises(ConfigError, match=r"different tokenizers: .*'train\.init_from' \(.*dense/"
+                                          r"tokenizer\.json.*train\.init_from's model reads its own "
+                                          r"tokenizer's ids: prepare the data again with it"):
+        train_main([f"train.init_from={sft.dirs['dense']}", f"data.path={tmp_path / 'prepared'}",
+                    f"run.dir={tmp_path / 'run'}"])

@@ -68,8 +68,10 @@ class _Store:
     meta: dict
 
 
-def prepare_data(cfg: DataConfig, in_run: bool = True) -> PreparedData:
-    """in_run False: for `megalite prepare-data --config`, which prepares raw data of any size."""
+def prepare_data(cfg: DataConfig, in_run: bool = True,
+                 tokenizer_from: str = "data.tokenizer") -> PreparedData:
+    """in_run False: for `megalite prepare-data --config`, which prepares raw data of any size.
+    tokenizer_from: the setting data.tokenizer came from, as errors name it."""
     entries = blend_entries(cfg)
     if not 0 <= cfg.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of "
@@ -82,7 +84,7 @@ def prepare_data(cfg: DataConfig, in_run: bool = True) -> PreparedData:
     stores = [_resolve(path, cfg, given, in_run) for _, path in entries]
     val_store = _resolve(cfg.val_path, cfg, given, in_run) if cfg.val_path else None
     every = stores + ([val_store] if val_store else [])
-    info = _one_tokenizer(every, [p for _, p in entries] + [cfg.val_path], given)
+    info = _one_tokenizer(every, [p for _, p in entries] + [cfg.val_path], given, tokenizer_from)
     for s, (_, path) in zip(every, entries + [(0, cfg.val_path)]):
         for shard in s.store.shards:
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
@@ -272,8 +274,8 @@ def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _S
                   key, {})
 
 
-def _one_tokenizer(stores: list[_Store], paths: list[str],
-                   given: TokenizerInfo | None) -> TokenizerInfo:
+def _one_tokenizer(stores: list[_Store], paths: list[str], given: TokenizerInfo | None,
+                   given_by: str) -> TokenizerInfo:
     """The tokenizer every source was made with: data of two tokenizers cannot train together."""
     found = {}
     for s, path in zip(stores, paths):
@@ -284,13 +286,15 @@ def _one_tokenizer(stores: list[_Store], paths: list[str],
         info = given if s.tokenizer is None else load_tokenizer(s.tokenizer)
         found.setdefault(info.digest, (info, path))
     if given is not None:
-        found.setdefault(given.digest, (given, "data.tokenizer"))
+        found.setdefault(given.digest, (given, given_by))
     if len(found) > 1:
         names = "; ".join(f"'{p}' ({t.file}, eos {t.names['eos_token']})" for t, p in found.values())
+        fix = ("prepare the others again with it; with data.tokenizer=bpe each raw source trains "
+               "its own BPE, so give data.tokenizer=a tokenizer" if given_by == "data.tokenizer" else
+               f"{given_by}'s model reads its own tokenizer's ids: prepare the data again with "
+               f"it (prepare-data --tokenizer), or give the raw files as data.path")
         raise ConfigError(f"the data was made with different tokenizers: {names}: train on data "
-                          f"of one tokenizer (prepare the others again with it; with "
-                          f"data.tokenizer=bpe each raw source trains its own BPE, so give "
-                          f"data.tokenizer=a tokenizer)")
+                          f"of one tokenizer ({fix})")
     return next(iter(found.values()))[0]
 
 

@@ -74,7 +74,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
-    or whose footer is lost), or conversations (jsonl records only)."""
+    or whose footer is lost), or conversations (jsonl records, or parquet conversation_columns)."""
     if conversations and kind_of(path) == ".txt":
         raise ConfigError(f"'{path}': conversations are read from jsonl records or parquet rows "
                           f"(`messages`, or `prompt` and `completion`), not from text")

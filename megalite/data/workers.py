@@ -159,7 +159,8 @@ def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts,
     if chat is None:
         ids = info.encode_documents(texts)
     else:
-        ids, targets = _conversations(texts, chat, info, counts, chunk.first, name)
+        start = f"{'line' if chunk.kind == 'json' else 'row'} {chunk.first}"
+        ids, targets = _conversations(texts, chat, info, counts, start, name)
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
@@ -168,7 +169,7 @@ def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts,
 
 
 def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts: Counts,
-                   first: int, name: str) -> tuple[list, list]:
+                   start: str, name: str) -> tuple[list, list]:
     """Each conversation's ids and targets (conversation_tokens); one the template refuses is
     counted as bad."""
     template, train_on = chat
@@ -177,8 +178,8 @@ def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts
         try:
             tokens, wanted = conversation_tokens(template, info, conversation, train_on)
         except ChatError as err:
-            counts.count_bad(f"{name}: a conversation from line {first}",
-                             f"a record from line {first}", str(err), "no_text", _worker["strict"])
+            counts.count_bad(f"{name}: a conversation from {start}", f"a record from {start}",
+                             str(err), "no_text", _worker["strict"])
             counts.documents -= 1
             continue
         ids.append(tokens)

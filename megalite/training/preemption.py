@@ -1,5 +1,6 @@
 """Stop cleanly when the scheduler asks: SIGUSR1 (Slurm's --signal, ahead of the time limit) or
-SIGTERM (preemption, scancel, a container stop).
+SIGTERM (preemption, scancel, a container stop); or the user: the first Ctrl-C (SIGINT) stops
+the same way, a second one at once (KeyboardInterrupt, one line: cli.run_reporting_errors).
 
 A handler only records the request; after each step the ranks agree (a MAX all-reduce, since
 the signal reaches them at different moments), so all of them finish the same step, save the
@@ -9,7 +10,9 @@ tell the launcher (megalite/launch/sbatch.template) to requeue the job, which th
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +28,7 @@ class StopRequest:
     """A context: the handlers are installed on entry (before the process group exists, so an
     early signal is not fatal) and the previous ones restored on exit."""
 
-    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)):
         self.requested = False
         self.signal_name = ""
         self.signals = signals
@@ -42,6 +45,12 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.signal_name == "SIGINT":
+                raise KeyboardInterrupt  # the second Ctrl-C: now
+            if os.environ.get("RANK", "0") == "0":
+                print("\nmegalite: Ctrl-C: stopping after this step with a checkpoint "
+                      "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
