@@ -103,12 +103,17 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
     exit status 2. Every rank meets the same checks before any collective, so one rank's line
     says it for all (see report_error)."""
+    from megalite.training.peers import PeerLost
     from megalite.typed_config import ConfigError
     try:
         return entry(argv)
     except ConfigError as err:
         report_error(str(err))
         return USAGE
+    except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
+        print(f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}", file=sys.stderr,
+              flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C (a run's second: see training/preemption.py)
         if os.environ.get("RANK", "0") == "0":
             print("megalite: interrupted", file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
+from megalite.training.peers import Peers
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
 from megalite.run_setup import (check_data, check_run_dir, find_resume, validate, with_epochs,
@@ -74,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     with StopRequest() as stop:
         pstate = init_parallel(cfg.parallel)
         try:
-            train(cfg, pstate, data, train_set, resume_from, stop)
+            peers = Peers(pstate)
+            try:
+                train(cfg, pstate, data, train_set, resume_from, stop, peers)
+            except RuntimeError as err:  # a failed collective: a dead peer is named
+                lost = peers.lost(err)
+                if lost is None:
+                    raise
+                raise lost from err
         except Preempted:
             return PREEMPTED
         finally:
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
-          resume_from: Path | None, stop: StopRequest) -> None:
+          resume_from: Path | None, stop: StopRequest, peers: Peers) -> None:
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
     start, tokens_seen, source_tokens = resume(resume_from, model, ps, cfg, len(data.train))
@@ -133,6 +141,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                         tokenizer=data.tokenizer)
 
         for step, batches in steps:
+            peers.step = step + 1
             lr = lr_at(step, t)
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]

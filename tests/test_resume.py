@@ -128,6 +128,25 @@ def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly
     assert_continues_exactly(stopped, whole_tp2, step)
 
 
+def test_a_killed_rank_is_named_by_the_survivor_with_the_step(tmp_path, cache):
+    """Rank 1 SIGKILLed mid-run: rank 0's collective fails with gloo's words, and rank 0 says
+    which rank died, its pid, and during which step, in one line."""
+    import psutil
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(torchrun(2) + args(cache, run_dir, "parallel.tp=2"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(run_dir) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children()}
+    workers[1].kill()
+    err = proc.communicate(timeout=120)[1]
+    line = f"megalite: error: rank 0: rank 1 (pid {workers[1].pid}) on "
+    said = [x for x in err.splitlines() if x.startswith(line)]
+    assert len(said) == 1 and " died during step " in said[0], err[-3000:]
+    assert "train.resume=auto" in said[0]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_ctrl_c_stops_a_single_process_run_with_the_preempted_status(tmp_path, cache, sig):
     """Ctrl-C (SIGINT) stops as preemption does: at a step's end, with a checkpoint, no

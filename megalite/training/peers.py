@@ -1,0 +1,76 @@
+"""Naming the rank that died. When a rank is killed, its peers' next collective fails with the
+transport's words (gloo: "Connection closed by peer"), which name no rank; the launcher's report
+comes later, under its own. So the ranks swap (host, pid) at start, and a rank whose collective
+fails looks up which peers on its own host are gone (no process, or a zombie not yet reaped)
+and says so in one line with the step; where none is, the dead rank was on another node.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megalite.parallel.state import ParallelState
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer died: its message names the rank and the step."""
+
+
+class Peers:
+    def __init__(self, pstate: ParallelState):
+        """A collective over the world: every rank's (host, pid)."""
+        self.host = socket.gethostname()
+        self.table: list[tuple[str, int]] = [(self.host, os.getpid())]
+        if pstate.world_size > 1:
+            import torch.distributed as dist  # here: the command line imports PeerLost alone
+            self.table = [None] * pstate.world_size
+            dist.all_gather_object(self.table, (self.host, os.getpid()))
+        self.step: int | None = None  # the step being trained (set by the loop), None: before
+
+    def gone(self) -> list[int]:
+        """The ranks on this host whose process has ended."""
+        return [rank for rank, (host, pid) in enumerate(self.table)
+                if host == self.host and not _alive(pid)]
+
+    def lost(self, err: BaseException) -> PeerLost | None:
+        """A PeerLost for `err`, a failed collective, where a peer has died; None if none has
+        (and the failure is not a lost peer's: a transport that reports one names it)."""
+        if len(self.table) == 1:
+            return None
+        where = f"step {self.step}" if self.step is not None else "start-up, before the first step"
+        dead = self.gone()
+        if dead:
+            who = ", ".join(f"rank {r} (pid {self.table[r][1]})" for r in dead)
+            return PeerLost(f"{who} on {self.host} died during {where}: this rank stops too; the "
+                            f"newest checkpoint resumes the run (train.resume=auto)")
+        if not _peer_words(err):
+            return None
+        return PeerLost(f"a peer on another node died during {where} (this node's ranks are "
+                        f"alive; the launcher's report names it): this rank stops too; the "
+                        f"newest checkpoint resumes the run (train.resume=auto)")
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self/stat").exists():  # Linux: a zombie still answers os.kill
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _peer_words(err: BaseException) -> bool:
+    """How gloo and NCCL say a peer went away."""
+    text = str(err)
+    return any(words in text for words in ("Connection closed by peer", "Connection reset by peer",
+                                           "Broken pipe", "remote process exited", "NCCL Error 6"))
