@@ -37,6 +37,8 @@ def shortened(command: str) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "torchrun":
         argv[:1] = [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}"]
+    elif argv[:2] == ["megalite", "torchrun"]:
+        argv[:2] = [sys.executable, "-m", "megalite", "torchrun", f"--master_port={free_port()}"]
     elif argv[0] == "megalite":
         argv[:1] = [sys.executable, "-m", "megalite"]
     elif argv[0] == "python":
