@@ -103,13 +103,16 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
     exit status 2. Every rank meets the same checks before any collective, so one rank's line
     says it for all (see report_error)."""
-    from megalite.training.peers import PeerLost
+    from megalite.training.failures import CheckpointError, PeerLost
     from megalite.typed_config import ConfigError
     try:
         return entry(argv)
     except ConfigError as err:
         report_error(str(err))
         return USAGE
+    except CheckpointError as err:  # every rank raises it, with the failing rank's reason
+        report_error(str(err))
+        return 1
     except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
         print(f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}", file=sys.stderr,
               flush=True)

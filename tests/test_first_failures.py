@@ -2,6 +2,9 @@
 the fix, found before any process group exists where the input is at fault: a number an
 optimizer would take in a transformed form, a run.dir that cannot be written, a tp that does
 not split the world or the model; and the cost of each evaluation, bounded and said."""
+import re
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -68,3 +71,34 @@ def test_each_evaluation_is_bounded_by_default_and_said_at_start():
                                    "the end; train.eval_tokens=1048576 (0: all)")
     whole = load_config(None, ["data.seq_len=4", "train.eval_tokens=0"])
     assert eval_plan(whole, val).startswith("eval: 393,215 of 393,215 held-out samples")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB filesystem (a tmpfs: mounting needs root, as CI runs)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tiny_disk, cache,
+                                                                                 capsys):
+    """torch's zip writer says only "unexpected pos" when a write falls short: the line names
+    the full disk, the path and the rank; the checkpoint before is whole and loads."""
+    from megalite.training.checkpoint import latest_checkpoint
+    from tests.checkpoints import read_whole_state
+    from tests.test_train import common
+    run_dir = tiny_disk / "run"
+    assert cli_main(["train", *common(cache, run_dir, "packed"), "train.checkpoint_every=2"]) == 1
+    printed = capsys.readouterr().err
+    err = [line for line in printed.splitlines() if line.startswith("megalite:")]
+    assert "Traceback" not in printed and len(err) == 1 and re.match(
+        r"megalite: error: writing checkpoint step (\d+) into '.*/run/checkpoints/\.tmp_step_\d+' "
+        r"failed on rank 0: .* \(the disk is full: 0\.\d MiB free there; free some space, or give "
+        r"a run\.dir on a disk with room\); the previous checkpoints are intact$", err[0]), err
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None and read_whole_state(latest)

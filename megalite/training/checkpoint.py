@@ -19,6 +19,7 @@ tensors) still load: `load_checkpoint` and `read_optimizer_state` read them as b
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from safetensors.torch import save
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
-from megalite.training.metrics import max_over_ranks
+from megalite.training.failures import CheckpointError
 from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
@@ -47,18 +48,31 @@ HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
 StateNames = Callable[[torch.nn.Parameter], tuple[str, ...]]
 
 
-class CheckpointError(RuntimeError):
-    """A save failed on some rank (a full disk, say); every rank raises it together."""
-
-
-def _agree(error: BaseException | None, pstate: ParallelState, what: str) -> None:
-    """A barrier that also tells every rank whether any rank failed its part, so that a rank
-    whose disk is full does not leave the others waiting for it until the timeout."""
-    failed = max_over_ranks(error is not None, pstate)
-    if error is not None:
-        raise CheckpointError(f"{what} failed on rank {pstate.rank}: {error}") from error
+def _agree(error: BaseException | None, pstate: ParallelState, what: str, where: Path) -> None:
+    """A barrier that also tells every rank which rank failed its part and why, so that a rank
+    whose disk is full does not leave the others waiting for it until the timeout, and each
+    says the same thing."""
+    told = [_described(error, where) if error is not None else ""]
+    if dist.is_initialized() and pstate.world_size > 1:
+        told = [None] * pstate.world_size
+        dist.all_gather_object(told, _described(error, where) if error is not None else "")
+    failed = [(rank, said) for rank, said in enumerate(told) if said]
     if failed:
-        raise CheckpointError(f"{what} failed on another rank; the previous checkpoints are intact")
+        rank, said = failed[0]
+        raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "
+                              f"checkpoints are intact") from error
+
+
+def _described(error: BaseException, where: Path) -> str:
+    """The error, and where the disk is full, that (torch's zip writer says only "unexpected
+    pos" when a write falls short)."""
+    text = str(error) or type(error).__name__
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    free = shutil.disk_usage(existing).free if existing is not None else None
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (free is not None and free < 1 << 20):
+        text += (f" (the disk is full: {free / 2**20:.1f} MiB free there; free some space, or "
+                 f"give a run.dir on a disk with room)")
+    return text
 
 
 def _attempt(action) -> BaseException | None:
@@ -166,7 +180,7 @@ class CheckpointWriter:
             for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
                 shutil.rmtree(stale)
             (tmp / "rng").mkdir(parents=True)
-        _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory")
+        _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory", tmp)
 
         # Small, and every rank's own: written and agreed here, so that rank 0 can publish
         # the checkpoint from its thread without asking the other ranks again.
@@ -175,14 +189,14 @@ class CheckpointWriter:
             # Not safetensors' save_file: it creates the file 0600, unreadable to colleagues.
             rng_file.write_bytes(save({k: v.cpu() for k, v in rng_state.items()}))
             _fsync(rng_file)
-        _agree(_attempt(write_rng), pstate, what)
+        _agree(_attempt(write_rng), pstate, what, tmp)
 
         pieces: list[Piece] = []
 
         def stage():
             pieces.extend(Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
                           for piece in written_pieces(model, engine, pstate) for b in blocks(piece))
-        _agree(_attempt(stage), pstate, what)
+        _agree(_attempt(stage), pstate, what, tmp)
         copied = None
         if pstate.device.type == "cuda":
             copied = torch.cuda.Event()
@@ -201,7 +215,7 @@ class CheckpointWriter:
                 raise own[0] if isinstance(own, tuple) else own
             if pstate.is_main:  # every rank's share is written once DCP's save returns
                 _publish(tmp, final, {**meta, "step": step}, keep, tokenizer)
-        self._pending = (self._pool.submit(write_and_publish), what)
+        self._pending = (self._pool.submit(write_and_publish), what, tmp)
         return final
 
     def finish(self) -> None:
@@ -209,8 +223,8 @@ class CheckpointWriter:
         failed on one (a collective: every rank calls it at the same point)."""
         if self._pending is None:
             return
-        (future, what), self._pending = self._pending, None
-        _agree(future.exception(), self.pstate, what)
+        (future, what, where), self._pending = self._pending, None
+        _agree(future.exception(), self.pstate, what, where)
 
     def _to_host(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of `tensor` that training cannot change (a CPU parameter is updated in

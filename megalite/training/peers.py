@@ -9,14 +9,11 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megalite.parallel.state import ParallelState
+import torch.distributed as dist
 
-
-class PeerLost(RuntimeError):
-    """A collective failed because a peer died: its message names the rank and the step."""
+from megalite.parallel.state import ParallelState
+from megalite.training.failures import PeerLost
 
 
 class Peers:
@@ -25,7 +22,6 @@ class Peers:
         self.host = socket.gethostname()
         self.table: list[tuple[str, int]] = [(self.host, os.getpid())]
         if pstate.world_size > 1:
-            import torch.distributed as dist  # here: the command line imports PeerLost alone
             self.table = [None] * pstate.world_size
             dist.all_gather_object(self.table, (self.host, os.getpid()))
         self.step: int | None = None  # the step being trained (set by the loop), None: before
