@@ -296,7 +296,6 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
     print("\n".join(lines), flush=True)
 
 
-@torch.no_grad()
 def eval_plan(cfg: Config, val_set: Mixture) -> str:
     """What each evaluation will read, said before the first."""
     t, held = cfg.train, sum(val_set.sizes)
@@ -309,6 +308,7 @@ def eval_plan(cfg: Config, val_set: Mixture) -> str:
             f"{t.eval_tokens} (0: all)")
 
 
+@torch.no_grad()
 def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
     """Mean loss over the held-out set (train.eval_tokens=0), or over its first
     ceil(eval_tokens / seq_len) samples, each source's in proportion to its weight; each sample
