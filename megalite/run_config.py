@@ -135,6 +135,11 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     compile: bool = False  # torch.compile the whole model, embedding to loss (the first steps compile)
     checkpoint_every: int = 0  # steps; 0: only at the end
+    # Steps between in-memory snapshots (0: none): each rank's state in the node's shared
+    # memory, from which a run restarted by its launcher after a rank died goes on
+    # (train.resume=auto; same layout only). docs/training.md#snapshots
+    snapshot_every: int = 0
+    snapshot_dir: str = ""  # where the snapshots go; empty: /dev/shm/megalite-snapshots/<run.dir's hash>
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: str = "auto"  # auto | never | a checkpoint directory
     # Start from these weights (a megalite checkpoint or a Hugging Face directory) instead of a

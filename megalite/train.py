@@ -41,8 +41,9 @@ from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.peers import Peers
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
-from megalite.run_setup import (check_data, check_run_dir, find_resume, validate, with_epochs,
-                                with_pretrained, with_schedule, with_tokenizer_vocab)
+from megalite.training.snapshots import Snapshots, snapshot_dir
+from megalite.run_setup import (check_data, check_run_dir, find_resume, run_identity, validate,
+                                with_epochs, with_pretrained, with_schedule, with_tokenizer_vocab)
 
 
 def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
@@ -103,6 +104,19 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if resume_from is not None and t.load_optimizer:
         engine.load_optimizer_state(read_optimizer_state(resume_from, model, engine.held_rows,
                                                          engine.state_names), start)
+    snapshots = None
+    if t.snapshot_every:
+        snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,
+                              {**run_identity(cfg, data), "layout": layout_of(ps)})
+        newest = snapshots.newest_complete() if t.resume == "auto" else None
+        if newest is not None and newest > start:  # newer than the disk's: a restart
+            rng, counters = snapshots.load(newest, model, engine)
+            torch.set_rng_state(rng.pop("cpu"))
+            model.rng.set_state(rng)
+            start, tokens_seen, source_tokens = newest, counters["tokens"], counters["tokens_per_source"]
+            if ps.is_main:
+                print(f"resumed from the in-memory snapshot of step {newest} ({snapshots.root})",
+                      flush=True)
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
@@ -177,12 +191,19 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
             if saved:
                 save(done)
+            snapped = snapshots is not None and done % t.snapshot_every == 0 and done != t.max_steps
+            if snapped:
+                snapshots.save(done, model, engine, {"cpu": torch.get_rng_state(), **model.rng.get_state()},
+                               {"tokens": int(counted.total.item()),
+                                "tokens_per_source": counted.per_source.tolist()})
             if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
                 counted.restart()
             if done != t.max_steps and stop.agreed(ps):
                 if not saved:
                     save(done)
                 writer.finish()  # the requeued run resumes from it: complete on every rank
+                if snapshots is not None:
+                    snapshots.clear()
                 if ps.is_main:
                     bar.close()
                     mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
@@ -194,6 +215,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
         samples(cfg, model, data, ps, run_dir)
         writer.finish()
+        if snapshots is not None:  # the final checkpoint holds it all
+            snapshots.clear()
     if ps.is_main:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:

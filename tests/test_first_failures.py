@@ -28,10 +28,18 @@ from megalite.typed_config import ConfigError
     ("train.epochs=.nan", r"^train\.epochs=nan must be >= 0 \(0: train\.max_steps\)$"),
     ("train.checkpoint_every=-1", r"^train\.checkpoint_every=-1 must be >= 0 \(0: at the end\)$"),
     ("train.eval_every=-5", r"^train\.eval_every=-5 must be >= 0 \(0: at the end\)$"),
+    ("train.snapshot_every=-2", r"^train\.snapshot_every=-2 must be >= 0 \(0: none\)$"),
 ])
 def test_a_number_out_of_range_is_named_as_typed(setting, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, ["model=tiny", setting]), 1)
+
+
+def test_snapshots_are_refused_where_not_written_yet():
+    with pytest.raises(ConfigError, match=r"train\.snapshot_every=5 with train\.precision=pure_bf16: "
+                                          r"in-memory snapshots are not written for it yet"):
+        validate(load_config(None, ["model=tiny", "train.snapshot_every=5",
+                                    "train.precision=pure_bf16"]), 1)
 
 
 @pytest.mark.parametrize("where", ["file", "sys"])
