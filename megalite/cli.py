@@ -103,7 +103,7 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
     exit status 2. Every rank meets the same checks before any collective, so one rank's line
     says it for all (see report_error)."""
-    from megalite.training.failures import CheckpointError, PeerLost
+    from megalite.failures import CheckpointError, PeerLost
     from megalite.typed_config import ConfigError
     try:
         return entry(argv)

@@ -140,6 +140,10 @@ class TrainConfig:
     # (train.resume=auto; same layout only). docs/training.md#snapshots
     snapshot_every: int = 0
     snapshot_dir: str = ""  # where the snapshots go; empty: /dev/shm/megalite-snapshots/<run.dir's hash>
+    # Seconds a rank may go without finishing a step (after the first) before the run counts as
+    # hung: the ranks behind are killed where they share a node, and the rank exits so that the
+    # launcher restarts the ranks; above the longest step, evaluation and save. 0: off.
+    watchdog_s: float = 0.0
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: str = "auto"  # auto | never | a checkpoint directory
     # Start from these weights (a megalite checkpoint or a Hugging Face directory) instead of a

@@ -117,7 +117,8 @@ def check_ranges(t: TrainConfig) -> None:
              ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0: no clipping)"),
              ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: at the end)"),
              ("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0: at the end)"),
-             ("train.snapshot_every", t.snapshot_every, t.snapshot_every >= 0, ">= 0 (0: none)")]
+             ("train.snapshot_every", t.snapshot_every, t.snapshot_every >= 0, ">= 0 (0: none)"),
+             ("train.watchdog_s", t.watchdog_s, 0 <= t.watchdog_s < math.inf, ">= 0 (0: off)")]
     m, muon = t.muon, " with train.optimizer=muon"
     if t.optimizer == "muon":
         rules += [("train.lr", t.lr, t.lr > 0, f"> 0{muon} (Muon's rate follows its schedule as a ratio)"),

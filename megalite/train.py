@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from megalite.training.peers import Peers
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
 from megalite.training.snapshots import Snapshots, snapshot_dir
+from megalite.training.watchdog import Watchdog
 from megalite.run_setup import (check_data, check_run_dir, find_resume, run_identity, validate,
                                 with_epochs, with_pretrained, with_schedule, with_tokenizer_vocab)
 
@@ -143,8 +145,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                    for r in order.micro_batches(step, ps.dp_rank, ps.dp_size, t.micro_batch_size)]
         return [b.pinned() for b in batches] if ps.device.type == "cuda" else batches
 
+    watchdog = Watchdog(t.watchdog_s, run_dir, ps.rank, peers.table, peers.host) if t.watchdog_s else None
     with (CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps,
-          StepProfiler(t.profile_steps, run_dir, ps) as profiler):
+          StepProfiler(t.profile_steps, run_dir, ps) as profiler, watchdog or nullcontext()):
         def save(step: int) -> None:
             """Start saving step `step` (written in the background: see CheckpointWriter)."""
             rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
@@ -198,6 +201,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                                 "tokens_per_source": counted.per_source.tolist()})
             if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
                 counted.restart()
+            if watchdog is not None:
+                watchdog.beat(done)
             if done != t.max_steps and stop.agreed(ps):
                 if not saved:
                     save(done)
@@ -210,6 +215,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     print(f"stopped after step {done} on request; checkpoint saved", flush=True)
                 raise Preempted()
         bar.close()
+        if watchdog is not None:  # the last save, evaluation and samples may take longer
+            watchdog.disarm()
         save(t.max_steps)
         # Written while the model is evaluated and sampled; complete on every rank before the end.
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)

@@ -129,23 +129,31 @@ def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly
     assert_continues_exactly(stopped, whole_tp2, step)
 
 
-def test_a_killed_rank_restarts_from_the_in_memory_snapshot_bit_for_bit(tmp_path, cache, whole_tp2):
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_dead_or_hung_rank_restarts_from_the_in_memory_snapshot_bit_for_bit(tmp_path, cache,
+                                                                              whole_tp2, fault):
     """TP=2 under torchrun --max-restarts 1, snapshots every 2 steps, no disk checkpoint before
-    the end: rank 1 SIGKILLed once a snapshot exists; the restarted ranks load the newest one
-    every rank has and finish with the uninterrupted run's records and weights, bit for bit."""
+    the end: rank 1 SIGKILLed, or SIGSTOPped (rank 0's watchdog finds it within
+    train.watchdog_s, kills it and exits), once a snapshot exists; the restarted ranks load the
+    newest one every rank has and finish with the uninterrupted run's records and weights, bit
+    for bit."""
     import psutil
     killed, shm = tmp_path / "killed", tmp_path / "shm"
     cmd = (torchrun(2) + ["--max-restarts", "1"]
            + args(cache, killed, "parallel.tp=2", "train.checkpoint_every=0",
-                  "train.snapshot_every=2", f"train.snapshot_dir={shm}"))
+                  "train.snapshot_every=2", f"train.snapshot_dir={shm}", "train.watchdog_s=3"))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not list(shm.glob("step_00000004.rank_1.*")) and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.01)
     workers = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children()}
-    workers[1].kill()
+    workers[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     out = proc.communicate(timeout=240)[0]
+    if fault == "stopped":
+        said = re.search(r"megalite: error: rank 0: no step finished in 3 s after step \d+ "
+                         r"\(train\.watchdog_s\): rank 1 \(pid (\d+) on .*\) hung; killed", out)
+        assert said and int(said[1]) == workers[1].pid, out[-3000:]
     assert proc.returncode == 0, out[-3000:]
     assert latest_checkpoint(killed).name == f"step_{STEPS:08d}"  # the only one on disk
     resumed = re.findall(r"resumed from the in-memory snapshot of step (\d+)", out)

@@ -213,6 +213,21 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
                              sequence_parallel=parallel.sequence_parallel)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
-                                device_id=device if use_cuda else None)
+                                device_id=device if use_cuda else None, **_attempt_store(timeout))
     return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel,
                                     parallel)
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """Under torchrun's static rendezvous the agent keeps one store across restarts
+    (--max-restarts), and a process group made in a restarted round could read the keys of the
+    round before: the addresses of ranks that are gone ("Connection refused"). So the ranks
+    use the agent's store under a prefix of the round (TORCHELASTIC_RESTART_COUNT); elsewhere
+    torch's own rendezvous ({} here)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt in (None, "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}/", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}

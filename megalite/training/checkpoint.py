@@ -37,7 +37,7 @@ from safetensors.torch import save
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
-from megalite.training.failures import CheckpointError
+from megalite.failures import CheckpointError
 from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)

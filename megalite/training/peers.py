@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megalite.parallel.state import ParallelState
-from megalite.training.failures import PeerLost
+from megalite.failures import PeerLost
 
 
 class Peers:
@@ -50,19 +50,25 @@ class Peers:
 
 
 def _alive(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
+    state = process_state(pid)
+    return state is not None and state not in "ZX"
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R running, S sleeping, T stopped, Z zombie...), None if it
+    is gone; on a system without /proc, R for any live process."""
     if Path("/proc/self/stat").exists():  # Linux: a zombie still answers os.kill
         try:
-            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError):
-            return False
+            return None
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
-        return False
+        return None
     except PermissionError:
-        return True
+        pass
+    return "R"
 
 
 def _peer_words(err: BaseException) -> bool:

@@ -1,5 +1,6 @@
 """The failures at run time that end a run with one line per rank (cli.run_reporting_errors),
-importable without torch by the command line."""
+importable by the command line without torch (and without the training package, which
+imports the command line's helpers through data/)."""
 
 
 class CheckpointError(RuntimeError):
