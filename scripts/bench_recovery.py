@@ -1,0 +1,127 @@
+"""A rank killed 5 times at seeded random steps: how long until the run trains its next step,
+how many steps it lost, and whether it ends as the uninterrupted run does, for the in-memory
+snapshot path (train.snapshot_every) against the disk checkpoint's (train.checkpoint_every).
+
+    python scripts/bench_recovery.py --out benchmarks/recovery
+
+The demo's model at TP2 on 2 processes under `torchrun --max-restarts 5` (CPU, gloo), one
+snapshot or checkpoint every EVERY steps. The script watches metrics.jsonl; at each chosen step
+it SIGKILLs a chosen rank and measures, from the kill, the wall time to the first step record
+written after it (the launcher's restart, the imports, the data index, the state loaded, one
+step). Also: the snapshot files' bytes per rank, and each path's uninterrupted tokens/s against
+a run with neither (the overhead). Writes OUT/results.json (device, date, commit, command, every
+kill), OUT/results.csv and OUT/recovery.png.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))
+from bench.demo_run import demo_bench  # noqa: E402
+from megalite.training.metrics import read_records  # noqa: E402
+
+STEPS, EVERY, KILLS, SEED = 60, 5, 5, 0
+PATHS = {"snapshot": [f"train.snapshot_every={EVERY}", "train.checkpoint_every=0"],
+         "disk": [f"train.checkpoint_every={EVERY}"], "neither": ["train.checkpoint_every=0"]}
+
+
+def command(run_dir: Path, cache: str, path: str, shm: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--max-restarts", str(KILLS), "-m", "megalite.train", "--config", "configs/demo.yaml",
+            "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
+            f"train.max_steps={STEPS}", "train.eval_every=0", f"run.dir={run_dir}",
+            f"data.cache_dir={cache}", f"train.snapshot_dir={shm}", "sample.max_new_tokens=1",
+            *PATHS[path]]
+
+
+def records(run_dir: Path) -> list[dict]:
+    try:
+        return [r for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
+    except (OSError, ValueError):
+        return []
+
+
+def run(path: str, cache: str, kills: list[tuple[int, int]]) -> dict:
+    """The run with SIGKILLs at (step, rank): per kill the recovery seconds and steps lost."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir, shm = Path(tmp) / "run", Path(tmp) / "shm"
+        proc = subprocess.Popen(command(run_dir, cache, path, shm), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        events, snapshot_bytes = [], 0
+        for step, rank in kills:
+            while proc.poll() is None and (not records(run_dir) or records(run_dir)[-1]["step"] < step):
+                snapshot_bytes = max([snapshot_bytes] + [f.stat().st_size for f in shm.glob("*.rank_0.*")])
+                time.sleep(0.005)
+            reached = records(run_dir)[-1]["step"]
+            workers = {int(p.environ().get("RANK", -1)): p
+                       for p in psutil.Process(proc.pid).children()}
+            killed_at = time.time()
+            workers[rank].send_signal(signal.SIGKILL)
+            while proc.poll() is None and not [r for r in records(run_dir) if r["time"] > killed_at]:
+                time.sleep(0.005)
+            after = [r for r in records(run_dir) if r["time"] > killed_at][0]
+            events.append({"step_killed": reached + 1, "rank": rank, "resumed_at": after["step"] - 1,
+                           "steps_lost": reached - (after["step"] - 1),
+                           "recovery_s": after["time"] - killed_at})
+        out = proc.communicate()[0]
+        final = records(run_dir)
+        if proc.returncode != 0:
+            raise SystemExit(f"{path}: the run failed:\n{out[-3000:]}")
+        return {"path": path, "kills": events, "loss": [r["loss"] for r in final],
+                "tokens_per_s": [r["tokens_per_s"] for r in final], "snapshot_bytes_per_rank": snapshot_bytes}
+
+
+def main() -> None:
+    args, out, header = demo_bench(__doc__, "benchmarks/recovery", STEPS)
+    rng = random.Random(SEED)
+    kills = sorted(zip(sorted(rng.sample(range(EVERY + 2, STEPS - 3), KILLS)),
+                       [rng.randrange(2) for _ in range(KILLS)]))
+    whole = run("neither", args.cache, [])
+    runs = {p: run(p, args.cache, kills) for p in ("snapshot", "disk")}
+    results = {**header, "command": "python scripts/bench_recovery.py " + " ".join(sys.argv[1:]),
+               "steps": STEPS, "every": EVERY, "kills": kills, "uninterrupted": whole, "runs": runs}
+    for r in runs.values():
+        r["bit_identical"] = r["loss"] == whole["loss"]
+        r["median_tokens_per_s"] = sorted(r["tokens_per_s"])[len(r["tokens_per_s"]) // 2]
+    whole["median_tokens_per_s"] = sorted(whole["tokens_per_s"])[len(whole["tokens_per_s"]) // 2]
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "step_killed", "rank", "resumed_at", "steps_lost", "recovery_s"])
+        for name, r in runs.items():
+            for e in r["kills"]:
+                w.writerow([name, e["step_killed"], e["rank"], e["resumed_at"], e["steps_lost"],
+                            f"{e['recovery_s']:.2f}"])
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (name, r) in enumerate(runs.items()):
+        ax.bar([k + 0.4 * i for k in range(KILLS)], [e["recovery_s"] for e in r["kills"]], 0.4,
+               label=f"{name} (lost {sum(e['steps_lost'] for e in r['kills'])} steps)")
+    ax.set_xticks([k + 0.2 for k in range(KILLS)], [f"step {s}" for s, _ in kills])
+    ax.set_ylabel("kill to next step trained (s)")
+    ax.set_title(f"{header.get('device', 'CPU')}: TP2, one every {EVERY} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "recovery.png", dpi=120)
+    for name, r in runs.items():
+        rec = [e["recovery_s"] for e in r["kills"]]
+        print(f"{name}: recovery {min(rec):.1f}-{max(rec):.1f} s, steps lost "
+              f"{sum(e['steps_lost'] for e in r['kills'])}, bit-identical {r['bit_identical']}, "
+              f"tokens/s {r['median_tokens_per_s']:.0f} vs {whole['median_tokens_per_s']:.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""In-memory snapshots' files: a rank killed while writing one leaves a temporary file that is
+never read, and the ranks agree on the newest snapshot every rank has whole (the one before);
+a file of another run or layout is not this run's; each rank's state comes back bit for bit."""
+from pathlib import Path
+
+import torch
+
+from megalite.parallel.state import ParallelState
+from megalite.training.snapshots import Snapshots
+from tests.harness import run_distributed
+
+
+class Engine:
+    """What Snapshots asks of an engine: masters (here the parameters) and AdamW-like state."""
+
+    def __init__(self, model):
+        self.state = {id(p): {"exp_avg": torch.randn_like(p)} for p in model.parameters()}
+        self.loaded = {}
+
+    def master(self, p):
+        return p
+
+    def optimizer_state(self, p):
+        return self.state[id(p)]
+
+    def load_optimizer_state(self, pairs, step):
+        self.loaded = {id(p): (s, step) for p, s in pairs}
+
+
+def agree_after_a_torn_write(root: str) -> tuple:
+    ps = ParallelState.from_world(1)  # DP2
+    rank = ps.rank
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    engine = Engine(model)
+    snaps = Snapshots(Path(root), ps, {"run": "a"})
+    rng = {"cpu": torch.get_rng_state()}
+    snaps.save(2, model, engine, rng, {"tokens": 20})
+    snaps.save(4, model, engine, rng, {"tokens": 40})
+    snaps.finish()
+    if rank == 1:  # killed while writing step 4: its temporary file only
+        snaps.path(4).unlink()
+        snaps.path(4).with_name(f".{snaps.path(4).name}.tmp").write_bytes(b"half")
+    newest = snaps.newest_complete()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    _, counters = snaps.load(newest, model, engine)
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    other = Snapshots(Path(root), ps, {"run": "b"}).newest_complete()
+    return newest, counters, same, sorted(step for _, step in engine.loaded.values()), other
+
+
+def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
+    results = run_distributed(agree_after_a_torn_write, 2, str(tmp_path))
+    for newest, counters, same, steps, other in results:
+        assert newest == 2 and counters == {"tokens": 20} and same and steps == [2, 2]
+        assert other is None  # another run's files (identity differs) are not this run's
