@@ -129,37 +129,62 @@ def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly
     assert_continues_exactly(stopped, whole_tp2, step)
 
 
-@pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_hung_rank_restarts_from_the_in_memory_snapshot_bit_for_bit(tmp_path, cache,
                                                                               whole_tp2, fault):
-    """TP=2 under torchrun --max-restarts 1, snapshots every 2 steps, no disk checkpoint before
-    the end: rank 1 SIGKILLed, or SIGSTOPped (rank 0's watchdog finds it within
+    """TP=2: rank 1 SIGKILLed, or SIGSTOPped (rank 0's watchdog finds it within
     train.watchdog_s, kills it and exits), once a snapshot exists; the restarted ranks load the
     newest one every rank has and finish with the uninterrupted run's records and weights, bit
     for bit."""
+    out = snapshot_restart(cache, tmp_path / "killed", tmp_path / "shm", 2, ["parallel.tp=2"],
+                           fault, victim=1)
+    if fault == "SIGSTOP":
+        assert re.search(r"megalite: error: rank 0: no step finished in 3 s after step \d+ "
+                         r"\(train\.watchdog_s\): rank 1 \(pid \d+ on .*\) hung; killed", out), out[-3000:]
+    assert_continues_exactly(tmp_path / "killed", whole_tp2, resumed_step(out))
+
+
+def snapshot_restart(cache, run_dir: Path, shm: Path, world: int, layout: list[str], fault: str,
+                     victim: int) -> str:
+    """Train on `world` processes under torchrun --max-restarts 1 with snapshots every 2 steps
+    and no disk checkpoint before the end; `fault` (SIGKILL or SIGSTOP) rank `victim` once the
+    step-4 snapshot is whole; the output, after checking that the run restarted once from a
+    snapshot and finished."""
     import psutil
-    killed, shm = tmp_path / "killed", tmp_path / "shm"
-    cmd = (torchrun(2) + ["--max-restarts", "1"]
-           + args(cache, killed, "parallel.tp=2", "train.checkpoint_every=0",
-                  "train.snapshot_every=2", f"train.snapshot_dir={shm}", "train.watchdog_s=3"))
+    cmd = (torchrun(world) + ["--max-restarts", "1"]
+           + args(cache, run_dir, *layout, "train.checkpoint_every=0", "train.snapshot_every=2",
+                  f"train.snapshot_dir={shm}", "train.watchdog_s=3"))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
-    while not list(shm.glob("step_00000004.rank_1.*")) and proc.poll() is None \
+    while len(list(shm.glob("step_00000004.rank_*"))) < world and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.01)
     workers = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children()}
-    workers[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    workers[victim].send_signal(getattr(signal, fault))
     out = proc.communicate(timeout=240)[0]
-    if fault == "stopped":
-        said = re.search(r"megalite: error: rank 0: no step finished in 3 s after step \d+ "
-                         r"\(train\.watchdog_s\): rank 1 \(pid (\d+) on .*\) hung; killed", out)
-        assert said and int(said[1]) == workers[1].pid, out[-3000:]
     assert proc.returncode == 0, out[-3000:]
-    assert latest_checkpoint(killed).name == f"step_{STEPS:08d}"  # the only one on disk
+    assert latest_checkpoint(run_dir).name == f"step_{STEPS:08d}"  # the only one on disk
+    assert not list(shm.iterdir())  # cleared once the run ended
+    return out
+
+
+def resumed_step(out: str) -> int:
     resumed = re.findall(r"resumed from the in-memory snapshot of step (\d+)", out)
     assert len(resumed) == 1 and 4 <= int(resumed[0]) < STEPS, out[-3000:]
-    assert_continues_exactly(killed, whole_tp2, int(resumed[0]))
-    assert not list(shm.iterdir())  # cleared once the run ended
+    return int(resumed[0])
+
+
+def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):
+    """4 ranks: PP2 x DP2 with the distributed optimizer (each DP rank its rows of the fp32
+    weights and Adam state), an MoE layer on the second stage split EP2 over the DP ranks; a
+    second-stage rank killed. The restarted run ends as the uninterrupted one, bit for bit."""
+    layout = ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.dropout=0.0",
+              "model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
+              "model.moe_ffn_hidden=32", "model.moe_every=2", "train.micro_batch_size=2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted(4, args(cache, whole, *layout))
+    out = snapshot_restart(cache, killed, tmp_path / "shm", 4, layout, "SIGKILL", victim=3)
+    assert_continues_exactly(killed, whole, resumed_step(out))
 
 
 def test_a_killed_rank_is_named_by_the_survivor_with_the_step(tmp_path, cache):
