@@ -196,9 +196,13 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 save(done)
             snapped = snapshots is not None and done % t.snapshot_every == 0 and done != t.max_steps
             if snapped:
-                snapshots.save(done, model, engine, {"cpu": torch.get_rng_state(), **model.rng.get_state()},
-                               {"tokens": int(counted.total.item()),
-                                "tokens_per_source": counted.per_source.tolist()})
+                cost = snapshots.save(done, model, engine,
+                                      {"cpu": torch.get_rng_state(), **model.rng.get_state()},
+                                      {"tokens": int(counted.total.item()),
+                                       "tokens_per_source": counted.per_source.tolist()})
+                if ps.is_main and done == t.snapshot_every * (start // t.snapshot_every + 1):
+                    with bar.aside():  # the first of this start: what each costs
+                        print(cost, flush=True)
             if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
                 counted.restart()
             if watchdog is not None:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -86,10 +87,10 @@ class Snapshots:
             return False
         return json.loads(header.get("__metadata__", {}).get("identity", "null")) == self.identity
 
-    def save(self, step: int, model: torch.nn.Module, engine, rng: dict, counters: dict) -> None:
-        """Stage this rank's state on the host now and write it in the background. A
-        collective: the ranks first agree on the newest complete snapshot, and each drops its
-        older files."""
+    def save(self, step: int, model: torch.nn.Module, engine, rng: dict, counters: dict) -> str:
+        """Stage this rank's state on the host now and write it in the background; what it
+        cost, in a line. A collective: the ranks first agree on the newest complete snapshot,
+        and each drops its older files."""
         self.finish()
         written = torch.tensor(float(self._written), dtype=torch.float64, device=self.pstate.device)
         if self.pstate.world_size > 1:
@@ -105,9 +106,14 @@ class Snapshots:
             if master is not p:
                 tensors[f"master/{name}"] = master.detach()
             tensors.update({f"optimizer/{name}/{k}": v for k, v in engine.optimizer_state(p).items()})
+        began = time.perf_counter()
         staged = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
         meta = {"identity": json.dumps(self.identity), "counters": json.dumps(counters)}
         self._pending = (self._pool.submit(self._write, step, staged, meta), step)
+        size = sum(t.numel() * t.element_size() for t in staged.values())
+        return (f"snapshot of step {step}: {size / 2**20:.1f} MiB on rank {self.pstate.rank}, "
+                f"staged in {1e3 * (time.perf_counter() - began):.0f} ms (the step waits for "
+                f"that), written in the background to {self.root}; at most 2 kept per rank")
 
     def _write(self, step: int, tensors: dict, meta: dict) -> None:
         final = self.path(step)
@@ -150,3 +156,7 @@ class Snapshots:
         for step in self.mine():
             self.path(step).unlink(missing_ok=True)
         self._pool.shutdown()
+        try:
+            self.root.rmdir()  # once every rank's files are gone
+        except OSError:
+            pass
