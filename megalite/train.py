@@ -112,6 +112,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                               {**run_identity(cfg, data), "layout": layout_of(ps)})
         newest = snapshots.newest_complete() if t.resume == "auto" else None
         if newest is not None and newest > start:  # newer than the disk's: a restart
+            snapshots.fetch(newest)  # from a partner's copy where a node lost its memory
             rng, counters = snapshots.load(newest, model, engine)
             torch.set_rng_state(rng.pop("cpu"))
             model.rng.set_state(rng)

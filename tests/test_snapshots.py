@@ -57,3 +57,41 @@ def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
     for newest, counters, same, steps, other in results:
         assert newest == 2 and counters == {"tokens": 20} and same and steps == [2, 2]
         assert other is None  # another run's files (identity differs) are not this run's
+
+
+def lose_a_node(root: str) -> tuple:
+    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2), each node its own directory; the second
+    node's memory is lost after the step-4 snapshot."""
+    import os
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    ps = ParallelState.from_world(1)
+    torch.manual_seed(ps.rank)
+    model = torch.nn.Linear(3, 2)
+    engine = Engine(model)
+    node = Path(root) / f"node{ps.rank // 2}"
+    snaps = Snapshots(node, ps, {"run": "a"})
+    rng = {"cpu": torch.get_rng_state()}
+    snaps.save(2, model, engine, rng, {"tokens": 20})
+    snaps.save(4, model, engine, rng, {"tokens": 40})
+    snaps.finish()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.distributed.barrier()
+    if ps.rank // 2 == 1:  # the node's memory is gone: its own files and the copies it kept
+        for f in node.iterdir():
+            f.unlink()
+    torch.distributed.barrier()
+    newest = snaps.newest_complete()
+    snaps.fetch(newest)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    _, counters = snaps.load(newest, model, engine)
+    same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    return newest, counters, same, snaps.partner
+
+
+def test_a_node_lost_with_its_memory_restarts_from_its_partners_copies(tmp_path):
+    results = run_distributed(lose_a_node, 4, str(tmp_path))
+    assert [r[3] for r in results] == [2, 3, 0, 1]  # the same local rank of the other node
+    for newest, counters, same, _ in results:
+        assert newest == 4 and counters == {"tokens": 40} and same

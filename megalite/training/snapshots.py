@@ -12,8 +12,12 @@ step) on the newest complete one, and each keeps its file of that one and the on
 no older: at most two per rank. Same layout only: a file holds this rank's slices; a run on
 another layout or world size resumes from the disk checkpoint (which reshards).
 
-Not yet: a copy on a peer node (so that a node lost with its memory loses no snapshot), a
-watchdog for a hung rank, DeepSpeed's engine, pure_bf16.
+On several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE) each rank also sends its file to its partner,
+the same local rank of the next node, over a gloo group of its own in the writing thread, and
+keeps its source's copy (`replica.` files): a snapshot is complete when every rank's file is
+whole on its node or as its partner's copy, so a node lost with its memory loses none; at the
+restart each rank without its file receives the copy (fetch). Not yet: DeepSpeed's engine,
+pure_bf16.
 """
 from __future__ import annotations
 
@@ -28,25 +32,26 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from megalite.parallel.state import ParallelState
 
-FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
+FILE = re.compile(r"(replica\.)?step_(\d{8})\.rank_(\d+)\.safetensors$")
 
 
 def snapshot_dir(given: str, run_dir: Path) -> Path:
-    """train.snapshot_dir, or a directory of the node's shared memory named for run.dir."""
+    """train.snapshot_dir ({node}: the node's number, GROUP_RANK), or a directory of the node's
+    shared memory named for run.dir."""
     if given:
-        return Path(given)
+        return Path(given.replace("{node}", os.environ.get("GROUP_RANK", "0")))
     key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
     shm = Path("/dev/shm")
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "megalite-snapshots" / key
 
 
 class Snapshots:
-    """This rank's snapshots in `root`: written in a background thread, found and loaded at
-    start."""
+    """This rank's snapshots in `root`, and the copy of its source's: written in a background
+    thread, found and loaded at start."""
 
     def __init__(self, root: Path, pstate: ParallelState, identity: dict):
         """identity: what must match for a file to be this run's (layout, config, data)."""
@@ -56,32 +61,82 @@ class Snapshots:
         self._pending: tuple[Future, int] | None = None
         self._written = self._complete = 0
         root.mkdir(parents=True, exist_ok=True)
+        # The same local rank of the next node keeps a copy of this rank's files: one node
+        # lost loses none of them.
+        world = pstate.world_size
+        self.local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.replicated = world > self.local
+        self.partner, self.source = (pstate.rank + self.local) % world, (pstate.rank - self.local) % world
+        self._group = dist.new_group(backend="gloo") if self.replicated else None
 
-    def path(self, step: int) -> Path:
-        return self.root / f"step_{step:08d}.rank_{self.pstate.rank}.safetensors"
+    def path(self, step: int, replica: bool = False) -> Path:
+        """This rank's file of `step`, or (replica) the copy it keeps of its source's."""
+        rank = self.source if replica else self.pstate.rank
+        return self.root / f"{'replica.' if replica else ''}step_{step:08d}.rank_{rank}.safetensors"
 
-    def mine(self) -> list[int]:
-        """The steps of this rank's whole files."""
+    def mine(self, replica: bool = False) -> list[int]:
+        """The steps of this rank's whole files (replica: of the copies it keeps)."""
+        rank = self.source if replica else self.pstate.rank
         steps = []
         for f in self.root.iterdir():
             m = FILE.match(f.name)
-            if m and int(m[2]) == self.pstate.rank:
-                steps.append(int(m[1]))
+            if m and bool(m[1]) == replica and int(m[3]) == rank:
+                steps.append(int(m[2]))
         return sorted(steps)
 
     def newest_complete(self) -> int | None:
-        """The newest step every rank has a file of (a collective); None: no such step."""
-        steps = [s for s in self.mine() if self._matches(s)]
-        everyone = [steps]
+        """The newest step of which every rank's file is whole, here or as its partner's copy
+        (a collective); None: no such step."""
+        own = [s for s in self.mine() if self._matches(self.path(s))]
+        kept = [s for s in self.mine(True) if self._matches(self.path(s, True))] if self.replicated else []
+        everyone = [(own, kept)]
         if self.pstate.world_size > 1:
             everyone = [None] * self.pstate.world_size
-            dist.all_gather_object(everyone, steps)
-        common = set(everyone[0]).intersection(*everyone[1:])
-        return max(common) if common else None
+            dist.all_gather_object(everyone, (own, kept))
+        world = len(everyone)
 
-    def _matches(self, step: int) -> bool:
+        def whole(rank: int, step: int) -> bool:
+            return step in everyone[rank][0] or step in everyone[(rank + self.local) % world][1]
+        steps = {s for mine, copies in everyone for s in mine + copies}
+        complete = [s for s in steps if all(whole(r, s) for r in range(world))]
+        return max(complete) if complete else None
+
+    def fetch(self, step: int) -> None:
+        """Each rank without its file of `step` (its node lost its memory) gets the copy its
+        partner keeps (a collective)."""
+        if not self.replicated:
+            return
+        lacking = [None] * self.pstate.world_size
+        dist.all_gather_object(lacking, not self.path(step).exists())
+        send = self.path(step, True).read_bytes() if lacking[self.source] else None
+        got = self._swap(send, lacking[self.pstate.rank], to=self.source, source=self.partner)
+        if got is not None:
+            self._publish(self.path(step), got)
+
+    def _swap(self, data: bytes | None, receive: bool, to: int, source: int) -> bytes | None:
+        """Send `data` (if any) to rank `to` while receiving from `source` (if asked), over
+        this object's own gloo group: a length, then the bytes."""
+        ops = []
+        size = torch.zeros(1, dtype=torch.int64)
+        if data is not None:
+            ops.append(dist.isend(torch.tensor([len(data)]), to, group=self._group))
+        if receive:
+            ops.append(dist.irecv(size, source, group=self._group))
+        for op in ops:
+            op.wait()
+        ops, buffer = [], torch.empty(int(size), dtype=torch.uint8)
+        if data is not None:
+            ops.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), to,
+                                  group=self._group))
+        if receive:
+            ops.append(dist.irecv(buffer, source, group=self._group))
+        for op in ops:
+            op.wait()
+        return buffer.numpy().tobytes() if receive else None
+
+    def _matches(self, path: Path) -> bool:
         try:
-            with open(self.path(step), "rb") as f:  # safetensors' header: 8 bytes of length, JSON
+            with open(path, "rb") as f:  # safetensors' header: 8 bytes of length, JSON
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         except (OSError, ValueError):
             return False
@@ -96,9 +151,10 @@ class Snapshots:
         if self.pstate.world_size > 1:
             dist.all_reduce(written, op=dist.ReduceOp.MIN)
         self._complete = int(written.item())
-        for old in self.mine():
-            if old < self._complete:
-                self.path(old).unlink(missing_ok=True)
+        for replica in (False, True):
+            for old in self.mine(replica):
+                if old < self._complete:
+                    self.path(old, replica).unlink(missing_ok=True)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
         for name, p in model.named_parameters():
@@ -116,9 +172,17 @@ class Snapshots:
                 f"that), written in the background to {self.root}; at most 2 kept per rank")
 
     def _write(self, step: int, tensors: dict, meta: dict) -> None:
-        final = self.path(step)
+        data = save(tensors, metadata=meta)
+        self._publish(self.path(step), data)
+        if self.replicated:  # every rank sends its own and receives its source's
+            self._publish(self.path(step, True),
+                          self._swap(data, True, to=self.partner, source=self.source))
+
+    @staticmethod
+    def _publish(final: Path, data: bytes) -> None:
+        """Written under a temporary name, then renamed: a file that exists is whole."""
         tmp = final.with_name(f".{final.name}.tmp")
-        save_file(tensors, tmp, metadata=meta)
+        tmp.write_bytes(data)
         os.replace(tmp, final)
 
     def finish(self) -> None:
@@ -153,8 +217,9 @@ class Snapshots:
     def clear(self) -> None:
         """This rank's files, at the end of a run (the disk checkpoint has it all)."""
         self.finish()
-        for step in self.mine():
-            self.path(step).unlink(missing_ok=True)
+        for replica in (False, True):
+            for step in self.mine(replica):
+                self.path(step, replica).unlink(missing_ok=True)
         self._pool.shutdown()
         try:
             self.root.rmdir()  # once every rank's files are gone
