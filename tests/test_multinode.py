@@ -23,4 +23,3 @@ def test_two_nodes_train_like_one_node(tmp_path, cache, tp2dp2_padded):
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert_same_training(tp2dp2_padded, tmp_path / "two", tol=1e-6)
-
