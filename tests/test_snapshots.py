@@ -1,6 +1,8 @@
 """In-memory snapshots' files: a rank killed while writing one leaves a temporary file that is
 never read, and the ranks agree on the newest snapshot every rank has whole (the one before);
-a file of another run or layout is not this run's; each rank's state comes back bit for bit."""
+a file of another run or layout is not this run's; each rank's state comes back bit for bit;
+a node lost with its memory restarts from its partners' copies. And a whole run: a rank
+SIGKILLed under torchrun --max-restarts at PP2 x DP2 x EP2 restarts from the snapshot."""
 from pathlib import Path
 
 import torch
@@ -8,6 +10,8 @@ import torch
 from megalite.parallel.state import ParallelState
 from megalite.training.snapshots import Snapshots
 from tests.harness import run_distributed
+from tests.test_resume import (args, assert_continues_exactly, resumed_step, snapshot_restart,
+                               uninterrupted)
 
 
 class Engine:
@@ -95,3 +99,16 @@ def test_a_node_lost_with_its_memory_restarts_from_its_partners_copies(tmp_path)
     assert [r[3] for r in results] == [2, 3, 0, 1]  # the same local rank of the other node
     for newest, counters, same, _ in results:
         assert newest == 4 and counters == {"tokens": 40} and same
+
+
+def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):
+    """4 ranks: PP2 x DP2 with the distributed optimizer (each DP rank its rows of the fp32
+    weights and Adam state), an MoE layer on the second stage split EP2 over the DP ranks; a
+    second-stage rank killed. The restarted run ends as the uninterrupted one, bit for bit."""
+    layout = ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.dropout=0.0",
+              "model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
+              "model.moe_ffn_hidden=32", "model.moe_every=2", "train.micro_batch_size=2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted(4, args(cache, whole, *layout))
+    out = snapshot_restart(cache, killed, tmp_path / "shm", 4, layout, "SIGKILL", victim=3)
+    assert_continues_exactly(killed, whole, resumed_step(out))
