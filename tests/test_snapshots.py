@@ -63,9 +63,11 @@ def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
         assert other is None  # another run's files (identity differs) are not this run's
 
 
-def lose_a_node(root: str) -> tuple:
+def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
     """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2), each node its own directory; the second
-    node's memory is lost after the step-4 snapshot."""
+    node's memory is lost after the step-4 snapshot. torn_copy: instead, the first node's is
+    lost, and the copy of rank 0's step 4 on the second node had been cut short (a temporary
+    file only): step 4 is not whole anywhere for rank 0, so every rank takes step 2."""
     import os
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     ps = ParallelState.from_world(1)
@@ -80,9 +82,13 @@ def lose_a_node(root: str) -> tuple:
     snaps.finish()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     torch.distributed.barrier()
-    if ps.rank // 2 == 1:  # the node's memory is gone: its own files and the copies it kept
-        for f in node.iterdir():
+    if ps.rank // 2 == (0 if torn_copy else 1):  # the node's memory is gone: its own files
+        for f in node.iterdir():                     # and the copies it kept
             f.unlink()
+    if torn_copy and ps.rank == 2:  # the copy it keeps of rank 0's step 4, cut short
+        copy = snaps.path(4, replica=True)
+        copy.unlink()
+        copy.with_name(f".{copy.name}.tmp").write_bytes(copy.name.encode())  # as _publish leaves it
     torch.distributed.barrier()
     newest = snaps.newest_complete()
     snaps.fetch(newest)
@@ -90,7 +96,7 @@ def lose_a_node(root: str) -> tuple:
         for p in model.parameters():
             p.zero_()
     _, counters = snaps.load(newest, model, engine)
-    same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # 2 and 4 equal
     return newest, counters, same, snaps.partner
 
 
@@ -99,6 +105,11 @@ def test_a_node_lost_with_its_memory_restarts_from_its_partners_copies(tmp_path)
     assert [r[3] for r in results] == [2, 3, 0, 1]  # the same local rank of the other node
     for newest, counters, same, _ in results:
         assert newest == 4 and counters == {"tokens": 40} and same
+
+
+def test_a_copy_cut_short_is_never_read_and_the_snapshot_before_is_used(tmp_path):
+    for newest, counters, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), True):
+        assert newest == 2 and counters == {"tokens": 20} and same
 
 
 def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):
