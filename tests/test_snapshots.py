@@ -82,8 +82,8 @@ def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
     snaps.finish()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     torch.distributed.barrier()
-    if ps.rank // 2 == (0 if torn_copy else 1):  # the node's memory is gone: its own files
-        for f in node.iterdir():                     # and the copies it kept
+    if ps.rank == (0 if torn_copy else 2):  # the node's memory is gone: its ranks' files and
+        for f in node.iterdir():              # the copies they kept (one rank empties it)
             f.unlink()
     if torn_copy and ps.rank == 2:  # the copy it keeps of rank 0's step 4, cut short
         copy = snaps.path(4, replica=True)
