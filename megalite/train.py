@@ -26,6 +26,7 @@ from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
 from megalite.parallel.mappings import all_reduce_over
+from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.progress import Progress
@@ -110,16 +111,10 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if t.snapshot_every:
         snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,
                               {**run_identity(cfg, data), "layout": layout_of(ps)})
-        newest = snapshots.newest_complete() if t.resume == "auto" else None
-        if newest is not None and newest > start:  # newer than the disk's: a restart
-            snapshots.fetch(newest)  # from a partner's copy where a node lost its memory
-            rng, counters = snapshots.load(newest, model, engine)
-            torch.set_rng_state(rng.pop("cpu"))
-            model.rng.set_state(rng)
-            start, tokens_seen, source_tokens = newest, counters["tokens"], counters["tokens_per_source"]
-            if ps.is_main:
-                print(f"resumed from the in-memory snapshot of step {newest} ({snapshots.root})",
-                      flush=True)
+        restored = snapshots.restore_newest(start, model, engine) if t.resume == "auto" else None
+        if restored is not None:
+            start, tokens_seen, source_tokens = (restored["step"], restored["tokens"],
+                                                 restored["tokens_per_source"])
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
@@ -151,11 +146,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
           StepProfiler(t.profile_steps, run_dir, ps) as profiler, watchdog or nullcontext()):
         def save(step: int) -> None:
             """Start saving step `step` (written in the background: see CheckpointWriter)."""
-            rng = {"cpu": torch.get_rng_state(), **model.rng.get_state()}
-            meta = {"layout": layout_of(ps), "config": to_dict(cfg), "tokens": int(counted.total.item()),
-                    "tokens_per_source": counted.per_source.tolist(),
+            meta = {"layout": layout_of(ps), "config": to_dict(cfg), **counted.counters(),
                     "data_cache_key": data.meta["cache_key"], "sample_order": SAMPLE_ORDER}
-            writer.save(run_dir, step, model, engine, rng, meta, t.keep_checkpoints,
+            writer.save(run_dir, step, model, engine, run_rng_state(model.rng), meta, t.keep_checkpoints,
                         tokenizer=data.tokenizer)
 
         for step, batches in steps:
@@ -197,10 +190,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                 save(done)
             snapped = snapshots is not None and done % t.snapshot_every == 0 and done != t.max_steps
             if snapped:
-                cost = snapshots.save(done, model, engine,
-                                      {"cpu": torch.get_rng_state(), **model.rng.get_state()},
-                                      {"tokens": int(counted.total.item()),
-                                       "tokens_per_source": counted.per_source.tolist()})
+                cost = snapshots.save(done, model, engine, run_rng_state(model.rng), counted.counters())
                 if ps.is_main and done == t.snapshot_every * (start // t.snapshot_every + 1):
                     with bar.aside():  # the first of this start: what each costs
                         print(cost, flush=True)
@@ -272,6 +262,10 @@ class TokenCount:
         self.interval += n
         return n
 
+    def counters(self) -> dict:
+        """What a checkpoint or snapshot keeps of it (waits for the device)."""
+        return {"tokens": int(self.total.item()), "tokens_per_source": self.per_source.tolist()}
+
     def restart(self) -> None:
         self.since, self.interval = time.perf_counter(), torch.zeros_like(self.total)
 
@@ -307,8 +301,7 @@ def resume(path: Path | None, model, ps: ParallelState, cfg: Config,
         return 0, 0, [0.0] * n_sources
     meta, rng = load_checkpoint(path, model, ps)
     if rng is not None:
-        torch.set_rng_state(rng.pop("cpu"))
-        model.rng.set_state(rng)
+        restore_run_rng(model.rng, rng)
     if ps.is_main:
         announce_resume(path, meta, layout_of(ps), cfg)
     return meta["step"], meta["tokens"], meta.get("tokens_per_source", [0.0] * n_sources)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from megalite.parallel.random import TensorParallelRNG, run_rng_state
 from megalite.parallel.state import ParallelState
 from megalite.training.snapshots import Snapshots
 from tests.harness import run_distributed
@@ -31,36 +32,47 @@ class Engine:
         self.loaded = {id(p): (s, step) for p, s in pairs}
 
 
+def linear(ps: ParallelState) -> torch.nn.Module:
+    """A model as Snapshots sees one: its parameters, and its RNG to save and restore."""
+    torch.manual_seed(ps.rank)
+    model = torch.nn.Linear(3, 2)
+    model.rng = TensorParallelRNG(ps.rank, ps)
+    return model
+
+
 def agree_after_a_torn_write(root: str) -> tuple:
     ps = ParallelState.from_world(1)  # DP2
     rank = ps.rank
-    torch.manual_seed(rank)
-    model = torch.nn.Linear(3, 2)
+    model = linear(ps)
     engine = Engine(model)
     snaps = Snapshots(Path(root), ps, {"run": "a"})
-    rng = {"cpu": torch.get_rng_state()}
+    rng = run_rng_state(model.rng)
     snaps.save(2, model, engine, rng, {"tokens": 20})
     snaps.save(4, model, engine, rng, {"tokens": 40})
     snaps.finish()
     if rank == 1:  # killed while writing step 4: its temporary file only
         snaps.path(4).unlink()
         snaps.path(4).with_name(f".{snaps.path(4).name}.tmp").write_bytes(b"half")
-    newest = snaps.newest_complete()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    _, counters = snaps.load(newest, model, engine)
+    torch.rand(5)  # the generators move on
+    restored = snaps.restore_newest(0, model, engine)
     same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    same_rng = torch.equal(torch.get_rng_state(), rng["cpu"])
     other = Snapshots(Path(root), ps, {"run": "b"}).newest_complete()
-    return newest, counters, same, sorted(step for _, step in engine.loaded.values()), other
+    newer_on_disk = snaps.restore_newest(2, model, engine)
+    return (restored, same, same_rng, sorted(step for _, step in engine.loaded.values()), other,
+            newer_on_disk)
 
 
 def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
     results = run_distributed(agree_after_a_torn_write, 2, str(tmp_path))
-    for newest, counters, same, steps, other in results:
-        assert newest == 2 and counters == {"tokens": 20} and same and steps == [2, 2]
+    for restored, same, same_rng, steps, other, newer_on_disk in results:
+        assert restored == {"step": 2, "tokens": 20} and same and same_rng and steps == [2, 2]
         assert other is None  # another run's files (identity differs) are not this run's
+        assert newer_on_disk is None  # a disk checkpoint as new: no snapshot to restore
 
 
 def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
@@ -71,12 +83,11 @@ def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
     import os
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     ps = ParallelState.from_world(1)
-    torch.manual_seed(ps.rank)
-    model = torch.nn.Linear(3, 2)
+    model = linear(ps)
     engine = Engine(model)
     node = Path(root) / f"node{ps.rank // 2}"
     snaps = Snapshots(node, ps, {"run": "a"})
-    rng = {"cpu": torch.get_rng_state()}
+    rng = run_rng_state(model.rng)
     snaps.save(2, model, engine, rng, {"tokens": 20})
     snaps.save(4, model, engine, rng, {"tokens": 40})
     snaps.finish()
@@ -90,26 +101,24 @@ def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
         copy.unlink()
         copy.with_name(f".{copy.name}.tmp").write_bytes(copy.name.encode())  # as _publish leaves it
     torch.distributed.barrier()
-    newest = snaps.newest_complete()
-    snaps.fetch(newest)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    _, counters = snaps.load(newest, model, engine)
+    restored = snaps.restore_newest(0, model, engine)
     same = all(torch.equal(saved[k], v) for k, v in model.state_dict().items())  # 2 and 4 equal
-    return newest, counters, same, snaps.partner
+    return restored, same, snaps.partner
 
 
 def test_a_node_lost_with_its_memory_restarts_from_its_partners_copies(tmp_path):
     results = run_distributed(lose_a_node, 4, str(tmp_path))
-    assert [r[3] for r in results] == [2, 3, 0, 1]  # the same local rank of the other node
-    for newest, counters, same, _ in results:
-        assert newest == 4 and counters == {"tokens": 40} and same
+    assert [r[2] for r in results] == [2, 3, 0, 1]  # the same local rank of the other node
+    for restored, same, _ in results:
+        assert restored == {"step": 4, "tokens": 40} and same
 
 
 def test_a_copy_cut_short_is_never_read_and_the_snapshot_before_is_used(tmp_path):
-    for newest, counters, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), True):
-        assert newest == 2 and counters == {"tokens": 20} and same
+    for restored, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), True):
+        assert restored == {"step": 2, "tokens": 20} and same
 
 
 def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):

@@ -98,3 +98,14 @@ class TensorParallelRNG:
     def set_state(self, state: dict[str, torch.Tensor]) -> None:
         _set_device_rng_state(self.device, state["default"])
         self.state = state["tensor_parallel"].clone()
+
+
+def run_rng_state(rng: TensorParallelRNG) -> dict[str, torch.Tensor]:
+    """All of a rank's random state a resumed run continues from (checkpoints, snapshots): the
+    host's generator, the device's and the tensor-parallel one."""
+    return {"cpu": torch.get_rng_state(), **rng.get_state()}
+
+
+def restore_run_rng(rng: TensorParallelRNG, state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    rng.set_state({k: v for k, v in state.items() if k != "cpu"})

@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
+from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
 
 FILE = re.compile(r"(replica\.)?step_(\d{8})\.rank_(\d+)\.safetensors$")
@@ -136,11 +138,11 @@ class Snapshots:
 
     def _matches(self, path: Path) -> bool:
         try:
-            with open(path, "rb") as f:  # safetensors' header: 8 bytes of length, JSON
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        except (OSError, ValueError):
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except (OSError, SafetensorError):
             return False
-        return json.loads(header.get("__metadata__", {}).get("identity", "null")) == self.identity
+        return json.loads(meta.get("identity", "null")) == self.identity
 
     def save(self, step: int, model: torch.nn.Module, engine, rng: dict, counters: dict) -> str:
         """Stage this rank's state on the host now and write it in the background; what it
@@ -192,12 +194,17 @@ class Snapshots:
             future.result()
             self._written = step
 
-    def load(self, step: int, model: torch.nn.Module, engine) -> tuple[dict, dict]:
-        """This rank's state of `step` into the model and engine; (rng, counters)."""
-        f = self.path(step)
-        tensors = load_file(f)
-        with open(f, "rb") as h:
-            header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
+    def restore_newest(self, after: int, model: torch.nn.Module, engine) -> dict | None:
+        """At a restart (a collective): the newest complete snapshot, when newer than step
+        `after` (the disk checkpoint's), loaded into the model, engine and RNG, fetched from
+        a partner's copy where a node lost its memory; its counters and step, or None."""
+        newest = self.newest_complete()
+        if newest is None or newest <= after:
+            return None
+        self.fetch(newest)
+        with safe_open(self.path(newest), "pt") as f:
+            counters = json.loads(f.metadata()["counters"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
         part = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("model/")}
         model.load_state_dict(part, strict=True)
         pairs = []
@@ -210,9 +217,12 @@ class Snapshots:
                      if k.startswith(prefix)}
             if state:
                 pairs.append((p, state))
-        engine.load_optimizer_state(pairs, step)
-        rng = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("rng/")}
-        return rng, json.loads(header["__metadata__"]["counters"])
+        engine.load_optimizer_state(pairs, newest)
+        restore_run_rng(model.rng, {k.split("/", 1)[1]: v for k, v in tensors.items()
+                                    if k.startswith("rng/")})
+        if self.pstate.is_main:
+            print(f"resumed from the in-memory snapshot of step {newest} ({self.root})", flush=True)
+        return {"step": newest, **counters}
 
     def clear(self) -> None:
         """This rank's files, at the end of a run (the disk checkpoint has it all)."""
