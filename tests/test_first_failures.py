@@ -110,3 +110,22 @@ def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
         r"a run\.dir on a disk with room\); the previous checkpoints are intact$", err[0]), err
     latest = latest_checkpoint(run_dir)
     assert latest is not None and read_whole_state(latest)
+
+
+@pytest.mark.parametrize("shared, nodes, refused", [("True", "2", True), ("False", "2", False),
+                                                    ("True", "1", False)])
+def test_restarts_across_nodes_with_torchruns_shared_store_are_refused(monkeypatch, shared, nodes,
+                                                                         refused):
+    """The nodes' restarted ranks would hang in that store (tests/test_node_loss.py restarts
+    with it unshared, as `megalite torchrun` launches)."""
+    from megalite.parallel.state import check_restartable
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+    if not refused:
+        check_restartable()
+        return
+    with pytest.raises(ConfigError, match=r"^torchrun --max-restarts 3 on 2 nodes cannot restart "
+                       r".*export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, or "
+                       r"launch with `megalite torchrun`, which sets it$"):
+        check_restartable()

@@ -75,11 +75,15 @@ def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
         assert newer_on_disk is None  # a disk checkpoint as new: no snapshot to restore
 
 
-def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
-    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2), each node its own directory; the second
-    node's memory is lost after the step-4 snapshot. torn_copy: instead, the first node's is
-    lost, and the copy of rank 0's step 4 on the second node had been cut short (a temporary
-    file only): step 4 is not whole anywhere for rank 0, so every rank takes step 2."""
+def lose_a_node(root: str, case: str = "lost") -> tuple:
+    """4 ranks as 2 nodes of 2 (LOCAL_WORLD_SIZE=2), each node its own directory; after the
+    step-4 snapshot, `case`:
+    lost: the second node's memory is lost;
+    torn: the first node's is lost, and the copy of rank 0's step 4 on the second node had been
+      cut short (a temporary file only): step 4 is not whole anywhere for rank 0, so every rank
+      takes step 2;
+    swapped: the second node is replaced by a new one (an empty directory), which the launcher
+      orders first: the surviving node's ranks are now 2 and 3, the new node's 0 and 1."""
     import os
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     ps = ParallelState.from_world(1)
@@ -89,18 +93,20 @@ def lose_a_node(root: str, torn_copy: bool = False) -> tuple:
     snaps = Snapshots(node, ps, {"run": "a"})
     rng = run_rng_state(model.rng)
     snaps.save(2, model, engine, rng, {"tokens": 20})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
     snaps.save(4, model, engine, rng, {"tokens": 40})
     snaps.finish()
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
     torch.distributed.barrier()
-    if ps.rank == (0 if torn_copy else 2):  # the node's memory is gone: its ranks' files and
-        for f in node.iterdir():              # the copies they kept (one rank empties it)
+    if ps.rank == (0 if case == "torn" else 2):  # the node's memory is gone: its ranks' files
+        for f in node.iterdir():                  # and the copies it kept (one rank empties it)
             f.unlink()
-    if torn_copy and ps.rank == 2:  # the copy it keeps of rank 0's step 4, cut short
-        copy = snaps.path(4, replica=True)
+    if case == "torn" and ps.rank == 2:  # the copy it keeps of rank 0's step 4, cut short
+        copy = snaps.path(4, rank=0)
         copy.unlink()
         copy.with_name(f".{copy.name}.tmp").write_bytes(copy.name.encode())  # as _publish leaves it
     torch.distributed.barrier()
+    if case == "swapped":
+        snaps = Snapshots(Path(root) / ("node1" if ps.rank < 2 else "node0"), ps, {"run": "a"})
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -117,8 +123,15 @@ def test_a_node_lost_with_its_memory_restarts_from_its_partners_copies(tmp_path)
 
 
 def test_a_copy_cut_short_is_never_read_and_the_snapshot_before_is_used(tmp_path):
-    for restored, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), True):
+    for restored, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), "torn"):
         assert restored == {"step": 2, "tokens": 20} and same
+
+
+def test_a_replaced_node_ordered_first_restarts_from_the_files_wherever_they_are(tmp_path):
+    """The files are found by rank, not by node: the surviving node's ranks load the copies it
+    kept of their new ranks, and the new node's receive theirs from it."""
+    for restored, same, _ in run_distributed(lose_a_node, 4, str(tmp_path), "swapped"):
+        assert restored == {"step": 4, "tokens": 40} and same
 
 
 def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from megalite.cli import ERROR_DIR, USAGE
+from megalite.parallel.state import UNSHARED_STORE
 
 # Logs "Sending process N closing signal SIGTERM" and "failed (exitcode: 2) local_rank: ...".
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -42,6 +43,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="megalite-errors-") as errors:
         quiet = _QuietOnError(Path(errors))
         os.environ[ERROR_DIR] = errors  # the ranks inherit it: cli.report_error writes there
+        # Each round of the rendezvous gets a store of its own: the only way torchrun restarts
+        # ranks across nodes (parallel/state.py: check_restartable).
+        os.environ.setdefault(UNSHARED_STORE, "1")
         logger.addFilter(quiet)
         try:
             torchrun(argv)

@@ -212,18 +212,37 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
         return ParallelState(device=device, timeout=timeout,
                              sequence_parallel=parallel.sequence_parallel)
     if not dist.is_initialized():
+        check_restartable()
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 device_id=device if use_cuda else None, **_attempt_store(timeout))
     return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel,
                                     parallel)
 
 
+# torchrun's agents share one store with their workers unless this is set (torch 2.4+).
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def check_restartable() -> None:
+    """Across nodes, torchrun --max-restarts with the agents' shared store (the default) cannot
+    restart: only the node whose rank failed counts a restart, so the nodes' new workers
+    meet under different names in that store (and hang until the timeout), and a node that
+    replaces a lost one waits for keys the others never write. Refused before any collective."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if restarts and nodes > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError(f"torchrun --max-restarts {restarts} on {nodes} nodes cannot restart "
+                          f"with torchrun's shared store (the restarted ranks would hang): "
+                          f"export {UNSHARED_STORE}=1 before torchrun, or launch with "
+                          f"`megalite torchrun`, which sets it")
+
+
 def _attempt_store(timeout: timedelta) -> dict:
-    """Under torchrun's static rendezvous the agent keeps one store across restarts
-    (--max-restarts), and a process group made in a restarted round could read the keys of the
-    round before: the addresses of ranks that are gone ("Connection refused"). So the ranks
-    use the agent's store under a prefix of the round (TORCHELASTIC_RESTART_COUNT); elsewhere
-    torch's own rendezvous ({} here)."""
+    """On one node, torchrun's agent keeps its shared store across restarts (--max-restarts),
+    and a process group made in a restarted round could read the keys of the round before:
+    the addresses of ranks that are gone ("Connection refused"). So the ranks use the agent's
+    store under a prefix of the round (TORCHELASTIC_RESTART_COUNT, which one agent counts);
+    elsewhere torch's own rendezvous ({} here). Across nodes: check_restartable."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt in (None, "0") or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}

@@ -13,11 +13,12 @@ no older: at most two per rank. Same layout only: a file holds this rank's slice
 another layout or world size resumes from the disk checkpoint (which reshards).
 
 On several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE) each rank also sends its file to its partner,
-the same local rank of the next node, over a gloo group of its own in the writing thread, and
-keeps its source's copy (`replica.` files): a snapshot is complete when every rank's file is
-whole on its node or as its partner's copy, so a node lost with its memory loses none; at the
-restart each rank without its file receives the copy (fetch). Not yet: DeepSpeed's engine,
-pure_bf16.
+the same local rank of the next node, over a gloo group of its own in the writing thread; the
+partner keeps it under the same name. A snapshot is complete when every rank's file is whole on
+some node, so a node lost with its memory loses none; at the restart each rank without its
+file receives it from a rank whose node has it (fetch). Files are found by (step, rank), not by
+which node wrote them: a replaced node may take other ranks (torchrun orders its nodes anew).
+Not yet: DeepSpeed's engine, pure_bf16.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from safetensors.torch import save
 from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
 
-FILE = re.compile(r"(replica\.)?step_(\d{8})\.rank_(\d+)\.safetensors$")
+FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
 
 def snapshot_dir(given: str, run_dir: Path) -> Path:
@@ -71,51 +72,57 @@ class Snapshots:
         self.partner, self.source = (pstate.rank + self.local) % world, (pstate.rank - self.local) % world
         self._group = dist.new_group(backend="gloo") if self.replicated else None
 
-    def path(self, step: int, replica: bool = False) -> Path:
-        """This rank's file of `step`, or (replica) the copy it keeps of its source's."""
-        rank = self.source if replica else self.pstate.rank
-        return self.root / f"{'replica.' if replica else ''}step_{step:08d}.rank_{rank}.safetensors"
+    def path(self, step: int, rank: int | None = None) -> Path:
+        """Rank `rank`'s file of `step` (this rank's by default), written here or copied."""
+        return self.root / f"step_{step:08d}.rank_{self.pstate.rank if rank is None else rank}.safetensors"
 
-    def mine(self, replica: bool = False) -> list[int]:
-        """The steps of this rank's whole files (replica: of the copies it keeps)."""
-        rank = self.source if replica else self.pstate.rank
-        steps = []
-        for f in self.root.iterdir():
-            m = FILE.match(f.name)
-            if m and bool(m[1]) == replica and int(m[3]) == rank:
-                steps.append(int(m[2]))
-        return sorted(steps)
+    def held(self) -> list[tuple[int, int]]:
+        """(step, rank) of the files here: this node's ranks' and the copies it keeps."""
+        found = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:  # removed by a rank of this node at the end (clear)
+            return []
+        for name in names:
+            m = FILE.match(name)
+            if m:
+                found.append((int(m[1]), int(m[2])))
+        return sorted(found)
+
+    def _holders(self) -> list[list[tuple[int, int]]]:
+        """Every rank's whole files of this run, by rank (a collective)."""
+        mine = [(s, r) for s, r in self.held() if self._matches(self.path(s, r))]
+        if self.pstate.world_size == 1:
+            return [mine]
+        everyone = [None] * self.pstate.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def newest_complete(self) -> int | None:
-        """The newest step of which every rank's file is whole, here or as its partner's copy
-        (a collective); None: no such step."""
-        own = [s for s in self.mine() if self._matches(self.path(s))]
-        kept = [s for s in self.mine(True) if self._matches(self.path(s, True))] if self.replicated else []
-        everyone = [(own, kept)]
-        if self.pstate.world_size > 1:
-            everyone = [None] * self.pstate.world_size
-            dist.all_gather_object(everyone, (own, kept))
-        world = len(everyone)
-
-        def whole(rank: int, step: int) -> bool:
-            return step in everyone[rank][0] or step in everyone[(rank + self.local) % world][1]
-        steps = {s for mine, copies in everyone for s in mine + copies}
-        complete = [s for s in steps if all(whole(r, s) for r in range(world))]
+        """The newest step of which every rank's file is whole on some node (a collective);
+        None: no such step."""
+        files = {f for held in self._holders() for f in held}
+        steps = {s for s, _ in files}
+        complete = [s for s in steps if all((s, r) in files for r in range(self.pstate.world_size))]
         return max(complete) if complete else None
 
     def fetch(self, step: int) -> None:
-        """Each rank without its file of `step` (its node lost its memory) gets the copy its
-        partner keeps (a collective)."""
+        """Each rank whose node lacks its file of `step` (the node lost its memory, or it
+        holds other ranks since the restart) receives it from the first rank whose node has
+        it (a collective)."""
         if not self.replicated:
             return
-        lacking = [None] * self.pstate.world_size
-        dist.all_gather_object(lacking, not self.path(step).exists())
-        send = self.path(step, True).read_bytes() if lacking[self.source] else None
-        got = self._swap(send, lacking[self.pstate.rank], to=self.source, source=self.partner)
-        if got is not None:
-            self._publish(self.path(step), got)
+        holders, me = self._holders(), self.pstate.rank
+        sender = {r: next(q for q in range(len(holders)) if (step, r) in holders[q])
+                  for r in range(len(holders)) if (step, r) not in holders[r]}
+        for r, q in sender.items():  # one at a time: each pair of ranks has one transfer
+            if me == q:
+                self._swap(self.path(step, r).read_bytes(), False, to=r, source=None)
+            elif me == r:
+                self._publish(self.path(step), self._swap(None, True, to=None, source=q))
 
-    def _swap(self, data: bytes | None, receive: bool, to: int, source: int) -> bytes | None:
+    def _swap(self, data: bytes | None, receive: bool, to: int | None,
+              source: int | None) -> bytes | None:
         """Send `data` (if any) to rank `to` while receiving from `source` (if asked), over
         this object's own gloo group: a length, then the bytes."""
         ops = []
@@ -153,10 +160,9 @@ class Snapshots:
         if self.pstate.world_size > 1:
             dist.all_reduce(written, op=dist.ReduceOp.MIN)
         self._complete = int(written.item())
-        for replica in (False, True):
-            for old in self.mine(replica):
-                if old < self._complete:
-                    self.path(old, replica).unlink(missing_ok=True)
+        for old, rank in self.held():  # this node's ranks share the directory: any may drop any
+            if old < self._complete:
+                self.path(old, rank).unlink(missing_ok=True)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
         for name, p in model.named_parameters():
@@ -177,7 +183,7 @@ class Snapshots:
         data = save(tensors, metadata=meta)
         self._publish(self.path(step), data)
         if self.replicated:  # every rank sends its own and receives its source's
-            self._publish(self.path(step, True),
+            self._publish(self.path(step, self.source),
                           self._swap(data, True, to=self.partner, source=self.source))
 
     @staticmethod
@@ -225,11 +231,13 @@ class Snapshots:
         return {"step": newest, **counters}
 
     def clear(self) -> None:
-        """This rank's files, at the end of a run (the disk checkpoint has it all)."""
+        """Every file here, at the end of a run (the disk checkpoint has it all); a collective,
+        so that no rank of the node is still writing one."""
         self.finish()
-        for replica in (False, True):
-            for step in self.mine(replica):
-                self.path(step, replica).unlink(missing_ok=True)
+        if self.pstate.world_size > 1:
+            dist.barrier(group=self._group)
+        for step, rank in self.held():
+            self.path(step, rank).unlink(missing_ok=True)
         self._pool.shutdown()
         try:
             self.root.rmdir()  # once every rank's files are gone
