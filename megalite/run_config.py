@@ -139,8 +139,8 @@ class TrainConfig:
     # memory, from which a run restarted by its launcher after a rank died goes on
     # (train.resume=auto; same layout only). docs/training.md#snapshots
     snapshot_every: int = 0
-    # Where they go ({node}: the node's number, torchrun's GROUP_RANK); empty: the node's
-    # shared memory, /dev/shm/megalite-snapshots/<a hash of run.dir>
+    # Where they go, a directory of each node's own (its memory); empty: the node's shared
+    # memory, /dev/shm/megalite-snapshots/<a hash of run.dir>
     snapshot_dir: str = ""
     # Seconds a rank may go without finishing a step (after the first) before the run counts as
     # hung: the ranks behind are killed where they share a node, and the rank exits so that the

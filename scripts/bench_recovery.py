@@ -4,8 +4,9 @@ snapshot path (train.snapshot_every) against the disk checkpoint's (train.checkp
 
     python scripts/bench_recovery.py --out benchmarks/recovery
 
-The demo's model at TP2 on 2 processes under `torchrun --max-restarts 5` (CPU, gloo), a
-snapshot every SNAPSHOT_EVERY steps or a disk checkpoint every DISK_EVERY. The script watches
+The demo's model at TP2 x DP2 on 2 nodes of 2 processes (two `megalite torchrun
+--max-restarts 5` agents on this machine: bench/nodes.py; CPU, gloo), a snapshot every
+SNAPSHOT_EVERY steps or a disk checkpoint every DISK_EVERY. The script watches
 metrics.jsonl; at each chosen step it SIGKILLs a chosen rank and measures, from the kill, the
 wall time to the first step record written after it (the launcher's restart, the imports, the
 data index, the state loaded, one step). Also: the snapshot files' bytes per rank, and each
@@ -17,21 +18,19 @@ from __future__ import annotations
 import csv
 import json
 import random
-import signal
-import subprocess
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 from bench.demo_run import demo_bench  # noqa: E402
+from bench.nodes import Nodes  # noqa: E402
 from megalite.training.metrics import read_records  # noqa: E402
 
-STEPS, KILLS, SEED = 60, 5, 0
+STEPS, KILLS, SEED, RANKS = 60, 5, 0, 4
 # A snapshot every 2 steps, a disk checkpoint every 10 (as often as each path's cost allows
 # at scale: a snapshot is a copy to host memory, a checkpoint a write to shared storage).
 SNAPSHOT_EVERY, DISK_EVERY = 2, 10
@@ -39,12 +38,10 @@ PATHS = {"snapshot": [f"train.snapshot_every={SNAPSHOT_EVERY}", "train.checkpoin
          "disk": [f"train.checkpoint_every={DISK_EVERY}"], "neither": ["train.checkpoint_every=0"]}
 
 
-def command(run_dir: Path, cache: str, path: str, shm: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--max-restarts", str(KILLS), "-m", "megalite.train", "--config", "configs/demo.yaml",
-            "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=4",
-            f"train.max_steps={STEPS}", "train.eval_every=0", f"run.dir={run_dir}",
-            f"data.cache_dir={cache}", f"train.snapshot_dir={shm}", "sample.max_new_tokens=1",
+def train_args(run_dir: Path, cache: str, path: str) -> list[str]:
+    return ["--config", "configs/demo.yaml", "parallel.tp=2", "train.global_batch_size=8",
+            "train.micro_batch_size=4", f"train.max_steps={STEPS}", "train.eval_every=0",
+            f"run.dir={run_dir}", f"data.cache_dir={cache}", "sample.max_new_tokens=1",
             *PATHS[path]]
 
 
@@ -65,38 +62,42 @@ def records(run_dir: Path) -> list[dict]:
 def run(path: str, cache: str, kills: list[tuple[int, int]]) -> dict:
     """The run with SIGKILLs at (step, rank): per kill the recovery seconds and steps lost."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir, shm = Path(tmp) / "run", Path(tmp) / "shm"
-        proc = subprocess.Popen(command(run_dir, cache, path, shm), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run_dir = Path(tmp) / "run"
+        nodes = Nodes(Path(tmp), train_args(run_dir, cache, path), max_restarts=KILLS)
+        nodes.start("a")
+        nodes.start("b")
+        shm = nodes.memory("a")
         events, snapshot_bytes = [], 0
         for step, rank in kills:
-            while proc.poll() is None and (not records(run_dir) or records(run_dir)[-1]["step"] < step):
+            while nodes.running() and (not records(run_dir) or records(run_dir)[-1]["step"] < step):
                 snapshot_bytes = max([snapshot_bytes] + [size(f) for f in shm.glob("step_*.rank_0.safetensors")])
                 time.sleep(0.005)
+            if not nodes.running():
+                nodes.wait()  # raises, with the agents' output
             reached = records(run_dir)[-1]["step"]
-            workers = {int(p.environ().get("RANK", -1)): p
-                       for p in psutil.Process(proc.pid).children()}
             killed_at = time.time()
-            workers[rank].send_signal(signal.SIGKILL)
-            while proc.poll() is None and not [r for r in records(run_dir) if r["time"] > killed_at]:
+            nodes.workers()[rank].kill()
+            while nodes.running() and not [r for r in records(run_dir) if r["time"] > killed_at]:
                 time.sleep(0.005)
             after = [r for r in records(run_dir) if r["time"] > killed_at][0]
             events.append({"step_killed": reached + 1, "rank": rank, "resumed_at": after["step"] - 1,
                            "steps_lost": reached - (after["step"] - 1),
                            "recovery_s": after["time"] - killed_at})
-        out = proc.communicate()[0]
+        out = nodes.wait(timeout=1800)  # raises, with the agents' output, unless both ended well
         final = records(run_dir)
-        if proc.returncode != 0:
-            raise SystemExit(f"{path}: the run failed:\n{out[-3000:]}")
+        # Rank 0 says what the first snapshot of each start cost the step: the copy to host memory.
+        staged = [int(ms) for ms in re.findall(r"snapshot of step \d+: [\d.]+ MiB on rank 0, "
+                                               r"staged in (\d+) ms", out)]
         return {"path": path, "kills": events, "loss": [r["loss"] for r in final],
-                "tokens_per_s": [r["tokens_per_s"] for r in final], "snapshot_bytes_per_rank": snapshot_bytes}
+                "tokens_per_s": [r["tokens_per_s"] for r in final],
+                "snapshot_bytes_per_rank": snapshot_bytes, "staging_ms": staged}
 
 
 def main() -> None:
     args, out, header = demo_bench(__doc__, "benchmarks/recovery", STEPS)
     rng = random.Random(SEED)
     kills = sorted(zip(sorted(rng.sample(range(DISK_EVERY + 2, STEPS - 3), KILLS)),
-                       [rng.randrange(2) for _ in range(KILLS)]))
+                       [rng.randrange(RANKS) for _ in range(KILLS)]))
     whole = run("neither", args.cache, [])
     runs = {p: run(p, args.cache, kills) for p in ("snapshot", "disk")}
     results = {**header, "command": "python scripts/bench_recovery.py " + " ".join(sys.argv[1:]),
@@ -123,7 +124,7 @@ def main() -> None:
                label=f"{name} (lost {sum(e['steps_lost'] for e in r['kills'])} steps)")
     ax.set_xticks([k + 0.2 for k in range(KILLS)], [f"step {s}" for s, _ in kills])
     ax.set_ylabel("kill to next step trained (s)")
-    ax.set_title(f"{header.get('device', 'CPU')}: TP2; snapshot every {SNAPSHOT_EVERY} steps, "
+    ax.set_title(f"{header.get('device', 'CPU')}: TP2 x DP2 on 2 nodes; snapshot every {SNAPSHOT_EVERY} steps, "
                  f"checkpoint every {DISK_EVERY}", fontsize=9)
     ax.legend()
     fig.tight_layout()

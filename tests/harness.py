@@ -16,7 +16,6 @@ import importlib
 import os
 import pickle
 import queue as queue_lib
-import socket
 import sys
 import tempfile
 import time
@@ -26,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench.nodes import free_port
 
 
 class DistributedFailure(AssertionError):
@@ -127,12 +128,6 @@ def _fail(procs, done, message: str):
         if p.is_alive():
             p.kill()
     raise DistributedFailure("\n".join(dead + ([message] if message else [])))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str]) -> None:

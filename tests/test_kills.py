@@ -6,7 +6,7 @@ import random
 import re
 import time
 
-from tests.nodes import Nodes
+from bench.nodes import Nodes
 from tests.test_resume import assert_continues_exactly
 from tests.test_train import LAYOUT, STEPS, common
 

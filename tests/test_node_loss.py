@@ -6,7 +6,7 @@ import re
 import time
 
 from megalite.training.checkpoint import latest_checkpoint
-from tests.nodes import Nodes
+from bench.nodes import Nodes
 from tests.test_resume import assert_continues_exactly
 from tests.test_train import LAYOUT, STEPS, common
 

@@ -70,10 +70,11 @@ def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, messa
 
 def test_a_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
     """srun is given --cpus-per-task itself: since Slurm 22.05 it does not inherit #SBATCH's."""
-    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3]}, cpus_per_task=6)
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3]}, cpus_per_task=6, max_restarts=2)
     assert slurm_main([str(sweep), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "#SBATCH --cpus-per-task=6\n" in out and "srun --kill-on-bad-exit=1 --cpus-per-task=6 " in out
+    assert "--max-restarts 2 " in out  # a dead rank: restarted from the snapshot (megalite torchrun)
     assert "nothing written" in out and "0-lr0.001" in out
     assert not (tmp_path / "runs").exists()
 

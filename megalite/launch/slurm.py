@@ -39,7 +39,7 @@ def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path)
         cpus_per_task=s.cpus_per_task, time=s.time, sweep_dir=sweep_dir.resolve(),
         signal=s.signal, optional_sbatch="\n".join(optional), setup="\n".join(s.setup),
         python=s.python, procs_per_node=s.procs, max_requeues=s.max_requeues,
-        workdir=Path.cwd())
+        max_restarts=s.max_restarts, workdir=Path.cwd())
 
 
 def write_sweep(sweep: SweepFile, runs: list[Run], script: str) -> Path:

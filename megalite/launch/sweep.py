@@ -44,6 +44,9 @@ class SlurmConfig:
     setup: list[str] = field(default_factory=list)  # shell lines, e.g. module load / venv
     python: str = "python"  # the interpreter that runs torchrun on each node
     max_requeues: int = 20  # a run preempted more often than this stays stopped
+    # torchrun --max-restarts: the ranks restarted after one dies, from the newest in-memory
+    # snapshot (train.snapshot_every) or disk checkpoint; 0: a dead rank ends the task
+    max_restarts: int = 0
 
     @property
     def procs(self) -> int:

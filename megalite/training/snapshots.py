@@ -43,10 +43,9 @@ FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
 
 def snapshot_dir(given: str, run_dir: Path) -> Path:
-    """train.snapshot_dir ({node}: the node's number, GROUP_RANK), or a directory of the node's
-    shared memory named for run.dir."""
+    """train.snapshot_dir, or a directory of the node's shared memory named for run.dir."""
     if given:
-        return Path(given.replace("{node}", os.environ.get("GROUP_RANK", "0")))
+        return Path(given)
     key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
     shm = Path("/dev/shm")
     return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "megalite-snapshots" / key

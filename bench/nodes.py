@@ -1,20 +1,26 @@
 """torchrun agents on this machine, each standing for a node (`megalite torchrun`, one c10d
-rendezvous over loopback): the first hosts the rendezvous, each has a snapshot directory of
-its own (the node's memory), and a node is killed with its agent, its workers and its
-directory."""
+rendezvous over loopback), for the tests and benchmark of recovery: the first hosts the
+rendezvous, each has a snapshot directory of its own (the node's memory), and a node is
+killed with its agent, its workers and its directory."""
 from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 
-from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Nodes:
@@ -41,6 +47,9 @@ class Nodes:
                f"train.snapshot_dir={self.memory(name)}"]
         with open(self.log(name), "w") as log:
             self.agents[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def running(self) -> bool:
+        return all(agent.poll() is None for agent in self.agents.values())
 
     def workers(self) -> dict[int, psutil.Process]:
         """The live workers by global rank."""
