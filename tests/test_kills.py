@@ -1,6 +1,7 @@
 """A rank SIGKILLed 5 times, at seeded random ranks and moments, on 2 nodes of 2 (TP2 x DP2):
 each time the ranks restart from the newest in-memory snapshot, losing at most
-train.snapshot_every steps, and the run ends as the uninterrupted one, bit for bit.
+train.snapshot_every steps, and the run ends as the uninterrupted one (one node's, 4 forked
+ranks), bit for bit: every record and the final weights. So two nodes also train as one.
 (scripts/bench_recovery.py measures the same on the demo's model, with the disk's path beside.)"""
 import random
 import re

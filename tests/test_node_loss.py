@@ -1,7 +1,7 @@
 """A whole node lost (its torchrun agent, its workers and its shared memory): a new node joins
 the rendezvous, its ranks receive their snapshot files from the copies the surviving node
 kept, and the run ends as the uninterrupted one, bit for bit. Two agents on loopback stand for
-two nodes (as tests/test_multinode.py)."""
+two nodes (bench/nodes.py)."""
 import re
 import time
 
