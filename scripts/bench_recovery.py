@@ -100,13 +100,16 @@ def main() -> None:
                        [rng.randrange(RANKS) for _ in range(KILLS)]))
     whole = run("neither", args.cache, [])
     runs = {p: run(p, args.cache, kills) for p in ("snapshot", "disk")}
+    # The overhead without kills: the intervals after a restart are slower (warm-up).
+    unkilled = {p: run(p, args.cache, []) for p in ("snapshot", "disk")}
     results = {**header, "command": "python scripts/bench_recovery.py " + " ".join(sys.argv[1:]),
                "steps": STEPS, "snapshot_every": SNAPSHOT_EVERY, "checkpoint_every": DISK_EVERY,
-               "kills": kills, "uninterrupted": whole, "runs": runs}
-    for r in runs.values():
+               "kills": kills, "uninterrupted": whole, "runs": runs, "without_kills": unkilled}
+    for r in [*runs.values(), *unkilled.values(), whole]:
         r["bit_identical"] = r["loss"] == whole["loss"]
         r["median_tokens_per_s"] = sorted(r["tokens_per_s"])[len(r["tokens_per_s"]) // 2]
-    whole["median_tokens_per_s"] = sorted(whole["tokens_per_s"])[len(whole["tokens_per_s"]) // 2]
+    for r in unkilled.values():
+        r["overhead"] = 1 - r["median_tokens_per_s"] / whole["median_tokens_per_s"]
     (out / "results.json").write_text(json.dumps(results, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -133,7 +136,9 @@ def main() -> None:
         rec = [e["recovery_s"] for e in r["kills"]]
         print(f"{name}: recovery {min(rec):.1f}-{max(rec):.1f} s, steps lost "
               f"{sum(e['steps_lost'] for e in r['kills'])}, bit-identical {r['bit_identical']}, "
-              f"tokens/s {r['median_tokens_per_s']:.0f} vs {whole['median_tokens_per_s']:.0f}")
+              f"tokens/s {r['median_tokens_per_s']:.0f} vs {whole['median_tokens_per_s']:.0f}; "
+              f"without kills {unkilled[name]['median_tokens_per_s']:.0f} "
+              f"({100 * unkilled[name]['overhead']:.1f}% overhead)")
 
 
 if __name__ == "__main__":
