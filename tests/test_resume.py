@@ -100,14 +100,12 @@ def kill_then_resume(cache, whole: Path, killed: Path, *layout: str) -> None:
     assert_continues_exactly(killed, whole, resumed_from)
 
 
-def test_sigkill_then_resume_continues_exactly(tmp_path, cache, whole_tp2):
-    """TP=2, dropout on: weights, Adam moments, schedule, data position and both RNG streams."""
-    kill_then_resume(cache, whole_tp2, tmp_path / "killed", "parallel.tp=2")
-
-
 def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path, cache,
                                                                                 whole_tp2):
-    """Slurm's --signal=USR1 reaches the torchrun agent, which forwards it to its workers."""
+    """Slurm's --signal=USR1 reaches the torchrun agent, which forwards it to its workers. TP=2,
+    dropout on: weights, Adam moments, schedule, data position and both RNG streams come back
+    from the disk checkpoint. (Every process SIGKILLed, then resumed: test_sharded_checkpoint.py,
+    at DP2 with the distributed optimizer.)"""
     stopped = tmp_path / "stopped"
     launcher = torchrun(2) + ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                               "--shutdown-timeout", "60"]

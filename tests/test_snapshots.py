@@ -53,6 +53,7 @@ def agree_after_a_torn_write(root: str) -> tuple:
     if rank == 1:  # killed while writing step 4: its temporary file only
         snaps.path(4).unlink()
         snaps.path(4).with_name(f".{snaps.path(4).name}.tmp").write_bytes(b"half")
+    torch.distributed.barrier()  # the ranks share the directory: each sees the torn file
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
@@ -135,10 +136,12 @@ def test_a_replaced_node_ordered_first_restarts_from_the_files_wherever_they_are
 
 
 def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tmp_path, cache):
-    """4 ranks: PP2 x DP2 with the distributed optimizer (each DP rank its rows of the fp32
-    weights and Adam state), an MoE layer on the second stage split EP2 over the DP ranks; a
-    second-stage rank killed. The restarted run ends as the uninterrupted one, bit for bit."""
+    """4 ranks: PP2 x DP2 with the distributed optimizer in pure_bf16 (bf16 weights; each DP
+    rank its rows of the fp32 masters and Adam state), an MoE layer on the second stage split
+    EP2 over the DP ranks; a second-stage rank killed. The restarted run ends as the
+    uninterrupted one, bit for bit."""
     layout = ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.dropout=0.0",
+              "train.precision=pure_bf16",
               "model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
               "model.moe_ffn_hidden=32", "model.moe_every=2", "train.micro_batch_size=2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"

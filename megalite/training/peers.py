@@ -40,13 +40,15 @@ class Peers:
         dead = self.gone()
         if dead:
             who = ", ".join(f"rank {r} (pid {self.table[r][1]})" for r in dead)
-            return PeerLost(f"{who} on {self.host} died during {where}: this rank stops too; the "
-                            f"newest checkpoint resumes the run (train.resume=auto)")
+            return PeerLost(f"{who} on {self.host} died during {where}{THEN}")
         if not _peer_words(err):
             return None
         return PeerLost(f"a peer on another node died during {where} (this node's ranks are "
-                        f"alive; the launcher's report names it): this rank stops too; the "
-                        f"newest checkpoint resumes the run (train.resume=auto)")
+                        f"alive; the launcher's report names it){THEN}")
+
+
+THEN = (": this rank stops too; the newest in-memory snapshot or checkpoint resumes the run "
+        "(train.resume=auto)")
 
 
 def _alive(pid: int) -> bool:

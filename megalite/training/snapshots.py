@@ -18,7 +18,7 @@ partner keeps it under the same name. A snapshot is complete when every rank's f
 some node, so a node lost with its memory loses none; at the restart each rank without its
 file receives it from a rank whose node has it (fetch). Files are found by (step, rank), not by
 which node wrote them: a replaced node may take other ranks (torchrun orders its nodes anew).
-Not yet: DeepSpeed's engine, pure_bf16.
+Not yet: DeepSpeed's engine.
 """
 from __future__ import annotations
 
