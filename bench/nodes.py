@@ -56,10 +56,15 @@ class Nodes:
         found = {}
         for agent in self.agents.values():
             try:
-                for p in psutil.Process(agent.pid).children():
-                    found[int(p.environ()["RANK"])] = p
-            except (psutil.Error, KeyError):  # gone, or not yet a worker
-                pass
+                children = psutil.Process(agent.pid).children()
+            except psutil.Error:  # the agent is gone
+                continue
+            for p in children:
+                try:
+                    if p.status() != psutil.STATUS_ZOMBIE:  # a worker of an earlier round
+                        found[int(p.environ()["RANK"])] = p
+                except (psutil.Error, KeyError):  # gone, or not yet a worker
+                    pass
         return found
 
     def kill(self, name: str) -> None:
