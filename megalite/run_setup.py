@@ -19,7 +19,7 @@ from megalite.fp8.convert import check_fp8_layout
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, TrainConfig, to_dict
-from megalite.training.checkpoint import checkpoint_step, latest_checkpoint, not_a_checkpoint
+from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 

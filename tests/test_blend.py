@@ -13,7 +13,7 @@ from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.prepare import prepare_data
 from megalite.data.sources import EMBEDDED
 from megalite.run_config import DataConfig
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.typed_config import ConfigError
 from tests.test_resume import (ROOT, assert_continues_exactly, kill_every_process_of, one_thread,
                                run, uninterrupted)

@@ -30,7 +30,7 @@ import torch
 
 from megalite import train as train_module
 from megalite.data.batches import Batch, BatchOrder, Prefetcher
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.checkpoints import read_whole_state
 from tests.test_loop import InOrder
 from tests.test_resume import kill_every_process_of
@@ -152,7 +152,7 @@ import torch.distributed as dist
 
 import megalite.train as train
 from megalite.cli import run_reporting_errors
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 
 run_dir = Path(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run.dir=")))
 real_train, real_lr_at = train.train, train.lr_at

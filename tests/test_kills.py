@@ -41,7 +41,10 @@ def test_five_kills_each_recover_from_the_snapshot_bit_for_bit(tmp_path, cache, 
         time.sleep(delay)
         finished.append(int(beat.read_text()))
         since = time.time()
-        nodes.workers()[rank].kill()
+        workers = {}
+        while rank not in workers and time.monotonic() < deadline:
+            workers = nodes.workers()
+        workers[rank].kill()
     out = nodes.wait()
     resumed = [int(s) for s in re.findall(r"resumed from the in-memory snapshot of step (\d+)", out)]
     assert len(resumed) == KILLS, out[-6000:]

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint.filesystem as dcp_files
 from megalite import train as train_module
 from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
-from megalite.training.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
+from megalite.training.checkpoint import CheckpointError, CheckpointWriter
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.checkpoints import read_whole_state, WeightsOnly
 from tests.harness import run_distributed
 from tests.test_train import STEPS, common, losses
@@ -168,7 +169,7 @@ def check_background_write_failing_on_rank_0(tmp):
         try:
             writer.finish()
         except CheckpointError as err:
-            return str(err), checkpoint.latest_checkpoint(tmp).name
+            return str(err), latest_checkpoint(tmp).name
     return "no error", None
 
 

@@ -5,7 +5,7 @@ two nodes (bench/nodes.py)."""
 import re
 import time
 
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from bench.nodes import Nodes
 from tests.test_resume import assert_continues_exactly
 from tests.test_train import LAYOUT, STEPS, common

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.harness import run_distributed
 from tests.test_loop import fill_disk_of_rank_0
@@ -258,7 +258,7 @@ def check_save_failing_on_one_rank(tmp):
     try:
         save(2)
     except checkpoint.CheckpointError as err:
-        return str(err), checkpoint.latest_checkpoint(tmp).name
+        return str(err), latest_checkpoint(tmp).name
     return "no error", None
 
 

@@ -40,7 +40,7 @@ ARCHITECTURES = {arch.NAME: arch for arch in (gpt2, llama, mistral, qwen2, qwen3
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
-    from megalite.training.checkpoint import not_a_checkpoint
+    from megalite.training.checkpoint_dirs import not_a_checkpoint
     wrong = not_a_checkpoint(ckpt)
     if wrong:
         raise ConfigError(wrong)

@@ -18,7 +18,7 @@ import yaml
 from megalite.cli import command_parser
 from megalite.launch.sweep import Run, SweepFile, load_sweep
 from megalite.run_config import to_dict
-from megalite.training.checkpoint import latest_checkpoint
+from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.training.metrics import read_records
 from megalite.typed_config import ConfigError
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,9 +40,9 @@ from megalite.failures import CheckpointError
 from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
+from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
 StateNames = Callable[[torch.nn.Parameter], tuple[str, ...]]
 
@@ -89,43 +88,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step_*") if STEP_DIR.match(p.name))
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(STEP_DIR.match(Path(path).name).group(1))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    return _newest_complete(Path(run_dir) / "checkpoints")
-
-
-def _newest_complete(root: Path) -> Path | None:
-    done = [p for p in _step_dirs(root) if (p / "meta.json").is_file()]
-    return done[-1] if done else None
-
-
-def not_a_checkpoint(path: Path) -> str | None:
-    """None for a complete checkpoint; else what `path` is and what to give instead: a run
-    directory's newest checkpoint, or the import that makes one of a Hugging Face model."""
-    path = Path(path)
-    if (path / "meta.json").is_file():
-        return None
-    if not path.exists():
-        return f"'{path}' does not exist"
-    for root, what in ((path / "checkpoints", "a run directory"), (path, "a directory of checkpoints")):
-        if _step_dirs(root):
-            newest = _newest_complete(root)
-            return (f"'{path}' is {what}, not a checkpoint: " +
-                    (f"give its newest checkpoint, '{newest}'" if newest else
-                     "it holds no complete checkpoint yet"))
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        return (f"'{path}' is a Hugging Face model directory, not a megalite checkpoint: make "
-                f"one of it first with `megalite import --from-hf {path} --to CKPT`, then give CKPT")
-    return f"'{path}' is not a complete megalite checkpoint (no meta.json)"
 
 
 class CheckpointWriter:
