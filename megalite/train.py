@@ -111,7 +111,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if t.snapshot_every:
         snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,
                               {**run_identity(cfg, data), "layout": layout_of(ps)})
-        restored = snapshots.restore_newest(start, model, engine) if t.resume == "auto" else None
+        restored = snapshots.restore_newest(start, model, engine, restore=t.resume == "auto")
         if restored is not None:
             start, tokens_seen, source_tokens = (restored["step"], restored["tokens"],
                                                  restored["tokens_per_source"])

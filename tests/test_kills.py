@@ -26,10 +26,17 @@ def test_five_kills_each_recover_from_the_snapshot_bit_for_bit(tmp_path, cache, 
     # After each: a step finished since the restart, then a moment into the next step.
     plan = [(step, rng.randrange(4), rng.uniform(0, 0.2))
             for step in sorted(rng.sample(range(3, STEPS - 1), KILLS))]
-    beat, since, finished = run_dir / ".heartbeat" / "0", 0.0, []
+    beat, finished, old = run_dir / ".heartbeat" / "0", [], set()
     for step, rank, delay in plan:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        workers: dict = {}
+        while time.monotonic() < deadline:  # every worker a new one: the last kill's are gone
+            workers = nodes.workers()
+            if len(workers) == 4 and not old & {p.pid for p in workers.values()}:
+                break
+            time.sleep(0.01)
+        since = time.time()
+        while time.monotonic() < deadline:  # a step finished by the new workers
             try:
                 if beat.stat().st_mtime > since and int(beat.read_text()) >= step:
                     break
@@ -40,14 +47,13 @@ def test_five_kills_each_recover_from_the_snapshot_bit_for_bit(tmp_path, cache, 
             raise AssertionError(f"step {step} not reached after the restart: {nodes.wait()[-6000:]}")
         time.sleep(delay)
         finished.append(int(beat.read_text()))
-        since = time.time()
-        workers = {}
-        while rank not in workers and time.monotonic() < deadline:
-            workers = nodes.workers()
+        old = {p.pid for p in workers.values()}
         workers[rank].kill()
     out = nodes.wait()
     resumed = [int(s) for s in re.findall(r"resumed from the in-memory snapshot of step (\d+)", out)]
     assert len(resumed) == KILLS, out[-6000:]
-    for done, back in zip(finished, resumed):  # in order: rank 0's node, the first, prints them
-        assert done - SNAPSHOT_EVERY <= back <= done, (finished, resumed)
+    # In order (rank 0 prints them); rank 0 may note its step a moment after the others have
+    # snapshotted it: at most one step ahead.
+    for done, back in zip(finished, resumed):
+        assert done - SNAPSHOT_EVERY <= back <= done + 1, (finished, resumed)
     assert_continues_exactly(run_dir, tp2dp2_padded, 0)  # every step's record, whichever run wrote it

@@ -64,14 +64,16 @@ def agree_after_a_torn_write(root: str) -> tuple:
     same_rng = torch.equal(torch.get_rng_state(), rng["cpu"])
     other = Snapshots(Path(root), ps, {"run": "b"}).newest_complete()
     newer_on_disk = snaps.restore_newest(2, model, engine)
+    # Rank 0's whole file of step 4 is of the run before the restart: dropped.
     return (restored, same, same_rng, sorted(step for _, step in engine.loaded.values()), other,
-            newer_on_disk)
+            newer_on_disk, snaps.held())
 
 
 def test_a_torn_snapshot_is_never_read_and_the_one_before_is_used(tmp_path):
     results = run_distributed(agree_after_a_torn_write, 2, str(tmp_path))
-    for restored, same, same_rng, steps, other, newer_on_disk in results:
+    for restored, same, same_rng, steps, other, newer_on_disk, held in results:
         assert restored == {"step": 2, "tokens": 20} and same and same_rng and steps == [2, 2]
+        assert held == [(2, 0), (2, 1)]  # no file of a later step is kept to be mixed
         assert other is None  # another run's files (identity differs) are not this run's
         assert newer_on_disk is None  # a disk checkpoint as new: no snapshot to restore
 

@@ -120,6 +120,14 @@ class Snapshots:
             elif me == r:
                 self._publish(self.path(step), self._swap(None, True, to=None, source=q))
 
+    def _drop_after(self, step: int) -> None:
+        """This node's files of steps after `step` (a collective: none is written meanwhile)."""
+        for later, rank in self.held():
+            if later > step:
+                self.path(later, rank).unlink(missing_ok=True)
+        if self.pstate.world_size > 1:
+            dist.barrier(group=self._group)
+
     def _swap(self, data: bytes | None, receive: bool, to: int | None,
               source: int | None) -> bytes | None:
         """Send `data` (if any) to rank `to` while receiving from `source` (if asked), over
@@ -199,13 +207,19 @@ class Snapshots:
             future.result()
             self._written = step
 
-    def restore_newest(self, after: int, model: torch.nn.Module, engine) -> dict | None:
-        """At a restart (a collective): the newest complete snapshot, when newer than step
-        `after` (the disk checkpoint's), loaded into the model, engine and RNG, fetched from
-        a partner's copy where a node lost its memory; its counters and step, or None."""
-        newest = self.newest_complete()
+    def restore_newest(self, after: int, model: torch.nn.Module, engine,
+                       restore: bool = True) -> dict | None:
+        """At a start (a collective): the newest complete snapshot, when newer than step
+        `after` (the disk checkpoint's) and `restore`, loaded into the model, engine and RNG,
+        fetched from a partner's copy where a node lost its memory; its counters and step, or
+        None. Either way, the files of later steps are dropped: they are of the run before the
+        restart, and mixed with this one's they could make a snapshot complete from two
+        histories (which differ wherever a kernel is not deterministic)."""
+        newest = self.newest_complete() if restore else None
         if newest is None or newest <= after:
+            self._drop_after(after)
             return None
+        self._drop_after(newest)
         self.fetch(newest)
         with safe_open(self.path(newest), "pt") as f:
             counters = json.loads(f.metadata()["counters"])
