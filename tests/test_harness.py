@@ -50,3 +50,24 @@ def test_a_dying_rank_is_reported():
 def test_a_hang_times_out():
     with pytest.raises(DistributedFailure, match=r"timed out after 5s; ranks \[0, 1\]"):
         run_distributed(check_hangs, 2, timeout=5)
+
+
+def check_connect_fails(marker: str, times: int):
+    """Rank 0 fails as gloo's connection of the ranks does, the first `times` calls."""
+    from pathlib import Path
+    calls = Path(marker)
+    if dist.get_rank() == 0:
+        n = int(calls.read_text()) if calls.exists() else 0
+        calls.write_text(str(n + 1))
+        if n < times:
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed "
+                               "by peer (planted)")
+    return dist.get_rank()
+
+
+def test_gloos_connect_flake_is_retried_once_and_only_once(tmp_path):
+    assert run_distributed(check_connect_fails, 2, str(tmp_path / "once"), 1) == [0, 1]
+    with pytest.raises(DistributedFailure, match="connectFullMesh failed"):
+        run_distributed(check_connect_fails, 2, str(tmp_path / "twice"), 2)
+    with pytest.raises(DistributedFailure, match="planted failure"):  # another: not retried
+        run_distributed(check_rank_one_raises, 2)
