@@ -3,10 +3,11 @@ every "Common jobs" command this machine can run (not those needing 8 GPUs, seve
 Slurm or a GPU), with fewer steps. A command that stops working fails here first."""
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.nodes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands this machine cannot run (8 processes, other nodes, sbatch, long benchmarks).
@@ -49,12 +50,6 @@ def shortened(command: str) -> list[str]:
     if "generate" in argv:
         argv += ["--max-new-tokens", "4"]
     return argv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_commands_run_in_order_in_a_fresh_directory(tmp_path):

@@ -97,21 +97,21 @@ class Snapshots:
         dist.all_gather_object(everyone, mine)
         return everyone
 
-    def newest_complete(self) -> int | None:
-        """The newest step of which every rank's file is whole on some node (a collective);
-        None: no such step."""
-        files = {f for held in self._holders() for f in held}
+    def newest_complete(self, holders: list[list[tuple[int, int]]] | None = None) -> int | None:
+        """The newest step of which every rank's file is whole on some node (a collective
+        unless given `holders`, what _holders gathered); None: no such step."""
+        files = {f for held in (self._holders() if holders is None else holders) for f in held}
         steps = {s for s, _ in files}
         complete = [s for s in steps if all((s, r) in files for r in range(self.pstate.world_size))]
         return max(complete) if complete else None
 
-    def fetch(self, step: int) -> None:
+    def fetch(self, step: int, holders: list[list[tuple[int, int]]]) -> None:
         """Each rank whose node lacks its file of `step` (the node lost its memory, or it
         holds other ranks since the restart) receives it from the first rank whose node has
-        it (a collective)."""
+        it, by `holders` (what _holders gathered; a collective)."""
         if not self.replicated:
             return
-        holders, me = self._holders(), self.pstate.rank
+        me = self.pstate.rank
         sender = {r: next(q for q in range(len(holders)) if (step, r) in holders[q])
                   for r in range(len(holders)) if (step, r) not in holders[r]}
         for r, q in sender.items():  # one at a time: each pair of ranks has one transfer
@@ -215,12 +215,13 @@ class Snapshots:
         None. Either way, the files of later steps are dropped: they are of the run before the
         restart, and mixed with this one's they could make a snapshot complete from two
         histories (which differ wherever a kernel is not deterministic)."""
-        newest = self.newest_complete() if restore else None
+        holders = self._holders() if restore else None  # read once: the drop keeps `newest`'s
+        newest = self.newest_complete(holders) if restore else None
         if newest is None or newest <= after:
             self._drop_after(after)
             return None
         self._drop_after(newest)
-        self.fetch(newest)
+        self.fetch(newest, holders)
         with safe_open(self.path(newest), "pt") as f:
             counters = json.loads(f.metadata()["counters"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
