@@ -32,7 +32,8 @@ def readme_commands() -> list[str]:
 
 
 def shortened(command: str) -> list[str]:
-    """The command as this test runs it: this Python's torchrun and megalite, fewer steps."""
+    """The command as this test runs it: this Python's torchrun and megalite, fewer steps,
+    evaluations and sampled tokens."""
     command = re.sub(r"step_(\d{8})", lambda m: f"step_{round(int(m[1]) * STEPS_PER_README_STEP):08d}",
                      command)
     argv = shlex.split(command)
@@ -46,7 +47,8 @@ def shortened(command: str) -> list[str]:
         argv[0] = sys.executable
     if "megalite.train" in argv:
         steps = next((int(a.split("=")[1]) for a in argv if a.startswith("train.max_steps=")), 150)
-        argv += [f"train.max_steps={round(steps * STEPS_PER_README_STEP)}", "sample.max_new_tokens=4"]
+        argv += [f"train.max_steps={round(steps * STEPS_PER_README_STEP)}", "sample.max_new_tokens=4",
+                 "train.eval_tokens=2048"]
     if "generate" in argv:
         argv += ["--max-new-tokens", "4"]
     return argv

@@ -134,8 +134,8 @@ def submit(sweep: Path, env) -> str:
 
 
 @needs_slurm
-def test_array_of_three_runs_each_trains_its_own_config(tmp_path, cache):
-    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3, 1e-2]}, cache=cache)
+def test_an_array_of_two_runs_each_trains_its_own_config(tmp_path, cache):
+    sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 1e-2]}, cache=cache)
     with slurm_cluster.slurm_cluster(tmp_path / "slurm") as env:
         submit(sweep, env)
         script = tmp_path / "runs" / "t" / "sweep.sbatch"
@@ -143,8 +143,8 @@ def test_array_of_three_runs_each_trains_its_own_config(tmp_path, cache):
                                    capture_output=True, text=True)
         assert test_only.returncode == 0 and "to start at" in test_only.stderr, test_only.stderr
         rows = wait_for(tmp_path / "runs" / "t", env, {"done", "failed", "OOM", "timeout"})
-    assert [r["state"] for r in rows] == ["done"] * 3, rows
-    for index, lr in enumerate((1e-3, 3e-3, 1e-2)):
+    assert [r["state"] for r in rows] == ["done"] * 2, rows
+    for index, lr in enumerate((1e-3, 1e-2)):
         run_dir = tmp_path / "runs" / "t" / rows[index]["run"]
         assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["lr"] == lr
         steps = losses(run_dir)

@@ -2,12 +2,14 @@
 transport's words (gloo: "Connection closed by peer"), which name no rank; the launcher's report
 comes later, under its own. So the ranks swap (host, pid) at start, and a rank whose collective
 fails looks up which peers on its own host are gone (no process, or a zombie not yet reaped)
-and says so in one line with the step; where none is, the dead rank was on another node.
+and says so in one line with the step; where none is within a second, the dead rank was on
+another node.
 """
 from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -38,6 +40,12 @@ class Peers:
             return None
         where = f"step {self.step}" if self.step is not None else "start-up, before the first step"
         dead = self.gone()
+        if not dead and _peer_words(err):
+            # A killed process closes its sockets before /proc shows it ended: a moment for it.
+            deadline = time.monotonic() + SETTLE_S
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.02)
+                dead = self.gone()
         if dead:
             who = ", ".join(f"rank {r} (pid {self.table[r][1]})" for r in dead)
             return PeerLost(f"{who} on {self.host} died during {where}{THEN}")
@@ -45,6 +53,9 @@ class Peers:
             return None
         return PeerLost(f"a peer on another node died during {where} (this node's ranks are "
                         f"alive; the launcher's report names it){THEN}")
+
+
+SETTLE_S = 1.0
 
 
 THEN = (": this rank stops too; the newest in-memory snapshot or checkpoint resumes the run "
