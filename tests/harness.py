@@ -102,13 +102,14 @@ def _context():
     every later rank gets: pass what a rank needs as arguments (or torchrun_env), not through
     os.environ set by the test. Also preloaded, each a second or so per rank otherwise:
     torch._dynamo (imported by every optimizer's constructor), inductor's compile_fx (by every
-    torch.compile, DeepSpeed's import included), matplotlib.pyplot (the trainer's loss plot)
-    and pytest (a rank imports the test module whose function it runs, and that imports
-    pytest: half a second per rank, on every call)."""
+    torch.compile, DeepSpeed's import included), matplotlib.pyplot (the trainer's loss plot),
+    pytest and transformers (a rank imports the test module whose function it runs, and that
+    imports pytest, and transformers where it compares with it: half a second to a second per
+    rank, on every call; a module not installed is skipped)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch._inductor.compile_fx", "matplotlib.pyplot", "megalite.train",
-                                "pytest", "tests.harness"])
+                                "pytest", "transformers", "tests.harness"])
     return ctx
 
 

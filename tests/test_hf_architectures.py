@@ -1,7 +1,8 @@
 """The architectures people bring, against transformers itself (CPU, fp32): for each, a random
 model of transformers' own (weights perturbed off their init, so that biases, norms and q/k
-norms count) imported by `megalite import --from-hf`, evaluated by `torchrun ... megalite eval --tp 2` with transformers' loss
-on the same windows, exported back (`megalite export --dtype fp32`) and read by
+norms count) imported by `megalite import --from-hf`, evaluated by `megalite eval --tp 2` on
+ranks with torchrun's environment (tests/test_hf_moe.py launches it with torchrun itself) with
+transformers' loss on the same windows, exported back (`megalite export --dtype fp32`) and read by
 AutoModelForCausalLM with the same loss, and
 greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
 windows are shorter than the eval windows and the generated text, so they are real."""
@@ -20,7 +21,6 @@ from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
 from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
-from tests.test_resume import run, torchrun  # noqa: E402
 
 SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -92,9 +92,10 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
 
 
 def same_as_transformers(hf, tmp_path, eps: list[list[str]]) -> None:
-    """The checkpoint imported at tmp_path/ckpt from tmp_path/hf: `torchrun ... megalite eval
-    --tp 2` (with each of `eps`' options) gives transformers' loss; exported in fp32,
-    transformers reads the same model; greedy generation at TP2 equals transformers'."""
+    """The checkpoint imported at tmp_path/ckpt from tmp_path/hf: `megalite eval --tp 2` (with
+    each of `eps`' options) on ranks with torchrun's environment gives transformers' loss;
+    exported in fp32, transformers reads the same model; greedy generation at TP2 equals
+    transformers'."""
     text = tmp_path / "text.txt"
     text.write_text("tensor parallel training of language models, " * 30)  # > 2 windows
     # The tokenizer file itself: AutoTokenizer would pick each family's class (Gemma's wants
@@ -104,10 +105,10 @@ def same_as_transformers(hf, tmp_path, eps: list[list[str]]) -> None:
     loss, count = transformers_loss(hf, ids)
     assert len(ids) > 2 * CONTEXT
     for ep in eps:
-        done = run(torchrun(4 if ep else 2) + ["-m", "megalite", "eval", "--ckpt",
-                                               str(tmp_path / "ckpt"), "--text", str(text),
-                                               "--tp", "2", *ep, "--json"])
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        printed = run_distributed(run_cli, 4 if ep else 2, "eval", "--ckpt", str(tmp_path / "ckpt"),
+                                  "--text", str(text), "--tp", "2", *ep, "--json",
+                                  torchrun_env=True)[0]
+        result = json.loads(printed.strip().splitlines()[-1])
         assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
 
     assert f"wrote {type(hf).__name__}" in run_cli("export", "--ckpt", str(tmp_path / "ckpt"),

@@ -1,8 +1,8 @@
 """DeepSeek-V3 against transformers itself (CPU, fp32): random DeepseekV3ForCausalLM models (a
 dense layer then MoE layers with a shared expert, group-limited sigmoid routing with a
 correction bias and a routed scale; q_lora on and off; weights and biases perturbed off their
-init) imported by `megalite import`, evaluated by `torchrun ... megalite eval` at TP2 and at
-TP2 x EP2 with transformers' loss, exported back with the same loss, and greedy generation at
+init) imported by `megalite import`, evaluated by `megalite eval` (torchrun's environment)
+at TP2 and at TP2 x EP2 with transformers' loss, exported back with the same loss, and greedy generation at
 TP2 through the latent KV cache equal to transformers'. The router's choices equal
 transformers' on the same scores, ties included; the cache holds the latent and the rotary
 key per token, as its formula says."""
