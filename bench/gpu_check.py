@@ -1,20 +1,25 @@
 """`python -m bench gpu-check --out DIR` (scripts/gpu_check.sh): the GPU proof in one command.
 
-On one H100/H200, within --budget-min (20): the GPU tests (tests/test_gpu*.py), `python -m
-bench sweep` on configs/bench/gpu-check.yaml (GPT-2 small at 1024, the 1B Llama at 2048; eager and
-compiled; full and packed rows), the same models compiled in bf16 and in each FP8 recipe
-(configs/bench/gpu-fp8.yaml), then `python -m bench peer` at each of that sweep's shapes on
-full and on packed rows (--compile both --max-batch --profile). Every JSON goes into DIR with
-the device, torch and CUDA versions, date, commit and command, and one DIR/summary.md table
-(bench/gpu_summary.py) is written at the end and printed.
+On one H100/H200, within --budget-min (7: one of two calls in a 15-minute lease): the GPU tests
+(tests/test_gpu*.py), `python -m bench sweep` on configs/bench/gpu-check.yaml (GPT-2 small at
+1024, the 1B Llama at 2048; eager and compiled; full and packed rows), on
+configs/bench/gpu-train.yaml (the same models compiled, an optimizer step every ~0.5M tokens,
+bf16 and pure_bf16) and on configs/bench/gpu-fp8.yaml (compiled, bf16 against FP8 recipes),
+then `python -m bench peer` at the first sweep's shapes on full and on packed rows
+(--compile both --max-batch --profile). Every JSON goes into DIR with the device, torch and
+CUDA versions, date, commit and command, and one DIR/summary.md table (bench/gpu_summary.py)
+is written at the end and printed.
 
 Each step is its own process, run in this order (what matters most first) with a time limit:
 the budget left, at most the step's own cap. A step that fails or runs out of time is
-recorded in DIR/steps.json and the rest go on. Run again with the same DIR (a lease is cut
-into commands of a few minutes) and the steps that ended (ok or failed) are kept, the others
-run. It uses the machine's own torch and installs nothing. `--dry-run` launches nothing: it
-checks that every config and command line it would run is valid (tests/test_gpu_check.py
-runs it on CPU, so the command cannot rot).
+recorded in DIR/steps.json and the rest go on. Run again with the same DIR and the steps that
+ended (ok or failed) are kept, a sweep keeps its finished points, and the others run; a step
+that is not a sweep starts only with its whole cap left. The caps of the tests, bench and
+bench-train add up to less than two calls; FP8 and peer-bench follow. It uses the machine's
+own torch and installs nothing.
+`--dry-run` launches nothing: it checks that every config and command line it would run is
+valid and prints what the caps add up to (tests/test_gpu_check.py runs it on CPU, so the
+command cannot rot).
 """
 from __future__ import annotations
 
@@ -35,22 +40,28 @@ from pathlib import Path
 import torch
 
 from bench import ROOT, on_path, peer
-from bench.gpu_summary import write_summary
+from bench.gpu_summary import SWEEP_KINDS, write_summary
 from bench.point import device_name
 from bench.provenance import git_commit
 from bench.runner import INCOMPLETE, load_bench, stop_session
 from megalite.cli import command_parser
 from megalite.typed_config import ConfigError
 
-TESTS = {"tests-gpu": "tests/test_gpu.py", "tests-kernels": "tests/test_gpu_kernels.py",
-         "tests-train": "tests/test_gpu_train.py"}
+# Each step's own cap, seconds (the budget left may cut it shorter): about 1.5x what the tests
+# took on the H200 and the H100 (2026-11-26); for the sweeps at their new shapes a guess from
+# those. The tests and the first two sweeps fit two calls of --budget-min CALL_MIN (one
+# 15-minute lease); the LATER kinds follow in what is left, or in a later call.
+TESTS = {"tests-gpu": ("tests/test_gpu.py", 90.0), "tests-kernels": ("tests/test_gpu_kernels.py", 30.0),
+         "tests-train": ("tests/test_gpu_train.py", 120.0)}
 SWEEP = "configs/bench/gpu-check.yaml"
+TRAIN_SWEEP = "configs/bench/gpu-train.yaml"
 FP8_SWEEP = "configs/bench/gpu-fp8.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
-STEP_KINDS = ("tests", "bench", "fp8", "peer")
-# A step's own cap, seconds; the budget left may cut it shorter.
-CAPS = {"tests": 420.0, "bench": 600.0, "fp8": 600.0, "peer": 360.0}
-# What the bench step keeps of its limit to write its report and plots after the last point.
+STEP_KINDS = ("tests", "bench", "train", "fp8", "peer")
+CAPS = {"bench": 300.0, "train": 240.0, "fp8": 240.0, "peer": 240.0}
+CALL_MIN = 7.0
+LATER = ("fp8", "peer")
+# What a sweep step keeps of its limit to write its report and plots after the last point.
 REPORT_MARGIN_S = 45.0
 ENDED = ("ok", "failed")
 
@@ -61,6 +72,7 @@ class Step:
     kind: str
     argv: list[str]  # after the Python interpreter
     output: str  # what it writes, relative to DIR
+    cap: float  # seconds
 
 
 def shown(argv: list[str]) -> str:
@@ -71,25 +83,25 @@ def shown(argv: list[str]) -> str:
 def sweep_step(name: str, kind: str, sweep: str, out: Path) -> Step:
     # --resume: a second call keeps the points the first finished.
     return Step(name, kind, ["-m", "bench", "sweep", sweep, "--out", str(out / name), "--resume"],
-                f"{name}/results.json")
+                f"{name}/results.json", CAPS[kind])
 
 
 def plan(out: Path, sweep: str, peer_flags: str, skip: list[str],
-         fp8_sweep: str = FP8_SWEEP) -> list[Step]:
+         fp8_sweep: str = FP8_SWEEP, train_sweep: str = TRAIN_SWEEP) -> list[Step]:
     steps = []
     if "tests" not in skip:
         # One step per file: each has its own limit and result, and a test's time shows in its
         # log (-v, --durations) even when the step runs out of time.
-        for name, path in TESTS.items():
+        for name, (path, cap) in TESTS.items():
             # -o addopts=: one process (the suite's own -n 2 would share the one GPU).
             steps.append(Step(name, "tests", ["-m", "pytest", path, "-v", "-rfEs", "--durations=0",
                                               "-p", "no:cacheprovider", "-o", "addopts=",
                                               "--junitxml", str(out / f"{name}.xml")],
-                              f"{name}.xml"))
-    if "bench" not in skip:
-        steps.append(sweep_step("bench", "bench", sweep, out))
-    if "fp8" not in skip:
-        steps.append(sweep_step("bench-fp8", "fp8", fp8_sweep, out))
+                              f"{name}.xml", cap))
+    for kind, name, path in (("bench", "bench", sweep), ("train", "bench-train", train_sweep),
+                             ("fp8", "bench-fp8", fp8_sweep)):
+        if kind not in skip:
+            steps.append(sweep_step(name, kind, path, out))
     if "peer" not in skip:
         for batch in ("full", "packed"):
             for model, seq, micro in peer_shapes(sweep):
@@ -97,8 +109,13 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str],
                 steps.append(Step(name, "peer", ["-m", "bench", "peer", "--model", model, "--seq-len", str(seq),
                                                  "--micro-batch", str(micro), "--batch", batch,
                                                  *peer_flags.split(), "--out", str(out / f"{name}.json")],
-                                  f"{name}.json"))
+                                  f"{name}.json", CAPS["peer"]))
     return steps
+
+
+def calls_needed(steps: list[Step], call_min: float = CALL_MIN) -> float:
+    """How many calls of call_min minutes the steps' caps add up to."""
+    return sum(step.cap for step in steps) / (call_min * 60)
 
 
 def peer_shapes(sweep: str) -> list[tuple[str, int, int]]:
@@ -129,7 +146,7 @@ def check(steps: list[Step]) -> dict[str, str]:
             if not (ROOT / path).is_file() or collect.returncode != 0:
                 problems[name] = f"{path} does not collect: {(collect.stdout + collect.stderr)[-2000:]}"
     for step in steps:
-        if step.kind in ("bench", "fp8"):
+        if step.kind in SWEEP_KINDS:
             _, points = load_bench(Path(step.argv[step.argv.index("sweep") + 1]))
             bad = [f"point {p.name}: {p.error}" for p in points if p.error]
             if bad:
@@ -171,7 +188,8 @@ def environment(argv: list[str]) -> dict:
 
 
 def run_step(step: Step, out: Path, limit: float) -> dict:
-    argv = step.argv + (["--time-limit-s", f"{max(limit - REPORT_MARGIN_S, 1):.0f}"] if step.kind == "bench" else [])
+    argv = step.argv + (["--time-limit-s", f"{max(limit - REPORT_MARGIN_S, 1):.0f}"]
+                        if step.kind in SWEEP_KINDS else [])
     record = {"command": shown(argv), "output": step.output, "log": f"logs/{step.name}.log",
               "limit_s": round(limit)}
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -185,7 +203,7 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
         try:
             code = proc.wait(timeout=limit)
             # A sweep its time limit cut keeps its finished points; the next call runs the rest.
-            status = "ok" if code == 0 else "incomplete" if step.kind == "bench" and code == INCOMPLETE \
+            status = "ok" if code == 0 else "incomplete" if step.kind in SWEEP_KINDS and code == INCOMPLETE \
                 else "failed"
         except subprocess.TimeoutExpired:
             stop_session(proc)
@@ -197,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = command_parser("python -m bench gpu-check", __doc__)
     parser.add_argument("--out", required=True, help="directory for every result and summary.md")
-    parser.add_argument("--budget-min", type=float, default=20.0, help="this invocation's time, minutes")
+    parser.add_argument("--budget-min", type=float, default=CALL_MIN,
+                        help="this invocation's time, minutes (one of two calls in a 15-minute lease)")
     parser.add_argument("--dry-run", action="store_true", help="check every config and command line; run nothing")
     parser.add_argument("--sweep", default=SWEEP, help="the bench sweep (its points give peer-bench's shapes)")
+    parser.add_argument("--train-sweep", default=TRAIN_SWEEP,
+                        help="the training-shaped sweep (an optimizer step every ~0.5M tokens)")
     parser.add_argument("--fp8-sweep", default=FP8_SWEEP, help="the FP8 sweep")
     parser.add_argument("--peer-flags", default=PEER_FLAGS, help="peer-bench's flags besides the shape")
     parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
@@ -207,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget_min * 60  # the checks below count against it
     out = Path(args.out).resolve()
-    steps = plan(out, args.sweep, args.peer_flags, args.skip, args.fp8_sweep)
+    steps = plan(out, args.sweep, args.peer_flags, args.skip, args.fp8_sweep, args.train_sweep)
     problems = check(steps)
     if args.dry_run:
         if problems:
@@ -215,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                               "\n  ".join(f"{name}: {why}" for name, why in problems.items()))
         for step in steps:
             print(f"{step.name}: {shown(step.argv)}")
+        first = [step for step in steps if step.kind not in LATER]
+        later = sum(step.cap for step in steps if step.kind in LATER) / 60
+        print(f"gpu-check: caps of {', '.join(dict.fromkeys(s.kind for s in first))} "
+              f"{calls_needed(first, args.budget_min):.2f} calls of --budget-min {args.budget_min:g}; "
+              f"then {', '.join(LATER)} {later:.0f} min")
         print(f"gpu-check: {len(steps)} steps valid (dry run: nothing launched)")
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -231,13 +257,17 @@ def main(argv: list[str] | None = None) -> int:
             state["steps"][step.name] = {"status": "failed", "output": step.output,
                                          "command": shown(step.argv),
                                          "reason": f"not launched: {problems[step.name]}"}
-        elif left < 30:
+        elif left < 30 or (step.kind not in SWEEP_KINDS and left < step.cap):
+            # A sweep keeps its finished points for the next call; any other step would start
+            # over there: it waits for a call with its whole cap left.
             state["steps"][step.name] = {"status": "not run", "output": step.output,
                                          "command": shown(step.argv),
-                                         "reason": f"the budget of {args.budget_min} min was spent"}
+                                         "reason": f"the budget of {args.budget_min} min was spent"
+                                         + (f" (less than its cap of {step.cap:.0f} s left)"
+                                            if left >= 30 else "")}
         else:
-            print(f"{step.name}: running (limit {min(CAPS[step.kind], left):.0f} s)", flush=True)
-            state["steps"][step.name] = run_step(step, out, min(CAPS[step.kind], left))
+            print(f"{step.name}: running (limit {min(step.cap, left):.0f} s)", flush=True)
+            state["steps"][step.name] = run_step(step, out, min(step.cap, left))
         print(f"{step.name}: {state['steps'][step.name]['status']}", flush=True)
         state_file.write_text(json.dumps(state, indent=1))  # after each step: a cut lease keeps them
     state_file.write_text(json.dumps(state, indent=1))

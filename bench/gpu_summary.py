@@ -7,6 +7,9 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+# gpu-check's kinds of step that run a `python -m bench sweep` (its results.json a table here).
+SWEEP_KINDS = ("bench", "train", "fp8")
+
 SHARES = ("attention", "matmul", "elementwise", "optimizer", "communication", "idle")
 
 
@@ -19,7 +22,7 @@ def write_summary(out: Path, steps: list[dict], state: dict) -> str:
                      f"{r.get('limit_s', '')} | {step['output']} | {r.get('log', '')} |")
     lines += [""] + _tests([out / s["output"] for s in steps if s["kind"] == "tests"])
     for step in steps:
-        if step["kind"] in ("bench", "fp8"):
+        if step["kind"] in SWEEP_KINDS:
             lines += [""] + _bench(out / step["output"], step["name"]) + [""]
     lines += _peer([out / s["output"] for s in steps if s["kind"] == "peer"])
     text = "\n".join(lines) + "\n"
@@ -64,8 +67,8 @@ def _bench(path: Path, name: str) -> list[str]:
     result = json.loads(path.read_text())
     lines += [f"{result['device']}, torch {result['torch']}, CUDA {result.get('cuda')}, commit "
               f"{result['git_commit']}: `{result['command']}`", "",
-              "| point | model | seq | micro-batch | compile | rows | fp8 (layers) | tokens/s | x bf16 | MFU | "
-              "peak GB | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| point | model | seq | micro-batch | global batch | precision | compile | rows | fp8 (layers) | "
+              "tokens/s | x bf16 | MFU | peak GB | status |", "|---" * 14 + "|"]
     bf16 = {_shape(p): p.get("tokens_per_s") for p in result["points"] if not p.get("fp8")}
     for p in result["points"]:
         s = p["settings"]
@@ -73,7 +76,8 @@ def _bench(path: Path, name: str) -> list[str]:
         ratio = f"{p['tokens_per_s'] / base:.2f}" if base and p.get("tokens_per_s") else ""
         fp8 = f"{p['fp8']} ({p.get('fp8_layers')})" if p.get("fp8") else "-"
         lines.append(f"| {p['point']} | {s.get('model', '')} | {p.get('seq_len', '')} | "
-                     f"{p.get('micro_batch_size', '')} | {p.get('compile', '')} | {p.get('batch', '')} | "
+                     f"{p.get('micro_batch_size', '')} | {p.get('global_batch_size', '')} | "
+                     f"{p.get('precision', '')} | {p.get('compile', '')} | {p.get('batch', '')} | "
                      f"{fp8} | {_num(p.get('tokens_per_s'))} | {ratio} | {_pct(p.get('mfu'))} | "
                      f"{_num(p.get('peak_memory_gb'), 1)} | "
                      f"{p['status']}{': ' + p['error'][:160] if p.get('error') else ''} |")
@@ -85,7 +89,7 @@ def _bench(path: Path, name: str) -> list[str]:
 def _shape(p: dict) -> tuple:
     """What an FP8 point is compared with: the bf16 point of the same model, shape and settings."""
     return (p["settings"].get("model"), p.get("seq_len"), p.get("micro_batch_size"),
-            p.get("compile"), p.get("batch"))
+            p.get("global_batch_size"), p.get("precision"), p.get("compile"), p.get("batch"))
 
 
 def _peer(paths: list[Path]) -> list[str]:

@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from bench.gpu_check import PEER_FLAGS, main as gpu_check
+from bench.runner import load_bench
+from megalite.run_config import load_config
 from bench.__main__ import COMMANDS
 from megalite.cli import dispatch
 
@@ -19,19 +21,35 @@ pytest.importorskip("transformers")
 def test_dry_run_plans_and_validates_the_shipped_check(capsys):
     assert gpu_check(["--out", "unused", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    steps = dict(line.split(": ", 1) for line in lines[:-1])
-    assert list(steps)[:4] == ["tests-gpu", "tests-kernels", "tests-train", "bench"]
+    steps = dict(line.split(": ", 1) for line in lines[:-2])
+    assert list(steps)[:6] == ["tests-gpu", "tests-kernels", "tests-train", "bench", "bench-train",
+                               "bench-fp8"]
     assert "tests/test_gpu.py" in steps["tests-gpu"] and "tests/test_gpu_train.py" in steps["tests-train"]
     assert "tests/test_gpu_kernels.py" in steps["tests-kernels"]
-    assert "configs/bench/gpu-check.yaml" in steps["bench"] and "--resume" in steps["bench"]
-    assert list(steps)[4] == "bench-fp8" and "configs/bench/gpu-fp8.yaml" in steps["bench-fp8"]
+    for name, sweep in (("bench", "gpu-check"), ("bench-train", "gpu-train"), ("bench-fp8", "gpu-fp8")):
+        assert f"configs/bench/{sweep}.yaml" in steps[name] and "--resume" in steps[name]
     expected = [f"peer-{m}-{s}-{b}" for b in ("full", "packed") for m, s in (("gpt2-small", 1024), ("llama-1b", 2048))]
-    assert list(steps)[5:] == expected
+    assert list(steps)[6:] == expected
     for name in expected:
         assert PEER_FLAGS in steps[name] and f"--batch {name.rsplit('-', 1)[1]}" in steps[name]
     assert "--micro-batch 16" in steps["peer-gpt2-small-1024-full"]
     assert "--micro-batch 4" in steps["peer-llama-1b-2048-packed"]
-    assert lines[-1] == "gpu-check: 9 steps valid (dry run: nothing launched)"
+    # The tests and the first two sweeps fit one lease's two calls of the default budget.
+    calls = re.fullmatch(r"gpu-check: caps of tests, bench, train ([\d.]+) calls of --budget-min 7; "
+                         r"then fp8, peer \d+ min", lines[-2])
+    assert calls and float(calls[1]) <= 2, lines[-2]
+    assert lines[-1] == "gpu-check: 10 steps valid (dry run: nothing launched)"
+
+
+def test_the_training_shaped_sweep_steps_every_half_million_tokens_in_bf16_and_pure_bf16():
+    sweep, points = load_bench(ROOT / "configs" / "bench" / "gpu-train.yaml")
+    assert points and not [p.error for p in points if p.error]
+    assert {p.settings["train.precision"] for p in points} == {"bf16", "pure_bf16"}
+    assert {p.settings["model"] for p in points} == {"gpt2-small", "llama-1b"}
+    for p in points:
+        cfg = load_config(str(ROOT / sweep.base), p.overrides)
+        assert cfg.train.compile and cfg.train.global_batch_size * cfg.data.seq_len == 524_288, p.name
+        assert cfg.train.global_batch_size // cfg.train.micro_batch_size >= 16  # accumulation
 
 
 def _sweep(tmp_path, points, base=ROOT / "configs" / "demo.yaml", name="sweep", grid=None):
@@ -66,7 +84,11 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
     out = tmp_path / "out"
     fp8 = _sweep(tmp_path, [{**TINY, "train.fp8.layers": "all"}], name="fp8",
                  grid={"train.fp8.recipe": ["none", "tensorwise"]})
-    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]), "--fp8-sweep", fp8]
+    # Training-shaped: 2 micro-batches a step, bf16 weights.
+    train = _sweep(tmp_path, [{**TINY, "train.global_batch_size": 4, "train.precision": "pure_bf16"}],
+                   name="train")
+    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]), "--fp8-sweep", fp8,
+            "--train-sweep", train]
     peers = [f"peer-tiny-64-{batch}" for batch in ("full", "packed")]
     # Steps that cannot run are recorded, and the others go on.
     assert gpu_check(args + ["--peer-flags", "--compile sometimes"]) == 1
@@ -85,7 +107,7 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
     assert all(f"{name}: running" in printed for name in peers)
     state = json.loads((out / "steps.json").read_text())
     assert {k: v["status"] for k, v in state["steps"].items()} == {
-        "bench": "ok", "bench-fp8": "ok", **{n: "ok" for n in peers}}
+        "bench": "ok", "bench-train": "ok", "bench-fp8": "ok", **{n: "ok" for n in peers}}
     assert len(state["runs"]) == 2
     assert state["runs"][-1]["device"].startswith("cpu") and state["runs"][-1]["torch"]
     assert state["runs"][-1]["missing_packages"] == []  # this machine has what the steps import
@@ -101,6 +123,9 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
                         if re.match(rf"\| tiny \| 64 \| {batch} \| False \| {r['system']} \|", line))
             assert f"| {r['tokens_per_s']:,.0f} |" in line
     assert "Not run (--skip tests)" in summary
+    shaped = json.loads((out / "bench-train" / "results.json").read_text())["points"][0]
+    row = next(line for line in summary.splitlines() if line.startswith(f"| {shaped['point']} |"))
+    assert "| 2 | 4 | pure_bf16 |" in row and f"| {shaped['tokens_per_s']:,.0f} |" in row
     bf16, fp8 = json.loads((out / "bench-fp8" / "results.json").read_text())["points"]
     assert bf16["fp8"] is None and fp8["fp8"] == "tensorwise" and fp8["fp8_layers"] > 0
     row = next(line for line in summary.splitlines() if line.startswith(f"| {fp8['point']} |"))
@@ -110,7 +135,7 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
 
 def test_a_bench_the_budget_cuts_is_incomplete_and_not_kept(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--skip", "fp8",
+    args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--skip", "fp8", "--skip", "train",
             "--sweep", _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])]
     # 40 s: the bench step starts with a limit that leaves its sweep a second or so.
     assert gpu_check(args + ["--budget-min", str(40 / 60)]) == 1
