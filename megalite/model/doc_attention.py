@@ -16,11 +16,12 @@ that unfused reference and create_block_mask materialises the whole [batch, seq,
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from megalite.compiled import compiled
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,18 +35,12 @@ def uses_flex(device: torch.device) -> bool:
     return device.type in FLEX_DEVICES
 
 
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    """fn compiled once per process, on first use (importing megalite compiles nothing)."""
-    return torch.compile(fn)
-
-
 def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
                kv_len: int | None = None) -> BlockMask:
     """The BlockMask of `mask_mod` over [batch, seq, kv_len (default seq)], shared by every
     head. Any length works: the last block of one that is not a multiple of the block size
     (128) is partial."""
-    return _compiled(create_block_mask)(mask_mod, batch, None, seq, kv_len or seq, device=device)
+    return compiled(create_block_mask)(mask_mod, batch, None, seq, kv_len or seq, device=device)
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
@@ -66,4 +61,4 @@ def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
          enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
-    return _compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=enable_gqa, scale=scale)
+    return compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=enable_gqa, scale=scale)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.compiled import fused
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import all_reduce_over, group_size, reduce_partial_sums
 from megalite.parallel.sharding import mark_sharded
@@ -72,21 +73,32 @@ def softmax_stats_(z: torch.Tensor, labels: torch.Tensor, vocab_start: int, grou
     overwritten with exp(z - max): the caller owns it, and no second logits-sized buffer is made."""
     z_max = z.amax(dim=-1)
     all_reduce_over(z_max, group, op=dist.ReduceOp.MAX)
-    z.sub_(z_max.unsqueeze(-1))
-
     local, mine, ignored = label_columns(labels, vocab_start, z.shape[-1])
-    z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    z_target, sum_exp = fused(shifted_exp_, z.device)(z, z_max, local, mine)
     all_reduce_over(z_target, group)
-
-    sum_exp = z.exp_().sum(dim=-1)
     all_reduce_over(sum_exp, group)
     loss = (sum_exp.log() - z_target).masked_fill(ignored, 0.0)
     return SoftmaxStats(z_max, sum_exp, loss, local, mine, ignored)
 
 
+def shifted_exp_(z: torch.Tensor, z_max: torch.Tensor, local: torch.Tensor,
+                 mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part, no communication: z becomes exp(z - max) in place; (the label's
+    z - max here, 0 where the label is not this rank's; the sum of exp here)."""
+    z.sub_(z_max.unsqueeze(-1))
+    z_target = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    return z_target, z.exp_().sum(dim=-1)
+
+
 def softmax_grad_(exp: torch.Tensor, stats: SoftmaxStats, grad_loss: torch.Tensor) -> torch.Tensor:
     """In place: exp(z - max) becomes the gradient of sum(grad_loss * loss) with respect to the
     logits, (softmax - one_hot) * grad_loss, local to this rank's columns (no communication)."""
-    exp.div_(stats.sum_exp.unsqueeze(-1))
-    exp.scatter_add_(-1, stats.local.unsqueeze(-1), -stats.mine.unsqueeze(-1).to(exp.dtype))
-    return exp.mul_(grad_loss.masked_fill(stats.ignored, 0.0).unsqueeze(-1))
+    return fused(softmax_grad_local_, exp.device)(exp, stats.sum_exp, stats.local, stats.mine,
+                                                  grad_loss.masked_fill(stats.ignored, 0.0))
+
+
+def softmax_grad_local_(exp: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
+                        mine: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    exp.div_(sum_exp.unsqueeze(-1))
+    exp.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(exp.dtype))
+    return exp.mul_(grad_loss.unsqueeze(-1))
