@@ -44,7 +44,7 @@ def flex_on_cpu():
     eagerly here), to show that it ran."""
     used = []
     with mock.patch.object(doc_attention, "FLEX_DEVICES", ("cuda", "cpu")), \
-            mock.patch.object(doc_attention, "_compiled", lambda fn: used.append(fn) or fn), \
+            mock.patch.object(doc_attention, "compiled", lambda fn: used.append(fn) or fn), \
             mock.patch.object(torch_flex, "_validate_device", lambda *tensors: None), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
