@@ -111,8 +111,9 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
     if t.snapshot_every:
         snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,
                               {**run_identity(cfg, data), "layout": layout_of(ps)})
-        restored = snapshots.restore_newest(start, model, engine, restore=t.resume == "auto")
-        if restored is not None:
+        if t.resume != "auto":  # from the step named: the later snapshots are not this run's
+            snapshots.drop_after(start)
+        elif (restored := snapshots.restore_newest(start, model, engine)) is not None:
             start, tokens_seen, source_tokens = (restored["step"], restored["tokens"],
                                                  restored["tokens_per_source"])
     if start >= t.max_steps:

@@ -99,6 +99,7 @@ def softmax_grad_(exp: torch.Tensor, stats: SoftmaxStats, grad_loss: torch.Tenso
 
 def softmax_grad_local_(exp: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
                         mine: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """softmax_grad_ on plain tensors (what `fused` compiles); grad_loss 0 where ignored."""
     exp.div_(sum_exp.unsqueeze(-1))
     exp.scatter_add_(-1, local.unsqueeze(-1), -mine.unsqueeze(-1).to(exp.dtype))
     return exp.mul_(grad_loss.unsqueeze(-1))

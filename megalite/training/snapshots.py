@@ -120,8 +120,11 @@ class Snapshots:
             elif me == r:
                 self._publish(self.path(step), self._swap(None, True, to=None, source=q))
 
-    def _drop_after(self, step: int) -> None:
-        """This node's files of steps after `step` (a collective: none is written meanwhile)."""
+    def drop_after(self, step: int) -> None:
+        """At a start: this node's files of steps after `step`, the one the run starts from (a
+        collective: none is written meanwhile). They are of the run before the restart, and
+        mixed with this one's they could make a snapshot complete from two histories (which
+        differ wherever a kernel is not deterministic)."""
         for later, rank in self.held():
             if later > step:
                 self.path(later, rank).unlink(missing_ok=True)
@@ -207,20 +210,17 @@ class Snapshots:
             future.result()
             self._written = step
 
-    def restore_newest(self, after: int, model: torch.nn.Module, engine,
-                       restore: bool = True) -> dict | None:
+    def restore_newest(self, after: int, model: torch.nn.Module, engine) -> dict | None:
         """At a start (a collective): the newest complete snapshot, when newer than step
-        `after` (the disk checkpoint's) and `restore`, loaded into the model, engine and RNG,
-        fetched from a partner's copy where a node lost its memory; its counters and step, or
-        None. Either way, the files of later steps are dropped: they are of the run before the
-        restart, and mixed with this one's they could make a snapshot complete from two
-        histories (which differ wherever a kernel is not deterministic)."""
-        holders = self._holders() if restore else None  # read once: the drop keeps `newest`'s
-        newest = self.newest_complete(holders) if restore else None
+        `after` (the disk checkpoint's), loaded into the model, engine and RNG, fetched from a
+        partner's copy where a node lost its memory; its counters and step, or None. Either
+        way, the files of later steps are dropped (drop_after)."""
+        holders = self._holders()  # read once: the drop keeps `newest`'s files
+        newest = self.newest_complete(holders)
         if newest is None or newest <= after:
-            self._drop_after(after)
+            self.drop_after(after)
             return None
-        self._drop_after(newest)
+        self.drop_after(newest)
         self.fetch(newest, holders)
         with safe_open(self.path(newest), "pt") as f:
             counters = json.loads(f.metadata()["counters"])
