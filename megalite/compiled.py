@@ -15,9 +15,10 @@ import torch
 
 
 @functools.cache
-def compiled(fn: Callable) -> Callable:
-    """fn compiled once per process, on first use (importing megalite compiles nothing)."""
-    return torch.compile(fn)
+def compiled(fn: Callable, dynamic: bool | None = None) -> Callable:
+    """fn compiled once per process (and `dynamic`, torch.compile's), on first use (importing
+    megalite compiles nothing)."""
+    return torch.compile(fn, dynamic=dynamic)
 
 
 def fused(fn: Callable, device: torch.device) -> Callable:

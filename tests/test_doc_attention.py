@@ -41,10 +41,11 @@ LENGTHS = (13, 130)
 @contextmanager
 def flex_on_cpu():
     """Layouts and attention take the flex path on CPU; yields the functions it compiled (run
-    eagerly here), to show that it ran."""
+    eagerly here) with torch.compile's `dynamic` for each, to show that it ran."""
     used = []
     with mock.patch.object(doc_attention, "FLEX_DEVICES", ("cuda", "cpu")), \
-            mock.patch.object(doc_attention, "compiled", lambda fn: used.append(fn) or fn), \
+            mock.patch.object(doc_attention, "compiled",
+                              lambda fn, dynamic=None: used.append((fn, dynamic)) or fn), \
             mock.patch.object(torch_flex, "_validate_device", lambda *tensors: None), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
@@ -137,7 +138,7 @@ def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False,
             torch.manual_seed(seed)  # dropout: the same masks both times
             results.append(run(GPT(cfg, ps, seed=seed), batch))
         if flex:
-            assert (torch_flex.flex_attention in used) == (not exact)
+            assert ((torch_flex.flex_attention, False) in used) == (not exact)
     (logits, losses, grads), (flex_logits, flex_losses, flex_grads) = results
     assert torch.isfinite(logits).any(-1).all()
     tol = dict(atol=0, rtol=0) if exact else TOL
@@ -155,6 +156,20 @@ def test_flex_equals_dense_single_process(config_name, seq, masked):
     cfg = config(config_name, seq)
     batch = packed_batch(cfg.vocab_size, seq)
     flex_equals_dense(cfg, ParallelState(), batch if masked else unmasked(batch))
+
+
+def test_training_compiles_flex_for_its_shape_and_generation_for_any():
+    """dynamic=False with gradients on (a run's one micro-batch shape); torch.compile's default
+    without (prompts of any length)."""
+    cfg = config("llama", 13)
+    ids, mask, docs, labels = packed_batch(cfg.vocab_size, 13)
+    model = GPT(cfg, ParallelState(), seed=0)
+    with flex_on_cpu() as used:
+        model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+    assert set(used) == {(torch_flex.create_block_mask, False), (torch_flex.flex_attention, False)}
+    with flex_on_cpu() as used, torch.no_grad():
+        model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+    assert set(used) == {(torch_flex.create_block_mask, None), (torch_flex.flex_attention, None)}
 
 
 def test_attention_dropout_falls_back_to_the_dense_path_exactly():
