@@ -28,6 +28,8 @@ from typing import Iterator
 
 import torch
 
+from megalite.compiled import fused
+from megalite.parallel.mappings import group_size
 from megalite.parallel.vocab import SoftmaxStats, label_columns, softmax_grad_, softmax_stats_
 
 
@@ -47,26 +49,57 @@ class HeadShard:
         self.group, self.chunk_tokens, self.cap = group, chunk_tokens, cap
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the tokens x [n, hidden], soft-capped, padding at -inf; x and weight
-        already in the matmul dtype."""
-        z = soft_cap(torch.mm(x, weight.t()).float(), self.cap)
-        if self.padded_from is not None:
-            z[:, self.padded_from:] = float("-inf")
-        return z
+        """fp32 logits of the tokens x [n, hidden]; x and weight already in the matmul dtype."""
+        return finished_logits(torch.mm(x, weight.t()), self.padded_from, self.cap)
 
-    def cap_slope(self, z: torch.Tensor) -> torch.Tensor | None:
-        """d capped / d uncapped of logits z (capped): 1 - (z / cap)^2, 0 at the padding; None
-        without a cap."""
-        if self.cap is None:
-            return None
-        return torch.where(torch.isinf(z), 0.0, 1 - (z / self.cap).square())
-
-    def raw_grad(self, grad_z: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
-        """The gradient of the uncapped logits from that of the capped ones."""
-        return grad_z if slope is None else grad_z.mul_(slope)
+    def loss_and_grad(self, product: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-token losses, d sum(weights x losses) / d product) of one chunk's product =
+        X E_r^T in the matmul dtype; the gradient overwrites the product. Without TP (no
+        collective between the passes) it is one compiled function on CUDA, llm.c's fused
+        classifier: the product read, its gradient written in its place, and no fp32 logits
+        in memory between kernels."""
+        if group_size(self.group) > 1:
+            return loss_and_grad_(product, labels, weights, self.vocab_start, self.padded_from,
+                                  self.cap, self.group)
+        return fused(loss_and_grad_, product.device)(product, labels, weights, self.vocab_start,
+                                                     self.padded_from, self.cap, None)
 
     def chunks(self, n: int) -> Iterator[slice]:
         return (slice(i, min(i + self.chunk_tokens, n)) for i in range(0, n, self.chunk_tokens))
+
+
+def finished_logits(product: torch.Tensor, padded_from: int | None,
+                    cap: float | None) -> torch.Tensor:
+    """The product X E_r^T as fp32 logits: soft-capped, padding at -inf."""
+    z = soft_cap(product.float(), cap)
+    if padded_from is not None:
+        z[:, padded_from:] = float("-inf")
+    return z
+
+
+def cap_slope(z: torch.Tensor, cap: float | None) -> torch.Tensor | None:
+    """d capped / d uncapped of logits z (capped): 1 - (z / cap)^2, 0 at the padding; None
+    without a cap."""
+    if cap is None:
+        return None
+    return torch.where(torch.isinf(z), 0.0, 1 - (z / cap).square())
+
+
+def uncapped_grad_(grad_z: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of the uncapped logits from that of the capped ones (in place)."""
+    return grad_z if slope is None else grad_z.mul_(slope)
+
+
+def loss_and_grad_(product: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                   vocab_start: int, padded_from: int | None, cap: float | None,
+                   group) -> tuple[torch.Tensor, torch.Tensor]:
+    """HeadShard.loss_and_grad on plain arguments (what `fused` compiles)."""
+    z = finished_logits(product, padded_from, cap)
+    slope = cap_slope(z, cap)  # before z becomes exp(z - max)
+    stats = softmax_stats_(z, labels, vocab_start, group)
+    grad = uncapped_grad_(softmax_grad_(z, stats, weights), slope)
+    return stats.loss, product.copy_(grad)
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -99,14 +132,14 @@ class _HeadLossSum(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(dtype)
-            z = shard.logits(xc, w)
-            slope = shard.cap_slope(z) if needs_grad else None  # before z becomes exp(z - max)
-            stats = softmax_stats_(z, labels[rows], shard.vocab_start, shard.group)
-            losses[rows] = stats.loss
             if needs_grad:
-                grad_z = shard.raw_grad(softmax_grad_(z, stats, weights[rows]), slope)
+                losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
+                                                           weights[rows])
                 _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
-            del z
+                del grad_z
+            else:
+                losses[rows] = softmax_stats_(shard.logits(xc, w), labels[rows],
+                                              shard.vocab_start, shard.group).loss
         if needs_grad:
             ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(losses)
@@ -145,12 +178,12 @@ class _HeadTokenLosses(torch.autograd.Function):
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(ctx.dtype)
             z = shard.logits(xc, w)
-            slope = shard.cap_slope(z)
+            slope = cap_slope(z, shard.cap)
             z.sub_(z_max[rows].unsqueeze(-1)).exp_()
             # What softmax_grad_ reads, from the saved max and sum of exp: no collective.
             stats = SoftmaxStats(z_max[rows], sum_exp[rows], None,
                                  *label_columns(labels[rows], shard.vocab_start, z.shape[-1]))
-            grad_z = shard.raw_grad(softmax_grad_(z, stats, grad_loss[rows]), slope)
+            grad_z = uncapped_grad_(softmax_grad_(z, stats, grad_loss[rows]), slope)
             _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
             del z
         return grad_x, grad_w.to(weight.dtype), None, None
