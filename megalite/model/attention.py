@@ -89,11 +89,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-        q, kv = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
+        # K and V come as two outputs of the interleaved kv_proj, [batch, seq, kv_heads, head_dim].
+        q, k, v = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
         batch, seq, _ = q.shape  # the whole sequence, also when x is a shard of it
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        kv = kv.view(batch, seq, self.kv_heads, 2, self.head_dim)
-        k, v = (t.transpose(1, 2) for t in kv.unbind(dim=3))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
         if rotary is not None:

@@ -14,6 +14,8 @@ the tokens and store 1/t of the activations.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -25,53 +27,66 @@ from megalite.parallel.mappings import (SEQ_DIM, all_gather,
                                         reduce_partial_sums, reduce_scatter,
                                         scatter_to_tensor_parallel_region,
                                         sum_grad_over_shards)
-from megalite.parallel.sharding import mark_sharded
+from megalite.parallel.linear_parts import LinearParts, cut
+from megalite.parallel.sharding import interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
 
 
 def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
                             *layers: tuple[torch.Tensor, torch.Tensor | None], matmul=HIGH,
-                            splits: Splits | None = None) -> list[torch.Tensor]:
+                            splits: Splits | None = None,
+                            interleaved: Sequence[tuple[int, int] | None] = ()
+                            ) -> list[torch.Tensor]:
     """X A_i + b_i for each (A_i, b_i) of column-parallel layers that read the same X (Q and KV,
     SwiGLU's gate and up, or one layer; all with biases or none): X enters the TP region once
     for all of them, so backward sums its gradient over the ranks once, not once per layer.
     Their slices are one matmul, X [A_1 A_2 ..]: each rank's output columns are its own, so
     concatenating the slices it holds changes nothing of the split, and each layer keeps its
-    own parameter (names, init, checkpoints, Hugging Face mapping).
+    own parameter (names, init, checkpoints, Hugging Face mapping). Several layers in the
+    tensors' own precision take their gradients part by part (parallel/linear_parts.py).
 
     X replicated: through f (identity forward, all-reduce backward). X split along the sequence
     (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
     backward), storing only this rank's shard for backward (_GatheredLinear).
 
     matmul: the precision recipe (parallel/matmul.py); splits: its view of the operands (by
-    default N split over `group`, X's rows whole).
+    default N split over `group`, X's rows whole). interleaved: per layer, (parts, size) for a
+    layer whose rows interleave `parts` matrices in blocks of `size` (K/V), handed out as one
+    output each, [..., rows / (parts x size), size]; None (the default): the layer's output.
     """
-    weight, bias, sizes = _fused(layers)
+    layouts = [(w.shape[0], i) for (w, _), i in zip(layers, interleaved or [None] * len(layers))]
+    gathered = sequence_parallel and group_size(group) > 1
+    if len(layers) > 1 and matmul is HIGH:
+        x = x if gathered else copy_to_tensor_parallel_region(x, group)
+        weights, biases = zip(*layers)
+        return list(LinearParts.apply(x, group if gathered else None, layouts, *weights, *biases))
+    weight, bias = _fused(layers)
     splits = splits or Splits(outer=group)
-    if sequence_parallel and group_size(group) > 1:
+    if gathered:
         y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
     else:
         y = matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits)
-    return list(y.split(sizes, dim=-1))
+    # A scaled recipe (FP8) scales the whole output gradient at once: one matmul backward.
+    return list(cut(y, layouts, -1))
 
 
 def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
                           *layers: "ColumnParallelLinear") -> list[torch.Tensor]:
-    """column_parallel_linears of ColumnParallelLinear modules, each's A_r (and b_r) and the
-    precision recipe they share."""
+    """column_parallel_linears of ColumnParallelLinear modules, each's A_r (and b_r), the
+    precision recipe they share, and their interleaves (sharding.mark_interleaved)."""
     return column_parallel_linears(x, layers[0].tp_group, sequence_parallel,
                                    *(layer.weight_and_bias() for layer in layers),
                                    matmul=shared_matmul(layer.matmul for layer in layers),
-                                   splits=layers[0].splits)
+                                   splits=layers[0].splits,
+                                   interleaved=[interleaved_of(layer.weight) for layer in layers])
 
 
-def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-    """The layers' weights (and biases) as one matrix: [A_1 A_2 ..], and each one's columns."""
+def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights (and biases) as one matrix: [A_1 A_2 ..]."""
     weights, biases = zip(*layers)
     if len(layers) == 1:
-        return weights[0], biases[0], [weights[0].shape[0]]
-    bias = None if biases[0] is None else torch.cat(biases)
-    return torch.cat(weights), bias, [w.shape[0] for w in weights]
+        return weights[0], biases[0]
+    return torch.cat(weights), None if biases[0] is None else torch.cat(biases)
 
 
 class _GatheredLinear(torch.autograd.Function):
