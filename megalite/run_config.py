@@ -134,6 +134,14 @@ class TrainConfig:
     # logits at a time (and never the whole batch's): lower it if memory is tight.
     loss_chunk_tokens: int = 4096
     compile: bool = False  # torch.compile the whole model, embedding to loss (the first steps compile)
+    # train.compile's torch.compile mode: reduce-overhead replays the compiled step as CUDA
+    # graphs (less launch time where a GPU's work per step is small); max-autotune also tunes
+    # the kernels (minutes more compiling). docs/benchmarks.md#compile-settings
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune",
+                          "max-autotune-no-cudagraphs"] = "default"
+    # Inductor settings instead of a mode (torch._inductor.list_options()), e.g.
+    # {coordinate_descent_tuning: true}; nested keys join with dots ({triton: {cudagraphs: true}}).
+    compile_options: dict = field(default_factory=dict)
     checkpoint_every: int = 0  # steps; 0: only at the end
     # Steps between in-memory snapshots (0: none): each rank's state in the node's shared
     # memory, from which a run restarted by its launcher after a rank died goes on

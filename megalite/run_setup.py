@@ -19,6 +19,7 @@ from megalite.fp8.convert import check_fp8_layout
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, TrainConfig, to_dict
+from megalite.training.build import inductor_options
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
@@ -130,10 +131,33 @@ def check_ranges(t: TrainConfig) -> None:
     for key, value, ok, need in rules:
         if not ok:  # NaN fails every rule
             raise ConfigError(f"{key}={value} must be {need}")
+    check_compile(t)
     if t.snapshot_every and t.engine != "native":
         raise ConfigError(f"train.snapshot_every={t.snapshot_every} with train.engine={t.engine}: in-memory "
                           f"snapshots are not written for it yet; set train.snapshot_every=0 "
                           f"(disk checkpoints: train.checkpoint_every)")
+
+
+def check_compile(t: TrainConfig) -> None:
+    """train.compile_mode and train.compile_options: with train.compile, one of them, and
+    options inductor has."""
+    chosen = [f"train.compile_mode={t.compile_mode}"] if t.compile_mode != "default" else []
+    chosen += [f"train.compile_options={t.compile_options}"] if t.compile_options else []
+    if chosen and not t.compile:
+        raise ConfigError(f"{chosen[0]} needs train.compile=true: without it nothing is compiled")
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)}: torch.compile takes a mode or options, not "
+                          f"both; give the mode's settings as options (reduce-overhead is "
+                          f"{{triton.cudagraphs: true}}: torch._inductor.list_mode_options())")
+    if t.compile_options:
+        import torch._inductor
+        known = set(torch._inductor.list_options())
+        unknown = sorted(set(inductor_options(t.compile_options)) - known)
+        if unknown:
+            raise ConfigError(f"train.compile_options: {', '.join(unknown)} is not an inductor "
+                              f"setting of torch {torch.__version__}; "
+                              f"torch._inductor.list_options() names them (e.g. "
+                              f"coordinate_descent_tuning)")
 
 
 def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:

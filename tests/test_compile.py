@@ -4,7 +4,9 @@ parallelism (CP2, K/V all-gathered and the ring's autograd function), and at TP=
 forward is one graph, without a break, for padded and packed batches. The graphs are captured
 with the aot_eager backend, which traces the model (dynamo and AOT autograd, as in production)
 without generating kernels, to keep the test fast on CPU; inductor's kernels are measured by
-the GPU benchmarks. FP8 (train.fp8) compiles to the same numbers at TP=1 and TP=2."""
+the GPU benchmarks. FP8 (train.fp8) compiles to the same numbers at TP=1 and TP=2. And
+train.compile_mode / train.compile_options reach torch.compile, checked before any work (CUDA
+graphs, reduce-overhead, equal the ungraphed step on a GPU: tests/test_gpu.py)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,10 @@ from megalite.config import ParallelConfig
 from megalite.fp8.convert import convert_to_fp8
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from megalite.run_config import Fp8Config
+from megalite.run_config import Fp8Config, load_config
+from megalite.run_setup import validate
+from megalite.training.build import build_model
+from megalite.typed_config import ConfigError
 from tests.harness import run_distributed
 from tests.models import CONFIGS, padded_batch
 
@@ -83,3 +88,34 @@ def test_training_forward_is_one_graph_at_tp1(name, packed):
     explained = torch._dynamo.explain(training_loss)(ids, docs, labels)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ([], {}),
+    (["train.compile_mode=reduce-overhead"], {"mode": "reduce-overhead"}),
+    (["train.compile_options={triton: {cudagraphs: true}, coordinate_descent_tuning: true}"],
+     {"options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}}),
+])
+def test_compile_settings_reach_torch_compile(monkeypatch, settings, expected):
+    """train.compile_mode, or train.compile_options (nested keys joined with dots, as inductor
+    names them), are what the model is compiled with."""
+    calls = []
+    monkeypatch.setattr(GPT, "compile", lambda self, **kwargs: calls.append(kwargs))
+    cfg = load_config(None, ["model=tiny", "train.compile=true", *settings])
+    validate(cfg, 1)
+    build_model(cfg, ParallelState())
+    assert calls == [expected]
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["train.compile_mode=max-autotune"],
+     r"^train\.compile_mode=max-autotune needs train\.compile=true"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead",
+      "train.compile_options={coordinate_descent_tuning: true}"],
+     r"torch\.compile takes a mode or options, not both; .*\{triton\.cudagraphs: true\}"),
+    (["train.compile=true", "train.compile_options={triton: {cuda_graphs: true}}"],
+     r"^train\.compile_options: triton\.cuda_graphs is not an inductor setting of torch"),
+])
+def test_compile_settings_are_checked_before_any_work(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, ["model=tiny", *settings]), 1)

@@ -5,6 +5,7 @@
   path that CPUs take, logits, losses and gradients, in fp32 and in bf16 autocast, GPT-2 style
   (learned positions, tied head) and Llama style (RoPE, GQA, untied head);
 - train.compile (the model's .compile(), inductor) = eager, packed rows through FlexAttention;
+  with train.compile_mode=reduce-overhead (CUDA graphs) a few optimizer steps train as eager;
 - train.precision=pure_bf16 follows bf16 autocast (and fp32) over a few optimizer steps.
 
 The kernels the model calls (the fused head + loss, the KV cache, the MoE grouped matmul) are
@@ -35,6 +36,7 @@ from torch.testing import assert_close
 from megalite.model import GPT, attention as attention_module, doc_attention
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
+from megalite.training.build import compile_settings
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from tests.models import CONFIGS, padded_batch
 from tests.test_doc_attention import packed_batch
@@ -247,6 +249,41 @@ def test_compiled_model_equals_eager():
     # Llama style: RoPE, GQA, SwiGLU, RMSNorm, untied head; FlexAttention inside the graph.
     # One config: compiling is the slow part of these tests.
     check_compiled_equals_eager(CUDA, "llama")
+
+
+def check_cuda_graphs_equal_eager(device: torch.device, name: str = "llama") -> None:
+    """train.compile_mode=reduce-overhead (the compiled step replayed as CUDA graphs) trains as
+    eager: STEPS optimizer steps of two different micro-batches each (an input left from the
+    previous replay would show), fp32, losses and final weights within COMPILE_TOL."""
+    results = []
+    for mode in ("eager", "reduce-overhead"):
+        torch._dynamo.reset()
+        cfg, ps = pure_bf16_config(name), ParallelState(device=device)
+        model = GPT(cfg, ps, seed=0)
+        if mode != "eager":
+            model.compile(**compile_settings(TrainConfig(compile=True, compile_mode=mode)))
+        engine = NativeEngine(model, TrainConfig(precision="fp32"), ps)
+        batches, n_tokens = micro_batches(cfg, ps)
+        batches, n_tokens = [b.to(device) for b in batches], n_tokens.to(device)
+        losses = []
+        for _ in range(STEPS):
+            engine.set_lr(1e-2)
+            losses.append(train_step(engine, batches, n_tokens, nullcontext())[0].detach().clone())
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results.append((torch.stack(losses), weights))
+    # Graphs were recorded and replayed (cudagraph trees' manager holds their roots): a mode
+    # that fell back to plain kernels would pass the comparison below.
+    from torch._inductor.cudagraph_trees import get_manager
+    manager = get_manager(device.index or 0, create_if_none_exists=False)
+    assert manager is not None and manager.roots, "no CUDA graph was recorded"
+    (eager_losses, eager_weights), (graphed_losses, graphed_weights) = results
+    assert_close_scaled(graphed_losses, eager_losses, COMPILE_TOL, "losses")
+    for key, value in eager_weights.items():
+        assert_close_scaled(graphed_weights[key], value, COMPILE_TOL, key)
+
+
+def test_cuda_graphs_train_as_eager():
+    check_cuda_graphs_equal_eager(CUDA)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,27 @@ def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
     if cfg.train.compile:
         # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
         # at TP=1 (tests/test_compile.py); the TP collectives split it into several.
-        model.compile()
+        model.compile(**compile_settings(cfg.train))
     return model
+
+
+def compile_settings(t: TrainConfig) -> dict:
+    """torch.compile's keyword arguments for train.compile_mode or train.compile_options
+    (run_setup.check_compile has checked them)."""
+    if t.compile_options:
+        return {"options": inductor_options(t.compile_options)}
+    return {} if t.compile_mode == "default" else {"mode": t.compile_mode}
+
+
+def inductor_options(options: dict, prefix: str = "") -> dict:
+    """Nested mappings as inductor's dotted names: {triton: {cudagraphs: true}} is
+    {"triton.cudagraphs": true}."""
+    flat = {}
+    for key, value in options.items():
+        name = f"{prefix}{key}"
+        nested = isinstance(value, dict)
+        flat.update(inductor_options(value, f"{name}.") if nested else {name: value})
+    return flat
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,
