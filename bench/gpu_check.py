@@ -4,7 +4,9 @@ On one H100/H200, within --budget-min (7: one of two calls in a 15-minute lease)
 (tests/test_gpu*.py), `python -m bench sweep` on configs/bench/gpu-check.yaml (GPT-2 small at
 1024, the 1B Llama at 2048; eager and compiled; full and packed rows), on
 configs/bench/gpu-train.yaml (the same models compiled, an optimizer step every ~0.5M tokens,
-bf16 and pure_bf16) and on configs/bench/gpu-fp8.yaml (compiled, bf16 against FP8 recipes),
+bf16 and pure_bf16), on configs/bench/gpu-compile.yaml (GPT-2 small compiled by default, as
+CUDA graphs, with inductor's tuning) and on configs/bench/gpu-fp8.yaml (compiled, bf16 against
+FP8 recipes),
 then `python -m bench peer` at the first sweep's shapes on full and on packed rows
 (--compile both --max-batch --profile). Every JSON goes into DIR with the device, torch and
 CUDA versions, date, commit and command, and one DIR/summary.md table (bench/gpu_summary.py)
@@ -15,7 +17,7 @@ the budget left, at most the step's own cap. A step that fails or runs out of ti
 recorded in DIR/steps.json and the rest go on. Run again with the same DIR and the steps that
 ended (ok or failed) are kept, a sweep keeps its finished points, and the others run; a step
 that is not a sweep starts only with its whole cap left. The caps of the tests, bench and
-bench-train add up to less than two calls; FP8 and peer-bench follow. It uses the machine's
+bench-train add up to less than two calls; compile settings, FP8 and peer-bench follow. It uses the machine's
 own torch and installs nothing.
 `--dry-run` launches nothing: it checks that every config and command line it would run is
 valid and prints what the caps add up to (tests/test_gpu_check.py runs it on CPU, so the
@@ -56,11 +58,13 @@ TESTS = {"tests-gpu": ("tests/test_gpu.py", 90.0), "tests-kernels": ("tests/test
 SWEEP = "configs/bench/gpu-check.yaml"
 TRAIN_SWEEP = "configs/bench/gpu-train.yaml"
 FP8_SWEEP = "configs/bench/gpu-fp8.yaml"
+COMPILE_SWEEP = "configs/bench/gpu-compile.yaml"
 PEER_FLAGS = "--compile both --max-batch --profile"
-STEP_KINDS = ("tests", "bench", "train", "fp8", "peer")
-CAPS = {"bench": 300.0, "train": 240.0, "fp8": 240.0, "peer": 240.0}
+STEP_KINDS = ("tests", "bench", "train", "compile", "fp8", "peer")
+# compile: five GPT-2 compiles (~40 s each on the H200) and coordinate-descent tuning's, a guess
+CAPS = {"bench": 300.0, "train": 240.0, "compile": 360.0, "fp8": 240.0, "peer": 240.0}
 CALL_MIN = 7.0
-LATER = ("fp8", "peer")
+LATER = ("compile", "fp8", "peer")
 # What a sweep step keeps of its limit to write its report and plots after the last point.
 REPORT_MARGIN_S = 45.0
 ENDED = ("ok", "failed")
@@ -86,8 +90,8 @@ def sweep_step(name: str, kind: str, sweep: str, out: Path) -> Step:
                 f"{name}/results.json", CAPS[kind])
 
 
-def plan(out: Path, sweep: str, peer_flags: str, skip: list[str],
-         fp8_sweep: str = FP8_SWEEP, train_sweep: str = TRAIN_SWEEP) -> list[Step]:
+def plan(out: Path, sweep: str, peer_flags: str, skip: list[str], fp8_sweep: str = FP8_SWEEP,
+         train_sweep: str = TRAIN_SWEEP, compile_sweep: str = COMPILE_SWEEP) -> list[Step]:
     steps = []
     if "tests" not in skip:
         # One step per file: each has its own limit and result, and a test's time shows in its
@@ -99,6 +103,7 @@ def plan(out: Path, sweep: str, peer_flags: str, skip: list[str],
                                               "--junitxml", str(out / f"{name}.xml")],
                               f"{name}.xml", cap))
     for kind, name, path in (("bench", "bench", sweep), ("train", "bench-train", train_sweep),
+                             ("compile", "bench-compile", compile_sweep),
                              ("fp8", "bench-fp8", fp8_sweep)):
         if kind not in skip:
             steps.append(sweep_step(name, kind, path, out))
@@ -221,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", default=SWEEP, help="the bench sweep (its points give peer-bench's shapes)")
     parser.add_argument("--train-sweep", default=TRAIN_SWEEP,
                         help="the training-shaped sweep (an optimizer step every ~0.5M tokens)")
+    parser.add_argument("--compile-sweep", default=COMPILE_SWEEP, help="the compile-settings sweep")
     parser.add_argument("--fp8-sweep", default=FP8_SWEEP, help="the FP8 sweep")
     parser.add_argument("--peer-flags", default=PEER_FLAGS, help="peer-bench's flags besides the shape")
     parser.add_argument("--skip", action="append", default=[], choices=STEP_KINDS, help="leave out a kind of step")
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget_min * 60  # the checks below count against it
     out = Path(args.out).resolve()
-    steps = plan(out, args.sweep, args.peer_flags, args.skip, args.fp8_sweep, args.train_sweep)
+    steps = plan(out, args.sweep, args.peer_flags, args.skip, args.fp8_sweep, args.train_sweep,
+                 args.compile_sweep)
     problems = check(steps)
     if args.dry_run:
         if problems:

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 # gpu-check's kinds of step that run a `python -m bench sweep` (its results.json a table here).
-SWEEP_KINDS = ("bench", "train", "fp8")
+SWEEP_KINDS = ("bench", "train", "compile", "fp8")
 
 SHARES = ("attention", "matmul", "elementwise", "optimizer", "communication", "idle")
 

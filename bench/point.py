@@ -32,7 +32,7 @@ from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
-from megalite.training.build import build_engine, build_model
+from megalite.training.build import build_engine, build_model, inductor_options
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import (flops_per_token, matmul_params, max_over_ranks, peak_flops,
                                        peak_memory_bytes)
@@ -97,7 +97,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         "devices": ps.world_size, "sequence_parallel": cfg.parallel.sequence_parallel,
         **pipeline_fields(cfg, ps),
         "engine": t.engine, "activation_checkpointing": t.activation_checkpointing,
-        "compile": t.compile, "batch": batch,
+        "compile": compile_label(t), "batch": batch,
         "precision": t.precision if t.precision != "auto" else
                      ("bf16" if isinstance(autocast, torch.autocast) else "fp32"),
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
@@ -246,6 +246,13 @@ def head_loss_memory(model: GPT, step, device: torch.device) -> dict:
 def _barrier(ps: ParallelState) -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def compile_label(t) -> bool | str:
+    """train.compile, or how it compiles where that is not torch.compile's default."""
+    if t.compile and t.compile_options:
+        return ",".join(f"{k}={v}" for k, v in inductor_options(t.compile_options).items())
+    return t.compile_mode if t.compile and t.compile_mode != "default" else t.compile
 
 
 def device_name(device: torch.device) -> str:

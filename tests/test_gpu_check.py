@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from bench.gpu_check import PEER_FLAGS, main as gpu_check
+from bench.point import compile_label
 from bench.runner import load_bench
 from megalite.run_config import load_config
 from bench.__main__ import COMMANDS
@@ -22,23 +23,43 @@ def test_dry_run_plans_and_validates_the_shipped_check(capsys):
     assert gpu_check(["--out", "unused", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     steps = dict(line.split(": ", 1) for line in lines[:-2])
-    assert list(steps)[:6] == ["tests-gpu", "tests-kernels", "tests-train", "bench", "bench-train",
-                               "bench-fp8"]
+    assert list(steps)[:7] == ["tests-gpu", "tests-kernels", "tests-train", "bench", "bench-train",
+                               "bench-compile", "bench-fp8"]
     assert "tests/test_gpu.py" in steps["tests-gpu"] and "tests/test_gpu_train.py" in steps["tests-train"]
     assert "tests/test_gpu_kernels.py" in steps["tests-kernels"]
-    for name, sweep in (("bench", "gpu-check"), ("bench-train", "gpu-train"), ("bench-fp8", "gpu-fp8")):
+    for name, sweep in (("bench", "gpu-check"), ("bench-train", "gpu-train"),
+                        ("bench-compile", "gpu-compile"), ("bench-fp8", "gpu-fp8")):
         assert f"configs/bench/{sweep}.yaml" in steps[name] and "--resume" in steps[name]
     expected = [f"peer-{m}-{s}-{b}" for b in ("full", "packed") for m, s in (("gpt2-small", 1024), ("llama-1b", 2048))]
-    assert list(steps)[6:] == expected
+    assert list(steps)[7:] == expected
     for name in expected:
         assert PEER_FLAGS in steps[name] and f"--batch {name.rsplit('-', 1)[1]}" in steps[name]
     assert "--micro-batch 16" in steps["peer-gpt2-small-1024-full"]
     assert "--micro-batch 4" in steps["peer-llama-1b-2048-packed"]
     # The tests and the first two sweeps fit one lease's two calls of the default budget.
     calls = re.fullmatch(r"gpu-check: caps of tests, bench, train ([\d.]+) calls of --budget-min 7; "
-                         r"then fp8, peer \d+ min", lines[-2])
+                         r"then compile, fp8, peer \d+ min", lines[-2])
     assert calls and float(calls[1]) <= 2, lines[-2]
-    assert lines[-1] == "gpu-check: 10 steps valid (dry run: nothing launched)"
+    assert lines[-1] == "gpu-check: 11 steps valid (dry run: nothing launched)"
+
+
+def test_the_compile_sweep_sets_each_way_once_on_a_small_and_the_bench_step():
+    """torch.compile's default, CUDA graphs (reduce-overhead) at micro-batches 4 and 16, and
+    coordinate-descent tuning at 16: each point valid and its settings reaching the config."""
+    sweep, points = load_bench(ROOT / "configs" / "bench" / "gpu-compile.yaml")
+    assert not [p.error for p in points if p.error]
+    ways = []
+    for p in points:
+        cfg = load_config(str(ROOT / sweep.base), p.overrides)
+        assert cfg.train.compile and cfg.model.n_layers == 12 and cfg.data.seq_len == 1024
+        ways.append((cfg.train.micro_batch_size, cfg.train.compile_mode,
+                     tuple(cfg.train.compile_options.items())))
+    assert ways == [(4, "default", ()), (4, "reduce-overhead", ()), (16, "default", ()),
+                    (16, "reduce-overhead", ()),
+                    (16, "default", (("coordinate_descent_tuning", True),))]
+    # The results (and summary.md's compile column) say which way each point compiled.
+    labels = [compile_label(load_config(str(ROOT / sweep.base), p.overrides).train) for p in points]
+    assert labels == [True, "reduce-overhead", True, "reduce-overhead", "coordinate_descent_tuning=True"]
 
 
 def test_the_training_shaped_sweep_steps_every_half_million_tokens_in_bf16_and_pure_bf16():
@@ -87,7 +108,9 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
     # Training-shaped: 2 micro-batches a step, bf16 weights.
     train = _sweep(tmp_path, [{**TINY, "train.global_batch_size": 4, "train.precision": "pure_bf16"}],
                    name="train")
-    args = ["--out", str(out), "--skip", "tests", "--sweep", _sweep(tmp_path, [TINY]), "--fp8-sweep", fp8,
+    # compile: inductor's CPU build would take minutes here (its sweep is checked above).
+    args = ["--out", str(out), "--skip", "tests", "--skip", "compile", "--sweep", _sweep(tmp_path, [TINY]),
+            "--fp8-sweep", fp8,
             "--train-sweep", train]
     peers = [f"peer-tiny-64-{batch}" for batch in ("full", "packed")]
     # Steps that cannot run are recorded, and the others go on.
@@ -136,6 +159,7 @@ def test_a_tiny_check_on_cpu_goes_on_past_a_step_that_cannot_run_and_redoes_it(t
 def test_a_bench_the_budget_cuts_is_incomplete_and_not_kept(tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--out", str(out), "--skip", "tests", "--skip", "peer", "--skip", "fp8", "--skip", "train",
+            "--skip", "compile",
             "--sweep", _sweep(tmp_path, [TINY, {**TINY, "data.seq_len": 32}])]
     # 40 s: the bench step starts with a limit that leaves its sweep a second or so.
     assert gpu_check(args + ["--budget-min", str(40 / 60)]) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def expand(name: str, grid: dict, points: list) -> list[dict]:
 
 
 def short_name(point: dict) -> str:
-    return "-".join(f"{k.split('.')[-1]}{v}" for k, v in point.items()) or "base"
+    """A point's settings as a directory name: a mapping's or a list's punctuation dropped."""
+    return "-".join(k.split(".")[-1] + re.sub(r"[^\w.=+-]", "", str(v))
+                    for k, v in point.items()) or "base"
 
 
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
