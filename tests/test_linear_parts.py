@@ -3,14 +3,24 @@
 and weight gradients bit for bit; dX and the bias gradients, sums over the parts (over the
 tokens) in another order, to 1e-6 of their norm in fp32, and under bf16 autocast dX to bf16's
 rounding (each part's product is rounded before the sum). And backward joins no
-activation-sized gradient: no cat or stack of the output gradients, as plain autograd does."""
+activation-sized gradient: no cat or stack of the output gradients, as plain autograd does,
+eager or in the backward graph a compiled model hands inductor."""
+from contextlib import nullcontext
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megalite.model import GPT
+from megalite.parallel import layers
 from megalite.parallel.linear_parts import LinearParts
+from megalite.parallel.state import ParallelState
+from tests.models import CONFIGS, padded_batch
 
 BATCH, SEQ, HIDDEN = 3, 40, 16  # 120 tokens: more rows than any weight has
 HEADS, KV_HEADS, HEAD = 4, 2, 8
@@ -99,3 +109,33 @@ def test_backward_joins_no_output_gradient(fn, joins_gradients):
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     tokens = BATCH * SEQ
     assert any(size >= tokens * KV_HEADS * HEAD for size in joins.sizes) == joins_gradients
+
+
+def backward_joins(plain: bool) -> list[tuple[str, tuple]]:
+    """The joins (cat, stack, a slice's backward: zeros with the slice copied in) of activation
+    size in the backward graph of the compiled GPT-2 style model at TP=1, as inductor would
+    get it; `plain`: with the parts turned off (the one-matmul backward FP8 keeps)."""
+    torch._dynamo.reset()
+    cfg = CONFIGS["gpt2"]
+    graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm),
+                           bw_compiler=lambda gm, _: graphs.append(gm) or make_boxed_func(gm))
+    model = GPT(cfg, ParallelState(), seed=0)
+    model.compile(backend=backend)
+    ids, _, labels = padded_batch(cfg, "right")
+    with mock.patch.object(layers, "HIGH", object()) if plain else nullcontext():
+        model(ids, labels=labels, loss_scale=0.1).loss.backward()
+    assert graphs
+    joins = (torch.ops.aten.cat, torch.ops.aten.stack, torch.ops.aten.slice_backward)
+    found = [(str(node.target), tuple(node.meta["val"].shape)) for gm in graphs
+             for node in gm.graph.nodes if getattr(node.target, "overloadpacket", None) in joins]
+    # Activations lead with [batch, seq] or [tokens]; the weights' joins (K/V's rows) do not.
+    return [(op, shape) for op, shape in found
+            if shape[:2] == tuple(ids.shape) or shape[0] == ids.numel()]
+
+
+def test_the_compiled_backward_joins_no_output_gradient():
+    """What inductor is given: with the parts, no activation-sized join at all in backward
+    (GPT-2 style: no rotary, whose rotate-half is a cat of its own); without them, Q/K/V's."""
+    assert backward_joins(plain=False) == []
+    assert backward_joins(plain=True)

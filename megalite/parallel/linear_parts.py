@@ -27,7 +27,8 @@ def cut(t: torch.Tensor, layouts: Layouts, dim: int) -> Iterator[torch.Tensor]:
     matrices, each [.., N_i / (parts x size), size, ..]."""
     start = 0
     for rows, interleave in layouts:
-        block = t.narrow(dim, start, rows)
+        # One layer's whole output is t itself: a narrow's backward would copy its gradient.
+        block = t if rows == t.shape[dim] else t.narrow(dim, start, rows)
         start += rows
         if interleave is None:
             yield block
