@@ -6,14 +6,12 @@ of leaving ranks waiting in a collective.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -28,14 +26,13 @@ from megalite.parallel.context import context_chunks
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
-from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.progress import Progress
 from megalite.run_config import Config, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_optimizer_state)
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
-from megalite.training.evaluation import all_reduce_loss, loss_sum
+from megalite.training.evaluation import all_reduce_loss, eval_plan, evaluate
 from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
@@ -323,52 +320,6 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
                      "draws it by shuffle.py's keyed permutation, so the steps from here read "
                      "other samples than that version would have")
     print("\n".join(lines), flush=True)
-
-
-def eval_plan(cfg: Config, val_set: Mixture) -> str:
-    """What each evaluation will read, said before the first."""
-    t, held = cfg.train, sum(val_set.sizes)
-    if held == 0:
-        return "eval: none (no held-out data)"
-    n = sum(val_set.leading_counts(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None))
-    when = f"every {t.eval_every} steps and at the end" if t.eval_every else "at the end"
-    return (f"eval: {n:,} of {held:,} held-out samples (rows of data.seq_len={cfg.data.seq_len}: "
-            f"up to {n * cfg.data.seq_len:,} tokens) {when}; train.eval_tokens="
-            f"{t.eval_tokens} (0: all)")
-
-
-@torch.no_grad()
-def evaluate(cfg: Config, model, val_set: Mixture, ps: ParallelState, step: int, metrics, autocast) -> None:
-    """Mean loss over the held-out set (train.eval_tokens=0), or over its first
-    ceil(eval_tokens / seq_len) samples, each source's in proportion to its weight; each sample
-    once, DP ranks taking disjoint parts, in micro-batches as in training."""
-    t = cfg.train
-    if sum(val_set.sizes) == 0:
-        return
-    picks = val_set.leading_picks(-(-t.eval_tokens // cfg.data.seq_len) if t.eval_tokens else None)
-    mine = np.array_split(picks, ps.dp_size)[ps.dp_rank]
-    # Experts split over DP ranks pair every rank's forwards (all-to-alls): a rank one sample
-    # short runs one more, without targets.
-    filler = -(-len(picks) // ps.dp_size) - len(mine) if ps.ep_size > 1 else 0
-    mine = np.concatenate([mine, picks[:filler]])
-    total = torch.zeros(2, dtype=torch.float64, device=ps.device)
-    # A step's worth of micro-batches on the device at a time: memory stays a step's.
-    chunk = t.global_batch_size // ps.dp_size
-    for first in range(0, len(mine), chunk):
-        part = mine[first:first + chunk]
-        batches = [val_set.collate(part[start:start + t.micro_batch_size]).to(ps.device)
-                   for start in range(0, len(part), t.micro_batch_size)]
-        if filler and first + chunk >= len(mine):
-            batches[-1].labels[-filler:] = IGNORE_INDEX
-        total += loss_sum(model, batches, autocast)
-    total = all_reduce_loss(total, ps)
-    val_loss, val_tokens = (total[0] / total[1]).item(), int(total[1].item())
-    val_ppl = math.exp(min(val_loss, 50.0))  # capped: an untrained model's ppl would overflow
-    if metrics:
-        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": val_ppl, "val_tokens": val_tokens})
-        whole = "the whole held-out set" if t.eval_tokens == 0 else f"train.eval_tokens={t.eval_tokens}"
-        print(f"step {step}: val_loss {val_loss:.4f}, val_ppl {val_ppl:.1f} "
-              f"({val_tokens:,} tokens: {whole})", flush=True)
 
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:

@@ -13,7 +13,7 @@ from megalite.data.batches import Mixture, Samples
 from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.run_config import load_config
 from megalite.run_setup import validate
-from megalite.train import eval_plan
+from megalite.training.evaluation import eval_plan
 from megalite.typed_config import ConfigError
 
 
