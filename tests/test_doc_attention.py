@@ -138,7 +138,7 @@ def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False,
             torch.manual_seed(seed)  # dropout: the same masks both times
             results.append(run(GPT(cfg, ps, seed=seed), batch))
         if flex:
-            assert ((torch_flex.flex_attention, False) in used) == (not exact)
+            assert any(fn is torch_flex.flex_attention for fn, _ in used) == (not exact)
     (logits, losses, grads), (flex_logits, flex_losses, flex_grads) = results
     assert torch.isfinite(logits).any(-1).all()
     tol = dict(atol=0, rtol=0) if exact else TOL
@@ -158,17 +158,22 @@ def test_flex_equals_dense_single_process(config_name, seq, masked):
     flex_equals_dense(cfg, ParallelState(), batch if masked else unmasked(batch))
 
 
-def test_training_compiles_flex_for_its_shape_and_generation_for_any():
-    """dynamic=False with gradients on (a run's one micro-batch shape); torch.compile's default
-    without (prompts of any length)."""
+def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
+    """Packed rows, one shape a run, compile flex and its block mask dynamic=False (training
+    and evaluation alike); a window over right-padded rows, whose width changes with each
+    micro-batch's longest row, keeps torch.compile's default (dynamic=None)."""
     cfg = config("llama", 13)
     ids, mask, docs, labels = packed_batch(cfg.vocab_size, 13)
     model = GPT(cfg, ParallelState(), seed=0)
+    for grad in (True, False):
+        with flex_on_cpu() as used, torch.set_grad_enabled(grad):
+            model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+        assert set(used) == {(torch_flex.create_block_mask, False),
+                             (torch_flex.flex_attention, False)}, grad
+    windowed = GPT(config("llama", 13, sliding_window=4), ParallelState(), seed=0)
+    right_ids, right_mask, right_labels = padded_batch(windowed.cfg, "right")
     with flex_on_cpu() as used:
-        model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
-    assert set(used) == {(torch_flex.create_block_mask, False), (torch_flex.flex_attention, False)}
-    with flex_on_cpu() as used, torch.no_grad():
-        model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
+        windowed(right_ids, attention_mask=right_mask, labels=right_labels)
     assert set(used) == {(torch_flex.create_block_mask, None), (torch_flex.flex_attention, None)}
 
 

@@ -122,7 +122,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLa
     gqa = k.shape[1] != q.shape[1]
     if (layout.block_mask is not None and dropout == 0
             and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
-        return flex(q, k, v, layout.block_mask, gqa, scale)
+        return flex(q, k, v, layout.block_mask, gqa, scale, static=layout.packed)
     # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
     # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
     # without attention dropout, on heads of 64 or more).

@@ -13,10 +13,11 @@ materialised as a dense mask for SDPA, exactly as before FlexAttention.
 
 On GPU both flex_attention and create_block_mask run compiled: uncompiled, flex_attention is
 that unfused reference and create_block_mask materialises the whole [batch, seq, seq] mask.
-Training (gradients on) compiles them for its one shape, dynamic=False as PyTorch's
-FlexAttention examples do: torch.compile's default would turn sizes symbolic at the first
-other shape (an evaluation's batch), and the symbolic kernel would serve training from then on.
-Generation and evaluation (prompts of any length) keep the default.
+Packed rows, one shape a run, compile for it (`static`: dynamic=False, as PyTorch's
+FlexAttention examples do): torch.compile's default would turn sizes symbolic at the first
+other shape (an evaluation's last batch), and the symbolic kernel would serve training from
+then on. Widths that vary (padded rows' windows, prompts) keep the default, which goes symbolic
+once rather than compiling each width until its recompile limit leaves flex uncompiled.
 """
 from __future__ import annotations
 
@@ -40,12 +41,12 @@ def uses_flex(device: torch.device) -> bool:
 
 
 def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
-               kv_len: int | None = None) -> BlockMask:
+               kv_len: int | None = None, static: bool = False) -> BlockMask:
     """The BlockMask of `mask_mod` over [batch, seq, kv_len (default seq)], shared by every
     head. Any length works: the last block of one that is not a multiple of the block size
     (128) is partial."""
-    return compiled(create_block_mask, _dynamic())(mask_mod, batch, None, seq, kv_len or seq,
-                                                   device=device)
+    return compiled(create_block_mask, _dynamic(static))(mask_mod, batch, None, seq,
+                                                         kv_len or seq, device=device)
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
@@ -65,11 +66,11 @@ def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-         enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
-    return compiled(flex_attention, _dynamic())(q, k, v, block_mask=mask, enable_gqa=enable_gqa,
-                                                scale=scale)
+         enable_gqa: bool, scale: float | None = None, static: bool = False) -> torch.Tensor:
+    return compiled(flex_attention, _dynamic(static))(q, k, v, block_mask=mask,
+                                                      enable_gqa=enable_gqa, scale=scale)
 
 
-def _dynamic() -> bool | None:
-    """torch.compile's `dynamic` for this call: False for training's fixed shapes."""
-    return False if torch.is_grad_enabled() else None
+def _dynamic(static: bool) -> bool | None:
+    """torch.compile's `dynamic`: False for one shape a run, else its default."""
+    return False if static else None

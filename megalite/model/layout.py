@@ -24,6 +24,9 @@ class SequenceLayout:
     # [seq] each query's index among the keys (a CP share, tokens after a KV cache's); None:
     # the queries are the keys, 0 .. seq - 1
     queries: torch.Tensor | None = None
+    # Rows of packed documents: every micro-batch of a run has the same shape, which FlexAttention
+    # compiles for (doc_attention.flex); padded rows and prompts vary in width.
+    packed: bool = False
     _windows: dict = field(default_factory=dict, repr=False, compare=False)
 
     def windowed(self, window: int) -> "SequenceLayout":
@@ -61,8 +64,8 @@ class SequenceLayout:
                 return rule(b, h, q, k) & (queries[q] - k < window)
             # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
             if uses_flex(device) and (self.block_mask is not None or self.queries is None):
-                layout = SequenceLayout(self.positions, None,
-                                        block_mask(near_rule, batch, seq, device, keys), self.queries)
+                rule_mask = block_mask(near_rule, batch, seq, device, keys, self.packed)
+                layout = SequenceLayout(self.positions, None, rule_mask, self.queries, self.packed)
             else:
                 layout = SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
                                         queries=self.queries)
@@ -130,7 +133,8 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
     device = input_ids.device
     if uses_flex(device):
-        return SequenceLayout(index - first, None, block_mask(document_causal, batch, seq, device))
+        rule_mask = block_mask(document_causal, batch, seq, device, static=True)
+        return SequenceLayout(index - first, None, rule_mask, packed=True)
     return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
 
 
@@ -154,5 +158,6 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
         def rows(b, h, q, k):
             return k <= index[q]
     if uses_flex(device) and not dense:
-        return SequenceLayout(positions, None, block_mask(rows, batch, len(index), device, seq), index)
+        rule_mask = block_mask(rows, batch, len(index), device, seq, layout.packed)
+        return SequenceLayout(positions, None, rule_mask, index, layout.packed)
     return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq), queries=index)
