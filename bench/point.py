@@ -32,7 +32,7 @@ from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
-from megalite.training.build import build_engine, build_model, inductor_options
+from megalite.training.build import build_engine, build_model, compile_settings
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import (flops_per_token, matmul_params, max_over_ranks, peak_flops,
                                        peak_memory_bytes)
@@ -250,9 +250,10 @@ def _barrier(ps: ParallelState) -> None:
 
 def compile_label(t) -> bool | str:
     """train.compile, or how it compiles where that is not torch.compile's default."""
-    if t.compile and t.compile_options:
-        return ",".join(f"{k}={v}" for k, v in inductor_options(t.compile_options).items())
-    return t.compile_mode if t.compile and t.compile_mode != "default" else t.compile
+    settings = compile_settings(t) if t.compile else {}
+    if "options" in settings:
+        return ",".join(f"{k}={v}" for k, v in settings["options"].items())
+    return settings.get("mode", t.compile)
 
 
 def device_name(device: torch.device) -> str:
