@@ -59,11 +59,11 @@ class HeadShard:
         collective between the passes) it is one compiled function on CUDA, llm.c's fused
         classifier: the product read, its gradient written in its place, and no fp32 logits
         in memory between kernels."""
-        if group_size(self.group) > 1:
-            return loss_and_grad_(product, labels, weights, self.vocab_start, self.padded_from,
-                                  self.cap, self.group)
-        return fused(loss_and_grad_, product.device)(product, labels, weights, self.vocab_start,
-                                                     self.padded_from, self.cap, None)
+        split = group_size(self.group) > 1
+        fn = loss_and_grad_ if split else fused(loss_and_grad_, product.device)
+        # Without TP no group goes in: a compiled function need not trace one.
+        return fn(product, labels, weights, self.vocab_start, self.padded_from, self.cap,
+                  self.group if split else None)
 
     def chunks(self, n: int) -> Iterator[slice]:
         return (slice(i, min(i + self.chunk_tokens, n)) for i in range(0, n, self.chunk_tokens))
