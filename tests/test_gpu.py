@@ -256,21 +256,11 @@ def check_cuda_graphs_equal_eager(device: torch.device, name: str = "llama") -> 
     eager: STEPS optimizer steps of two different micro-batches each (an input left from the
     previous replay would show), fp32, losses and final weights within COMPILE_TOL."""
     results = []
-    for mode in ("eager", "reduce-overhead"):
+    for mode in (None, "reduce-overhead"):
         torch._dynamo.reset()
-        cfg, ps = pure_bf16_config(name), ParallelState(device=device)
-        model = GPT(cfg, ps, seed=0)
-        if mode != "eager":
-            model.compile(**compile_settings(TrainConfig(compile=True, compile_mode=mode)))
-        engine = NativeEngine(model, TrainConfig(precision="fp32"), ps)
-        batches, n_tokens = micro_batches(cfg, ps)
-        batches, n_tokens = [b.to(device) for b in batches], n_tokens.to(device)
-        losses = []
-        for _ in range(STEPS):
-            engine.set_lr(1e-2)
-            losses.append(train_step(engine, batches, n_tokens, nullcontext())[0].detach().clone())
+        losses, model = train_losses(device, name, "fp32", mode)
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results.append((torch.stack(losses), weights))
+        results.append((torch.tensor(losses), weights))
     # Graphs were recorded and replayed (cudagraph trees' manager holds their roots): a mode
     # that fell back to plain kernels would pass the comparison below.
     from torch._inductor.cudagraph_trees import get_manager
@@ -289,12 +279,17 @@ def test_cuda_graphs_train_as_eager():
 # ---------------------------------------------------------------------------------------------
 # train.precision=pure_bf16 follows bf16 autocast.
 
-def train_losses(device: torch.device, name: str, precision: str) -> list[float]:
+def train_losses(device: torch.device, name: str, precision: str,
+                 compile_mode: str | None = None) -> tuple[list[float], GPT]:
     """The loss of each of test_pure_bf16's STEPS optimizer steps (2 right-padded micro-batches
-    of its batch, lr 1e-2) on `device`, the engine and autocast as train.precision sets them."""
+    of its batch, lr 1e-2) on `device`, the engine and autocast as train.precision sets them,
+    and the trained model; compile_mode: compiled as train.compile_mode says (None: eager)."""
     cfg = pure_bf16_config(name)
     ps = ParallelState(device=device)
-    engine = NativeEngine(GPT(cfg, ps, seed=0), TrainConfig(precision=precision), ps)
+    model = GPT(cfg, ps, seed=0)
+    if compile_mode is not None:
+        model.compile(**compile_settings(TrainConfig(compile=True, compile_mode=compile_mode)))
+    engine = NativeEngine(model, TrainConfig(precision=precision), ps)
     autocast = autocast_for(device, precision)
     batches, n_tokens = micro_batches(cfg, ps)
     batches, n_tokens = [b.to(device) for b in batches], n_tokens.to(device)
@@ -307,11 +302,11 @@ def train_losses(device: torch.device, name: str, precision: str) -> list[float]
     for p in engine.model.parameters():
         assert p.device.type == device.type and engine.master(p).device.type == device.type
         assert p.dtype == (torch.bfloat16 if precision == "pure_bf16" else torch.float32)
-    return losses
+    return losses, model
 
 
 def check_pure_bf16_follows_autocast(device: torch.device, name: str) -> None:
-    fp32, autocast, pure = (train_losses(device, name, p) for p in ("fp32", "bf16", "pure_bf16"))
+    fp32, autocast, pure = (train_losses(device, name, p)[0] for p in ("fp32", "bf16", "pure_bf16"))
     assert fp32[-1] < fp32[0] and pure[-1] < pure[0]  # it trains
     # test_pure_bf16's tolerance (0.01 on a ~4.6 loss) and reasoning: pure_bf16 rounds the
     # weights and every activation between ops to bf16 where autocast keeps them fp32, ~3e-3
