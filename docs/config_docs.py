@@ -103,7 +103,7 @@ def markdown() -> str:
              "`python -m docs.config_docs --out docs/config.md`; "
              "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
     for name, cls in sections():
-        lines += [f"## {name}", ""] + table(name, cls)
+        lines += [f"## {name}", ""] + table(name, cls) + (init_from_note() if name == "model" else [])
     lines += architectures()
     lines += ["# Sweep files", "",
               "`megalite slurm SWEEP.yaml` (see [clusters](clusters.md) and "
@@ -111,6 +111,18 @@ def markdown() -> str:
     for name, cls in sweep_sections():
         lines += [f"## {name or 'top level'}", ""] + table(name, cls)
     return "\n".join(lines)
+
+
+def init_from_note() -> list[str]:
+    """Which model keys a run under train.init_from may set (run_setup.with_pretrained)."""
+    from megalite.config import TRAINING_SETTINGS
+    keys = ", ".join(f"`model.{k}`" for k in TRAINING_SETTINGS)
+    return [f"Under `train.init_from` the checkpoint fixes the architecture: every model key but "
+            f"the training settings {keys} is the checkpoint's. A training setting the config "
+            f"gives is this run's (else the checkpoint's); an architecture key the config gives "
+            f"(a preset's included) must equal the checkpoint's, or the run is refused naming "
+            f"the key and both values. `model.vocab_size` is the tokenizer's, or the checkpoint's.",
+            ""]
 
 
 def architectures() -> list[str]:

@@ -179,6 +179,12 @@ class ModelConfig:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
 
+# The model settings that are training's, not the architecture's: under train.init_from the
+# checkpoint fixes every other model key, and these are the config's where it gives them.
+TRAINING_SETTINGS = ("dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
+                     "moe_capacity_factor")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (keep them inside a node)

@@ -212,6 +212,18 @@ class Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw = _raw_config(path, overrides)
+    _drop_retired(raw)
+    return from_dict(Config, raw)
+
+
+def given_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[str]:
+    """The dotted keys the file, its model preset and the overrides set, whatever their value
+    (what train.init_from must not replace in silence)."""
+    return frozenset(_flat_keys(_raw_config(path, overrides)))
+
+
+def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
     raw = {}
     if path is not None:
         path = Path(path)
@@ -224,8 +236,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{override}' is not of the form key.sub=value")
         _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
     raw["model"] = _resolve_preset(raw.get("model", {}))
-    _drop_retired(raw)
-    return from_dict(Config, raw)
+    return raw
+
+
+def _flat_keys(tree, prefix: str = ""):
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        # A mapping-valued key that is a setting of its own (train.compile_options) still
+        # yields its sub-keys: a prefix match on the section is what callers ask.
+        if isinstance(value, dict) and value:
+            yield from _flat_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 # Keys of earlier versions, which a run's config.yaml may hold (a Slurm task re-reads its own on

@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+from megalite.config import TRAINING_SETTINGS
 from megalite.layout_rules import check_layout, data_parallel_size
 from megalite.data.prepare import PreparedData
 from megalite.fp8.convert import check_fp8_layout
@@ -175,12 +176,27 @@ def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) ->
                               + (" (data.synthetic_documents)" if source.name == "synthetic" else ""))
 
 
-def with_pretrained(cfg: Config) -> Config:
-    """train.init_from fixes the architecture, and its tokenizer unless one is given."""
+def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
+    """train.init_from fixes the architecture, and its tokenizer unless one is given; the
+    training settings among the model keys (config.TRAINING_SETTINGS) are the config's where
+    `given` (run_config.given_keys) names them. A given architecture key must be the
+    checkpoint's: replaced in silence, it would train another model than the config says."""
     if not cfg.train.init_from:
         return cfg
     source = Path(cfg.train.init_from)
-    model = dataclasses.replace(pretrained_config(source), dropout=cfg.model.dropout)
+    saved = pretrained_config(source)
+    # vocab_size is never the config's to fix: the tokenizer's, or here the checkpoint's.
+    named = sorted({key.split(".")[1] for key in given if key.startswith("model.")}
+                   - {"preset", "vocab_size"})
+    differ = [f"model.{k}={getattr(cfg.model, k)!r} (the checkpoint's: {getattr(saved, k)!r})"
+              for k in named if k not in TRAINING_SETTINGS and getattr(cfg.model, k) != getattr(saved, k)]
+    if differ:
+        raise ConfigError(f"train.init_from={source} fixes the architecture, and the config sets "
+                          f"{', '.join(differ)}: drop " + ("these keys" if len(differ) > 1 else "the key")
+                          + " (or give the checkpoint's value); of the model keys only "
+                          f"{', '.join(TRAINING_SETTINGS)} are this run's to choose")
+    model = dataclasses.replace(saved, **{k: getattr(cfg.model, k) for k in named
+                                          if k in TRAINING_SETTINGS})
     data = cfg.data
     if data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
         data = dataclasses.replace(data, tokenizer=str(source / "tokenizer.json"))

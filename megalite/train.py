@@ -27,7 +27,7 @@ from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.progress import Progress
-from megalite.run_config import Config, load_config, to_dict
+from megalite.run_config import Config, given_keys, load_config, to_dict
 from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
                                           read_optimizer_state)
 from megalite.training.build import build_engine, build_model
@@ -46,24 +46,24 @@ from megalite.run_setup import (check_data, check_run_dir, find_resume, run_iden
                                 with_epochs, with_pretrained, with_schedule, with_tokenizer_vocab)
 
 
-def parse_args(argv: list[str]) -> tuple[Config, list[str]]:
+def parse_args(argv: list[str]) -> tuple[Config, frozenset[str]]:
     parser = command_parser("megalite train", __doc__)
     parser.add_argument("--config", help="YAML run config (see configs/demo.yaml); without it, "
                                          "the defaults of docs/config.md")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides), args.overrides
+    return load_config(args.config, args.overrides), given_keys(args.config, args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # The tokenizer a pretrained model brings, unless data.tokenizer names one.
     tokenizer_from = "train.init_from" if cfg.train.init_from and cfg.data.tokenizer == "bpe" \
         else "data.tokenizer"
-    cfg = with_pretrained(cfg)
+    cfg = with_pretrained(cfg, given)
     validate(cfg, world, launched="WORLD_SIZE" in os.environ)
     check_run_dir(Path(cfg.run.dir))
     data = prepare_data(cfg.data, tokenizer_from=tokenizer_from)

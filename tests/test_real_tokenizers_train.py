@@ -19,7 +19,7 @@ from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import convert
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from megalite.run_config import DataConfig, load_config
+from megalite.run_config import DataConfig, given_keys, load_config
 from megalite.training.checkpoint import load_checkpoint
 from megalite.training.build import build_model
 from megalite.run_setup import with_pretrained, with_tokenizer_vocab
@@ -92,7 +92,7 @@ def test_gpt2s_vocabulary_imports_and_evaluates_as_transformers(gpt2_hf, tmp_pat
 def first_step_loss(argv: list[str]) -> float:
     """Step 1's loss as one process computes it: the run's config at TP1, its data, its first
     global batch in one piece and its first weights (its init, or train.init_from's)."""
-    cfg = with_pretrained(load_config(None, argv + ["parallel.tp=1"]))
+    cfg = with_pretrained(load_config(None, argv + ["parallel.tp=1"]), given_keys(None, argv))
     data = prepare.prepare_data(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
     samples = train_module.sample_sets(data.train, cfg, data)

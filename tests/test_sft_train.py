@@ -28,7 +28,7 @@ from megalite.data.prepare import prepare_data
 from megalite.evaluate import main as evaluate_main
 from megalite.generate import main as generate_main
 from megalite.hf.convert import main_export
-from megalite.run_config import load_config
+from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_epochs, with_pretrained
 from megalite.typed_config import ConfigError
 from megalite.train import sample_sets
@@ -186,7 +186,8 @@ def first_batch_pieces(sft, mode: str, run_dir, rendered) -> list[list[tuple]]:
     """The trainer's first global batch (its own batching code: which rows, and where a packed
     row's documents start) as pieces of the conversations transformers rendered: for each
     row, its documents' pieces (masked_loss's)."""
-    cfg = with_pretrained(load_config(None, settings(sft, "dense", mode, run_dir)))
+    argv = settings(sft, "dense", mode, run_dir)
+    cfg = with_pretrained(load_config(None, argv), given_keys(None, argv))
     data = prepare_data(cfg.data)
     train_set = sample_sets(data.train, cfg, data)
     order = BatchOrder(train_set.sizes, train_set.weights, cfg.train.global_batch_size, cfg.run.seed)
@@ -298,7 +299,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
     records = [json.loads(line) for line in sft.train.read_text().splitlines()]
     lengths = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], records)]
     argv = settings(sft, "dense", mode, tmp_path) + ["data.drop_longer=true"]
-    data = prepare_data(with_pretrained(load_config(None, argv)).data)
+    data = prepare_data(with_pretrained(load_config(None, argv), given_keys(None, argv)).data)
     held = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], sft.held_records)]
     longer = sum(n > SEQ + 1 for n in lengths)
     assert 0 < longer < len(records)
@@ -309,7 +310,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
     assert sorted(kept.tolist()) == sorted(n for n in lengths if n <= SEQ + 1)
     with pytest.raises(ConfigError, match=r"all 40 documents are longer than a row \(data\.seq_len=8 "
                                           r"\+ 1 tokens\).*raise data\.seq_len, or set data\.drop_longer=false"):
-        prepare_data(with_pretrained(load_config(None, argv + ["data.seq_len=8"])).data)
+        prepare_data(with_pretrained(load_config(None, argv + ["data.seq_len=8"]), given_keys(None, argv)).data)
 
 
 def test_epochs_set_the_steps(sft, tmp_path):
