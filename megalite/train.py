@@ -355,9 +355,10 @@ def report_data(data: PreparedData) -> None:
         notes.append("blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train))
     if m["empty"]:
         notes.append(f"{m['empty']} empty documents skipped")
-    if m["not_json"] + m["no_text"]:
-        notes.append(f"{m['not_json']} records not JSON and {m['no_text']} without text skipped "
-                     f"(listed in the prepared data's meta.json)")
+    from megalite.data.sources import skipped_records
+    skipped = skipped_records(m, "the prepared data's meta.json")
+    if skipped:
+        notes.append(skipped)
     if m["invalid_utf8"]:
         notes.append(f"{m['invalid_utf8']} documents had bytes that are not UTF-8 (replaced "
                      f"with U+FFFD)")

@@ -136,6 +136,8 @@ def conversation_of(record: dict, prompt_only: bool = False) -> list[dict]:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
                 for m in messages):
             raise ChatError("'messages' is not a list of {role, content} objects")
+        if not messages:  # else counted as whatever the template makes of nothing
+            raise ChatError("'messages' is empty")
         return messages
     if "prompt" in record and "completion" in record:
         return [{"role": "user", "content": record["prompt"]},

@@ -22,6 +22,7 @@ import glob
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepar
 from megalite.data.raw_cache import prepared_in_cache
 from megalite.data.shard_facts import shard_facts, stat_key
 from megalite.data.shuffle import key_of
-from megalite.data.sources import COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs
+from megalite.data.sources import (COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs, skipped_records,
+                                   sum_reasons)
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
@@ -146,6 +148,7 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
               "val_tokens": sum(s.docs.n_tokens for s in val)}
     for key in SKIPPED_KEYS:
         counts[key] = sum(m.get(key, 0) for m in metas)
+    counts["reasons"] = sum_reasons(m.get("reasons", {}) for m in metas)
     return counts
 
 
@@ -230,6 +233,7 @@ def _prepared(directories: list[Path]) -> _Store:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
     counts = {k: sum(m[k] for m in metas) for k in SKIPPED_KEYS}
+    counts["reasons"] = sum_reasons(m.get("reasons", {}) for m in metas)
     return _Store(TokenStore(shards), directories[0], h.hexdigest(), counts)
 
 
@@ -346,6 +350,9 @@ def main(argv: list[str]) -> int:
                                    chat_template=args.chat_template, train_on=args.train_on)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
+        skipped = skipped_records(meta, f"{args.out}/meta.json")
+        if skipped:
+            print(f"prepare-data: {skipped}", file=sys.stderr)
         return 0
     data = prepare_data(load_config(args.config, args.overrides).data, in_run=False)
     print(json.dumps(data.meta, indent=1))

@@ -34,7 +34,8 @@ from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx
                                    token_dtype, write_atomic)
 from megalite.data.locks import lock_waiting
 from megalite.data.shard_records import whole_shards
-from megalite.data.sources import COUNT_KEYS, RawChunk, Counts, check_readable, documents, read_chunks
+from megalite.data.sources import (COUNT_KEYS, RawChunk, Counts, check_readable, documents,
+                                   read_chunks, sum_reasons)
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.data import workers
 from megalite.progress import Progress
@@ -113,7 +114,9 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
                               "vocab_size": info.vocab_size, "eos_id": info.eos_id,
                               "bos_id": info.bos_id, "pad_id": info.pad_id},
                 "text_key": settings.text_key, "shards": records,
-                **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS}}
+                **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS},
+                # (a shard an earlier version wrote has none)
+                "reasons": sum_reasons(r.get("reasons", {}) for r in records)}
         write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return meta
 
@@ -239,6 +242,13 @@ class _Shard:
         """The file's chunks are all in; `stat`: the file as it was when reading began, what the
         record keeps, so that a file rewritten meanwhile is prepared again by the next run."""
         counts = self.file_counts
+        conversations = "chat_template_sha256" in self.made_with
+        if counts.records and counts.no_text == counts.records and conversations:
+            raise ConfigError(f"'{source}': none of its {counts.records} records gives a "
+                              f"conversation to train on ({counts.bad[0]}): give records of "
+                              f"`messages`, or `prompt` and `completion`, that the chat template "
+                              f"renders with assistant tokens, or leave out --chat-template "
+                              f"(data.chat_template) for text")
         if counts.records and counts.no_text == counts.records:
             raise ConfigError(f"'{source}': none of its {counts.records} records has the "
                               f"text field '{self.made_with['text_key']}' ({counts.bad[0]}): "

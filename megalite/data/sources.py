@@ -7,10 +7,11 @@ documents are separated by two blank lines (their edge newlines dropped).
 The reader (one process) only splits files into chunks of about a MiB of records; a worker
 parses a chunk (`parse`) and tokenizes it. Nothing holds more than a chunk of a file (or one
 .txt document), so memory does not grow with the corpus. Every record is accounted for per
-file: written, or skipped as empty, not JSON, or without the text field (with its line, or its
-row in a parquet file); bytes that are not UTF-8 (and lone UTF-16 surrogates in JSON escapes)
-are replaced and the documents holding them counted. A file that cannot be read to its end
-(truncated or corrupt compression) is an error naming it: never a silently short shard.
+file: written, or skipped as empty, not JSON, or without the text field (with its line, from
+1, or its row in a parquet file, from 0; counted per reason); bytes that are not UTF-8 (and lone
+UTF-16 surrogates in JSON escapes) are replaced and the documents holding them counted. A file
+that cannot be read to its end (truncated or corrupt compression) is an error naming it: never
+a silently short shard.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import gzip
 import io
 import json
 import lzma
+import re
 import sys
 import zlib
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +77,8 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
-    or whose footer is lost), or conversations (jsonl records, or parquet conversation_columns)."""
+    or whose footer is lost; conversations, known by their shape), or conversations (jsonl
+    records, or parquet conversation_columns)."""
     if conversations and kind_of(path) == ".txt":
         raise ConfigError(f"'{path}': conversations are read from jsonl records or parquet rows "
                           f"(`messages`, or `prompt` and `completion`), not from text")
@@ -88,6 +92,7 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
                                   f"'prompt' and 'completion' (its columns: "
                                   f"{', '.join(schema.names)}): conversations need one of them")
             return
+        _refuse_conversations(path, text_key, schema.names)
         if text_key not in schema.names:
             raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
                               f"{', '.join(schema.names)}): name the text column with --text-key "
@@ -95,6 +100,30 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
         kind = str(schema.field(text_key).type)
         if kind not in ("string", "large_string", "string_view"):
             raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
+    elif not conversations and kind_of(path) != ".txt":
+        _refuse_conversations(path, text_key, _first_keys(path))
+
+
+def _refuse_conversations(path: Path, text_key: str, names: list[str]) -> None:
+    """Read as text, a file whose columns (or first record's keys) are a conversation's and not
+    the text field would fail record by record: say what it is instead."""
+    shape = None if text_key in names else conversation_columns(names)
+    if shape is not None:
+        raise ConfigError(f"'{path}': these are conversations ({' and '.join(map(repr, shape))}, "
+                          f"no text field '{text_key}'): add --chat-template auto "
+                          f"(data.chat_template=auto) to render them with the --tokenizer's "
+                          f"chat template")
+
+
+def _first_keys(path: Path) -> list[str]:
+    """The keys of a jsonl file's first record (none where it is not a JSON object)."""
+    with open(path, "rb") as raw, _decompressed(raw, kind_of(path)) as stream, _damage_named(path):
+        line = next((line for line in stream if line.strip()), b"")
+    try:
+        record = json.loads(line.removeprefix(BOM))
+    except ValueError:
+        return []
+    return list(record) if isinstance(record, dict) else []
 
 
 def conversation_columns(names: list[str]) -> list[str] | None:
@@ -129,14 +158,18 @@ class Counts:
     no_text: int = 0
     invalid_utf8: int = 0
     bad: list = field(default_factory=list)  # "line N: why", at most KEEP_BAD
+    # bad records per reason (reason_of); a dict, not a Counter, which dataclasses.asdict mangles
+    reasons: dict = field(default_factory=dict)
 
     def count_bad(self, where: str, listed: str, why: str, kind: str, strict: bool) -> None:
         """A bad record: with `strict` an error naming it (`where`), else counted under `kind`
-        and, among the first KEEP_BAD, listed as `listed: why`."""
+        and its reason and, among the first KEEP_BAD, listed as `listed: why`."""
         if strict:
             raise ConfigError(f"{where}: {why}; fix or drop it, or leave out --strict "
                               f"(data.strict) to skip and count such records")
         setattr(self, kind, getattr(self, kind) + 1)
+        reason = reason_of(why)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if len(self.bad) < KEEP_BAD:
             self.bad.append(f"{listed}: {why}")
 
@@ -144,9 +177,47 @@ class Counts:
         for name in COUNT_KEYS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.bad = (self.bad + other.bad)[:KEEP_BAD]
+        self.reasons = sum_reasons([self.reasons, other.reasons])
 
 
-COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name != "bad")
+COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name not in ("bad", "reasons"))
+
+
+def sum_reasons(many) -> dict:
+    """Counts of bad records per reason, summed (in the order first met)."""
+    total: dict = {}
+    for reasons in many:
+        for reason, n in reasons.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def reason_of(why: str) -> str:
+    """What a bad record is counted under: its why without the detail after ' (' or ': ' (a
+    JSON error's position, a record's keys, the template's own message), so reasons stay few."""
+    return re.split(r" \(|: ", why, maxsplit=1)[0]
+
+
+def place(chunk: "RawChunk", name: str, number: int) -> tuple[str, str]:
+    """(where an error names record `number` of file `name`, how a listing names it): by line
+    of a jsonl file (1-based), by row of a parquet file (0-based)."""
+    if chunk.kind == "json":
+        return f"{name}:{number}", f"line {number}"
+    return f"{name} row {number}", f"row {number}"
+
+
+def skipped_records(meta: dict, listed_in: str) -> str | None:
+    """'N records skipped: K reason, ...' (most first) of prepared data's counts, or None."""
+    # Data prepared before reasons were counted has only the kinds.
+    reasons = Counter(meta.get("reasons")
+                      or {"not JSON": meta["not_json"], "without text": meta["no_text"]})
+    if not sum(reasons.values()):
+        return None
+    return (f"{sum(reasons.values())} records skipped: "
+            + ", ".join(f"{n} {reason}" for reason, n in reasons.most_common() if n)
+            + f" (the first {KEEP_BAD} of each file listed by line in {listed_in})")
+
+
 # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
 DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
 
@@ -274,20 +345,19 @@ def _parquet_chunks(path: Path, text_key: str, conversations: bool) -> Iterator[
 def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
           conversations: bool = False) -> tuple[list, Counts]:
     """The chunk's documents and its counts; whitespace-only documents are skipped.
-    conversations: each JSON record's messages instead (data/chat.conversation_of)."""
+    conversations: each JSON record's (line, messages) instead (data/chat.conversation_of), so
+    that one the template refuses later is named by its line (parquet: its row)."""
     counts, texts = Counts(), []
 
     def bad(number: int, why: str, kind: str) -> None:
-        where = f"{name}:{number}" if chunk.kind == "json" else f"{name} row {number}"
-        counts.count_bad(where, f"{'line' if chunk.kind == 'json' else 'row'} {number}", why,
-                         kind, strict)
+        counts.count_bad(*place(chunk, name, number), why, kind, strict)
 
     records = chunk.records.to_pylist() if chunk.kind in ("arrow", "rows") else chunk.records
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
         if chunk.kind == "rows":
             try:
-                texts.append(_without_nulls(conversation_of(record)))
+                texts.append((number, _without_nulls(conversation_of(record))))
             except ChatError as err:
                 bad(number, str(err), "no_text")
             continue
@@ -309,7 +379,8 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
                     continue
                 if conversations:
                     try:
-                        texts.append(conversation_of(value if isinstance(value, dict) else {}))
+                        conversation = conversation_of(value if isinstance(value, dict) else {})
+                        texts.append((number, conversation))
                     except ChatError as err:
                         bad(number, str(err), "no_text")
                     continue

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from megalite.data.chat import ChatError, ChatTemplate, conversation_tokens
-from megalite.data.sources import RawChunk, Counts, parse
+from megalite.data.sources import RawChunk, Counts, parse, place
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
@@ -159,8 +159,7 @@ def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts,
     if chat is None:
         ids = info.encode_documents(texts)
     else:
-        start = f"{'line' if chunk.kind == 'json' else 'row'} {chunk.first}"
-        ids, targets = _conversations(texts, chat, info, counts, start, name)
+        ids, targets = _conversations(chunk, texts, chat, info, counts, name)
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
@@ -168,18 +167,17 @@ def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts,
     return tokens, lengths, counts, targets
 
 
-def _conversations(conversations: list, chat: tuple, info: TokenizerInfo, counts: Counts,
-                   start: str, name: str) -> tuple[list, list]:
-    """Each conversation's ids and targets (conversation_tokens); one the template refuses is
-    counted as bad."""
+def _conversations(chunk: RawChunk, conversations: list, chat: tuple, info: TokenizerInfo,
+                   counts: Counts, name: str) -> tuple[list, list]:
+    """Each (line, conversation)'s ids and targets (conversation_tokens); one the template
+    refuses is counted as bad, by its line."""
     template, train_on = chat
     ids, targets = [], []
-    for conversation in conversations:
+    for number, conversation in conversations:
         try:
             tokens, wanted = conversation_tokens(template, info, conversation, train_on)
         except ChatError as err:
-            counts.count_bad(f"{name}: a conversation from {start}", f"a record from {start}",
-                             str(err), "no_text", _worker["strict"])
+            counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
             counts.documents -= 1
             continue
         ids.append(tokens)
