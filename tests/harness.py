@@ -5,19 +5,26 @@
 Each rank runs `fn(*args)` after init_process_group (gloo, a file store in a temporary
 directory, so there is no port to collide on) and reports its return value or traceback.
 The parent fails as soon as one rank raises, dies without reporting, or the timeout passes,
-and kills the others, which would otherwise wait forever in their next collective.
+and kills the others, which would otherwise wait forever in their next collective. On the
+timeout it reports where each unfinished rank was (its Python stacks). Each rank also bounds
+itself (guard_rank), since the forkserver, not the test, is its parent: once the test process
+is gone (pytest killed) it exits within a second, and a rank nobody ends exits on its own
+RANK_MARGIN_S after the timeout, writing its stacks first.
 
 By hand under torchrun (the rendezvous then comes from torchrun's environment):
     torchrun --nproc_per_node 2 -m tests.harness tests.test_layers:check_linear_layers 2
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import pickle
 import queue as queue_lib
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -33,7 +40,43 @@ class DistributedFailure(AssertionError):
     pass
 
 
-def _worker(fn, rank, world_size, init_file, results, args, timeout, torchrun_env):
+# Asks a rank for its stacks: SIGUSR1, SIGTERM and SIGINT are megalite's preemption signals.
+STACKS_SIGNAL = signal.SIGUSR2
+# A rank that outlives the parent's timeout by this exits by itself (the parent kills it first).
+RANK_MARGIN_S = 60.0
+ORPHAN_EXIT = 70  # a rank's exit status once its test process is gone
+
+_stack_file = None  # faulthandler writes to its descriptor: kept open for the process's life
+
+
+def guard_rank(test_pid: int, stack_path: str, limit_s: float, poll_s: float = 1.0) -> None:
+    """Bounds this process: its Python stacks go to stack_path on STACKS_SIGNAL, on a fatal
+    signal, and at limit_s, when it then exits (faulthandler: a C thread and C signal handlers,
+    so this also works while the rank is stuck in a C call such as a gloo wait); and it exits
+    with ORPHAN_EXIT once test_pid is gone."""
+    global _stack_file
+    _stack_file = open(stack_path, "w")
+    faulthandler.enable(file=_stack_file, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=_stack_file, all_threads=True)
+    faulthandler.dump_traceback_later(limit_s, exit=True, file=_stack_file)
+
+    def exit_when_gone():
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(test_pid, 0)
+            except ProcessLookupError:
+                print(f"pid {os.getpid()}: the test process {test_pid} is gone; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(ORPHAN_EXIT)
+            except PermissionError:  # alive, another user's (the pid was reused): keep waiting
+                pass
+    threading.Thread(target=exit_when_gone, name="harness-orphan-guard", daemon=True).start()
+
+
+def _worker(fn, rank, world_size, init_file, results, args, timeout, torchrun_env, test_pid,
+            stack_path):
+    guard_rank(test_pid, stack_path, timeout + RANK_MARGIN_S)
     torch.set_num_threads(1)
     try:
         if torchrun_env:
@@ -78,14 +121,15 @@ def _run_once(fn, world_size: int, args: tuple, timeout: float, torchrun_env: bo
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
+        stacks = [os.path.join(tmp, f"rank{rank}.stacks") for rank in range(world_size)]
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(fn, rank, world_size, os.path.join(tmp, "store"), results,
-                                   args, timeout, env))
+                                   args, timeout, env, os.getpid(), stacks[rank]))
                  for rank in range(world_size)]
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, timeout)
+            return _collect(procs, results, timeout, stacks)
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -113,35 +157,66 @@ def _context():
     return ctx
 
 
-def _collect(procs, results, timeout: float) -> list:
+def _collect(procs, results, timeout: float, stacks: list[str]) -> list:
     done: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     while len(done) < len(procs):
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue_lib.Empty:
-            if _dead(procs, done):
-                _fail(procs, done, "")
+            if _dead(procs, done, stacks):
+                _fail(procs, done, "", stacks)
             if time.monotonic() > deadline:
                 waiting = [r for r in range(len(procs)) if r not in done]
-                _fail(procs, done, f"timed out after {timeout:.0f}s; ranks {waiting} had not finished")
+                _fail(procs, done, f"timed out after {timeout:.0f}s; ranks {waiting} had not finished"
+                      + _where(procs, waiting, stacks), stacks)
             continue
         if not ok:
             # A rank that died makes its peers' collectives raise too: give the dead rank a
             # moment to be seen, so the report names the root cause first.
             time.sleep(1.0)
-            _fail(procs, done, f"rank {rank} raised:\n{payload}")
+            _fail(procs, done, f"rank {rank} raised:\n{payload}", stacks)
         done[rank] = pickle.loads(payload)
     return [done[r] for r in range(len(procs))]
 
 
-def _dead(procs, done) -> list[str]:
+def _where(procs, waiting: list[int], stacks: list[str], wait_s: float = 5.0) -> str:
+    """Each waiting rank's Python stacks, asked for by STACKS_SIGNAL (faulthandler writes them
+    from its signal handler, whatever the rank is doing)."""
+    asked = []
+    for r in waiting:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, STACKS_SIGNAL)
+                asked.append(r)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(_read(stacks[r]).strip() for r in asked):
+        time.sleep(0.05)
+    time.sleep(0.2)  # the last lines of a dump being written
+    return "".join(f"\nrank {r} was at (its stacks, most recent call first):\n"
+                   f"{_read(stacks[r]).strip() or '(none written: it had not reached its function)'}"
+                   for r in waiting)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _dead(procs, done, stacks: list[str]) -> list[str]:
+    """With the stacks faulthandler wrote, if any (a fatal signal, or the rank's own limit)."""
     return [f"rank {r} died with exit code {p.exitcode} before reporting a result"
+            + (f"; its stacks:\n{_read(stacks[r]).strip()}" if _read(stacks[r]).strip() else "")
             for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
 
 
-def _fail(procs, done, message: str):
-    dead = _dead(procs, done)
+def _fail(procs, done, message: str, stacks: list[str]):
+    dead = _dead(procs, done, stacks)
     for p in procs:
         if p.is_alive():
             p.kill()
