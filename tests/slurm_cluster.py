@@ -62,13 +62,14 @@ def slurm_cluster(directory: Path):
     env = {**os.environ, "SLURM_CONF": str(conf)}
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     # Fails, harmlessly, when a munged is already running: then it is not ours to stop.
-    started_munge = subprocess.run(["munged", "--force"], capture_output=True).returncode == 0
-    subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True)
-    subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True)
+    started_munge = subprocess.run(["munged", "--force"], capture_output=True, timeout=60).returncode == 0
+    subprocess.run(["slurmctld", "-f", str(conf)], env=env, check=True, timeout=60)
+    subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True, timeout=60)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+            state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True,
+                                   timeout=30)
             if state.stdout.strip() == "idle":
                 break
             time.sleep(0.5)
@@ -78,10 +79,10 @@ def slurm_cluster(directory: Path):
     finally:
         # A run writes its end before its job step has told the controller: stopped now, that
         # step's slurmstepd would stay behind, retrying a controller that is gone.
-        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True, timeout=30)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True)
+            queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30)
             if queue.returncode != 0 or not queue.stdout.strip():
                 break
             time.sleep(0.5)

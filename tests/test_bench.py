@@ -367,7 +367,8 @@ def test_a_crashed_point_is_reported_by_its_rank_and_cause(tmp_path, how):
                       "dist.init_process_group('gloo')\n"
                       f"if dist.get_rank() == 1:\n    {CRASHES[how]}\ndist.barrier()\n")
     log = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=2", str(script)], capture_output=True, text=True)
+                          "--nproc_per_node=2", str(script)], capture_output=True, text=True,
+                         timeout=300)
     assert log.returncode != 0
     reason = _reason(log.stdout + log.stderr)
     # Rank 0 fails too ("connection closed by peer"); the cause is rank 1's.

@@ -89,7 +89,7 @@ def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
     while latest_checkpoint(killed) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     kill_every_process_of(killed)
-    proc.wait()
+    proc.wait(timeout=60)
     resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
     assert resumed_from < STEPS, "the run finished before it could be killed"
     run([sys.executable] + args(killed, "train.resume=auto"), env=one_thread())

@@ -104,6 +104,7 @@ def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_pa
 def test_prepare_data_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "megalite", "prepare-data",
                            f"data.path={corpus(tmp_path)}", "data.bpe_vocab_size=300",
-                           f"data.cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True)
+                           f"data.cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["train_documents"] + json.loads(done.stdout)["val_documents"] == 30

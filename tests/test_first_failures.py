@@ -87,10 +87,10 @@ def tiny_disk(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
+                      capture_output=True, timeout=60).returncode != 0:
         pytest.skip("mounting a tmpfs needs root")
     yield disk
-    subprocess.run(["umount", str(disk)], check=True)
+    subprocess.run(["umount", str(disk)], check=True, timeout=60)
 
 
 def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tiny_disk, cache,

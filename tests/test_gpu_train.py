@@ -212,7 +212,7 @@ def finish(proc: subprocess.Popen, log: Path, run_dir: Path,
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_every_process_of(run_dir)  # torchrun's agent and its worker
-        proc.wait()
+        proc.wait(timeout=60)
         raise AssertionError(f"timed out after {timeout} s:\n{log.read_text()[-4000:]}")
     return proc.returncode, log.read_text()
 

@@ -118,7 +118,7 @@ def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
         shutil.copy(PACKAGE.parent / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(source)],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, timeout=600)
     code = """
 import megalite, sys
 from megalite.config import PRESET_DIR, load_model_config
@@ -130,4 +130,5 @@ for name in ("tiny", "gpt2-small", "gpt2-medium", "llama-1b"):
 assert TEMPLATE.is_file() and EMBEDDED.is_file(), (TEMPLATE, EMBEDDED)
 """
     env = {**os.environ, "PYTHONPATH": str(site)}
-    subprocess.run([sys.executable, "-c", code, str(site)], check=True, cwd=tmp_path, env=env)
+    subprocess.run([sys.executable, "-c", code, str(site)], check=True, cwd=tmp_path, env=env,
+                   timeout=300)

@@ -29,7 +29,7 @@ def test_a_peer_that_ends_just_after_the_failure_is_named():
                                     "during step 4: this rank stops too"), lost
     finally:
         peer.kill()
-        peer.wait()
+        peer.wait(timeout=10)
 
 
 def test_a_peer_elsewhere_is_said_to_be_on_another_node_after_the_settling_time():
@@ -46,4 +46,4 @@ def test_a_peer_elsewhere_is_said_to_be_on_another_node_after_the_settling_time(
         assert time.monotonic() - started < SETTLE_S
     finally:
         peer.kill()
-        peer.wait()
+        peer.wait(timeout=10)

@@ -54,4 +54,4 @@ def test_a_rank_killed_inside_the_schedule_ends_the_job(tmp_path, cache):
     finally:
         if job.poll() is None:
             job.kill()
-            job.wait()
+            job.wait(timeout=60)

@@ -61,7 +61,7 @@ def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
         _, err = proc.communicate(timeout=120)
     except BaseException:  # hung, or no worker seen: nothing of the run may outlive the test
         kill_group(proc.pid)
-        proc.communicate()
+        proc.communicate(timeout=60)
         raise
     deadline = time.monotonic() + 30  # multiprocessing's resource tracker ends once it sees EOF
     while process_group(proc.pid) and time.monotonic() < deadline:
@@ -128,15 +128,16 @@ def test_a_sigkilled_run_leaves_no_half_shard_and_the_rerun_matches_a_clean_run(
             and time.monotonic() < deadline:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)  # the main process and its worker, mid-file
-    proc.wait()
+    proc.wait(timeout=60)
     assert (out / "00000-a.jsonl.json").is_file(), "killed before the first shard was whole"
     assert not (out / "00001-b.jsonl.bin").exists() and not (out / "00001-b.jsonl.idx").exists()
     assert not (out / "meta.json").exists()
     before = (out / "00000-a.jsonl.bin").stat().st_mtime_ns
-    assert subprocess.run(command + ["--out", str(out)], cwd=ROOT, capture_output=True).returncode == 0
+    assert subprocess.run(command + ["--out", str(out)], cwd=ROOT, capture_output=True,
+                          timeout=300).returncode == 0
     assert (out / "00000-a.jsonl.bin").stat().st_mtime_ns == before  # not prepared again
     assert subprocess.run(command + ["--out", str(tmp_path / "clean")], cwd=ROOT,
-                          capture_output=True).returncode == 0
+                          capture_output=True, timeout=300).returncode == 0
     for name in ("00000-a.jsonl", "00001-b.jsonl"):
         for suffix in (".bin", ".idx"):
             assert (out / (name + suffix)).read_bytes() == (tmp_path / "clean" / (name + suffix)).read_bytes()

@@ -105,7 +105,7 @@ def test_missing_base_config_is_named(tmp_path):
 
 def sweep_status(sweep_dir: Path, env) -> list[dict]:
     done = subprocess.run([sys.executable, "-m", "megalite", "sweep-status", str(sweep_dir), "--json"],
-                          env=env, capture_output=True, text=True, cwd=ROOT)
+                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -128,7 +128,7 @@ def wait_for(sweep_dir: Path, env, states: set[str], timeout: float = 240) -> li
 
 def submit(sweep: Path, env) -> str:
     done = subprocess.run([sys.executable, "-m", "megalite", "slurm", str(sweep), "--submit"],
-                          env=env, capture_output=True, text=True, cwd=ROOT)
+                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.split()[2].rstrip(":")
 
@@ -140,7 +140,7 @@ def test_an_array_of_two_runs_each_trains_its_own_config(tmp_path, cache):
         submit(sweep, env)
         script = tmp_path / "runs" / "t" / "sweep.sbatch"
         test_only = subprocess.run(["sbatch", "--test-only", str(script)], env=env,
-                                   capture_output=True, text=True)
+                                   capture_output=True, text=True, timeout=60)
         assert test_only.returncode == 0 and "to start at" in test_only.stderr, test_only.stderr
         rows = wait_for(tmp_path / "runs" / "t", env, {"done", "failed", "OOM", "timeout"})
     assert [r["state"] for r in rows] == ["done"] * 2, rows
@@ -165,7 +165,7 @@ def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, cac
         deadline = time.monotonic() + 180
         while not (run_dir / "checkpoints").is_dir() and time.monotonic() < deadline:
             time.sleep(0.2)
-        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True, timeout=30)
         deadline = time.monotonic() + 120
         while not (run_dir / "PREEMPTED").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
