@@ -91,7 +91,7 @@ def kill_then_resume(cache, whole: Path, killed: Path, *layout: str) -> None:
     while latest_checkpoint(killed) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     kill_every_process_of(killed)  # agent and workers, as when a node dies
-    proc.wait()
+    proc.wait(timeout=60)
     resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
     assert resumed_from < STEPS, "the run finished before it could be killed"
 
