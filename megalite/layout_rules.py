@@ -10,9 +10,10 @@ from megalite.typed_config import ConfigError
 
 
 def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
-                 micro_batches: int | None = None) -> None:
+                 micro_batches: int | None = None, vocab: bool = True) -> None:
     """Raise ONE ConfigError listing every way `model` cannot run on `parallel`'s layout of
-    `world_size` processes (with `micro_batches` per step, if known; model None: not known yet).
+    `world_size` processes (with `micro_batches` per step, if known; model None: not known yet;
+    vocab False: model.vocab_size is not the run's yet, so tp's split of it is left unchecked).
 
     Every entry point calls it before any collective (run_setup.validate for a run, inference
     for generate and eval), so a bad config fails on every rank with the same message instead
@@ -50,7 +51,8 @@ def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size
         else:
             problems += _model_split_problems(model)
     if tp >= 1 and pp >= 1 and cp >= 1:
-        problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1)
+        problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1,
+                                vocab)
     if splittable is not None and tp >= 1:
         if sequence_parallel and model.max_seq_len % tp:
             # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
@@ -248,17 +250,17 @@ def _model_split_problems(model: ModelConfig) -> list[str]:
 
 
 def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
-                world_misfit: bool) -> list[str]:
+                world_misfit: bool, vocab: bool) -> list[str]:
     """At most one line for a tp that does not split the world or the model: what it must
     divide, and the tp values that would."""
-    sizes = _tp_misfits(model, tp) if model is not None else {}
+    sizes = _tp_misfits(model, tp, vocab) if model is not None else {}
     misfits = [f"the world size {world_size}"] if world_misfit else []
     if sizes:
         misfits.append("the model's " + _listed([f"{name} ({n})" for name, n in sizes.items()]))
     if not misfits:
         return []
     room = world_size // cp_pp if world_size % cp_pp == 0 else world_size
-    fits = [t for t in _divisors(room) if model is None or not _tp_misfits(model, t)]
+    fits = [t for t in _divisors(room) if model is None or not _tp_misfits(model, t, vocab)]
     of = f"the world size {world_size}" if room == world_size else \
         f"{room} (the world size {world_size} / (cp x pp) {cp_pp})"
     fix = f"use parallel.tp among {fits} (the divisors of {of}" + (
@@ -270,15 +272,16 @@ def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,
     return [f"parallel.tp={tp} must divide {_listed(misfits)}: {fix}"]
 
 
-def _tp_misfits(model: ModelConfig, tp: int) -> dict[str, int]:
-    """The model's sizes a TP degree must split into equal whole parts, where it does not."""
+def _tp_misfits(model: ModelConfig, tp: int, vocab: bool = True) -> dict[str, int]:
+    """The model's sizes a TP degree must split into equal whole parts, where it does not
+    (vocab False: but the vocabulary)."""
     return {name: n for name, n, ok in (
         ("heads", model.n_heads, model.n_heads % tp == 0),
         # GQA with fewer KV heads than ranks: each rank keeps a whole copy of one.
         ("KV heads", model.kv_heads, model.kv_heads % tp == 0 or tp % model.kv_heads == 0),
         ("ffn_hidden", model.ffn, model.ffn % tp == 0),
         ("shared experts' width", model.shared_ffn, model.shared_ffn % tp == 0),
-        ("padded vocab", model.padded_vocab, model.padded_vocab % tp == 0),
+        ("padded vocab", model.padded_vocab, model.padded_vocab % tp == 0 or not vocab),
     ) if not ok}
 
 

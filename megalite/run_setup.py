@@ -26,16 +26,19 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 
 
-def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True) -> None:
+def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True,
+             vocab_from_tokenizer: bool = False) -> None:
     """Every rule a run's config must meet on `world` processes (launched: under torchrun or
     Slurm, with a process group to come), checked by every entry point that runs or plans a
     run (train, a bench point, a sweep) before it reads data or joins a collective.
     installed: also that the packages it needs (wandb, deepspeed) are installed here; false
-    where the run happens elsewhere (a sweep planned on a login node)."""
+    where the run happens elsewhere (a sweep planned on a login node).
+    vocab_from_tokenizer: model.vocab_size will be the tokenizer's (with_tokenizer_vocab), so
+    its split over tp waits for check_data, which names the real one."""
     parallel, t = cfg.parallel, cfg.train
     dp = data_parallel_size(parallel, world)  # if that does not divide, check_layout says so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
-    check_layout(cfg.model, parallel, world, micro_batches)
+    check_layout(cfg.model, parallel, world, micro_batches, vocab=not vocab_from_tokenizer)
     if not parallel.dp_bucket_mb > 0:
         raise ConfigError(f"parallel.dp_bucket_mb={parallel.dp_bucket_mb} must be > 0: it is the size of "
                           f"a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's default)")

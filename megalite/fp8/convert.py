@@ -92,6 +92,25 @@ def _unit_shapes(unit) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     return wholes, local
 
 
+def _filter(fp8):
+    return _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
+
+
+def _kept_because(unit, fp8, keep) -> str | None:
+    """Why the unit stays in high precision (None: it takes FP8), as the run's line says it."""
+    names = [name for name, _ in unit]
+    if any(part in name for name in names for part in fp8.exclude):
+        return "in train.fp8.exclude"
+    wholes, local = _unit_shapes(unit)
+    # torch._scaled_mm multiplies dims that are multiples of 16 (what this rank holds).
+    if not all(d % 16 == 0 for shape in local for d in shape):
+        return "with dims not multiples of 16"
+    if not all(keep(names[0], n, k) for n, k in wholes):
+        return ("too small to gain (train.fp8.layers=auto, torchao's size filter; "
+                "train.fp8.layers=all converts them)")
+    return None
+
+
 def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     """Set the FP8 recipe (fp8: train.fp8) on each chosen layer; returns their names."""
     if fp8.recipe == "none":
@@ -99,17 +118,10 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     from megalite.fp8.recipe import Float8Matmul, float8_config
     recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate))
     experts = Float8Matmul(float8_config(fp8.recipe, fp8.emulate, pad_inner_dim=True))
-    keep = _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
+    keep = _filter(fp8)
     chosen = []
     for unit in _units(model):
-        names = [name for name, _ in unit]
-        if any(part in name for name in names for part in fp8.exclude):
-            continue
-        wholes, local = _unit_shapes(unit)
-        # torch._scaled_mm multiplies dims that are multiples of 16 (what this rank holds).
-        if not all(d % 16 == 0 for shape in local for d in shape):
-            continue
-        if not all(keep(names[0], n, k) for n, k in wholes):
+        if _kept_because(unit, fp8, keep):
             continue
         for name, module in unit:
             _refuse_inexact(name, module, pstate)
@@ -122,3 +134,20 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
 def fp8_layers(model: nn.Module) -> int:
     """How many of the model's layers multiply in FP8."""
     return sum(getattr(m, "matmul", HIGH) is not HIGH for m in model.modules())
+
+
+def describe_fp8(model: nn.Module, fp8, chosen: list[str], pstate) -> str:
+    """The run's line: how many layers convert_to_fp8 chose (0 too: `layers: auto` can keep a
+    small model whole) and, by reason, how many stay in high precision."""
+    keep, kept = _filter(fp8), {}
+    for unit in _units(model):
+        why = _kept_because(unit, fp8, keep)
+        if why:
+            kept[why] = kept.get(why, 0) + len(unit)
+    names = f" ({', '.join(chosen[:3])}{', ...' if len(chosen) > 3 else ''})" if chosen else ""
+    stage = " of rank 0's pipeline stage" if pstate.pp_size > 1 else ""
+    text = (f"fp8 {fp8.recipe}: {len(chosen)} of {len(chosen) + sum(kept.values())} block "
+            f"layers{stage} in FP8{names}")
+    if kept:
+        text += "; in high precision: " + ", ".join(f"{n} {why}" for why, n in kept.items())
+    return text

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from megalite.config import ParallelConfig
-from megalite.fp8.convert import convert_to_fp8
+from megalite.fp8.convert import convert_to_fp8, describe_fp8
 from megalite.model import GPT
 from megalite.parallel.random import seed_replicated_dropout
 from megalite.parallel.state import ParallelState
@@ -22,9 +22,8 @@ def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
                 activation_checkpointing=cfg.train.activation_checkpointing,
                 loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     chosen = convert_to_fp8(model, cfg.train.fp8, pstate)
-    if chosen and pstate.is_main:
-        print(f"fp8 {cfg.train.fp8.recipe}: {len(chosen)} layers ({', '.join(chosen[:3])}"
-              f"{', ...' if len(chosen) > 3 else ''})")
+    if cfg.train.fp8.recipe != "none" and pstate.is_main:  # 0 layers too: auto can keep them all
+        print(describe_fp8(model, cfg.train.fp8, chosen, pstate), flush=True)
     if cfg.train.compile:
         # The whole forward, embedding to loss, in place (parameter names unchanged): one graph
         # at TP=1 (tests/test_compile.py); the TP collectives split it into several.

@@ -17,12 +17,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def describe_schedule(cfg: TrainConfig) -> str:
-    end = cfg.decay_end
-    text = (f"warmup to {cfg.lr:.3g} over {cfg.warmup_steps} steps, cosine to {cfg.min_lr:.3g} "
+    """The start's lr line (decay_steps resolved: run_setup.with_schedule)."""
+    end, warmup = cfg.decay_end, cfg.warmup_steps
+    if warmup >= end:
+        # Not refused: short runs of longer configs (tests, README's shortened demo) do this.
+        key = "train.max_steps" if end == cfg.max_steps else "train.decay_steps"
+        after = (f"the run ends in warmup at lr {lr_at(cfg.max_steps - 1, cfg):.3g}, with no decay"
+                 if cfg.max_steps <= warmup else
+                 f"the lr drops from its peak to {cfg.min_lr:.3g} at once")
+        return (f"warmup to {cfg.lr:.3g} over {warmup} steps; train.warmup_steps={warmup} is not "
+                f"below {key}={end}, so {after}: lower train.warmup_steps below {end}")
+    text = (f"warmup to {cfg.lr:.3g} over {warmup} steps, cosine to {cfg.min_lr:.3g} "
             f"at step {end}")
     if cfg.max_steps > end:
         return (f"{text}, then {cfg.min_lr:.3g} to step {cfg.max_steps} (train.decay_steps="
                 f"{cfg.max_steps} would stretch the decay over the run)")
     if cfg.max_steps < end:
-        return f"{text}; the run stops at step {cfg.max_steps}, mid-decay"
+        return (f"{text}; the run stops at step {cfg.max_steps}, "
+                f"{'in warmup' if cfg.max_steps <= warmup else 'mid-decay'}")
     return text

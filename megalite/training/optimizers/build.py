@@ -52,3 +52,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, pstate,
         for group in optimizers[-1].param_groups:
             group["lr_ratio"] = m.lr / cfg.lr
     return ChainedOptimizer(optimizers)
+
+
+def describe_optimizers(model: torch.nn.Module, cfg: TrainConfig, pstate) -> str | None:
+    """The start's line for train.optimizer=muon (None for adamw, which the lr line says):
+    what Muon steps and its rate beside AdamW's, since the schedule line and the progress bar
+    show train.lr only."""
+    if cfg.optimizer != "muon":
+        return None
+    named = list(model.named_parameters())
+    muon = sum(takes_muon(n, p) for n, p in named)
+    stage = " of rank 0's pipeline stage" if pstate.pp_size > 1 else ""
+    return (f"optimizer: muon for the blocks' {muon} weight matrices{stage} at lr {cfg.muon.lr:.3g} "
+            f"(train.muon.lr), adamw for the other {len(named) - muon} parameters at lr "
+            f"{cfg.lr:.3g} (train.lr); the schedule scales both, the progress bar shows adamw's")
