@@ -1,9 +1,34 @@
-"""Fixtures shared across test modules: built once per session."""
+"""Fixtures shared across test modules (built once per session), and the `deepspeed` mark."""
+import contextlib
+import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
+from filelock import FileLock, Timeout
+
+# A worker waits this long for another's shared training run (about 1 to 2 minutes) to finish.
+SHARED_RUN_WAIT_S = 15 * 60
+DEEPSPEED_MISSING = ("needs the deepspeed package (pip install --no-build-isolation "
+                     "'megalite[deepspeed]', after torch)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "deepspeed: trains with train.engine=deepspeed; skipped "
+                            "where the deepspeed package is missing (tests/test_suite_rules.py "
+                            "checks that every such test has it)")
+
+
+def deepspeed_missing() -> bool:
+    """As megalite's check_deepspeed decides it: no module spec to import."""
+    return importlib.util.find_spec("deepspeed") is None
+
+
+def pytest_collection_modifyitems(config, items):
+    if deepspeed_missing():  # README's quick start does not install it; .ci/run does
+        for item in items:
+            if item.get_closest_marker("deepspeed"):
+                item.add_marker(pytest.mark.skip(reason=DEEPSPEED_MISSING))
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +56,25 @@ def tp2dp2_padded(shared, cache):
     Run once per session: the first worker to ask trains it, the others wait for it."""
     from tests.test_train import LAYOUT, common, train_run
     run_dir, done = shared / "tp2dp2-padded", shared / "tp2dp2-padded.done"
-    with FileLock(shared / "tp2dp2-padded.lock"):
+    with waiting_for(shared / "tp2dp2-padded.lock", "tp2dp2_padded"):
         if not done.exists():
             shutil.rmtree(run_dir, ignore_errors=True)
             train_run(4, common(cache, run_dir, "padded") + LAYOUT + ["train.checkpoint_every=5"])
             done.touch()
     return run_dir
+
+
+@contextlib.contextmanager
+def waiting_for(path: Path, what: str):
+    """FileLock(path), waited for at most SHARED_RUN_WAIT_S: the holder is another worker
+    making `what`."""
+    lock = FileLock(path, timeout=SHARED_RUN_WAIT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        pytest.fail(f"waited {SHARED_RUN_WAIT_S // 60} minutes for another pytest worker's {what} "
+                    f"run (it holds {path}): that run is hung or far too slow", pytrace=False)
+    try:
+        yield
+    finally:
+        lock.release()

@@ -16,7 +16,7 @@ from tests.checkpoints import read_whole_state
 from tests.harness import run_distributed
 from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
-pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.deepspeed  # every test: skipped without the package (tests/conftest.py)
 
 
 def moments(run_dir, step=STEPS):

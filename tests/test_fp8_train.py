@@ -44,6 +44,9 @@ LAYOUTS = {
                               ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 8, 2),
     "moe-cp2-tensorwise": ("moe", "tensorwise", ["parallel.cp=2"], 2, 8, 2),
 }
+# Those on DeepSpeed: marked so, skipped without the package (tests/conftest.py; that each is
+# marked, tests/test_suite_rules.py checks).
+DEEPSPEED = {"dp2-deepspeed-zero2"}
 
 
 def settings(cache, run_dir, layout: str, single: bool = False) -> list[str]:
@@ -91,7 +94,8 @@ def tp2_dp2(tmp_path_factory, cache):
     return run_dir
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.deepspeed)
+                                    if name in DEEPSPEED else name for name in LAYOUTS])
 def test_fp8_trains_like_one_process(tmp_path, cache, single, layout, request):
     if layout == "tp2-dp2-tensorwise":
         parallel = request.getfixturevalue("tp2_dp2")

@@ -269,8 +269,8 @@ def check_deepspeed_zero2_with_sequence_parallel():
         assert_close(b.detach(), a.detach(), **TOL, msg=name)
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_zero2_with_sequence_parallel_trains_like_native():
-    pytest.importorskip("deepspeed")
     run_distributed(check_deepspeed_zero2_with_sequence_parallel, 4, torchrun_env=True)
 
 
