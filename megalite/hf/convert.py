@@ -118,7 +118,12 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt)
     special = special_ids(tokenizer)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # out, or a folder above it, is a file
+        file = next(p for p in (out, *out.parents) if p.exists())
+        raise ConfigError(f"'{file}' is a file: give --to-hf a directory (a new one, or an "
+                          f"earlier export's, whose model files are replaced)") from None
     for old in [*out.glob("model-*-of-*.safetensors"), out / "model.safetensors",
                 out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
@@ -192,11 +197,13 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
 
 
 def pretrained_config(path: Path) -> ModelConfig:
-    """The model config of a megalite checkpoint or a Hugging Face directory."""
+    """The model config of a megalite checkpoint or a Hugging Face directory (its safetensors
+    files opened: a cut-off one stops every rank here, before any collective)."""
     path = Path(path)
     if (path / "meta.json").is_file():
         return checkpoint_model_config(path)
-    return _architecture(path)[0]
+    with hf_weights(path) as (cfg, _):
+        return cfg
 
 
 def load_pretrained(path: Path, model, pstate) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megalite.typed_config import ConfigError
 
@@ -84,9 +84,11 @@ class SafetensorsWriter:
 class HFFiles:
     """The tensors of a Hugging Face directory's safetensors files (model.safetensors, or the
     shards that model.safetensors.index.json lists), by their names in a recipe
-    (`canonical(stored name)`). Files are opened (memory-mapped) when first read and closed on
-    exit or `release()`; `read` takes a rectangle through safetensors' `get_slice`, a view of
-    the mapping, so only the pages it covers are read, when it is copied. A `layout.Source`."""
+    (`canonical(stored name)`). Files are opened (memory-mapped) at once, so that a cut-off or
+    corrupt one is a ConfigError before anything is read, and closed on exit or `release()` (a
+    later read opens them again); `read` takes a rectangle through safetensors' `get_slice`, a
+    view of the mapping, so only the pages it covers are read, when it is copied. A
+    `layout.Source`."""
 
     def __init__(self, hf_dir: Path, canonical: Callable[[str], str]):
         self.dir = Path(hf_dir)
@@ -103,14 +105,20 @@ class HFFiles:
             if not (self.dir / file).is_file():
                 raise ConfigError(f"'{self.dir / file}' is missing: megalite reads safetensors "
                                   f"weights")
+            self._file(file)
         if weight_map is None:
             weight_map = {k: files[0] for k in self._file(files[0]).keys()}
         self.where = {canonical(k): (file, k) for k, file in weight_map.items()}
 
     def _file(self, file: str):
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(
-                safe_open(str(self.dir / file), framework="pt"))
+            try:
+                opened = safe_open(str(self.dir / file), framework="pt")
+            except SafetensorError as err:  # its header, or the data it promises, cut off
+                reason = str(err).removeprefix("Error while deserializing header: ")
+                raise ConfigError(f"'{self.dir / file}' is not a whole safetensors file "
+                                  f"({reason}): download or export it again") from None
+            self._open[file] = self._stack.enter_context(opened)
         return self._open[file]
 
     def _slice(self, name: str):
