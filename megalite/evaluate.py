@@ -32,15 +32,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megalite.cli import command_parser
+from megalite.command_args import eval_parser
 from megalite.config import ParallelConfig
 from megalite.data.batches import collate
-from megalite.data.chat import (TRAIN_ON, ChatError, ChatTemplate, conversation_of,
+from megalite.data.chat import (ChatError, ChatTemplate, conversation_of,
                                 conversation_tokens, load_chat_template)
 from megalite.data.text_pieces import rank_pieces
 from megalite.data.tokenizer import TokenizerInfo
 from megalite.hf.convert import checkpoint_model_config
-from megalite.inference import add_layout_arguments, layout_of, loaded
+from megalite.inference import layout_of, loaded
 from megalite.model import GPT
 from megalite.parallel.context import context_chunks
 from megalite.training.evaluation import all_reduce_loss, loss_sum
@@ -101,19 +101,7 @@ def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = command_parser("megalite eval", __doc__)
-    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--text", help="a UTF-8 text file")
-    what.add_argument("--chat", help="a jsonl of conversations (messages, or prompt and "
-                                     "completion): the loss over their target tokens")
-    parser.add_argument("--chat-template", help="--chat's template, or a .jinja file (default: "
-                                                "the checkpoint tokenizer's own)")
-    parser.add_argument("--train-on", choices=TRAIN_ON, default="assistant",
-                        help="--chat: which tokens are predicted (default: the assistant's turns)")
-    add_layout_arguments(parser, cp=True)
-    parser.add_argument("--json", action="store_true", help='print {"loss", "ppl", "tokens"}')
-    args = parser.parse_args(argv)
+    args = eval_parser().parse_args(argv)
     parallel = layout_of(args)
     check_windows_split(checkpoint_model_config(Path(args.ckpt)).max_seq_len, parallel)
     flag, source = ("--chat", Path(args.chat)) if args.chat else ("--text", Path(args.text))

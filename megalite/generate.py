@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.cli import command_parser
+from megalite.command_args import generate_parser
 from megalite.data.batches import Batch
 from megalite.data.chat import (ChatError, ChatTemplate, conversation_of, generation_prompt,
                                 load_chat_template)
 from megalite.data.tokenizer import TokenizerInfo
-from megalite.inference import add_layout_arguments, layout_of, loaded
+from megalite.inference import layout_of, loaded
 from megalite.model import GPT
 from megalite.model.kv_cache import KVCache
 from megalite.parallel.state import ParallelState
@@ -125,24 +125,7 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
 
 
 def main(argv: list[str]) -> int:
-    parser = command_parser("megalite generate", __doc__)
-    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
-    given = parser.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of several")
-    given.add_argument("--chat", action="append",
-                       help="a conversation (JSON) for the model to answer; repeat for several")
-    parser.add_argument("--chat-template", help="--chat's template, or a .jinja file (default: "
-                                                "the checkpoint tokenizer's own)")
-    add_layout_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens added to each prompt")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0: greedy (the most likely token each time); above 0: sampling")
-    parser.add_argument("--top-k", type=int, default=0,
-                        help="sample among the k most likely tokens (0: all)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="sample among the most likely tokens of this total probability")
-    parser.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
-    args = parser.parse_args(argv)
+    args = generate_parser().parse_args(argv)
     with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
         if args.chat:
             template = load_chat_template(tokenizer, args.chat_template)

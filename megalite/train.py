@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megalite.cli import command_parser
+from megalite.command_args import train_parser
 from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepare import PreparedData, prepare_data
@@ -47,11 +47,7 @@ from megalite.run_setup import (check_data, check_run_dir, find_resume, run_iden
 
 
 def parse_args(argv: list[str]) -> tuple[Config, frozenset[str]]:
-    parser = command_parser("megalite train", __doc__)
-    parser.add_argument("--config", help="YAML run config (see configs/demo.yaml); without it, "
-                                         "the defaults of docs/config.md")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
-    args = parser.parse_args(argv)
+    args = train_parser().parse_args(argv)
     return load_config(args.config, args.overrides), given_keys(args.config, args.overrides)
 
 

@@ -213,3 +213,61 @@ def test_prepared_data_follows_the_umask_whatever_the_tokenizers_mode(small_gz, 
         assert cli.main(["prepare-data", "--input", str(path), "--out", str(tmp_path / "prep"),
                          "--tokenizer", str(private), "--workers", "0"]) == 0
     assert_modes_follow_umask(tmp_path / "prep", 0o022)
+
+
+# ---- torch's threads in a command that computes (cli.cap_threads) ----------------------------
+
+# `megalite COMMAND ARGS` on a machine of 2 cores that other processes keep LOAD busy, with the
+# command's module replaced by print_threads. (torch takes no more threads than the real cores.)
+THREADS_PROBE = """import os, sys
+os.sched_getaffinity = lambda pid: {0, 1}
+os.getloadavg = lambda: (float(os.environ.pop("LOAD")), 0.0, 0.0)
+from megalite import cli
+cli.COMMANDS = {**cli.COMMANDS, sys.argv[1]: ("tests.test_cli", "print_threads", "")}
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def print_threads(argv) -> int:
+    import torch
+    print(torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
+    return 0
+
+
+def threads_of(command: str, load: float, **env: str) -> str:
+    """torch's threads in the command, and OMP_NUM_THREADS there."""
+    from tests.test_help import REQUIRED
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", THREADS_PROBE, command, *REQUIRED.get(command, [])],
+                          cwd=ROOT, env={**clean, "LOAD": str(load), **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+COMPUTING = ("train", "export", "import", "eval", "generate")
+
+
+def test_the_commands_that_compute():
+    assert cli.COMPUTING == COMPUTING
+
+
+@pytest.mark.parametrize("cores,load,threads", [(2, 0.3, 2), (2, 0.6, 1), (2, 5.0, 1), (6, 2.4, 4),
+                                                (16, 3.2, 13), (16, 0.0, 16)])
+def test_threads_are_the_cores_other_processes_leave(cores, load, threads):
+    assert cli.torch_threads(cores, load) == threads
+
+
+@pytest.mark.parametrize("command", COMPUTING)
+def test_a_computing_command_takes_the_idle_cores_where_omp_num_threads_is_unset(command):
+    assert threads_of(command, load=1.2) == "1 1"  # of 2 cores, 1.2 busy: torch alone takes 2
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch takes no more threads than cores")
+def test_omp_num_threads_set_by_the_user_is_kept():
+    assert threads_of("eval", load=0.0) == "2 2"
+    assert threads_of("eval", load=0.0, OMP_NUM_THREADS="1") == "1 1"
+
+
+def test_torchrun_leaves_its_workers_threads_to_torchrun():
+    assert threads_of("torchrun", load=1.2).endswith(" None")  # it sets 1 per rank itself

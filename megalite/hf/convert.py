@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from megalite.cli import command_parser
+from megalite.command_args import export_parser, import_parser
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
 from megalite.hf import (deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
@@ -227,14 +227,7 @@ def check_tokenizer_matches(tokenizer, cfg: ModelConfig, where) -> None:
 
 
 def main_export(argv: list[str]) -> int:
-    parser = command_parser("megalite export", "Write a checkpoint as a Hugging Face model directory.")
-    parser.add_argument("--ckpt", required=True, help="a checkpoint: RUN_DIR/checkpoints/step_NNNNNNNN")
-    parser.add_argument("--to-hf", required=True, dest="out", help="the directory to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="the weights' type in the files")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0,
-                        help="largest safetensors file, in GB of 10**9 bytes")
-    args = parser.parse_args(argv)
+    args = export_parser().parse_args(argv)
     name = export_hf(Path(args.ckpt), Path(args.out), DTYPES[args.dtype],
                      int(args.max_shard_gb * GB))
     print(f"wrote {name} to {args.out}")
@@ -242,14 +235,7 @@ def main_export(argv: list[str]) -> int:
 
 
 def main_import(argv: list[str]) -> int:
-    parser = command_parser("megalite import", "Make a megalite checkpoint (step 0, no optimizer "
-                                               "state) of a Hugging Face model directory.")
-    parser.add_argument("--from-hf", required=True, dest="hf_dir",
-                        help="a Hugging Face model directory: config.json, safetensors, tokenizer.json")
-    parser.add_argument("--to", required=True, dest="ckpt", help="the checkpoint directory to write")
-    parser.add_argument("--eos-token", help="the token that ends a document, where the "
-                        "tokenizer's files do not name it")
-    args = parser.parse_args(argv)
+    args = import_parser().parse_args(argv)
     cfg = import_hf(Path(args.hf_dir), Path(args.ckpt), args.eos_token)
     print(f"imported {args.hf_dir} ({cfg.n_layers} layers, hidden {cfg.hidden}) to {args.ckpt}")
     return 0

@@ -15,7 +15,7 @@ from string import Template
 
 import yaml
 
-from megalite.cli import command_parser
+from megalite.command_args import slurm_parser, sweep_status_parser
 from megalite.launch.sweep import Run, SweepFile, load_sweep
 from megalite.run_config import to_dict
 from megalite.training.checkpoint_dirs import latest_checkpoint
@@ -64,13 +64,7 @@ def table(runs: list[Run]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = command_parser("megalite slurm", __doc__)
-    parser.add_argument("sweep", help="a sweep YAML (see configs/sweeps/)")
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--dry-run", action="store_true",
-                      help="print the script and the runs; write nothing")
-    mode.add_argument("--submit", action="store_true", help="sbatch the array")
-    args = parser.parse_args(argv)
+    args = slurm_parser().parse_args(argv)
     sweep, runs = load_sweep(Path(args.sweep))
     sweep_dir = Path(sweep.run_root) / sweep.name
     text = render(sweep, runs, Path(args.sweep), sweep_dir)
@@ -151,11 +145,7 @@ def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> 
 
 
 def main_status(argv: list[str]) -> int:
-    parser = command_parser("megalite sweep-status", "Each run of a submitted sweep: its state, "
-                                                     "last step, loss and tokens/s.")
-    parser.add_argument("sweep_dir", help="the sweep's directory, RUN_ROOT/<sweep>")
-    parser.add_argument("--json", action="store_true", help="one JSON object per run")
-    args = parser.parse_args(argv)
+    args = sweep_status_parser().parse_args(argv)
     sweep_dir = Path(args.sweep_dir)
     if not (sweep_dir / "configs.txt").is_file():
         raise ConfigError(f"'{sweep_dir}' is not a sweep directory (no configs.txt)")
