@@ -37,6 +37,7 @@ from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
 from megalite.training.optim import describe_schedule, lr_at
+from megalite.training.optimizers.build import describe_optimizers
 from megalite.training.peers import Peers
 from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
 from megalite.training.profiling import StepProfiler
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_from = "train.init_from" if cfg.train.init_from and cfg.data.tokenizer == "bpe" \
         else "data.tokenizer"
     cfg = with_pretrained(cfg, given)
-    validate(cfg, world, launched="WORLD_SIZE" in os.environ)
+    validate(cfg, world, launched="WORLD_SIZE" in os.environ,
+             vocab_from_tokenizer=not cfg.train.init_from)
     check_run_dir(Path(cfg.run.dir))
     data = prepare_data(cfg.data, tokenizer_from=tokenizer_from)
     cfg = with_tokenizer_vocab(cfg, data)
@@ -113,7 +115,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
         return
-    metrics = open_run(cfg, ps, data, start)
+    metrics = open_run(cfg, ps, data, start, model)
     val_set = sample_sets(data.val, cfg, data).nonempty()
     if ps.is_main:
         print(eval_plan(cfg, val_set), flush=True)
@@ -219,10 +221,11 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
             metrics.wandb_run.finish()
 
 
-def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int) -> MetricsLog | None:
+def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int,
+             model) -> MetricsLog | None:
     """Rank 0 readies run.dir for the steps after `start`: its config.yaml, no preemption
-    marker, the data and the lr schedule announced, and the metrics log (and wandb run) the
-    steps append to; None on the other ranks."""
+    marker, the data, the lr schedule and (Muon) the optimizers announced, and the metrics log
+    (and wandb run) the steps append to; None on the other ranks."""
     if not ps.is_main:
         return None
     run_dir = Path(cfg.run.dir)
@@ -237,6 +240,8 @@ def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int) -> 
     print(f"lr: {describe_schedule(cfg.train)}", flush=True)
     wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
     return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
+    if (optimizers := describe_optimizers(model, cfg.train, ps)) is not None:
+        print(optimizers, flush=True)
 
 
 class TokenCount:
@@ -322,6 +327,10 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
     s, tok = cfg.sample, data.tokenizer
     if ps.cp_size > 1:
         if ps.is_main:
+    if not s.prompts:  # nothing asked: no header, and no samples.txt of an earlier end
+        if ps.is_main:
+            (run_dir / "samples.txt").unlink(missing_ok=True)
+        return
             print(f"samples skipped: generation decodes with a KV cache, which runs without context "
                   f"parallelism (parallel.cp={ps.cp_size}); sample from the checkpoint with "
                   f"`megalite generate`", flush=True)
