@@ -122,19 +122,20 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
         report_error(str(err))
         return USAGE
     except CheckpointError as err:  # every rank raises it, with the failing rank's reason
-        report_error(str(err))
+        report_error(str(err), status=1)
         return 1
     except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
-        print(f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}", file=sys.stderr,
-              flush=True)
+        line = f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}"
+        if not leave_for_launcher(line, 1):
+            print(line, file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C (a run's second: see training/preemption.py)
+    except KeyboardInterrupt:  # Ctrl-C where no run handles it (a run: training/preemption.py)
         if os.environ.get("RANK", "0") == "0":
             print("megalite: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED
 
 
-def report_error(message: str) -> None:
+def report_error(message: str, status: int = USAGE) -> None:
     """`megalite: error: ...` on stderr, once for the whole launch.
 
     Under `megalite torchrun` the rank leaves it in the launcher's directory, and the launcher
@@ -143,12 +144,7 @@ def report_error(message: str) -> None:
     still running QUIET_RANK_GRACE_S later (rank 0 did not stop on it)."""
     line = f"megalite: error: {message}"
     rank = os.environ.get("RANK", "0")
-    launcher_dir = os.environ.get(ERROR_DIR)
-    if launcher_dir:
-        tmp = os.path.join(launcher_dir, f".{rank}.tmp")
-        with open(tmp, "w") as f:
-            f.write(line)
-        os.replace(tmp, os.path.join(launcher_dir, rank))  # the launcher never reads half
+    if leave_for_launcher(line, status):
         return
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # the format torchelastic's ErrorHandler writes and its report reads
@@ -158,6 +154,20 @@ def report_error(message: str) -> None:
     if rank != "0":
         time.sleep(QUIET_RANK_GRACE_S)
     print(line, file=sys.stderr, flush=True)
+
+
+def leave_for_launcher(line: str, status: int) -> bool:
+    """Under `megalite torchrun`: the rank's line and exit status, in the launcher's directory
+    under the rank's number (which also tells peers.Peers that this rank ended on its own)."""
+    launcher_dir = os.environ.get(ERROR_DIR)
+    if not launcher_dir:
+        return False
+    rank = os.environ.get("RANK", "0")
+    tmp = os.path.join(launcher_dir, f".{rank}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{status} {line}")
+    os.replace(tmp, os.path.join(launcher_dir, rank))  # the launcher never reads half
+    return True
 
 
 if __name__ == "__main__":

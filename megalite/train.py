@@ -39,7 +39,8 @@ from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics,
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.optimizers.build import describe_optimizers
 from megalite.training.peers import Peers
-from megalite.training.preemption import PREEMPTED, StopRequest, clear_marker, mark_preempted
+from megalite.training.preemption import (PREEMPTED, StopRequest, clear_marker, mark_preempted,
+                                          tell_launcher)
 from megalite.training.profiling import StepProfiler
 from megalite.training.snapshots import Snapshots, snapshot_dir
 from megalite.training.watchdog import Watchdog
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 raise lost from err
         except Preempted:
+            tell_launcher(pstate.rank)
             return PREEMPTED
         finally:
             if dist.is_initialized():
@@ -202,8 +204,8 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     snapshots.clear()
                 if ps.is_main:
                     bar.close()
-                    mark_preempted(run_dir, done, stop.signal_name or "another rank's signal")
-                    print(f"stopped after step {done} on request; checkpoint saved", flush=True)
+                    print(mark_preempted(run_dir, done, stop.signal_name or "another rank's signal"),
+                          flush=True)
                 raise Preempted()
         bar.close()
         if watchdog is not None:  # the last save, evaluation and samples may take longer
@@ -238,10 +240,10 @@ def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int,
         print(f"steps: {cfg.train.max_steps} of {cfg.train.global_batch_size} samples for "
               f"train.epochs={cfg.train.epochs:g}", flush=True)
     print(f"lr: {describe_schedule(cfg.train)}", flush=True)
-    wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
-    return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
     if (optimizers := describe_optimizers(model, cfg.train, ps)) is not None:
         print(optimizers, flush=True)
+    wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
+    return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
 
 
 class TokenCount:
@@ -325,12 +327,12 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
     s, tok = cfg.sample, data.tokenizer
-    if ps.cp_size > 1:
-        if ps.is_main:
     if not s.prompts:  # nothing asked: no header, and no samples.txt of an earlier end
         if ps.is_main:
             (run_dir / "samples.txt").unlink(missing_ok=True)
         return
+    if ps.cp_size > 1:
+        if ps.is_main:
             print(f"samples skipped: generation decodes with a KV cache, which runs without context "
                   f"parallelism (parallel.cp={ps.cp_size}); sample from the checkpoint with "
                   f"`megalite generate`", flush=True)

@@ -207,25 +207,6 @@ def test_sigterm_or_ctrl_c_stops_a_single_process_run_with_the_preempted_status(
     assert latest_checkpoint(run_dir).name == f"step_{int(marker.split()[3]):08d}"
 
 
-def test_a_second_ctrl_c_stops_at_once_with_one_line(capsys):
-    """The first SIGINT asks for a stop at the step's end; the second raises, and the command
-    ends with one line and the shell's status for Ctrl-C."""
-    from megalite.cli import INTERRUPTED, run_reporting_errors
-    from megalite.training.preemption import StopRequest
-
-    def run(argv):
-        with StopRequest() as stop:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)  # the handler runs between bytecodes: here, not in the raise below
-            assert stop.requested and stop.signal_name == "SIGINT"
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-        raise AssertionError("the second Ctrl-C did not stop it")
-    assert run_reporting_errors(run, []) == INTERRUPTED
-    err = capsys.readouterr().err
-    assert "Ctrl-C again to stop at once" in err and err.endswith("megalite: interrupted\n")
-
-
 KILL_DURING_SAVE = """
 import os, signal, sys
 import torch.distributed.checkpoint.filesystem as dcp_files

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megalite.parallel.state import ParallelState
+from megalite.cli import ERROR_DIR
 from megalite.failures import PeerLost
 
 
@@ -29,9 +30,14 @@ class Peers:
         self.step: int | None = None  # the step being trained (set by the loop), None: before
 
     def gone(self) -> list[int]:
-        """The ranks on this host whose process has ended."""
+        """The ranks on this host whose process has ended, but those that ended on their own
+        after a peer died (under `megalite torchrun` they left their line in the launcher's
+        directory first): a late survivor names the rank that died first, not the survivors
+        that stopped before it."""
+        said = os.environ.get(ERROR_DIR)
         return [rank for rank, (host, pid) in enumerate(self.table)
-                if host == self.host and not _alive(pid)]
+                if host == self.host and not _alive(pid)
+                and not (said and os.path.exists(os.path.join(said, str(rank))))]
 
     def lost(self, err: BaseException) -> PeerLost | None:
         """A PeerLost for `err`, a failed collective, where a peer has died; None if none has

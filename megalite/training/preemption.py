@@ -1,6 +1,7 @@
 """Stop cleanly when the scheduler asks: SIGUSR1 (Slurm's --signal, ahead of the time limit) or
 SIGTERM (preemption, scancel, a container stop); or the user: the first Ctrl-C (SIGINT) stops
-the same way, a second one at once (KeyboardInterrupt, one line: cli.run_reporting_errors).
+the same way, and any signal after it at once, unsaved, with one line and status 130 (under
+torchrun the second Ctrl-C reaches the agent, which passes it on as SIGTERM).
 
 A handler only records the request; after each step the ranks agree (a MAX all-reduce, since
 the signal reaches them at different moments), so all of them finish the same step, save the
@@ -18,10 +19,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megalite.cli import ERROR_DIR, INTERRUPTED
 from megalite.parallel.state import ParallelState
 
 PREEMPTED = 3  # exit status of a run that stopped early on request, with a checkpoint saved
 MARKER = "PREEMPTED"
+STOPPED = "stopped."  # + rank: the file a rank leaves in the launcher's directory (tell_launcher)
 
 
 class StopRequest:
@@ -45,9 +48,9 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self.signal_name == "SIGINT":
+            stop_now()
         if signum == signal.SIGINT:
-            if self.signal_name == "SIGINT":
-                raise KeyboardInterrupt  # the second Ctrl-C: now
             if os.environ.get("RANK", "0") == "0":
                 print("\nmegalite: Ctrl-C: stopping after this step with a checkpoint "
                       "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
@@ -82,9 +85,31 @@ class StopRequest:
         return bool(previous[0][0])
 
 
-def mark_preempted(run_dir: Path, step: int, reason: str) -> None:
-    (Path(run_dir) / MARKER).write_text(f"stopped after step {step} on {reason}; resume with "
-                                        f"train.resume=auto\n")
+def stop_now() -> None:
+    """The second Ctrl-C: out at once, from inside the handler. Unwinding could wait in a
+    collective or on the checkpoint writer; what is on disk is whole either way (checkpoints
+    and snapshots are renamed into place complete)."""
+    if os.environ.get("RANK", "0") == "0":
+        print("\nmegalite: interrupted: stopped at once, unsaved; train.resume=auto resumes "
+              "from the last checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(INTERRUPTED)
+
+
+def mark_preempted(run_dir: Path, step: int, reason: str) -> str:
+    """RUN_DIR/PREEMPTED for the launcher; returns the line that says so."""
+    line = (f"stopped after step {step} on {reason} with a checkpoint; resume with "
+            f"train.resume=auto (run.dir={run_dir})")
+    (Path(run_dir) / MARKER).write_text(line + "\n")
+    return line
+
+
+def tell_launcher(rank: int) -> None:
+    """Under `megalite torchrun`: this rank stopped on request with a checkpoint, so that the
+    launcher, which got the signal too, exits PREEMPTED (launch/torchrun.py)."""
+    errors = os.environ.get(ERROR_DIR)
+    if errors:
+        (Path(errors) / f"{STOPPED}{rank}").touch()
 
 
 def clear_marker(run_dir: Path) -> None:

@@ -1,0 +1,82 @@
+"""Ctrl-C ends a run as docs/training.md says, through `megalite torchrun` and alone: the first
+stops every rank after a step with a checkpoint, one line and exit status 3; a second one stops
+at once, unsaved, one line and 130. (torchrun's agent gets the terminal's SIGINT, its workers
+being in sessions of their own: it passes the first on as SIGINT, the second as SIGTERM.)"""
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megalite.cli import INTERRUPTED
+from megalite.training.checkpoint_dirs import latest_checkpoint
+from megalite.training.preemption import PREEMPTED
+from tests.test_dead_rank import stepped
+
+ROOT = Path(__file__).resolve().parent.parent
+MEGALITE_TORCHRUN = [sys.executable, "-m", "megalite", "torchrun", "--nproc_per_node", "2"]
+HINT = ("megalite: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at "
+        "once, unsaved)")
+
+
+def train_args(cache: str, run_dir: Path, slow: bool) -> list[str]:
+    # slow: steps of a second or more, so that the second Ctrl-C comes before the first's stop.
+    model = (["model.hidden=256", "model.n_layers=6", "model.max_seq_len=256", "data.seq_len=256"]
+             if slow else ["model.hidden=32", "data.seq_len=32"])
+    return ["-m", "megalite.train", "model=tiny", *model, "data.bpe_vocab_size=512",
+            f"data.cache_dir={cache}", "train.max_steps=1000", "train.global_batch_size=8",
+            "train.checkpoint_every=1000", "train.eval_tokens=256", f"run.dir={run_dir}"]
+
+
+def interrupt(cmd: list[str], run_dir: Path, times: int) -> subprocess.CompletedProcess:
+    """Start `cmd`, send it SIGINT `times` times (0.3 s apart) once a step is logged."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not stepped(run_dir) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no step logged in 240 s"
+            time.sleep(0.05)
+        for i in range(times):
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def megalite_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()
+            and not line.startswith("W")  # torchrun's start-up banner about OMP_NUM_THREADS
+            and not line.startswith("data: rank ")]  # which rank prepares the data
+
+
+def test_ctrl_c_under_megalite_torchrun_stops_with_a_checkpoint_and_status_3(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    done = interrupt(MEGALITE_TORCHRUN + train_args(cache, run_dir, slow=False), run_dir, 1)
+    assert done.returncode == PREEMPTED, done.stderr[-3000:]
+    assert megalite_lines(done.stderr) == [HINT], done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    step = latest_checkpoint(run_dir).name.removeprefix("step_").lstrip("0")
+    assert last == (f"stopped after step {step} on SIGINT with a checkpoint; resume with "
+                    f"train.resume=auto (run.dir={run_dir})"), done.stdout[-2000:]
+    assert (run_dir / "PREEMPTED").read_text() == last + "\n"
+
+
+def test_a_second_ctrl_c_under_megalite_torchrun_stops_at_once_unsaved_with_130(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    done = interrupt(MEGALITE_TORCHRUN + train_args(cache, run_dir, slow=True), run_dir, 2)
+    assert done.returncode == INTERRUPTED, done.stderr[-3000:]
+    assert megalite_lines(done.stderr) == [HINT, "megalite: interrupted: stopped at once, unsaved; "
+                                           "train.resume=auto resumes from the last checkpoint"]
+    assert latest_checkpoint(run_dir) is None and not (run_dir / "PREEMPTED").exists()
+
+
+def test_a_second_ctrl_c_stops_a_single_process_at_once_with_130(tmp_path, cache):
+    run_dir = tmp_path / "run"
+    done = interrupt([sys.executable] + train_args(cache, run_dir, slow=True), run_dir, 2)
+    assert done.returncode == INTERRUPTED, done.stderr[-3000:]
+    assert megalite_lines(done.stderr)[-2:] == [HINT, "megalite: interrupted: stopped at once, "
+                                                "unsaved; train.resume=auto resumes from the last "
+                                                "checkpoint"]
+    assert latest_checkpoint(run_dir) is None

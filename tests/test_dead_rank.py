@@ -1,0 +1,67 @@
+"""A rank killed mid-run at TP2 x DP2: every survivor names it (not the survivors that stopped
+before it: training/peers.py), and `megalite torchrun` says so in one line with exit status 1,
+without its own traceback or torchrun's report of the failed ranks."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stepped(run_dir: Path) -> bool:
+    """A training step is logged (metrics.jsonl is opened before the first)."""
+    log = run_dir / "metrics.jsonl"
+    return log.exists() and '"loss"' in log.read_text()
+LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
+             "megalite torchrun": [sys.executable, "-m", "megalite", "torchrun"]}
+
+
+def kill_rank(launcher: str, cache: str, run_dir: Path, victim: int, **env: str):
+    """Train on 4 ranks, SIGKILL rank `victim` once a step is logged: (exit status, stderr,
+    the victim's pid)."""
+    cmd = LAUNCHERS[launcher] + [
+        "--nproc_per_node", "4", "-m", "megalite.train", "model=tiny", "model.hidden=32",
+        "data.seq_len=32", "data.bpe_vocab_size=512", f"data.cache_dir={cache}",
+        "train.max_steps=1000", "train.global_batch_size=8", "train.checkpoint_every=1000",
+        "parallel.tp=2", f"run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 240
+        while not stepped(run_dir) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no step logged in 240 s"
+            time.sleep(0.05)
+        workers = {int(p.environ()["RANK"]): p for p in psutil.Process(proc.pid).children()}
+        workers[victim].kill()
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    return proc.returncode, err, workers[victim].pid
+
+
+def test_every_survivor_names_the_rank_that_died_first(tmp_path, cache):
+    """Each survivor's line, as it leaves it for `megalite torchrun` (in the directory the
+    launcher names), names rank 1, also those of ranks that failed after rank 0 had ended."""
+    said = tmp_path / "said"
+    said.mkdir()
+    status, err, pid = kill_rank("torchrun", cache, tmp_path / "run", 1, MEGALITE_ERROR_DIR=str(said))
+    assert status == 1
+    lines = {int(p.name): p.read_text() for p in said.iterdir() if p.name.isdigit()}
+    assert sorted(lines) == [0, 2, 3], err[-3000:]
+    for rank, line in lines.items():
+        assert line.startswith(f"1 megalite: error: rank {rank}: rank 1 (pid {pid}) on "), line
+        assert " died during step " in line and line.endswith("(train.resume=auto)"), line
+
+
+def test_a_dead_rank_under_megalite_torchrun_is_one_line_and_status_1(tmp_path, cache):
+    status, err, pid = kill_rank("megalite torchrun", cache, tmp_path / "run", 2)
+    assert status == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("W")]
+    assert len(lines) == 1 and lines[0].startswith("megalite: error: rank ") \
+        and f": rank 2 (pid {pid}) on " in lines[0], err[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "FAILED", "closing signal", "exitcode"):
+        assert noise not in err, err[-3000:]
