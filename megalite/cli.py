@@ -26,7 +26,8 @@ COMMANDS = {
 }
 # The commands that compute in their own process (alone, or one rank of a torchrun launch): see
 # cap_threads. Not torchrun itself: its workers inherit its OMP_NUM_THREADS.
-COMPUTING = ("train", "export", "import", "eval", "generate")
+# Not train: its numbers must not depend on the load (command_args.TRAIN_THREADS).
+COMPUTING = ("export", "import", "eval", "generate")
 # Commands that left the package with the measuring tools: their name under `python -m bench`.
 MOVED = {"bench": "sweep", "peer-bench": "peer", "gpu-check": "gpu-check", "scale-model": "scale-model"}
 USAGE = 2  # the exit status of bad input, as argparse's

@@ -48,8 +48,15 @@ def computing_parser(prog: str, description: str | None) -> argparse.ArgumentPar
     return parser
 
 
+# Not capped by the load: a run's numbers would then depend on it (a resume is bit-exact only
+# on the threads it started with).
+TRAIN_THREADS = """torch's CPU threads: OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else
+torch's default, every core: on a busy machine set OMP_NUM_THREADS (the same for a resume)."""
+
+
 def train_parser() -> argparse.ArgumentParser:
-    parser = computing_parser("megalite train", module_doc("megalite.train"))
+    parser = command_parser("megalite train", module_doc("megalite.train"))
+    parser.epilog = TRAIN_THREADS
     parser.add_argument("--config", help="YAML run config (see configs/demo.yaml); without it, "
                                          "the defaults of docs/config.md")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")

@@ -245,7 +245,7 @@ def threads_of(command: str, load: float, **env: str) -> str:
     return done.stdout.strip()
 
 
-COMPUTING = ("train", "export", "import", "eval", "generate")
+COMPUTING = ("export", "import", "eval", "generate")
 
 
 def test_the_commands_that_compute():
@@ -267,6 +267,11 @@ def test_a_computing_command_takes_the_idle_cores_where_omp_num_threads_is_unset
 def test_omp_num_threads_set_by_the_user_is_kept():
     assert threads_of("eval", load=0.0) == "2 2"
     assert threads_of("eval", load=0.0, OMP_NUM_THREADS="1") == "1 1"
+
+
+def test_train_keeps_torchs_threads_whatever_the_load():
+    """A run's numbers depend on the threads: the load must not choose them."""
+    assert threads_of("train", load=1.2).endswith(" None")  # torch chooses, as without megalite
 
 
 def test_torchrun_leaves_its_workers_threads_to_torchrun():
