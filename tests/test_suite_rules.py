@@ -37,7 +37,7 @@ ENGINE = re.compile(r"""engine\s*=\s*['"]?deepspeed\b|['"]engine['"]\s*:\s*['"]d
 # subprocess) and the engine builders.
 TRAINERS = {"megalite.train.main", "megalite.training.build.build_engine",
             "megalite.training.deepspeed_engine.DeepSpeedEngine"}
-TRAINER_MODULE = "megalite.train"
+TRAINER_ARGV = ("-m", "megalite.train")
 
 
 @dataclass
@@ -48,8 +48,8 @@ class Module:
 
 
 @cache
-def module(name: str) -> Module | None:
-    path = TESTS / f"{name.removeprefix('tests.')}.py"
+def module(name: str, root: Path = TESTS) -> Module | None:
+    path = root / f"{name.removeprefix('tests.')}.py"
     if not name.startswith("tests.") or not path.is_file():
         return None
     tree = ast.parse(path.read_text(), str(path))
@@ -94,6 +94,7 @@ class Reach:
     trains: bool = False
     in_code: bool = False  # the engine named in a function's body: every case trains with it
     decorated: bool = False  # named in a parametrize/fixture decorator: the cases holding it
+    # (or holding "deepspeed" itself, which the test may put into an argv: f"train.engine={e}")
     table_keys: set[str] = field(default_factory=set)  # named in a table: the cases picking a key
     whole_table: bool = False  # named in module-level data, under no key
     strings: set[str] = field(default_factory=set)  # string constants of the code reached
@@ -103,7 +104,8 @@ def names_engine(node: ast.AST) -> bool:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return bool(ENGINE.search(node.value))
     if isinstance(node, ast.keyword):
-        return node.arg == "engine" and isinstance(node.value, ast.Constant) and node.value.value == "deepspeed"
+        return (node.arg == "engine" and isinstance(node.value, ast.Constant)
+                and node.value.value == "deepspeed")
     if isinstance(node, ast.Dict):
         return any(isinstance(k, ast.Constant) and k.value == "engine" and isinstance(v, ast.Constant)
                    and v.value == "deepspeed" for k, v in zip(node.keys, node.values))
@@ -124,11 +126,11 @@ def table_hits(node: ast.AST, keys: tuple[str, ...], reach: Reach) -> None:
         table_hits(child, keys, reach)
 
 
-def reach(module_name: str, test: str) -> Reach:
+def reach(module_name: str, test: str, root: Path = TESTS) -> Reach:
     """What the test `test` of tests.`module_name` reaches (see the module's docstring)."""
     found = Reach()
-    conftest = module("tests.conftest")
-    todo, seen = [(module(module_name), test)], set()
+    conftest = module("tests.conftest", root)
+    todo, seen = [(module(module_name, root), test)], set()
     while todo:
         mod, name = todo.pop()
         if mod is None or (mod.name, name) in seen:
@@ -139,19 +141,20 @@ def reach(module_name: str, test: str) -> Reach:
             origin = mod.origins.get(name, "")
             found.trains |= origin in TRAINERS
             if origin.startswith("tests."):
-                todo.append((module(origin.rpartition(".")[0]), origin.rpartition(".")[2]))
+                todo.append((module(origin.rpartition(".")[0], root), origin.rpartition(".")[2]))
             continue
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             table_hits(node, (), found)
         else:
             decorators = [n for d in getattr(node, "decorator_list", []) for n in ast.walk(d)]
-            found.decorated |= any(names_engine(n) for n in decorators)
+            found.decorated |= any(names_engine(n) or (isinstance(n, ast.Constant) and n.value == "deepspeed")
+                                   for n in decorators)
             body = [n for stmt in getattr(node, "body", []) for n in ast.walk(stmt)]
             found.in_code |= any(names_engine(n) for n in body)
             for n in body:
                 if isinstance(n, ast.Constant) and isinstance(n.value, str):
                     found.strings.add(n.value)
-                    found.trains |= n.value == TRAINER_MODULE
+                found.trains |= launches_the_trainer(n)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for arg in node.args.args + node.args.kwonlyargs:  # fixtures
                     todo += [(mod, arg.arg), (conftest, arg.arg)]
@@ -163,22 +166,32 @@ def reach(module_name: str, test: str) -> Reach:
     return found
 
 
+def launches_the_trainer(node: ast.AST) -> bool:
+    """`-m megalite.train` in a command's list, tuple or call arguments (not any mention of the
+    module: the harness names it among the modules its ranks preload)."""
+    items = (node.elts if isinstance(node, (ast.List, ast.Tuple))
+             else node.args if isinstance(node, ast.Call) else [])
+    values = [i.value if isinstance(i, ast.Constant) else None for i in items]
+    return any(tuple(values[i:i + 2]) == TRAINER_ARGV for i in range(len(values) - 1))
+
+
 def trains_with_deepspeed(r: Reach, params_text: str, params_strings: set[str]) -> bool:
     """Whether a case (its parameters' repr, and the strings among them) trains with DeepSpeed."""
     if not r.trains:
         return False
     picked = r.table_keys & (params_strings | r.strings)
-    return r.in_code or r.whole_table or bool(picked) or (r.decorated and bool(ENGINE.search(params_text)))
+    held = bool(ENGINE.search(params_text)) or "deepspeed" in params_strings
+    return r.in_code or r.whole_table or bool(picked) or (r.decorated and held)
 
 
-def candidates() -> dict[str, set[str]]:
+def candidates(root: Path = TESTS) -> dict[str, set[str]]:
     """Module name -> its test functions that can train with DeepSpeed in some case."""
     out: dict[str, set[str]] = {}
-    for path in sorted(TESTS.glob("test_*.py")):
-        mod = module(f"tests.{path.stem}")
+    for path in sorted(root.glob("test_*.py")):
+        mod = module(f"tests.{path.stem}", root)
         for name, node in mod.defs.items():
             if name.startswith("test") and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                r = reach(mod.name, name)
+                r = reach(mod.name, name, root)
                 if r.trains and (r.in_code or r.decorated or r.table_keys or r.whole_table):
                     out.setdefault(path.stem, set()).add(name)
     return out
@@ -243,13 +256,75 @@ def test_every_test_that_trains_with_deepspeed_is_marked_and_skips_without_it(tm
     unmarked = [i["nodeid"] for i in cases if not i["marked"]]
     assert not unmarked, f"train with train.engine=deepspeed but not marked deepspeed: {unmarked}"
     assert all(i["skipped"] for i in cases), "marked but not skipped without the package"
-    # The search finds what it must (so the check above is not vacuous), and no refusal test.
+    # The search finds what it must (so the checks above are not vacuous), and not fp8's
+    # layouts that train natively.
     ids = {i["nodeid"] for i in cases}
     assert {"tests/test_deepspeed.py::test_zero_trains_like_the_native_engine[0]",
             "tests/test_fp8_train.py::test_fp8_trains_like_one_process[dp2-deepspeed-zero2]",
             "tests/test_sequence_parallel.py::test_deepspeed_zero2_with_sequence_parallel_trains_like_native",
             } <= ids, sorted(ids)
     assert "tests/test_fp8_train.py::test_fp8_trains_like_one_process[tp2-dp2-rowwise]" not in ids
+
+
+SAMPLE = {"conftest.py": """
+import pytest
+from megalite.run_config import TrainConfig
+from megalite.training.build import build_engine
+
+@pytest.fixture
+def zero_engine():
+    return build_engine(None, TrainConfig(engine="deepspeed"), None)
+""", "test_sample.py": """
+import subprocess
+import pytest
+from megalite import train as train_module
+from megalite.config import load_config
+
+TABLE = {"plain": ["parallel.tp=2"], "zero2": ["train.engine=deepspeed", "train.zero_stage=2"]}
+
+def run(argv):
+    return train_module.main(argv)
+
+def test_refusal():
+    load_config(None, ["train.engine=deepspeed"])
+
+def test_direct():
+    run(["train.engine=deepspeed"])
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_table(name):
+    run(TABLE[name])
+
+@pytest.mark.parametrize("engine", ["native", "deepspeed"])
+def test_engine_as_parameter(engine):
+    run([f"train.engine={engine}"])
+
+def test_fixture(zero_engine):
+    pass
+
+def test_under_torchrun():
+    subprocess.run(["torchrun", "-m", "megalite.train", "train.engine=deepspeed"], timeout=60)
+
+def test_module_only_named():
+    load_config(None, ["train.engine=deepspeed"], preload=["megalite.train"])
+"""}
+
+
+def test_the_search_tells_each_way_of_training_with_deepspeed_from_a_refusal(tmp_path):
+    """The search on a sample of each shape: the engine in the test's argv, in a table entry
+    its parameter picks, as a parameter, in a fixture, under torchrun; and named only to be
+    refused."""
+    for name, text in SAMPLE.items():
+        (tmp_path / name).write_text(text)
+    assert candidates(tmp_path) == {"test_sample": {"test_direct", "test_table", "test_engine_as_parameter",
+                                                    "test_fixture", "test_under_torchrun"}}
+    case = lambda test, *params: trains_with_deepspeed(  # noqa: E731
+        reach("tests.test_sample", test, tmp_path), repr(params), set(params))
+    assert case("test_direct") and case("test_fixture")
+    assert case("test_table", "zero2") and not case("test_table", "plain")
+    assert case("test_engine_as_parameter", "deepspeed") and not case("test_engine_as_parameter", "native")
+    assert case("test_under_torchrun")
+    assert not case("test_refusal") and not case("test_module_only_named")
 
 
 def test_the_mark_skips_only_where_deepspeed_is_missing(monkeypatch):
