@@ -34,6 +34,7 @@ USAGE = 2  # the exit status of bad input, as argparse's
 INTERRUPTED = 130  # a shell's status for a process Ctrl-C stopped (128 + SIGINT)
 # Set by `megalite torchrun` for its workers: the directory where a rank leaves its error line.
 ERROR_DIR = "MEGALITE_ERROR_DIR"
+STOPPED = "stopped."  # + rank: a rank's mark there that it stopped on request with a checkpoint
 # How long a rank other than 0 waits before printing its error: rank 0 meets the same checks
 # and prints it, and torchrun then stops this rank before it prints the same line again.
 QUIET_RANK_GRACE_S = 5.0
@@ -127,7 +128,8 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
         return 1
     except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
         line = f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}"
-        if not leave_for_launcher(line, 1):
+        # torchrun restarts the ranks without a report (and so without the launcher's line).
+        if not leave_for_launcher(line, 1) or restarts_left():
             print(line, file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C where no run handles it (a run: training/preemption.py)
@@ -169,6 +171,23 @@ def leave_for_launcher(line: str, status: int) -> bool:
         f.write(f"{status} {line}")
     os.replace(tmp, os.path.join(launcher_dir, rank))  # the launcher never reads half
     return True
+
+
+def forget_left(rank: int) -> None:
+    """A rank's lines of an earlier round of a restarted launch: gone before it meets its
+    peers, so that they are neither printed for this round nor taken as ended ranks."""
+    launcher_dir = os.environ.get(ERROR_DIR)
+    for name in (str(rank), f"{STOPPED}{rank}") if launcher_dir else ():
+        try:
+            os.remove(os.path.join(launcher_dir, name))
+        except FileNotFoundError:
+            pass
+
+
+def restarts_left() -> bool:
+    """torchrun will start the ranks again if this round fails (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < \
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.optimizers.build import describe_optimizers
 from megalite.training.peers import Peers
 from megalite.training.preemption import (PREEMPTED, StopRequest, clear_marker, mark_preempted,
-                                          tell_launcher)
+                                          the_stop_is_saved)
 from megalite.training.profiling import StepProfiler
 from megalite.training.snapshots import Snapshots, snapshot_dir
 from megalite.training.watchdog import Watchdog
@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 raise lost from err
         except Preempted:
-            tell_launcher(pstate.rank)
             return PREEMPTED
         finally:
             if dist.is_initialized():
@@ -206,6 +205,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
                     bar.close()
                     print(mark_preempted(run_dir, done, stop.signal_name or "another rank's signal"),
                           flush=True)
+                the_stop_is_saved(stop, ps.rank)
                 raise Preempted()
         bar.close()
         if watchdog is not None:  # the last save, evaluation and samples may take longer

@@ -80,3 +80,29 @@ def test_a_second_ctrl_c_stops_a_single_process_at_once_with_130(tmp_path, cache
                                                 "unsaved; train.resume=auto resumes from the last "
                                                 "checkpoint"]
     assert latest_checkpoint(run_dir) is None
+
+
+SIGNALS_AFTER = """import os, signal, sys, time
+from megalite.training.preemption import StopRequest, the_stop_is_saved
+with StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # the handler runs between bytecodes
+    if sys.argv[1] == "saved":
+        the_stop_is_saved(stop, 0)
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent passes the second Ctrl-C on so
+    time.sleep(5)
+sys.exit(0)
+"""
+
+
+def test_a_signal_after_the_stops_checkpoint_ends_the_rank_as_stopped():
+    """A second Ctrl-C that comes once the stop's checkpoint is whole: status 3 and not the
+    'unsaved' line; before it, 130 and that line."""
+    runs = {when: subprocess.run([sys.executable, "-c", SIGNALS_AFTER, when], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+            for when in ("saved", "unsaved")}
+    assert runs["saved"].returncode == PREEMPTED and "interrupted" not in runs["saved"].stderr
+    assert runs["unsaved"].returncode == INTERRUPTED
+    assert runs["unsaved"].stderr.strip().endswith("megalite: interrupted: stopped at once, "
+                                                   "unsaved; train.resume=auto resumes from the "
+                                                   "last checkpoint")

@@ -70,3 +70,14 @@ def test_a_bad_argument_is_refused_without_importing_torch(command):
     assert done.returncode == 2
     assert done.stderr.splitlines()[-2:] == [
         f"megalite {command}: error: unrecognized arguments: --no-such-option", "torch not imported"]
+
+
+def test_the_torch_free_choices_are_the_commands_own():
+    """command_args restates two lists its torch-free parsers cannot import: they must agree."""
+    from megalite import command_args
+    from megalite.data.chat import TRAIN_ON
+    from megalite.hf.convert import DTYPES
+    assert command_args.TRAIN_ON == TRAIN_ON
+    export = command_args.export_parser()
+    dtype = next(a for a in export._actions if a.dest == "dtype")
+    assert tuple(dtype.choices) == tuple(DTYPES)

@@ -86,3 +86,24 @@ def test_keys_not_given_are_the_checkpoints_and_given_settings_the_configs(pretr
     assert model.n_layers == saved.n_layers == 2 and model.hidden == 32 and model.n_experts == 4
     assert model.moe_aux_loss_coeff == saved.moe_aux_loss_coeff == 0.0  # not given: the checkpoint's
     assert set(TRAINING_SETTINGS) < {f.name for f in ModelConfig.__dataclass_fields__.values()}
+
+
+def test_a_slurm_sweep_from_a_checkpoint_writes_configs_its_jobs_accept(tmp_path, pretrained):
+    """megalite slurm writes each point's whole config for its job: under train.init_from with
+    the checkpoint's architecture (written as the sweep's defaults, every model key would read
+    as given and be refused), checked with it (a MoE setting on the default dense model would
+    be refused too), and the sweep's training settings kept."""
+    from megalite.launch.slurm import write_sweep
+    from megalite.launch.sweep import load_sweep
+    (tmp_path / "base.yaml").write_text("train: {max_steps: 3}\n")
+    (tmp_path / "sweep.yaml").write_text(
+        f"name: ft\nbase: {tmp_path / 'base.yaml'}\nrun_root: {tmp_path / 'runs'}\n"
+        f"overrides: [train.init_from={pretrained}, model.moe_aux_loss_coeff=0.01]\n"
+        f"grid: {{train.lr: [0.001]}}\nslurm: {{procs_per_node: 1}}\n")
+    sweep, runs = load_sweep(tmp_path / "sweep.yaml")
+    write_sweep(sweep, runs, "")
+    written = runs[0].directory / "config.yaml"
+    model = with_pretrained(load_config(written), given_keys(written)).model
+    saved = json.loads((pretrained / "meta.json").read_text())["config"]["model"]
+    assert (model.n_layers, model.hidden, model.n_experts) == (saved["n_layers"], saved["hidden"], 4)
+    assert model.moe_aux_loss_coeff == 0.01

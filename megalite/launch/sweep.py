@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from megalite.run_config import Config, load_config
-from megalite.run_setup import validate
+from megalite.run_config import Config, given_keys, load_config
+from megalite.run_setup import validate, with_pretrained
 from megalite.typed_config import ConfigError, from_dict
 
 
@@ -118,7 +118,10 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         run_dir = Path(sweep.run_root) / sweep.name / f"{index}-{short}"
         overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
         try:
-            config = load_config(sweep.base, overrides)
+            # As the job will resolve it: under train.init_from the checkpoint's architecture,
+            # written out whole in the point's config.yaml (run_setup.with_pretrained).
+            config = with_pretrained(load_config(sweep.base, overrides),
+                                     given_keys(sweep.base, overrides))
             validate(config, world, installed=False)  # its packages: the nodes' business
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "

@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megalite.cli import ERROR_DIR, USAGE
+from megalite.cli import ERROR_DIR, STOPPED
 from megalite.parallel.state import UNSHARED_STORE
-from megalite.training.preemption import PREEMPTED, STOPPED
+from megalite.training.preemption import PREEMPTED
 
 # Log "Sending process N closing signal SIGTERM" and "failed (exitcode: 2) local_rank: ...",
 # and "Received SIGINT death signal, shutting down workers".
@@ -40,9 +40,12 @@ class _QuietOnError(logging.Filter):
         super().__init__()
         self.errors = errors
         self.signalled = False
+        self.killed = False  # the agent SIGKILLed ranks that had not stopped in its time
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.signalled = self.signalled or "death signal" in record.getMessage()
+        message = record.getMessage()
+        self.signalled = self.signalled or "death signal" in message
+        self.killed = self.killed or "forcefully exiting" in message
         return not (self.signalled or any(self.errors.iterdir()))
 
 
@@ -75,6 +78,11 @@ def main(argv: list[str]) -> int:
             # (rank 0 prints the line); else they were stopped at once (a second Ctrl-C).
             if any(Path(errors).glob(f"{STOPPED}*")):
                 return PREEMPTED
+            if quiet.killed:
+                print("megalite: error: the ranks did not stop with their checkpoint in torchrun's "
+                      "--shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and "
+                      "were killed: raise it; train.resume=auto resumes from the last checkpoint",
+                      file=sys.stderr, flush=True)
             return 128 + sig.sigval
         finally:
             for logger in loggers:

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megalite.parallel.state import ParallelState
-from megalite.cli import ERROR_DIR
+from megalite.cli import ERROR_DIR, forget_left
 from megalite.failures import PeerLost
 
 
 class Peers:
     def __init__(self, pstate: ParallelState):
         """A collective over the world: every rank's (host, pid)."""
+        forget_left(pstate.rank)  # before the exchange: no peer looks before it is done
         self.host = socket.gethostname()
         self.table: list[tuple[str, int]] = [(self.host, os.getpid())]
         if pstate.world_size > 1:

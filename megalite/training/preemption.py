@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.cli import ERROR_DIR, INTERRUPTED
+from megalite.cli import ERROR_DIR, INTERRUPTED, STOPPED
 from megalite.parallel.state import ParallelState
 
 PREEMPTED = 3  # exit status of a run that stopped early on request, with a checkpoint saved
 MARKER = "PREEMPTED"
-STOPPED = "stopped."  # + rank: the file a rank leaves in the launcher's directory (tell_launcher)
 
 
 class StopRequest:
@@ -34,6 +33,7 @@ class StopRequest:
     def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)):
         self.requested = False
         self.signal_name = ""
+        self.saved = False  # the stop's checkpoint is whole and the launcher told (the_stop_is_saved)
         self.signals = signals
         self.previous = {}
         self._flag: torch.Tensor | None = None
@@ -48,6 +48,8 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
+        if self.saved:
+            os._exit(PREEMPTED)  # nothing left to stop: the checkpoint is whole
         if self.signal_name == "SIGINT":
             stop_now()
         if signum == signal.SIGINT:
@@ -104,12 +106,14 @@ def mark_preempted(run_dir: Path, step: int, reason: str) -> str:
     return line
 
 
-def tell_launcher(rank: int) -> None:
-    """Under `megalite torchrun`: this rank stopped on request with a checkpoint, so that the
-    launcher, which got the signal too, exits PREEMPTED (launch/torchrun.py)."""
+def the_stop_is_saved(stop: StopRequest, rank: int) -> None:
+    """This rank's checkpoint of the stop is whole: under `megalite torchrun` a mark that tells
+    the launcher, which got the signal too, to exit PREEMPTED (launch/torchrun.py); and a
+    signal from now on ends the rank as stopped, not as unsaved."""
     errors = os.environ.get(ERROR_DIR)
     if errors:
         (Path(errors) / f"{STOPPED}{rank}").touch()
+    stop.saved = True
 
 
 def clear_marker(run_dir: Path) -> None:
