@@ -106,3 +106,15 @@ def test_a_signal_after_the_stops_checkpoint_ends_the_rank_as_stopped():
     assert runs["unsaved"].stderr.strip().endswith("megalite: interrupted: stopped at once, "
                                                    "unsaved; train.resume=auto resumes from the "
                                                    "last checkpoint")
+
+
+def test_ranks_killed_before_their_stop_is_saved_are_one_line(tmp_path, cache):
+    """torchrun kills the ranks that have not stopped within --shutdown-timeout (here at once):
+    megalite torchrun says so, with the fix, instead of ending in silence."""
+    run_dir = tmp_path / "run"
+    cmd = MEGALITE_TORCHRUN + ["--shutdown-timeout", "0"] + train_args(cache, run_dir, slow=True)
+    done = interrupt(cmd, run_dir, 1)
+    assert done.returncode == INTERRUPTED, done.stderr[-3000:]
+    assert megalite_lines(done.stderr)[-1].startswith(
+        "megalite: error: the ranks did not stop with their checkpoint in torchrun's "
+        "--shutdown-timeout"), done.stderr[-3000:]
