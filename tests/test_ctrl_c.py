@@ -11,7 +11,7 @@ from pathlib import Path
 from megalite.cli import INTERRUPTED
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.training.preemption import PREEMPTED
-from tests.test_dead_rank import stepped
+from tests.test_dead_rank import megalite_lines, stepped
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGALITE_TORCHRUN = [sys.executable, "-m", "megalite", "torchrun", "--nproc_per_node", "2"]
@@ -43,12 +43,6 @@ def interrupt(cmd: list[str], run_dir: Path, times: int) -> subprocess.Completed
     finally:
         proc.kill()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def megalite_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.strip()
-            and not line.startswith("W")  # torchrun's start-up banner about OMP_NUM_THREADS
-            and not line.startswith("data: rank ")]  # which rank prepares the data
 
 
 def test_ctrl_c_under_megalite_torchrun_stops_with_a_checkpoint_and_status_3(tmp_path, cache):

@@ -21,6 +21,12 @@ LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "megalite torchrun": [sys.executable, "-m", "megalite", "torchrun"]}
 
 
+def megalite_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()
+            and not line.startswith("W")  # torchrun's start-up banner about OMP_NUM_THREADS
+            and not line.startswith("data: rank ")]  # which rank prepares the data
+
+
 def kill_rank(launcher: str, cache: str, run_dir: Path, victim: int, **env: str):
     """Train on 4 ranks, SIGKILL rank `victim` once a step is logged: (exit status, stderr,
     the victim's pid)."""
@@ -61,7 +67,7 @@ def test_every_survivor_names_the_rank_that_died_first(tmp_path, cache):
 def test_a_dead_rank_under_megalite_torchrun_is_one_line_and_status_1(tmp_path, cache):
     status, err, pid = kill_rank("megalite torchrun", cache, tmp_path / "run", 2)
     assert status == 1, err[-3000:]
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("W")]
+    lines = megalite_lines(err)
     assert len(lines) == 1 and lines[0].startswith("megalite: error: rank ") \
         and f": rank 2 (pid {pid}) on " in lines[0], err[-3000:]
     for noise in ("Traceback", "ChildFailedError", "FAILED", "closing signal", "exitcode"):

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from megalite.cli import ERROR_DIR, STOPPED
@@ -46,7 +47,16 @@ class _QuietOnError(logging.Filter):
         message = record.getMessage()
         self.signalled = self.signalled or "death signal" in message
         self.killed = self.killed or "forcefully exiting" in message
+        if "closing signal" in message and not self.signalled:
+            # The agent saw a rank fail and is about to stop the others: the survivors' lines
+            # (a dead peer found by their next collective) are a moment behind.
+            deadline = time.monotonic() + SETTLE_S
+            while not any(self.errors.iterdir()) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return not (self.signalled or any(self.errors.iterdir()))
+
+
+SETTLE_S = 3.0  # a survivor finds a dead peer within about a second (training/peers.py)
 
 
 def main(argv: list[str]) -> int:
