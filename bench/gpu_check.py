@@ -46,7 +46,7 @@ from bench.gpu_summary import SWEEP_KINDS, write_summary
 from bench.point import device_name
 from bench.provenance import git_commit
 from bench.runner import INCOMPLETE, load_bench, stop_session
-from megalite.cli import command_parser
+from megalite.command_args import command_parser
 from megalite.typed_config import ConfigError
 
 # Each step's own cap, seconds (the budget left may cut it shorter): about 1.5x what the tests

@@ -35,7 +35,7 @@ from bench.point import device_name, random_batches
 from bench.profile import profile_steps
 from bench.timing import time_steps
 from bench.provenance import git_commit
-from megalite.cli import command_parser
+from megalite.command_args import command_parser
 from megalite.config import load_model_config
 from megalite.data.batches import Batch
 from megalite.hf.convert import exportable_as

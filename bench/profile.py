@@ -137,7 +137,7 @@ def restated_table(paths: list[str]) -> str:
 
 def main(argv: list[str]) -> int:
     """`python -m bench profile-split FILE...`: the re-stated table of peer-bench results."""
-    from megalite.cli import command_parser
+    from megalite.command_args import command_parser
     parser = command_parser("python -m bench profile-split",
                             "The profiler's split of each peer-bench row, as written and re-stated: "
                             "of the unprofiled step, user annotations left out (markdown).")

@@ -38,7 +38,7 @@ import yaml
 
 from bench import on_path
 from bench.report import write_report
-from megalite.cli import command_parser
+from megalite.command_args import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
 from megalite.run_setup import validate

@@ -10,7 +10,7 @@ from bench.scaling_check import check_file, markdown
 from bench.scaling_config import Hardware, load_scaling_file
 from bench.scaling_model import (Layout, check_fits, efficiency_from_single_device,
                                           executed_flops_per_step, model_flops_per_step, predict)
-from megalite.cli import command_parser
+from megalite.command_args import command_parser
 from megalite.config import ModelConfig
 from megalite.typed_config import ConfigError
 

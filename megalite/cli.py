@@ -7,8 +7,7 @@ import os
 import sys
 import time
 
-# command_parser: also the measuring tools' and prepare-data's (they import it from here).
-from megalite.command_args import PARSERS, HelpFormatter, command_parser  # noqa: F401
+from megalite.command_args import PARSERS
 
 # name: (module, function, what it does in one line)
 COMMANDS = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import COMMANDS as BENCH_COMMANDS
-from megalite import cli
+from megalite import cli, command_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, table
     assert stop.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())
     parser = parsers[0]
-    assert parser.formatter_class is cli.HelpFormatter
+    assert parser.formatter_class is command_args.HelpFormatter
     defaulted = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
                  and a.default not in (None, False, [], argparse.SUPPRESS)]
     formatter = parser._get_formatter()
@@ -222,7 +222,7 @@ def test_prepared_data_follows_the_umask_whatever_the_tokenizers_mode(small_gz, 
 THREADS_PROBE = """import os, sys
 os.sched_getaffinity = lambda pid: {0, 1}
 os.getloadavg = lambda: (float(os.environ.pop("LOAD")), 0.0, 0.0)
-from megalite import cli
+from megalite import cli, command_args
 cli.COMMANDS = {**cli.COMMANDS, sys.argv[1]: ("tests.test_cli", "print_threads", "")}
 sys.exit(cli.main(sys.argv[1:]))
 """

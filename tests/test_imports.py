@@ -79,7 +79,7 @@ def test_the_walk_finds_a_cycle_when_there_is_one():
 def test_the_walk_sees_module_level_and_deferred_imports():
     graph = import_graph()
     assert "megalite.parallel.mappings" in graph["megalite.parallel.layers"]
-    assert "megalite.cli" in graph["megalite.data.prepare"]  # inside a function
+    assert "megalite.command_args" in graph["megalite.data.prepare"]  # inside a function
 
 
 def test_the_package_has_no_import_cycles():

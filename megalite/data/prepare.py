@@ -307,7 +307,7 @@ def main(argv: list[str]) -> int:
     `megalite prepare-data --config CFG [data.key=value ...]` to fill a run's cache ahead of it."""
     import os
 
-    from megalite.cli import command_parser
+    from megalite.command_args import command_parser
     from megalite.run_config import load_config
     parser = command_parser("megalite prepare-data", main.__doc__)
     parser.add_argument("--input", nargs="+", help="files, directories or globs (quote them)")
