@@ -172,6 +172,19 @@ def leave_for_launcher(line: str, status: int) -> bool:
     return True
 
 
+def left_a_line(rank: int) -> bool:
+    """Under `megalite torchrun`: whether rank `rank` left its line (leave_for_launcher)."""
+    launcher_dir = os.environ.get(ERROR_DIR)
+    return bool(launcher_dir) and os.path.exists(os.path.join(launcher_dir, str(rank)))
+
+
+def mark_stopped(rank: int) -> None:
+    """Under `megalite torchrun`: this rank stopped on request with a checkpoint."""
+    launcher_dir = os.environ.get(ERROR_DIR)
+    if launcher_dir:
+        open(os.path.join(launcher_dir, f"{STOPPED}{rank}"), "w").close()
+
+
 def forget_left(rank: int) -> None:
     """A rank's lines of an earlier round of a restarted launch: gone before it meets its
     peers, so that they are neither printed for this round nor taken as ended ranks."""

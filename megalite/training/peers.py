@@ -15,7 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megalite.parallel.state import ParallelState
-from megalite.cli import ERROR_DIR, forget_left
+from megalite.cli import forget_left, left_a_line
 from megalite.failures import PeerLost
 
 
@@ -35,10 +35,8 @@ class Peers:
         after a peer died (under `megalite torchrun` they left their line in the launcher's
         directory first): a late survivor names the rank that died first, not the survivors
         that stopped before it."""
-        said = os.environ.get(ERROR_DIR)
         return [rank for rank, (host, pid) in enumerate(self.table)
-                if host == self.host and not _alive(pid)
-                and not (said and os.path.exists(os.path.join(said, str(rank))))]
+                if host == self.host and not _alive(pid) and not left_a_line(rank)]
 
     def lost(self, err: BaseException) -> PeerLost | None:
         """A PeerLost for `err`, a failed collective, where a peer has died; None if none has

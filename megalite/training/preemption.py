@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.cli import ERROR_DIR, INTERRUPTED, STOPPED
+from megalite.cli import INTERRUPTED, mark_stopped
 from megalite.parallel.state import ParallelState
 
 PREEMPTED = 3  # exit status of a run that stopped early on request, with a checkpoint saved
@@ -110,9 +110,7 @@ def the_stop_is_saved(stop: StopRequest, rank: int) -> None:
     """This rank's checkpoint of the stop is whole: under `megalite torchrun` a mark that tells
     the launcher, which got the signal too, to exit PREEMPTED (launch/torchrun.py); and a
     signal from now on ends the rank as stopped, not as unsaved."""
-    errors = os.environ.get(ERROR_DIR)
-    if errors:
-        (Path(errors) / f"{STOPPED}{rank}").touch()
+    mark_stopped(rank)
     stop.saved = True
 
 
