@@ -20,6 +20,7 @@ from megalite.command_args import train_parser
 from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepare import PreparedData, prepare_data
+from megalite.data.sources import skipped_records
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks
@@ -362,7 +363,6 @@ def report_data(data: PreparedData) -> None:
         notes.append("blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train))
     if m["empty"]:
         notes.append(f"{m['empty']} empty documents skipped")
-    from megalite.data.sources import skipped_records
     skipped = skipped_records(m, "the prepared data's meta.json")
     if skipped:
         notes.append(skipped)
