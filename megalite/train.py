@@ -20,7 +20,7 @@ from megalite.command_args import train_parser
 from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepare import PreparedData, prepare_data
-from megalite.data.sources import skipped_records
+from megalite.data.record_counts import skipped_records
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
 from megalite.parallel.context import context_chunks

@@ -32,10 +32,10 @@ from megalite.data.docs import ArrayShard, DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
 from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
 from megalite.data.raw_cache import prepared_in_cache
+from megalite.data.record_counts import COUNT_KEYS, skipped_records, sum_reasons
 from megalite.data.shard_facts import shard_facts, stat_key
 from megalite.data.shuffle import key_of
-from megalite.data.sources import (COUNT_KEYS, EMBEDDED, SUPPORTED, expand_inputs, skipped_records,
-                                   sum_reasons)
+from megalite.data.sources import EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError

@@ -33,9 +33,9 @@ from megalite.data.chat import TRAIN_ON, load_chat_template
 from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, targets_path,
                                    token_dtype, write_atomic)
 from megalite.data.locks import lock_waiting
+from megalite.data.record_counts import COUNT_KEYS, Counts, sum_reasons
 from megalite.data.shard_records import whole_shards
-from megalite.data.sources import (COUNT_KEYS, RawChunk, Counts, check_readable, documents,
-                                   read_chunks, sum_reasons)
+from megalite.data.sources import RawChunk, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.data import workers
 from megalite.progress import Progress

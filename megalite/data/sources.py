@@ -15,29 +15,26 @@ a silently short shard.
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import gzip
 import io
 import json
 import lzma
-import re
 import sys
 import zlib
-from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from megalite.data.chat import ChatError, conversation_of
+from megalite.data.record_counts import Counts
 from megalite.typed_config import ConfigError
 
 EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
 CHUNK_BYTES = 1 << 20
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".parquet", ".txt")
 SUPPORTED = ", ".join(SUFFIXES)
-KEEP_BAD = 20  # bad records listed by line per file (all are counted)
 BOM = b"\xef\xbb\xbf"
 
 
@@ -149,73 +146,12 @@ class RawChunk:
         return sum(map(len, self.records))
 
 
-@dataclass
-class Counts:
-    records: int = 0
-    documents: int = 0
-    empty: int = 0
-    not_json: int = 0
-    no_text: int = 0
-    invalid_utf8: int = 0
-    bad: list = field(default_factory=list)  # "line N: why", at most KEEP_BAD
-    # bad records per reason (reason_of); a dict, not a Counter, which dataclasses.asdict mangles
-    reasons: dict = field(default_factory=dict)
-
-    def count_bad(self, where: str, listed: str, why: str, kind: str, strict: bool) -> None:
-        """A bad record: with `strict` an error naming it (`where`), else counted under `kind`
-        and its reason and, among the first KEEP_BAD, listed as `listed: why`."""
-        if strict:
-            raise ConfigError(f"{where}: {why}; fix or drop it, or leave out --strict "
-                              f"(data.strict) to skip and count such records")
-        setattr(self, kind, getattr(self, kind) + 1)
-        reason = reason_of(why)
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        if len(self.bad) < KEEP_BAD:
-            self.bad.append(f"{listed}: {why}")
-
-    def add(self, other: "Counts") -> None:
-        for name in COUNT_KEYS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.bad = (self.bad + other.bad)[:KEEP_BAD]
-        self.reasons = sum_reasons([self.reasons, other.reasons])
-
-
-COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name not in ("bad", "reasons"))
-
-
-def sum_reasons(many) -> dict:
-    """Counts of bad records per reason, summed (in the order first met)."""
-    total: dict = {}
-    for reasons in many:
-        for reason, n in reasons.items():
-            total[reason] = total.get(reason, 0) + n
-    return total
-
-
-def reason_of(why: str) -> str:
-    """What a bad record is counted under: its why without the detail after ' (' or ': ' (a
-    JSON error's position, a record's keys, the template's own message), so reasons stay few."""
-    return re.split(r" \(|: ", why, maxsplit=1)[0]
-
-
 def place(chunk: "RawChunk", name: str, number: int) -> tuple[str, str]:
     """(where an error names record `number` of file `name`, how a listing names it): by line
     of a jsonl file (1-based), by row of a parquet file (0-based)."""
     if chunk.kind == "json":
         return f"{name}:{number}", f"line {number}"
     return f"{name} row {number}", f"row {number}"
-
-
-def skipped_records(meta: dict, listed_in: str) -> str | None:
-    """'N records skipped: K reason, ...' (most first) of prepared data's counts, or None."""
-    # Data prepared before reasons were counted has only the kinds.
-    reasons = Counter(meta.get("reasons")
-                      or {"not JSON": meta["not_json"], "without text": meta["no_text"]})
-    if not sum(reasons.values()):
-        return None
-    return (f"{sum(reasons.values())} records skipped: "
-            + ", ".join(f"{n} {reason}" for reason, n in reasons.most_common() if n)
-            + f" (the first {KEEP_BAD} of each file listed by line in {listed_in})")
 
 
 # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
