@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 from megalite.config import TRAINING_SETTINGS
@@ -276,8 +277,13 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
                if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
     check_same_optimizer(cfg.train, saved["config"].get("train", {}), path)
-    if saved.get("data_cache_key") != data.meta["cache_key"]:
+    if saved.get("data_content", data.meta["content"]) != data.meta["content"]:
         changed.append("the tokenized data (corpus or tokenizer) differs")
+    elif "data_content" not in saved and saved.get("data_cache_key") != data.meta["cache_key"] \
+            and os.environ.get("RANK", "0") == "0":
+        # Checkpoints before data_content named the data by its files' times only.
+        print(f"data: {path} predates checking the data's content, and its data's files have "
+              f"other times here (a copy or a clone): resuming on this data.path", file=sys.stderr)
     if changed:
         fix = (f"or a new run.dir (run.dir '{run_dir}' holds this checkpoint)" if resume == "auto" else
                f"or train.init_from={path} to start a new run from its weights")
@@ -291,7 +297,7 @@ def run_identity(cfg: Config, data: PreparedData) -> dict:
     flat = _flat(to_dict(cfg))
     return {"config": {k: flat[k] for k in sorted(flat)
                        if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS},
-            "data": data.meta["cache_key"]}
+            "data": data.meta["content"]}
 
 
 def check_same_optimizer(t: TrainConfig, saved_train: dict, path: Path) -> None:

@@ -145,7 +145,7 @@ def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples
         def save(step: int) -> None:
             """Start saving step `step` (written in the background: see CheckpointWriter)."""
             meta = {"layout": layout_of(ps), "config": to_dict(cfg), **counted.counters(),
-                    "data_cache_key": data.meta["cache_key"], "sample_order": SAMPLE_ORDER}
+                    "data_content": data.meta["content"], "sample_order": SAMPLE_ORDER}
             writer.save(run_dir, step, model, engine, run_rng_state(model.rng), meta, t.keep_checkpoints,
                         tokenizer=data.tokenizer)
 

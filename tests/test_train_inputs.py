@@ -1,5 +1,6 @@
 """Bad input to the trainer: a clear error before any collective, or handled and counted."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -100,7 +101,7 @@ def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, 
     (["train.global_batch_size=4", "train.max_steps=4"], r"cannot resume from '.*step_00000002': train\.global_batch_size: 2 -> 4\. Resume with the saved values, or a new run\.dir \(run\.dir '.*run' holds this checkpoint\)"),
     (["train.resume={run}/checkpoints/step_00000002", "run.seed=7", "train.max_steps=4"], r"run\.seed: 1234 -> 7\. Resume with the saved values, or train\.init_from=.*step_00000002 to start a new run from its weights"),
     (["run.seed=7", "train.max_steps=4"], r"cannot resume from .*: run\.seed: 1234 -> 7"),
-    (["data.bpe_vocab_size=400", "train.max_steps=4"], r"cannot resume from .*data\.bpe_vocab_size: 512 -> 400; the tokenized data \(corpus or tokenizer\) differs"),
+    (["data.bpe_vocab_size=400", "train.max_steps=4"], r"cannot resume from .*: data\.bpe_vocab_size: 512 -> 400\. Resume"),
     (["train.resume=/nowhere/step_00000001"], r"train\.resume: '/nowhere/step_00000001' does not exist; or train\.resume=auto for run\.dir's latest"),
 ])
 def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
@@ -112,6 +113,19 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
         main(small_args(tmp_path, corpus, *(e.format(run=tmp_path / "run") for e in extra)))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == saved
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_resume_compares_the_datas_content_not_its_files_times(tmp_path):
+    """A copy of the corpus (new times: a clone, another node's disk) resumes; other text under
+    the same path is refused (before, the files' times were the data's identity)."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
+    assert main(small_args(tmp_path, corpus)) == 0
+    os.utime(corpus, ns=(1, 1))  # as a copy has: other times, the same bytes
+    assert main(small_args(tmp_path, corpus, "train.max_steps=3")) == 0
+    write_jsonl(corpus, [PROSE * 2] * 40)
+    with pytest.raises(ConfigError, match=r"cannot resume from .*step_00000003': the tokenized "
+                                          r"data \(corpus or tokenizer\) differs"):
+        main(small_args(tmp_path, corpus, "train.max_steps=4"))
 
 
 def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys):

@@ -103,7 +103,8 @@ def prepare_data(cfg: DataConfig, in_run: bool = True,
                                                       cfg.val_path, dropped))]
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
     return PreparedData(info, train, val,
-                        {"cache_key": key, **summary(train, val, [s.meta for s in every]),
+                        {"cache_key": key, "content": content_digest(info, train, val),
+                         **summary(train, val, [s.meta for s in every]),
                          "truncated": 0 if cfg.drop_longer else _truncated(stores, cfg),
                          "dropped": dropped[0]})
 
@@ -139,6 +140,15 @@ def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
         raise ConfigError(f"data.blend names a path twice ({paths}): list each once, with the "
                           f"sum of its weights")
     return entries
+
+
+def content_digest(info: TokenizerInfo, train: list[Source], val: list[Source]) -> str:
+    """What a resume compares: the tokenizer and each source's weight, documents and tokens.
+    Not the cache key, which holds the files' times and changes with every copy or clone."""
+    def part(sources):
+        return ",".join(f"{s.weight:.9g}:{len(s.docs)}:{s.docs.n_tokens}" for s in sources)
+    parts = [info.digest, part(train), part(val)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
