@@ -11,6 +11,7 @@ COMMANDS = {
     "gpu-check": ("bench.gpu_check", "main", "the GPU tests and benchmarks in one command"),
     "scale-model": ("bench.scaling_cli", "main", "predicted step time of a layout across nodes"),
     "profile-split": ("bench.profile", "main", "committed profiles re-stated: of the unprofiled step"),
+    "compare": ("bench.compare", "main", "two runs' losses and gradient norms, step by step"),
 }
 
 if __name__ == "__main__":
