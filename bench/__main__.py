@@ -12,6 +12,7 @@ COMMANDS = {
     "scale-model": ("bench.scaling_cli", "main", "predicted step time of a layout across nodes"),
     "profile-split": ("bench.profile", "main", "committed profiles re-stated: of the unprofiled step"),
     "compare": ("bench.compare", "main", "two runs' losses and gradient norms, step by step"),
+    "against": ("bench.against", "main", "a sweep at an earlier commit and at this tree, side by side"),
 }
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """`python -m bench compare`: two runs' metrics.jsonl step by step, and --assert-equal's exit
-status naming the first step that differs."""
+status naming the first step that differs; `python -m bench against`: a sweep at a commit
+extracted beside this tree, its own megalite imported, the two side by side."""
 import json
+import os
 
 import pytest
 
+import bench.against
 from bench.__main__ import COMMANDS
 from bench.compare import by_step, compare, differ
+from bench.provenance import extract_commit, git, megalite_of
 from megalite.cli import dispatch
 
 
@@ -76,3 +80,37 @@ def test_compare_lists_only_steps_with_a_metric(tmp_path, metric):
     a = run_dir(tmp_path / "a", [1.0, 2.0], evals=[(5, 1.5)])
     rows, first = compare(by_step(a), by_step(a), [metric])
     assert [step for step, _ in rows] == ([1, 2] if metric == "loss" else []) and first is None
+
+
+def test_a_commit_is_extracted_and_its_own_megalite_imported(tmp_path):
+    sha = extract_commit("HEAD", tmp_path / "code")
+    code = tmp_path / "code"
+    assert sha == git("rev-parse", "HEAD") and (code / "configs" / "demo.yaml").is_file()
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    assert megalite_of(code, env).resolve().parent.parent == code.resolve()
+    # A tree whose python imports another megalite (or none) is refused, naming what it found.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(SystemExit, match=f"{elsewhere}: its runs would import megalite from"):
+        megalite_of(elsewhere, env)
+
+
+def test_against_runs_the_sweep_at_both_and_writes_head_over_base(tmp_path, monkeypatch):
+    ran = []
+
+    def run_sweep(tree, sweep, out, env):  # each tree's sweep, as its results.json gives it
+        ran.append((tree, env.get("MEGALITE_COMMIT")))
+        head = tree == bench.against.ROOT
+        return [{"point": "0-base", "status": "ok", "step_s": 2.0 if head else 4.0,
+                 "peak_memory_gb": 1.0, "device": "cpu"}, {"point": "1-x", "status": "oom"}]
+    monkeypatch.setattr(bench.against, "run_sweep", run_sweep)
+    out = tmp_path / "out"
+    assert dispatch("python -m bench", COMMANDS, ["against", "HEAD", "configs/bench/cpu.yaml",
+                                                  "--out", str(out)]) == 0
+    sha = git("rev-parse", "HEAD")
+    assert ran[0][0] != bench.against.ROOT and ran[0][1] == sha and ran[1] == (bench.against.ROOT, None)
+    result = json.loads((out / "comparison.json").read_text())
+    assert result["base_commit"] == sha and result["command"].startswith("python -m bench against HEAD")
+    ok, oom = result["points"]
+    assert ok["step_s"] == {"base": 4.0, "head": 2.0, "head_over_base": 0.5}
+    assert oom == {"point": "1-x", "status": {"base": "oom", "head": "oom"}}
