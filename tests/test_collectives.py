@@ -8,8 +8,8 @@ import pytest
 from bench.comm import CommLog
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, padded_batch
 
 VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
 

@@ -19,8 +19,8 @@ from megalite.run_config import Fp8Config, load_config
 from megalite.run_setup import validate
 from megalite.training.build import build_model
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, padded_batch
 
 
 def packed_docs(ids: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
-from tests.checkpoints import read_whole_state
-from tests.harness import run_distributed
+from tests.support.checkpoints import read_whole_state
+from tests.support.harness import run_distributed
 from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
 pytestmark = pytest.mark.deepspeed  # every test: skipped without the package (tests/conftest.py)

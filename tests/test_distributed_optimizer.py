@@ -27,8 +27,8 @@ from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import CONFIGS
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS
 
 ROWS, SEQ, STEPS = 12, 8, 8
 # GPT-2 with rows that split unevenly over 4 replicas (positions: 30 rows; MLP: 42).

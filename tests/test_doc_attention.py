@@ -30,8 +30,8 @@ from torch.testing import assert_close
 from megalite.model import GPT, doc_attention
 from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
-from tests.models import CONFIGS, PAD_ID, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, PAD_ID, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # An odd length (sequence parallelism pads it to shards), and one past the 128-token block.

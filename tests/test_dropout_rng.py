@@ -10,8 +10,8 @@ from megalite.model import GPT
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.random import TensorParallelRNG, seed_replicated_dropout
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, padded_batch
 
 
 def same_on_all_ranks(x: torch.Tensor, group) -> bool:

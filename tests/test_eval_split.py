@@ -21,9 +21,9 @@ from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.typed_config import ConfigError
-from tests.checkpoints import save_checkpoint, WeightsOnly
-from tests.harness import run_distributed
-from tests.models import CONFIGS
+from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS
 
 SMALL = 512  # PIECE_BYTES in these tests: the eval text is about 5 pieces
 WORDS = ["tensor", "parallel", "café", "naïve", "€uro", "😀", "übung", "日本語", "model", "data"]

@@ -16,7 +16,7 @@ from megalite.parallel.mappings import SEQ_DIM
 from megalite.parallel.state import ParallelState
 from megalite.run_config import Fp8Config
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 from tests.test_layers import SINGLE, build, randn
 
 

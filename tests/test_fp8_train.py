@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from megalite.parallel import matmul
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 from tests.test_train import STEPS, common, losses, run_train, train_run
 
 TOL = 1e-6  # steps 1 and 2

@@ -12,8 +12,8 @@ from megalite.config import ParallelConfig
 from megalite.generate import generate, main, pick
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from tests.harness import DistributedFailure, run_distributed
-from tests.models import CONFIGS, PAD_ID
+from tests.support.harness import DistributedFailure, run_distributed
+from tests.support.models import CONFIGS, PAD_ID
 from tests.test_train import common, train_run
 
 PROMPTS = [[7, 3, 9, 1], [4, 4], [11, 2, 8, 6, 5, 13]]

@@ -38,7 +38,7 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.build import compile_settings
 from megalite.training.engine import NativeEngine, autocast_for, train_step
-from tests.models import CONFIGS, padded_batch
+from tests.support.models import CONFIGS, padded_batch
 from tests.test_doc_attention import packed_batch
 from tests.test_pure_bf16 import (LOSS_TOLERANCE, STEPS, check_model_is_the_rounded_masters,
                                   config as pure_bf16_config, micro_batches)

@@ -23,7 +23,7 @@ from megalite.generate import generate
 from megalite.model import GPT
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
 from megalite.parallel.state import ParallelState
-from tests.models import CONFIGS, PAD_ID
+from tests.support.models import CONFIGS, PAD_ID
 from tests.test_generate import PROMPTS
 from tests.test_gpu import CUDA, assert_relative_norm, no_tf32  # noqa: F401 (no_tf32: autouse)
 

@@ -24,8 +24,8 @@ from megalite.run_config import load_config
 from megalite.run_setup import validate
 from megalite.training.grads import MIB, DataParallelGradSync, bucket_params, clip_grad_norm_
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import CONFIGS, gather_full, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, gather_full, padded_batch
 
 # GQA with one KV head at TP2: the KV weights are slices held by 2 copies, which the norm
 # counts once.

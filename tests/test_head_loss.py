@@ -14,8 +14,8 @@ from torch.testing import assert_close
 from megalite.model import GPT
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
-from tests.models import CONFIGS, gather_full, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, gather_full, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -16,9 +16,9 @@ from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
-from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
-from tests.harness import run_distributed  # noqa: E402
-from tests.models import CONFIGS, padded_batch  # noqa: E402
+from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from tests.support.harness import run_distributed  # noqa: E402
+from tests.support.models import CONFIGS, padded_batch  # noqa: E402
 
 VOCAB = 320
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ from megalite.hf.convert import checkpoint_model_config  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
-from tests.harness import run_distributed  # noqa: E402
+from tests.support.harness import run_distributed  # noqa: E402
 from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
 from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
 

@@ -20,8 +20,8 @@ from megalite.model.positions import inverse_frequencies
 from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import full_sequence
+from tests.support.harness import run_distributed
+from tests.support.models import full_sequence
 
 VOCAB = 320  # the models that need no tokenizer
 TOL = dict(atol=1e-5, rtol=1e-5)

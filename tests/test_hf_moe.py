@@ -16,7 +16,7 @@ from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.config import ParallelConfig  # noqa: E402
-from tests.harness import run_distributed  # noqa: E402
+from tests.support.harness import run_distributed  # noqa: E402
 from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
 from tests.test_resume import run, torchrun  # noqa: E402
 

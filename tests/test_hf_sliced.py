@@ -21,9 +21,9 @@ from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint, load_full_weights
-from tests.checkpoints import save_checkpoint, WeightsOnly
-from tests.harness import run_distributed
-from tests.models import padded_batch
+from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.harness import run_distributed
+from tests.support.models import padded_batch
 
 
 def hf_lib():

@@ -7,8 +7,8 @@ import megalite.parallel.init as init_module
 from megalite.model import GPT
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
-from tests.models import CONFIGS, gather_full
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, gather_full
 
 
 def check_init_is_tp_invariant(*tps: int):

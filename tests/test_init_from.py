@@ -14,7 +14,7 @@ from megalite.config import TRAINING_SETTINGS, ModelConfig
 from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_pretrained
 from megalite.typed_config import ConfigError
-from tests.checkpoints import read_whole_state
+from tests.support.checkpoints import read_whole_state
 from tests.test_train import common, losses, train_run
 
 MOE = ["model.position=rotary", "model.activation=swiglu", "model.norm=rmsnorm", "model.bias=false",

@@ -7,7 +7,7 @@ import random
 import re
 import time
 
-from bench.nodes import Nodes
+from tests.support.nodes import Nodes
 from tests.test_resume import assert_continues_exactly
 from tests.test_train import LAYOUT, STEPS, common
 

@@ -9,8 +9,8 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.sharding import local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import VocabParallelEmbedding, softmax_grad_, softmax_stats_
-from tests.harness import run_distributed
-from tests.models import gather_full
+from tests.support.harness import run_distributed
+from tests.support.models import gather_full
 
 SINGLE = ParallelState()
 

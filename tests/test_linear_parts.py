@@ -20,7 +20,7 @@ from megalite.model import GPT
 from megalite.parallel import layers
 from megalite.parallel.linear_parts import LinearParts
 from megalite.parallel.state import ParallelState
-from tests.models import CONFIGS, padded_batch
+from tests.support.models import CONFIGS, padded_batch
 
 BATCH, SEQ, HIDDEN = 3, 40, 16  # 120 tokens: more rows than any weight has
 HEADS, KV_HEADS, HEAD = 4, 2, 8

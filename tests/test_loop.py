@@ -17,8 +17,8 @@ from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
 from megalite.training.checkpoint import CheckpointError, CheckpointWriter
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from tests.checkpoints import read_whole_state, WeightsOnly
-from tests.harness import run_distributed
+from tests.support.checkpoints import read_whole_state, WeightsOnly
+from tests.support.harness import run_distributed
 from tests.test_train import STEPS, common, losses
 
 
@@ -112,7 +112,7 @@ def test_prefetched_training_equals_training_without_prefetch(tmp_path, cache, m
 
 def tiny_model(ps):
     from megalite.model import GPT
-    from tests.models import CONFIGS
+    from tests.support.models import CONFIGS
     return GPT(CONFIGS["gpt2"], ps, seed=0)
 
 

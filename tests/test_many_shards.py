@@ -17,7 +17,7 @@ from megalite.data.indexed import OPEN_SHARDS, IndexedShard, ShardWriter
 from megalite.data.prepare_shards import PrepareSettings, prepare_directory
 from megalite.data.prepare import main as prepare_main
 from megalite.data.tokenizer import train_bpe
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 from tests.test_train import losses, run_train
 
 SHARDS = 2000

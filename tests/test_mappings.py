@@ -5,7 +5,7 @@ from torch.testing import assert_close
 
 from megalite.parallel import mappings as M
 from megalite.parallel.state import ParallelState
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 
 def rank_tensor(rank: int, shape, salt: int) -> torch.Tensor:

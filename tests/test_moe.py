@@ -34,8 +34,8 @@ from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
 from megalite.training.grads import sum_embedding_copies
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import CONFIGS, full_sequence, gather_full, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)

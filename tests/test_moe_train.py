@@ -16,7 +16,7 @@ import pytest
 from megalite.config import ParallelConfig
 from megalite.generate import generate
 from megalite.inference import loaded
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 from tests.test_reshard import SAVED_AT
 from tests.test_resume import ROOT
 from tests.test_train import STEPS, assert_same_training, common, losses, train_run

@@ -1,12 +1,12 @@
 """A whole node lost (its torchrun agent, its workers and its shared memory): a new node joins
 the rendezvous, its ranks receive their snapshot files from the copies the surviving node
 kept, and the run ends as the uninterrupted one, bit for bit. Two agents on loopback stand for
-two nodes (bench/nodes.py)."""
+two nodes (tests/support/nodes.py)."""
 import re
 import time
 
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from bench.nodes import Nodes
+from tests.support.nodes import Nodes
 from tests.test_resume import assert_continues_exactly
 from tests.test_train import LAYOUT, STEPS, common
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megalite.hf.convert import export_hf, import_hf
-from tests.checkpoints import read_whole_state
+from tests.support.checkpoints import read_whole_state
 from tests.test_train import losses, run_train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "b4372df"

@@ -6,7 +6,7 @@ from torch.testing import assert_close
 from megalite.model import GPT
 from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
-from tests.models import CONFIGS, PAD_ID, padded_batch, sequences
+from tests.support.models import CONFIGS, PAD_ID, padded_batch, sequences
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megalite.config import ParallelConfig
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.state import init_parallel
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 
 def check_layout_from_torchrun_env():

@@ -24,9 +24,9 @@ from megalite.run_config import TrainConfig
 from megalite.training.checkpoint import load_checkpoint
 from megalite.training.engine import NativeEngine, train_step
 from megalite.training.grads import sum_embedding_copies
-from tests.checkpoints import save_checkpoint
-from tests.harness import run_distributed
-from tests.models import CONFIGS, gather_full
+from tests.support.checkpoints import save_checkpoint
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, gather_full
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS, SEQ, MICRO = 8, 16, 2

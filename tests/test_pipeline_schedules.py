@@ -15,7 +15,7 @@ from megalite.pipeline.stages import chunks_of
 from megalite.run_config import load_config
 from megalite.run_setup import validate
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 
 
 def play(name: str, pp: int, virtual: int, m: int) -> int:

@@ -25,9 +25,9 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.mixed_precision import MasterWeights
 from megalite.typed_config import ConfigError
-from tests.checkpoints import read_whole_state
-from tests.harness import run_distributed
-from tests.models import CONFIGS, padded_batch
+from tests.support.checkpoints import read_whole_state
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, padded_batch
 
 # The global batch: 2 micro-batches of 2 rows per DP rank at DP2.
 LENGTHS = (12, 7, 3, 10, 5, 9, 11, 4)

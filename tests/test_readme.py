@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.nodes import free_port
+from tests.support.nodes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands this machine cannot run (8 processes, other nodes, sbatch, long benchmarks).

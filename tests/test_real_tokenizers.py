@@ -23,7 +23,7 @@ from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
-from tests.models import CONFIGS
+from tests.support.models import CONFIGS
 
 TEXTS = list(islice(documents(EMBEDDED), 400))
 

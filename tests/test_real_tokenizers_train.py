@@ -23,7 +23,7 @@ from megalite.run_config import DataConfig, given_keys, load_config
 from megalite.training.checkpoint import load_checkpoint
 from megalite.training.build import build_model
 from megalite.run_setup import with_pretrained, with_tokenizer_vocab
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 # The shapes' module fixtures, built once per module here too.
 from tests.test_real_tokenizers import SHAPES, TEXTS, corpus, hf_tokenizers  # noqa: F401
 from tests.test_train import losses, run_train

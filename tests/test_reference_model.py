@@ -1,4 +1,4 @@
-"""megalite's model equals the transformer written out by hand (tests/reference_model.py)."""
+"""megalite's model equals the transformer written out by hand (tests/support/reference_model.py)."""
 import dataclasses
 
 import pytest
@@ -6,8 +6,8 @@ from torch.testing import assert_close
 
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from tests.models import CONFIGS, sequences
-from tests.reference_model import reference_logits
+from tests.support.models import CONFIGS, sequences
+from tests.support.reference_model import reference_logits
 
 VARIANTS = {
     **CONFIGS,

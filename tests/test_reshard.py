@@ -6,8 +6,8 @@ from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 from megalite.training.checkpoint import load_checkpoint
-from tests.harness import run_distributed
-from tests.models import padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import padded_batch
 from tests.test_train import STEPS, common, losses, train_run
 
 SAVED_AT = 5

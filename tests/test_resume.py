@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
-from tests.harness import run_distributed
+from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from tests.support.harness import run_distributed
 from tests.test_loop import fill_disk_of_rank_0
 from tests.test_train import STEPS, common, losses, train_run
 
@@ -69,7 +69,7 @@ def whole_tp2(tmp_path_factory, cache):
 
 
 def uninterrupted(world: int, cmd_args: list[str]) -> None:
-    """A reference run on forked ranks (tests/harness.py), not a launch of its own: one thread
+    """A reference run on forked ranks (tests/support/harness.py), not a launch of its own: one thread
     per rank, as torchrun's workers and one_thread() subprocesses have."""
     assert cmd_args[:2] == ["-m", "megalite.train"]
     train_run(world, cmd_args[2:])
@@ -229,7 +229,7 @@ def check_save_failing_on_one_rank(tmp):
     import megalite.training.checkpoint as checkpoint
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
-    from tests.models import CONFIGS
+    from tests.support.models import CONFIGS
     ps = ParallelState.from_world(2)
     model = GPT(CONFIGS["gpt2"], ps, seed=0)
     save = lambda step: save_checkpoint(tmp, step, model, WeightsOnly(),  # noqa: E731

@@ -29,8 +29,8 @@ from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
 from megalite.typed_config import ConfigError
-from tests.harness import run_distributed
-from tests.models import CONFIGS, gather_full, padded_batch
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS, gather_full, padded_batch
 from tests.test_collectives import count_collectives
 from tests.test_dropout_rng import same_on_all_ranks
 from tests.test_generate import check_cache_and_batching

@@ -32,7 +32,7 @@ from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_epochs, with_pretrained
 from megalite.typed_config import ConfigError
 from megalite.train import sample_sets
-from tests.harness import run_distributed
+from tests.support.harness import run_distributed
 from tests.test_chat import QWEN
 from tests.test_train import STEPS, assert_same_training, losses, train_run
 

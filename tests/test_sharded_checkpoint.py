@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
-from tests.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.test_reshard import SAVED_AT, resume_and_compare
 from tests.test_resume import args, kill_then_resume, uninterrupted
 from tests.test_train import common, train_run
@@ -65,7 +65,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
     """Named key and shapes, before DCP (which would wrap the error in its own exception)."""
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
-    from tests.models import CONFIGS
+    from tests.support.models import CONFIGS
     ps = ParallelState()
     path = save_checkpoint(tmp_path, 1, GPT(CONFIGS["gpt2"], ps), WeightsOnly(), {}, {}, ps, keep=1)
     wider = dataclasses.replace(CONFIGS["gpt2"], hidden=64)

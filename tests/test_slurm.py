@@ -18,7 +18,7 @@ from megalite.launch.slurm import render
 from megalite.launch.slurm import write_sweep as write_sweep_files
 from megalite.launch.sweep import load_sweep
 from megalite.typed_config import ConfigError
-from tests import slurm_cluster
+from tests.support import slurm_cluster
 from tests.test_train import common, losses, train_run
 
 ROOT = Path(__file__).resolve().parent.parent

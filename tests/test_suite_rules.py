@@ -4,7 +4,7 @@
    tests/conftest.py turns into a skip where the package is missing (README's quick start does
    not install it; .ci/run does, so CI alone would never see a test that is not marked).
 2. Every wait on another process has a bound: subprocess calls and Popen waits take a timeout,
-   FileLocks too (a rank's own bound is tests/harness.py's, tested in test_harness.py).
+   FileLocks too (a rank's own bound is tests/support/harness.py's, tested in test_harness.py).
 
 Which tests can train with DeepSpeed is found from the source (ast), not by running them: a
 test does when what it reaches (its body, its fixtures, the functions and module-level values
@@ -49,7 +49,7 @@ class Module:
 
 @cache
 def module(name: str, root: Path = TESTS) -> Module | None:
-    path = root / f"{name.removeprefix('tests.')}.py"
+    path = root / f"{name.removeprefix('tests.').replace('.', '/')}.py"  # tests.support.runs too
     if not name.startswith("tests.") or not path.is_file():
         return None
     tree = ast.parse(path.read_text(), str(path))
@@ -390,7 +390,8 @@ def unbounded_waits(path: Path) -> list[str]:
 
 
 def test_every_wait_on_another_process_has_a_timeout():
-    found = [w for path in sorted(TESTS.glob("*.py")) for w in unbounded_waits(path)]
+    found = [w for path in sorted([*TESTS.glob("*.py"), *(TESTS / "support").glob("*.py")])
+             for w in unbounded_waits(path)]
     assert not found, "waits without a timeout:\n" + "\n".join(found)
 
 

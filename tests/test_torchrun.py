@@ -15,7 +15,7 @@ def launch(launcher: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_layer_check_runs_under_torchrun():
-    done = launch("torchrun", "-m", "tests.harness", "tests.test_layers:check_linear_layers", "2")
+    done = launch("torchrun", "-m", "tests.support.harness", "tests.test_layers:check_linear_layers", "2")
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
         assert f"rank {rank}: tests.test_layers:check_linear_layers passed" in done.stdout

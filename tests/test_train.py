@@ -12,8 +12,8 @@ from megalite import train as train_module
 from megalite.data.prepare import prepare_data
 from megalite.run_config import load_config
 from megalite.training.metrics import read_records
-from tests.checkpoints import read_whole_state
-from tests.harness import run_distributed
+from tests.support.checkpoints import read_whole_state
+from tests.support.harness import run_distributed
 
 STEPS = 10
 LAYOUT = ["parallel.tp=2", "train.micro_batch_size=2"]  # with a global batch of 8: DP=2, 2 micro-batches

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from tests.models import CONFIGS, padded_batch
+from tests.support.models import CONFIGS, padded_batch
 
 
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))

@@ -12,7 +12,7 @@ is gone (pytest killed) it exits within a second, and a rank nobody ends exits o
 RANK_MARGIN_S after the timeout, writing its stacks first.
 
 By hand under torchrun (the rendezvous then comes from torchrun's environment):
-    torchrun --nproc_per_node 2 -m tests.harness tests.test_layers:check_linear_layers 2
+    torchrun --nproc_per_node 2 -m tests.support.harness tests.test_layers:check_linear_layers 2
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.nodes import free_port
+from tests.support.nodes import free_port
 
 
 class DistributedFailure(AssertionError):
@@ -153,7 +153,7 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch._inductor.compile_fx", "matplotlib.pyplot", "megalite.train",
-                                "pytest", "transformers", "tests.harness"])
+                                "pytest", "transformers", "tests.support.harness"])
     return ctx
 
 
@@ -224,7 +224,7 @@ def _fail(procs, done, message: str, stacks: list[str]):
 
 
 def main(argv: list[str]) -> None:
-    """torchrun entry point: `-m tests.harness module:function [int args...]`."""
+    """torchrun entry point: `-m tests.support.harness module:function [int args...]`."""
     module, name = argv[0].split(":")
     dist.init_process_group("gloo")
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.harness import free_port
+from tests.support.nodes import free_port
 
 CONF = """\
 ClusterName=megalite-test

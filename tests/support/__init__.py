@@ -1,0 +1,1 @@
+"""What the tests share (no test module imports another): each module named for what it holds."""
