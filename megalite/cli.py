@@ -14,7 +14,7 @@ COMMANDS = {
     "train": ("megalite.train", "main", "train a model: alone, or on every rank under torchrun"),
     "torchrun": ("megalite.launch.torchrun", "main",
                  "torchrun, with one line and exit status 2 for bad input (torchrun's arguments)"),
-    "prepare-data": ("megalite.data.prepare", "main",
+    "prepare-data": ("megalite.prep.command", "main",
                      "tokenize raw files (jsonl, parquet, txt) into Megatron .bin/.idx shards"),
     "export": ("megalite.hf.convert", "main_export", "write a checkpoint as a Hugging Face model"),
     "import": ("megalite.hf.convert", "main_import", "make a checkpoint of a Hugging Face model"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megalite.config import TRAINING_SETTINGS
 from megalite.layout_rules import check_layout, data_parallel_size
-from megalite.data.prepare import PreparedData
+from megalite.data.prepared import PreparedData
 from megalite.fp8.convert import check_fp8_layout
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
 from megalite.parallel.context import context_chunks

@@ -19,7 +19,7 @@ import yaml
 from megalite.command_args import train_parser
 from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
 from megalite.data.chat import generation_prompt, load_chat_template
-from megalite.data.prepare import PreparedData, prepare_data
+from megalite.data.prepared import PreparedData, data_for_run
 from megalite.data.record_counts import skipped_records
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     validate(cfg, world, launched="WORLD_SIZE" in os.environ,
              vocab_from_tokenizer=not cfg.train.init_from)
     check_run_dir(Path(cfg.run.dir))
-    data = prepare_data(cfg.data, tokenizer_from=tokenizer_from)
+    data = data_for_run(cfg.data, tokenizer_from=tokenizer_from)
     cfg = with_tokenizer_vocab(cfg, data)
     train_set = sample_sets(data.train, cfg, data)
     check_data(cfg, world, data, train_set.sizes)

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from megalite import cli
-from megalite.data import sources
-from megalite.data.prepare import prepare_data
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
+from megalite.prep import sources
+from megalite.prep.command import prepare_for_run
+from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.run_config import DataConfig
 from megalite.train import report_data
 from megalite.typed_config import ConfigError
@@ -72,7 +72,7 @@ def test_the_counts_per_reason_end_prepare_data_and_start_training(tmp_path, mod
     assert json.loads(captured.out)["reasons"] == REASONS
     assert captured.err.splitlines()[-1] == \
         f"prepare-data: {SKIPPED} (the first 20 of each file listed by line in {out}/meta.json)"
-    data = prepare_data(DataConfig(path=str(out), val_fraction=0, cache_dir=str(tmp_path / "cache")))
+    data = prepare_for_run(DataConfig(path=str(out), val_fraction=0, cache_dir=str(tmp_path / "cache")))
     report_data(data)
     tokens = data.meta["train_tokens"]
     assert capsys.readouterr().out == (

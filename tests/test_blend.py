@@ -9,9 +9,9 @@ import pytest
 
 from megalite.data.batches import BatchOrder, Mixture, Samples
 from megalite.data.blend import assign
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
-from megalite.data.prepare import prepare_data
-from megalite.data.sources import EMBEDDED
+from megalite.prep.shards import PrepareSettings, prepare_directory
+from megalite.prep.command import prepare_for_run
+from megalite.data.raw_files import EMBEDDED
 from megalite.run_config import DataConfig
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.typed_config import ConfigError
@@ -51,7 +51,7 @@ def blend_args(sources) -> str:
 
 
 def test_a_blend_consumes_tokens_in_proportion_over_200_steps(sources, tmp_path):
-    data = prepare_data(DataConfig(blend=[[0.7, str(sources[0])], [0.3, str(sources[1])]],
+    data = prepare_for_run(DataConfig(blend=[[0.7, str(sources[0])], [0.3, str(sources[1])]],
                                    cache_dir=str(tmp_path / "cache")))
     mixture = Mixture([Samples(s.docs, "packed", 128, data.tokenizer.pad_id) for s in data.train],
                       [s.weight for s in data.train])
@@ -103,10 +103,10 @@ def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps({"text": f"{name} text " * 50}) + "\n")
     with pytest.raises(ConfigError, match=r"the data was made with different tokenizers.*give "
                                           r"data\.tokenizer"):
-        prepare_data(DataConfig(blend=[[1, str(tmp_path / "x.jsonl")], [1, str(tmp_path / "y.jsonl")]],
+        prepare_for_run(DataConfig(blend=[[1, str(tmp_path / "x.jsonl")], [1, str(tmp_path / "y.jsonl")]],
                                 bpe_vocab_size=300, cache_dir=str(tmp_path / "cache")))
     with pytest.raises(ConfigError, match=r"data\.blend\[1\]=\[0, 'y'\]: each entry is \[weight, path\]"):
-        prepare_data(DataConfig(blend=[[1, "x"], [0, "y"]], cache_dir=str(tmp_path / "cache")))
+        prepare_for_run(DataConfig(blend=[[1, "x"], [0, "y"]], cache_dir=str(tmp_path / "cache")))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -120,4 +120,4 @@ def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
 def test_weights_and_validation_data_that_cannot_work_are_refused(tmp_path, monkeypatch, overrides, message):
     monkeypatch.chdir(tmp_path)  # before any file is read: x and y need not exist
     with pytest.raises(ConfigError, match=message):
-        prepare_data(DataConfig(cache_dir=str(tmp_path / "cache"), **overrides))
+        prepare_for_run(DataConfig(cache_dir=str(tmp_path / "cache"), **overrides))

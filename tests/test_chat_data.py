@@ -11,7 +11,7 @@ from megalite.data.batches import Samples
 from megalite.data.chat import ChatTemplate, tokens_and_targets
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import IndexedShard, targets_path
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
+from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.typed_config import ConfigError
 from tests.test_chat import CONVERSATIONS, QWEN, tokenizer  # noqa: F401  (the fixture)

@@ -171,7 +171,7 @@ def test_checkpoints_and_exports_follow_the_umask(run_logged_to_a_pipe, tmp_path
 @pytest.fixture(scope="module")
 def small_gz(tmp_path_factory):
     """The first 300 documents of the embedded corpus as .jsonl.gz."""
-    from megalite.data.sources import EMBEDDED
+    from megalite.data.raw_files import EMBEDDED
     with lzma.open(EMBEDDED) as f:
         text = b"".join(itertools.islice(f, 300))
     path = tmp_path_factory.mktemp("gz") / "docs.jsonl.gz"
@@ -180,7 +180,7 @@ def small_gz(tmp_path_factory):
 
 
 def test_reading_counts_the_text_as_decompressed(small_gz):
-    from megalite.data.sources import read_chunks
+    from megalite.prep.sources import read_chunks
     path, text_bytes = small_gz
     chunks = list(read_chunks(path, "text"))
     assert sum(c.text_bytes() for c in chunks) == text_bytes

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from megalite.data import prepare
+from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder, Samples
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 
 TEXTS = [f"Document number {i} talks about tensors and gradients. " * (1 + i % 4) for i in range(30)]
@@ -33,7 +33,7 @@ def user_tokenizer(tmp_path, special):
 
 def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
     tok = user_tokenizer(tmp_path, ["<s>", "</s>", "<pad>"])
-    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
+    data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
                                    cache_dir=str(tmp_path / "cache")))
     assert (data.tokenizer.bos_id, data.tokenizer.eos_id, data.tokenizer.pad_id) == (0, 1, 2)
     assert data.tokenizer.vocab_size == Tokenizer.from_file(str(tok)).get_vocab_size()
@@ -43,21 +43,21 @@ def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
 
 def test_user_tokenizer_without_padding_token_pads_with_eos(tmp_path):
     tok = user_tokenizer(tmp_path, ["</s>"])
-    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
+    data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
                                    cache_dir=str(tmp_path / "cache")))
     assert data.tokenizer.pad_id == data.tokenizer.eos_id == 0
 
 
 def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
     cfg = DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300, cache_dir=str(tmp_path / "cache"))
-    first = prepare_data(cfg)
-    assert len(list((tmp_path / "cache").iterdir())) == 2  # the cache and its lock
-    again = prepare_data(cfg)
+    first = prepare_for_run(cfg)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the entry (its lock: node-local, prep/locks.py)
+    again = prepare_for_run(cfg)
     assert np.array_equal(first.train[0].docs.window([0], first.train[0].docs.n_tokens)[0],
                           again.train[0].docs.window([0], again.train[0].docs.n_tokens)[0])
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "something else entirely"}) * 1 + "\n"
                                       + json.dumps({"text": "and more"}) + "\n")
-    prepare_data(cfg)
+    prepare_for_run(cfg)
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
 
 
@@ -79,15 +79,15 @@ def test_a_rerun_with_nothing_to_do_keeps_an_older_directorys_data_key(tmp_path,
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         (out / name).unlink()
     older = (out / "meta.json").read_bytes()
-    key = prepare_data(DataConfig(path=str(out))).meta["cache_key"]
+    key = prepare_for_run(DataConfig(path=str(out))).meta["cache_key"]
     assert prepare.main(argv) == 0
     assert (out / "meta.json").read_bytes() == older
-    assert prepare_data(DataConfig(path=str(out))).meta["cache_key"] == key
+    assert prepare_for_run(DataConfig(path=str(out))).meta["cache_key"] == key
 
 
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_path, mode):
-    data = prepare_data(DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300,
+    data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300,
                                    cache_dir=str(tmp_path / "cache"), val_fraction=0.0))
     samples = Samples(data.train[0].docs, mode, 16, data.tokenizer.pad_id)
     order = BatchOrder([len(samples)], [1.0], 8, seed=3)

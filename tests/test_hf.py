@@ -9,7 +9,8 @@ from torch.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
 
-from megalite.data.sources import EMBEDDED, documents  # noqa: E402
+from megalite.data.raw_files import EMBEDDED
+from megalite.prep.sources import documents  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402

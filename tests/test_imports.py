@@ -79,7 +79,7 @@ def test_the_walk_finds_a_cycle_when_there_is_one():
 def test_the_walk_sees_module_level_and_deferred_imports():
     graph = import_graph()
     assert "megalite.parallel.mappings" in graph["megalite.parallel.layers"]
-    assert "megalite.command_args" in graph["megalite.data.prepare"]  # inside a function
+    assert "megalite.failures" in graph["megalite.cli"]  # inside a function
 
 
 def test_the_package_has_no_import_cycles():
@@ -109,6 +109,25 @@ def test_the_trainer_never_imports_the_measuring_tools():
     assert not {m: names for m, names in reaching.items() if names}
 
 
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    return seen
+
+
+def test_no_training_rank_imports_the_preparation_room():
+    """prep/ is prepare-data's (a rank runs it as a process of its own: data_for_run); the
+    training loop, eval, generate and export reach none of it, deferred imports included."""
+    graph = import_graph()
+    for entry in ("megalite.train", "megalite.evaluate", "megalite.generate", "megalite.hf.convert"):
+        assert not {m for m in reached(graph, entry) if m.startswith("megalite.prep")}, entry
+    assert "megalite.prep.shards" in reached(graph, "megalite.prep.command")  # the walk sees prep
+
+
 def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
     """`pip install .` (not editable) puts in site-packages the model presets, the sbatch
     template and the embedded corpus: a run from anywhere finds them, not only from a clone."""
@@ -122,7 +141,7 @@ def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
     code = """
 import megalite, sys
 from megalite.config import PRESET_DIR, load_model_config
-from megalite.data.sources import EMBEDDED
+from megalite.data.raw_files import EMBEDDED
 from megalite.launch.slurm import TEMPLATE
 assert megalite.__file__.startswith(sys.argv[1]), megalite.__file__
 for name in ("tiny", "gpt2-small", "gpt2-medium", "llama-1b"):

@@ -14,8 +14,8 @@ import pytest
 from megalite.data import indexed
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import OPEN_SHARDS, IndexedShard, ShardWriter
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
-from megalite.data.prepare import main as prepare_main
+from megalite.prep.shards import PrepareSettings, prepare_directory
+from megalite.prep.command import main as prepare_main
 from megalite.data.tokenizer import train_bpe
 from tests.support.harness import run_distributed
 from tests.test_train import losses, run_train

@@ -13,8 +13,8 @@ with warnings.catch_warnings():
 
 from megalite.data.docs import DocSet, TokenStore  # noqa: E402
 from megalite.data.indexed import IndexedShard  # noqa: E402
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory  # noqa: E402
-from megalite.data.prepare import prepare_data  # noqa: E402
+from megalite.prep.shards import PrepareSettings, prepare_directory  # noqa: E402
+from megalite.prep.command import prepare_for_run  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.run_config import DataConfig  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
@@ -87,14 +87,14 @@ def test_megatron_data_needs_its_tokenizer_and_one_that_fits_its_dtype(prepared,
     _, _, theirs, _ = prepared
     with pytest.raises(ConfigError, match=r"is Megatron indexed data, which does not say its "
                                           r"tokenizer: give data.tokenizer="):
-        prepare_data(DataConfig(path=str(theirs), cache_dir=str(tmp_path / "cache")))
+        prepare_for_run(DataConfig(path=str(theirs), cache_dir=str(tmp_path / "cache")))
     small = tmp_path / "bytes"
     builder = indexed_dataset.IndexedDatasetBuilder(f"{small}.bin", dtype=np.uint8)
     builder.add_document(np.array([3, 4, 0]), [3])
     builder.finalize(f"{small}.idx")
     with pytest.raises(ConfigError, match=r"stores token ids as uint8 \(at most 255\), but the "
                                           r"tokenizer has 400 tokens"):
-        prepare_data(DataConfig(path=str(small), tokenizer=str(prepared[0]),
+        prepare_for_run(DataConfig(path=str(small), tokenizer=str(prepared[0]),
                                 cache_dir=str(tmp_path / "cache")))
 
 
@@ -144,7 +144,7 @@ def test_a_file_without_documents_leaves_no_shard_megatron_could_not_map(tmp_pat
     assert not list((tmp_path / "out").glob("00001-*.bin"))
     for shard in (s for s in meta["shards"] if s["documents"]):
         assert len(indexed_dataset.IndexedDataset(str(tmp_path / "out" / shard["name"]))) == 1
-    data = prepare_data(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0,
+    data = prepare_for_run(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0,
                                    cache_dir=str(tmp_path / "cache")))
     assert (data.meta["train_documents"], data.meta["empty"], data.meta["not_json"]) == (1, 1, 1)
 
@@ -153,14 +153,14 @@ def test_data_paths_that_cannot_be_read_as_one_kind_are_refused(prepared, tmp_pa
     tok, ours, theirs, _ = prepared
     (tmp_path / "unfinished").mkdir()  # a prepare-data killed before its meta.json
     with pytest.raises(ConfigError, match=r"matches prepared data and other things .*unfinished"):
-        prepare_data(DataConfig(path=str(tmp_path / "*"), tokenizer=str(tok),
+        prepare_for_run(DataConfig(path=str(tmp_path / "*"), tokenizer=str(tok),
                                 cache_dir=str(tmp_path / "cache")))
     with pytest.raises(ConfigError, match=r"tokenizer '.*typo\.json' not found: .* or data\.tokenizer=bpe"):
-        prepare_data(DataConfig(path=str(theirs), tokenizer=str(tmp_path / "typo.json"),
+        prepare_for_run(DataConfig(path=str(theirs), tokenizer=str(tmp_path / "typo.json"),
                                 cache_dir=str(tmp_path / "cache")))
     with pytest.raises(ConfigError, match=r"data\.blend names a path twice"):
-        prepare_data(DataConfig(blend=[[1, str(ours)], [2, str(ours)]], cache_dir=str(tmp_path / "cache")))
-    both = prepare_data(DataConfig(path=str(tmp_path / "theirs_*"), tokenizer=str(tok),
+        prepare_for_run(DataConfig(blend=[[1, str(ours)], [2, str(ours)]], cache_dir=str(tmp_path / "cache")))
+    both = prepare_for_run(DataConfig(path=str(tmp_path / "theirs_*"), tokenizer=str(tok),
                                    cache_dir=str(tmp_path / "cache")))
     assert both.meta["train_documents"] + both.meta["val_documents"] == len(TEXTS)
 
@@ -174,4 +174,4 @@ def test_a_truncated_shard_is_refused_naming_the_file(prepared, tmp_path, cut):
     with pytest.raises(ConfigError, match=rf"theirs_text_document\{cut}' is \d+ bytes.*truncated"):
         IndexedShard(theirs)
     with pytest.raises(ConfigError, match="truncated"):
-        prepare_data(DataConfig(path=str(theirs), tokenizer=str(tok), cache_dir=str(tmp_path / "cache")))
+        prepare_for_run(DataConfig(path=str(theirs), tokenizer=str(tok), cache_dir=str(tmp_path / "cache")))

@@ -14,9 +14,9 @@ import zstandard
 
 from megalite.data.docs import DocSet, TokenStore
 from megalite.data.indexed import IndexedShard
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
+from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.data.docs import held_out
-from megalite.data.sources import expand_inputs
+from megalite.data.raw_files import expand_inputs
 from megalite.data.tokenizer import load_tokenizer, train_bpe
 from megalite.typed_config import ConfigError
 
@@ -78,7 +78,7 @@ def test_shards_are_the_same_for_any_worker_count_and_chunking(tmp_path, monkeyp
     files = expand_inputs([str(tmp_path / "in")])
     tok = str(tokenizer(tmp_path))
     prepare_directory(files, tmp_path / "w0", PrepareSettings(tokenizer=tok, progress=False))
-    monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 300)  # many chunks per file
+    monkeypatch.setattr("megalite.prep.sources.CHUNK_BYTES", 300)  # many chunks per file
     prepare_directory(files, tmp_path / "w2", PrepareSettings(tokenizer=tok, workers=2, progress=False))
     for f in sorted((tmp_path / "w0").glob("*.[bi][id]?")):
         assert f.read_bytes() == (tmp_path / "w2" / f.name).read_bytes(), f.name
@@ -299,9 +299,9 @@ def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path,
 def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeypatch):
     """The memory bound: at most IN_FLIGHT_PER_WORKER x workers chunks submitted and not yet
     written, however long the file."""
-    from megalite.data import prepare_shards, workers
+    from megalite.prep import shards as prepare_shards, workers
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 10))
-    monkeypatch.setattr("megalite.data.sources.CHUNK_BYTES", 500)
+    monkeypatch.setattr("megalite.prep.sources.CHUNK_BYTES", 500)
     seen = {"submitted": 0, "written": 0, "most": 0}
 
     class CountingPool(workers.Inline):

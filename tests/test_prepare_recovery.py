@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megalite.data.prepare_shards import PrepareSettings, prepare_directory
-from megalite.data.sources import expand_inputs
+from megalite.prep.shards import PrepareSettings, prepare_directory
+from megalite.data.raw_files import expand_inputs
 from megalite.typed_config import ConfigError
 from tests.test_prepare_data import ROOT, TEXTS, tokenizer, write_inputs
 
@@ -76,7 +76,7 @@ def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
 
 
 def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run(tmp_path, monkeypatch):
-    import megalite.data.prepare_shards as prepare_shards
+    import megalite.prep.shards as prepare_shards
     source = tmp_path / "x.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     read = prepare_shards.read_chunks

@@ -14,9 +14,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from megalite.data import prepare
+from megalite.data.prepared import load_data
+from megalite.prep import command as prepare
 from megalite.data.batches import collate
-from megalite.data.sources import EMBEDDED, documents
+from megalite.data.raw_files import EMBEDDED
+from megalite.prep.sources import documents
 from megalite.data.tokenizer import load_tokenizer, save_tokenizer, train_bpe
 from megalite.hf.convert import special_ids
 from megalite.model import GPT
@@ -272,13 +274,13 @@ def test_the_eos_named_for_prepare_data_is_the_stored_one(tmp_path, corpus):
     stored = load_tokenizer(tmp_path / "out")
     eos = both.token_to_id("<|endoftext|>")
     assert stored.eos_id == eos and stored.pad_id == 2  # its <|pad|> fills
-    data = prepare.prepare_data(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0))
+    data = prepare.prepare_for_run(DataConfig(path=str(tmp_path / "out"), val_fraction=0.0))
     docs = data.train[0].docs
     assert data.tokenizer.eos_id == eos and all(d[-1] == eos for d in docs.documents(np.arange(5), 10**6))
     # Without a tokenizer the eos token names nothing: one rule, for a run and prepare-data.
     refused = r"eos token '</s>' \(data\.eos_token, --eos-token\) names .* give the tokenizer"
     with pytest.raises(ConfigError, match=refused):
-        prepare.prepare_data(DataConfig(path=str(tmp_path / "out"), eos_token="</s>"))
+        prepare.prepare_for_run(DataConfig(path=str(tmp_path / "out"), eos_token="</s>"))
     with pytest.raises(ConfigError, match=refused):
         prepare.main(["--input", str(corpus), "--out", str(tmp_path / "bpe"), "--eos-token", "</s>"])
 

@@ -13,7 +13,8 @@ import torch
 
 from megalite import evaluate
 from megalite import train as train_module
-from megalite.data import prepare
+from megalite.data.prepared import load_data
+from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import convert
@@ -93,7 +94,7 @@ def first_step_loss(argv: list[str]) -> float:
     """Step 1's loss as one process computes it: the run's config at TP1, its data, its first
     global batch in one piece and its first weights (its init, or train.init_from's)."""
     cfg = with_pretrained(load_config(None, argv + ["parallel.tp=1"]), given_keys(None, argv))
-    data = prepare.prepare_data(cfg.data)
+    data = prepare.prepare_for_run(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
     samples = train_module.sample_sets(data.train, cfg, data)
     order = BatchOrder(samples.sizes, samples.weights, cfg.train.global_batch_size, cfg.run.seed)
@@ -119,7 +120,7 @@ def test_prepare_train_at_tp2_dp2_and_evaluate(hf_tokenizers, corpus, gpt2_hf, t
                          "--workers", "0"]) == 0
     meta = json.loads((out / "meta.json").read_text())["tokenizer"]
     assert (meta["eos_id"], meta["bos_id"], meta["pad_id"]) == (info.eos_id, info.bos_id, info.eos_id)
-    docs = prepare.prepare_data(DataConfig(path=str(out), val_fraction=0.0)).train[0].docs
+    docs = prepare.prepare_for_run(DataConfig(path=str(out), val_fraction=0.0)).train[0].docs
     first = docs.documents(np.arange(3), 10**6)
     assert [d.tolist() for d in first] == info.encode_documents(TEXTS[:3])
     assert all(d[-1] == info.eos_id and (d[0] == info.bos_id) == (name != "gpt2") for d in first)

@@ -6,7 +6,7 @@ import torch
 
 from megalite.config import load_model_config
 from megalite.data.batches import Samples
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig, TrainConfig
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.training.optim import lr_at
@@ -67,7 +67,7 @@ def test_flops_per_token_count_latent_attention_and_the_experts_a_token_uses():
 def test_packed_labels_never_cross_a_document_boundary(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "word " * (i % 5)}) + "\n" for i in range(20)))
-    data = prepare_data(DataConfig(path=str(path), bpe_vocab_size=300, val_fraction=0.0,
+    data = prepare_for_run(DataConfig(path=str(path), bpe_vocab_size=300, val_fraction=0.0,
                                    cache_dir=str(tmp_path / "cache")))
     samples = Samples(data.train[0].docs, "packed", 16, data.tokenizer.pad_id)
     batch = samples.collate(range(len(samples)))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megalite.data.batches import BatchOrder
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.evaluate import main as evaluate_main
 from megalite.generate import main as generate_main
 from megalite.hf.convert import main_export
@@ -188,7 +188,7 @@ def first_batch_pieces(sft, mode: str, run_dir, rendered) -> list[list[tuple]]:
     row, its documents' pieces (masked_loss's)."""
     argv = settings(sft, "dense", mode, run_dir)
     cfg = with_pretrained(load_config(None, argv), given_keys(None, argv))
-    data = prepare_data(cfg.data)
+    data = prepare_for_run(cfg.data)
     train_set = sample_sets(data.train, cfg, data)
     order = BatchOrder(train_set.sizes, train_set.weights, cfg.train.global_batch_size, cfg.run.seed)
     batch = train_set.collate(order.global_batch_picks(0))
@@ -299,7 +299,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
     records = [json.loads(line) for line in sft.train.read_text().splitlines()]
     lengths = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], records)]
     argv = settings(sft, "dense", mode, tmp_path) + ["data.drop_longer=true"]
-    data = prepare_data(with_pretrained(load_config(None, argv), given_keys(None, argv)).data)
+    data = prepare_for_run(with_pretrained(load_config(None, argv), given_keys(None, argv)).data)
     held = [len(ids) for ids, _ in rendered_by_transformers(sft.dirs["dense"], sft.held_records)]
     longer = sum(n > SEQ + 1 for n in lengths)
     assert 0 < longer < len(records)
@@ -310,7 +310,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
     assert sorted(kept.tolist()) == sorted(n for n in lengths if n <= SEQ + 1)
     with pytest.raises(ConfigError, match=r"all 40 documents are longer than a row \(data\.seq_len=8 "
                                           r"\+ 1 tokens\).*raise data\.seq_len, or set data\.drop_longer=false"):
-        prepare_data(with_pretrained(load_config(None, argv + ["data.seq_len=8"]), given_keys(None, argv)).data)
+        prepare_for_run(with_pretrained(load_config(None, argv + ["data.seq_len=8"]), given_keys(None, argv)).data)
 
 
 def test_epochs_set_the_steps(sft, tmp_path):
@@ -337,7 +337,7 @@ def test_a_bad_conversation_is_named(tmp_path, sft, single):
 def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
     """Prepared data whose tokenizer is not the pretrained model's: the error names the
     setting that brought the model's tokenizer, train.init_from, not data.tokenizer."""
-    from megalite.data.prepare_shards import PrepareSettings, prepare_directory
+    from megalite.prep.shards import PrepareSettings, prepare_directory
     from megalite.train import main as train_main
     other = Tokenizer(models.BPE())
     other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

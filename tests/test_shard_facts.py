@@ -1,5 +1,5 @@
-"""Per-shard facts (largest token id, documents longer than L) computed once, cached, split over
-ranks without collectives; foreign Megatron ids refused before any collective; raw corpora over
+"""Per-shard facts (largest token id, documents longer than L) computed once by the preparation,
+cached, split over ranks without collectives; foreign Megatron ids refused before any collective; raw corpora over
 the in-run limit refused with the command to run instead."""
 import json
 import multiprocessing as mp
@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megalite.data import locks, prepare, raw_cache, shard_facts
+from megalite.data import prepared, shard_facts
 from megalite.data.indexed import IndexedShard, ShardWriter, bin_path
-from megalite.data.prepare import prepare_data
-from megalite.data.shard_facts import shard_facts as facts_of
+from megalite.data.shard_facts import known_facts
+from megalite.prep import command as prepare, locks
+from megalite.prep.command import prepare_for_run
+from megalite.prep.facts import write_missing_facts
 from megalite.data.tokenizer import load_tokenizer, train_bpe
 from megalite.run_config import DataConfig
 from megalite.train import report_data
@@ -26,6 +28,14 @@ from megalite.typed_config import ConfigError
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = [f"Shard facts {i}: tensors split, pipelines stage, ranks agree. " * (1 + i % 3)
          for i in range(40)]
+
+
+def facts_of(shards: list, cache: Path, max_id: bool = False, longer_than: int | None = None) -> list:
+    """What a run reads after its preparation: the facts missing written, then all read."""
+    write_missing_facts(shards, str(cache), max_id, longer_than)
+    found, missing = known_facts(shards, cache, max_id, longer_than)
+    assert not missing
+    return found
 
 
 def tokenizer(tmp_path) -> Path:
@@ -58,7 +68,7 @@ def test_an_id_beyond_the_tokenizers_vocabulary_is_refused_naming_the_shard(tmp_
     prefixes, _ = write_shards(tmp_path / "data", 3, vocab)
     cfg = DataConfig(path=str(tmp_path / "data" / "part*"), tokenizer=str(tok),
                      cache_dir=str(tmp_path / "cache"))
-    assert prepare_data(cfg).meta["train_documents"] > 0  # every id fits
+    assert prepare_for_run(cfg).meta["train_documents"] > 0  # every id fits
     writer = ShardWriter(tmp_path / "data" / "part009_text_document", np.uint16)
     writer.add(np.array([3, vocab + 7, 1]), np.array([3]))
     writer.finish()
@@ -66,7 +76,7 @@ def test_an_id_beyond_the_tokenizers_vocabulary_is_refused_naming_the_shard(tmp_
                                           rf"token id {vocab + 7}, but data.tokenizer '.*tok\.json' "
                                           rf"has {vocab} tokens .*give data.tokenizer=the tokenizer "
                                           rf"the data was made with$"):
-        prepare_data(cfg)
+        prepare_for_run(cfg)
 
 
 def test_every_rank_exits_with_the_id_error_under_torchrun(tmp_path):
@@ -134,14 +144,14 @@ def test_padded_runs_count_truncated_documents_from_the_cache(tmp_path, capsys):
     prefixes, written = write_shards(tmp_path / "data", 3, load_tokenizer(tok).vocab_size)
     cfg = DataConfig(path=str(tmp_path / "data" / "part*"), tokenizer=str(tok),
                      mode="padded", seq_len=20, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
-    data = prepare_data(cfg)
+    data = prepare_for_run(cfg)
     lengths = np.concatenate([n for _, n in written])
     expected = int((np.diff(np.concatenate([[0], np.cumsum(lengths)])) > 21).sum())
     assert data.meta["truncated"] == expected > 0
     report_data(data)
     assert f"{expected} documents longer than data.seq_len were truncated (held-out documents " \
            f"included)" in capsys.readouterr().out
-    assert prepare_data(replace(cfg, mode="packed")).meta["truncated"] == 0
+    assert prepare_for_run(replace(cfg, mode="packed")).meta["truncated"] == 0
 
 
 def _rank(rank: int, shards: list[Path], cache: Path, ready, results) -> None:
@@ -197,17 +207,17 @@ def test_a_rank_dying_mid_scan_leaves_no_one_waiting(tmp_path, monkeypatch, caps
     got = facts_of([IndexedShard(prefix)], tmp_path / "cache", max_id=True)
     dying.join(10)
     assert dying.exitcode == 1 and got[0].max_id == int(tokens.max())
-    assert f"waits for another rank scanning shard {bin_path(prefix)}" in capsys.readouterr().err
+    assert f"waits for another process scanning shard {bin_path(prefix)}" in capsys.readouterr().err
 
 
 def test_a_large_raw_corpus_is_refused_with_the_command_that_prepares_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(raw_cache, "RAW_IN_RUN_BYTES", 1000)
+    monkeypatch.setattr(prepared, "RAW_IN_RUN_BYTES", 1000)
     raw = tmp_path / "c.jsonl"
     raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     cfg = DataConfig(path=str(raw), bpe_vocab_size=300, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ConfigError, match=r"is 0\.0 GB of raw files, more than a run prepares "
                                           r"itself \(1e-06 GB") as refused:
-        prepare_data(cfg)
+        prepare_for_run(cfg)
     command = str(refused.value).split("`")[1]
     argv = shlex.split(command)
     out = argv[argv.index("--out") + 1]
@@ -217,9 +227,9 @@ def test_a_large_raw_corpus_is_refused_with_the_command_that_prepares_it(tmp_pat
     argv[argv.index("--workers") + 1] = "0"  # the same shards with any workers, and cheaper here
     assert prepare.main(argv[2:]) == 0
     capsys.readouterr()
-    assert prepare_data(cfg).meta["cache_key"]  # this data.path now finds it prepared
-    assert prepare_data(DataConfig(path=out, cache_dir=str(tmp_path / "cache"))).meta["train_tokens"] \
-        == prepare_data(cfg).meta["train_tokens"]
-    monkeypatch.setattr(raw_cache, "RAW_IN_RUN_BYTES", 1e9)
-    prepare_data(DataConfig(path=str(raw), bpe_vocab_size=400, cache_dir=str(tmp_path / "cache")))
+    assert prepare_for_run(cfg).meta["cache_key"]  # this data.path now finds it prepared
+    assert prepare_for_run(DataConfig(path=out, cache_dir=str(tmp_path / "cache"))).meta["train_tokens"] \
+        == prepare_for_run(cfg).meta["train_tokens"]
+    monkeypatch.setattr(prepared, "RAW_IN_RUN_BYTES", 1e9)
+    prepare_for_run(DataConfig(path=str(raw), bpe_vocab_size=400, cache_dir=str(tmp_path / "cache")))
     assert f"data: rank 0 prepares data path '{raw}' (1 files" in capsys.readouterr().err

@@ -4,7 +4,7 @@ TP2 x DP2 run on them is the same training as one process."""
 import numpy as np
 import pytest
 
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 from tests.test_prepare_data import tokenizer
@@ -24,7 +24,7 @@ def every_document(data) -> list[np.ndarray]:
 
 
 def test_the_documents_are_random_ids_ended_by_eos_and_the_same_at_every_start(cache):
-    data, again = prepare_data(synthetic(cache)), prepare_data(synthetic(cache))
+    data, again = prepare_for_run(synthetic(cache)), prepare_for_run(synthetic(cache))
     (train,), (val,) = data.train, data.val
     assert len(train.docs) + len(val.docs) == DOCS and len(val.docs) == round(0.02 * DOCS)
     docs, docs_again = every_document(data), every_document(again)
@@ -38,29 +38,29 @@ def test_the_documents_are_random_ids_ended_by_eos_and_the_same_at_every_start(c
     # 2 to 2 x seq_len tokens: packed rows cross documents, padded rows pad or truncate.
     assert lengths.min() >= 2 and lengths.max() <= 64 and lengths.min() < 33 < lengths.max()
     assert data.meta["cache_key"] == again.meta["cache_key"]
-    assert data.meta["cache_key"] != prepare_data(synthetic(cache, seq_len=64)).meta["cache_key"]
+    assert data.meta["cache_key"] != prepare_for_run(synthetic(cache, seq_len=64)).meta["cache_key"]
 
 
 def test_padded_mode_counts_the_documents_it_truncates(cache):
-    data = prepare_data(synthetic(cache, mode="padded"))
+    data = prepare_for_run(synthetic(cache, mode="padded"))
     lengths = np.array([len(doc) for doc in every_document(data)])
     assert data.meta["truncated"] == int((lengths > 33).sum()) > 0
 
 
 def test_too_few_or_too_many_documents_are_refused_naming_the_setting(cache):
     with pytest.raises(ConfigError, match=r"data\.synthetic_documents=1 must be >= 2"):
-        prepare_data(synthetic(cache, synthetic_documents=1))
+        prepare_for_run(synthetic(cache, synthetic_documents=1))
     # Refused before anything is allocated: 10^9 documents of 33 tokens would be 66 GB per rank.
     with pytest.raises(ConfigError, match=r"data\.synthetic_documents=1000000000 at data\.seq_len=32 "
                                           r"is about 61\.5 GiB .*lower data\.synthetic_documents"):
-        prepare_data(synthetic(cache, synthetic_documents=10**9))
+        prepare_for_run(synthetic(cache, synthetic_documents=10**9))
 
 
 def test_blends_and_validation_take_synthetic_data_like_any_source(cache):
-    blend = prepare_data(synthetic(cache, blend=[[0.5, "synthetic"], [0.5, "embedded"]]))
+    blend = prepare_for_run(synthetic(cache, blend=[[0.5, "synthetic"], [0.5, "embedded"]]))
     assert [(s.name, s.weight) for s in blend.train] == [("synthetic", 0.5), ("embedded", 0.5)]
     assert len(blend.train[0].docs) == DOCS - round(0.02 * DOCS)
-    held = prepare_data(synthetic(cache, path="embedded", val_path="synthetic"))
+    held = prepare_for_run(synthetic(cache, path="embedded", val_path="synthetic"))
     assert [(s.name, len(s.docs)) for s in held.val] == [("synthetic", DOCS)]
 
 
@@ -74,7 +74,7 @@ def test_tp2_dp2_on_synthetic_data_trains_like_one_process(tmp_path, cache):
 
 
 def test_a_given_tokenizer_sets_the_ids_and_eos(tmp_path, cache):
-    data = prepare_data(synthetic(cache, tokenizer=str(tokenizer(tmp_path))))
+    data = prepare_for_run(synthetic(cache, tokenizer=str(tokenizer(tmp_path))))
     assert data.tokenizer.vocab_size == 400
     docs = every_document(data)
     assert all(doc[-1] == data.tokenizer.eos_id for doc in docs)

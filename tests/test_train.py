@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megalite import train as train_module
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.run_config import load_config
 from megalite.training.metrics import read_records
 from tests.support.checkpoints import read_whole_state
@@ -98,7 +98,7 @@ def held_out_targets(cache, mode: str) -> int:
     held-out document's first seq_len + 1 tokens; packed, the first 8 rows of the held-out
     stream, where a token's successor is of the same document."""
     cfg = load_config(None, common(cache, "unused", mode))
-    (val,) = prepare_data(cfg.data).val
+    (val,) = prepare_for_run(cfg.data).val
     seq = cfg.data.seq_len
     if mode == "padded":
         lengths = val.docs.lengths(np.arange(len(val.docs)))

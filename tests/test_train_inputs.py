@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from megalite.data.batches import BatchOrder, Samples
-from megalite.data.prepare import prepare_data
+from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.train import main
 from megalite.typed_config import ConfigError
@@ -159,7 +159,7 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys
 
 
 def test_one_bad_byte_marks_only_its_own_document(tmp_path):
-    from megalite.data.sources import parse, read_chunks
+    from megalite.prep.sources import parse, read_chunks
     path = tmp_path / "three.txt"
     path.write_bytes(b"first document\n\n\ncaf\xe9 second\n\n\nthird document")
     texts, counts = [], []
@@ -191,7 +191,7 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
     args = common(str(tmp_path / "cache"), None, "padded")[:-1] + [
         f"data.path={corpus}", "data.val_fraction=0.0", "data.seq_len=96", "model.max_seq_len=96",
         "train.global_batch_size=4", "train.micro_batch_size=1"]
-    data = prepare_data(DataConfig(path=str(corpus), bpe_vocab_size=512, seq_len=96,
+    data = prepare_for_run(DataConfig(path=str(corpus), bpe_vocab_size=512, seq_len=96,
                                    val_fraction=0.0, cache_dir=str(tmp_path / "cache")))
     samples = Samples(data.train[0].docs, "padded", 96, data.tokenizer.pad_id)
     order = BatchOrder([len(samples)], [1.0], 4, seed=1234)

@@ -6,12 +6,13 @@ A path is one of
     made with (and data.eos_token, where its files do not name eos);
   - a glob of either (their shards joined in order);
   - raw files, directories or a glob of them (or "embedded"): prepared once into
-    data.cache_dir (raw_cache.py);
+    data.cache_dir, by a preparation process the run starts (data_for_run; prep/raw_cache.py);
   - "synthetic": random documents made in memory (Megatron's --mock-data).
 
 Megatron data is checked against the tokenizer given (its largest token id, scanned once per
 shard and cached: shard_facts.py), and padded mode counts the documents it will truncate from the
-same cache, all before any collective.
+same cache, all before any collective. A run only reads: what the cache lacks is NotPrepared,
+which `megalite prepare-data` (megalite/prep/) makes, ahead of the run or started by it.
 
 Validation documents are data.val_path's, or a held-out fraction of each source chosen by
 document number (evenly spread, the same for any sharding), read in place like the rest.
@@ -22,6 +23,9 @@ import glob
 import hashlib
 import json
 import math
+import os
+import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,19 +34,24 @@ import numpy as np
 
 from megalite.data.docs import ArrayShard, DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
-from megalite.data.prepare_shards import FORMAT, PrepareSettings, digest, prepare_directory
-from megalite.data.raw_cache import prepared_in_cache
-from megalite.data.record_counts import COUNT_KEYS, skipped_records, sum_reasons
-from megalite.data.shard_facts import shard_facts, stat_key
+from megalite.data.record_counts import COUNT_KEYS, sum_reasons
+from megalite.data.raw_files import EMBEDDED, SUPPORTED, expand_inputs
+from megalite.data.shard_facts import known_facts, stat_key
 from megalite.data.shuffle import key_of
-from megalite.data.sources import EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
-from megalite.run_config import DataConfig
+from megalite.run_config import DataConfig, to_dict
 from megalite.typed_config import ConfigError
 
+ERROR_PREFIX = "megalite: error: "  # how a command prints a ConfigError (cli.py)
 SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
 SYNTHETIC = 0x5E  # the key of data.path=synthetic's hash
 SYNTHETIC_MAX_BYTES = 2**31  # its tokens, held by every rank
+FORMAT = "megalite-prepared"
+RAW_CACHE_VERSION = 2
+# Raw input (bytes as stored) that a run prepares itself: about 5 minutes on one core at the 6.5
+# MB/s prepare-data measures on 2 (docs/data.md). Beyond it the job would hold its devices idle
+# for long (1T tokens: core-days), so it is prepared ahead with all of a node's cores.
+RAW_IN_RUN_BYTES = 1e9
 
 
 @dataclass
@@ -61,6 +70,28 @@ class PreparedData:
 
 
 @dataclass
+class RawBuild:
+    """Raw files (data path `path`) to prepare into `target` in data.cache_dir."""
+    files: list[Path]
+    path: str
+    target: Path
+
+
+@dataclass
+class MissingFacts:
+    """Shards whose facts (shard_facts.py) the cache lacks."""
+    shards: list
+    max_id: bool
+    longer_than: int | None
+
+
+class NotPrepared(Exception):
+    def __init__(self, missing: list):
+        super().__init__(f"{len(missing)} parts of the data are not prepared")
+        self.missing = missing
+
+
+@dataclass
 class _Store:
     store: TokenStore
     # the prepared directory holding its tokenizer; None: data.tokenizer (Megatron data, or
@@ -70,9 +101,34 @@ class _Store:
     meta: dict
 
 
-def prepare_data(cfg: DataConfig, in_run: bool = True,
-                 tokenizer_from: str = "data.tokenizer") -> PreparedData:
-    """in_run False: for `megalite prepare-data --config`, which prepares raw data of any size.
+def data_for_run(cfg: DataConfig, tokenizer_from: str = "data.tokenizer") -> PreparedData:
+    """The run's data, its missing parts prepared first by `megalite prepare-data` in a process
+    of its own (the preparation's error is this call's): a training rank only reads."""
+    try:
+        return load_data(cfg, tokenizer_from=tokenizer_from)
+    except NotPrepared:
+        pass
+    command = [sys.executable, "-m", "megalite", "prepare-data", "--for-run",
+               json.dumps({"data": to_dict(cfg), "tokenizer_from": tokenizer_from})]
+    # Not the rank's launcher files: the preparation's error is the rank's to report.
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGALITE_ERROR_DIR", "TORCHELASTIC_ERROR_FILE")}
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        error = None
+        for line in proc.stderr:
+            if line.startswith(ERROR_PREFIX):
+                error = line[len(ERROR_PREFIX):].rstrip("\n")
+            else:
+                sys.stderr.write(line)
+    if proc.returncode:
+        raise ConfigError(error or f"data: `megalite prepare-data` preparing data path "
+                                   f"'{cfg.path}' exited with status {proc.returncode}")
+    return load_data(cfg, tokenizer_from=tokenizer_from)
+
+
+def load_data(cfg: DataConfig, in_run: bool = True,
+              tokenizer_from: str = "data.tokenizer") -> PreparedData:
+    """The data, read where it is prepared; NotPrepared lists what is not (yet).
+    in_run False: for `megalite prepare-data --config`, which prepares raw data of any size.
     tokenizer_from: the setting data.tokenizer came from, as errors name it."""
     entries = blend_entries(cfg)
     if not 0 <= cfg.val_fraction < 1:
@@ -165,7 +221,7 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
 def _given_tokenizer(cfg: DataConfig) -> TokenizerInfo | None:
     """data.tokenizer (a clear error if it is missing or unusable); None for bpe."""
     given = None if cfg.tokenizer == "bpe" else cfg.tokenizer
-    _check_eos_token(given, cfg.eos_token)
+    check_eos_token(given, cfg.eos_token)
     return None if given is None else load_tokenizer(Path(given), cfg.eos_token)
 
 
@@ -174,7 +230,7 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
     a word. Each shard's largest id is scanned once and cached. Prepared directories need no
     scan: they carry the tokenizer they were made with."""
     shards = [shard for s in megatron for shard in s.store.shards]
-    for shard, facts in zip(shards, shard_facts(shards, cfg.cache_dir, max_id=True)):
+    for shard, facts in zip(shards, _facts(shards, cfg, max_id=True)):
         if facts.max_id >= info.vocab_size:
             raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
                               f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
@@ -189,10 +245,17 @@ def _truncated(stores: list[_Store], cfg: DataConfig) -> int:
         return 0
     limit = cfg.seq_len + 1
     shards = [shard for s in stores for shard in s.store.shards]
-    return sum(f.longer_than[limit] for f in shard_facts(shards, cfg.cache_dir, longer_than=limit))
+    return sum(f.longer_than[limit] for f in _facts(shards, cfg, longer_than=limit))
 
 
-def _check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
+def _facts(shards: list, cfg: DataConfig, max_id: bool = False, longer_than: int | None = None) -> list:
+    found, missing = known_facts(shards, cfg.cache_dir, max_id, longer_than)
+    if missing:
+        raise NotPrepared([MissingFacts(missing, max_id, longer_than)])
+    return found
+
+
+def check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
     """An eos token names the end of document of a tokenizer given; none given (megalite's BPE)
     is refused, with data.tokenizer=bpe and with prepare-data without --tokenizer alike."""
     if eos_token is not None and tokenizer is None:
@@ -254,10 +317,54 @@ def _megatron(prefixes: list[Path]) -> _Store:
 
 def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run: bool,
          path: str) -> _Store:
-    target, key = prepared_in_cache(files, cfg, given, in_run, path)
+    target, key = raw_target(files, cfg, given)
+    if not (target / "meta.json").is_file():
+        size = sum(f.stat().st_size for f in files)
+        if in_run and size > RAW_IN_RUN_BYTES:
+            raise ConfigError(f"data path '{path}' is {size / 1e9:.1f} GB of raw files, more than a "
+                              f"run prepares itself ({RAW_IN_RUN_BYTES / 1e9:g} GB, on one rank while "
+                              f"the job holds its devices): prepare it ahead with all of a node's "
+                              f"cores, `{_prepare_command(path, cfg, target.resolve())}`, then "
+                              f"train with data.path={target.resolve()} (or this data.path again: the "
+                              f"run finds it prepared there)")
+        raise NotPrepared([RawBuild(files, path, target)])
     store = _prepared([target])
     store.key = key
     return store
+
+
+def raw_target(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> tuple[Path, str]:
+    """(the directory in data.cache_dir, its key) of raw files: the key hashes the files (by
+    name, size and time) and every setting that changes the tokens."""
+    tokenizer = "bpe" if given is None else given.digest
+    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
+    key = stat_key(files, f"v{RAW_CACHE_VERSION}|{tokenizer}|{cfg.bpe_vocab_size}|"
+                          f"{cfg.bpe_sample_mb}|{cfg.text_key}|{cfg.strict}{chat}")[:16]
+    return Path(cfg.cache_dir) / key, key
+
+
+def _prepare_command(path: str, cfg: DataConfig, out: Path) -> str:
+    """The prepare-data command making, into `out`, what this run would prepare."""
+    args = ["megalite", "prepare-data", "--input", path, "--out", str(out),
+            "--workers", str(os.cpu_count() or 1)]
+    given = None if cfg.tokenizer == "bpe" else cfg.tokenizer
+    for flag, value in (("--tokenizer", given), ("--eos-token", cfg.eos_token)):
+        args += [flag, value] if value is not None else []
+    args += ["--text-key", cfg.text_key] if cfg.text_key != "text" else []
+    args += ["--strict"] if cfg.strict else []
+    if cfg.chat_template is not None:
+        args += ["--chat-template", cfg.chat_template, "--train-on", cfg.train_on]
+    if given is None:
+        args += ["--bpe-vocab-size", str(cfg.bpe_vocab_size), "--bpe-sample-mb", f"{cfg.bpe_sample_mb:g}"]
+    return shlex.join(args)
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
@@ -310,60 +417,3 @@ def _one_tokenizer(stores: list[_Store], paths: list[str], given: TokenizerInfo 
         raise ConfigError(f"the data was made with different tokenizers: {names}: train on data "
                           f"of one tokenizer ({fix})")
     return next(iter(found.values()))[0]
-
-
-def main(argv: list[str]) -> int:
-    """`megalite prepare-data --input PATH... --out DIR [--tokenizer tok.json] [--workers N]`, or
-    `megalite prepare-data --config CFG [data.key=value ...]` to fill a run's cache ahead of it."""
-    import os
-
-    from megalite.command_args import command_parser
-    from megalite.run_config import load_config
-    parser = command_parser("megalite prepare-data", main.__doc__)
-    parser.add_argument("--input", nargs="+", help="files, directories or globs (quote them)")
-    parser.add_argument("--out", help="the prepared directory (a re-run finishes what is missing)")
-    parser.add_argument("--tokenizer", help="a tokenizer.json or a Hugging Face tokenizer "
-                        "directory; without it a byte-level BPE is trained")
-    parser.add_argument("--eos-token", help="the token that ends a document, where the "
-                        "tokenizer's files do not name it")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenizing processes, 0: in this process (default: the CPU count, "
-                             "here %(default)s)")
-    parser.add_argument("--text-key", default="text", help="the JSON field or parquet column of the text")
-    parser.add_argument("--strict", action="store_true", help="a bad record is an error, not counted")
-    parser.add_argument("--chat-template", help="conversations (jsonl or parquet `messages`, or `prompt` and "
-                        "`completion`) rendered with this template: auto (the tokenizer's own), the "
-                        "template, or a .jinja file")
-    parser.add_argument("--train-on", choices=("assistant", "last", "all"), default="assistant",
-                        help="which tokens of a conversation are targets")
-    parser.add_argument("--bpe-vocab-size", type=int, default=4096, help="tokens of the trained BPE")
-    parser.add_argument("--bpe-sample-mb", type=float, default=100.0,
-                        help="MB of documents the BPE is trained on")
-    parser.add_argument("--dtype", choices=("auto", "uint16", "int32"), default="auto",
-                        help="token ids on disk (auto: uint16 while the vocabulary fits)")
-    parser.add_argument("--shard-size-gb", type=float, default=0.0,
-                        help="merge consecutive input files into shards of about this many GB of "
-                             "tokens, each closed after the file that reaches it (a larger file "
-                             "is a shard of its own); 0: one shard per input file")
-    parser.add_argument("--config", help="a run config: prepare its data into data.cache_dir")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides of --config, e.g. data.seq_len=512")
-    args = parser.parse_args(argv)
-    if args.input:
-        if not args.out:
-            raise ConfigError("--input needs --out DIR: where the prepared shards go")
-        if args.workers < 0:
-            raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
-        _check_eos_token(args.tokenizer, args.eos_token)
-        settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
-                                   args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype,
-                                   shard_size_gb=args.shard_size_gb,
-                                   chat_template=args.chat_template, train_on=args.train_on)
-        meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
-        print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
-        skipped = skipped_records(meta, f"{args.out}/meta.json")
-        if skipped:
-            print(f"prepare-data: {skipped}", file=sys.stderr)
-        return 0
-    data = prepare_data(load_config(args.config, args.overrides).data, in_run=False)
-    print(json.dumps(data.meta, indent=1))
-    return 0

@@ -1,14 +1,17 @@
-"""File locks between the ranks of a run, and between runs sharing a cache or a prepare-data
-output directory.
+"""File locks between preparations (never a training rank: they only read prepared data).
 
 fcntl.flock locks belong to the open file: a process that dies, however it dies, releases them,
-so a rank never waits forever for one that is gone. Ranks meet here before any collective exists,
-so a long wait cannot trip a collective's timeout; it is announced instead, once.
+so no one waits forever for one that is gone. A run's preparations lock node-local files
+(node_lock: in the temporary directory, not beside data on a shared file system, where locks are
+the fragile part); preparations on several nodes meet only in atomic renames.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import os
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,19 +20,11 @@ from typing import Iterator
 WAIT_NOTE_S = 5.0  # a wait longer than this says what it waits for (shorter ones stay silent)
 
 
-@contextmanager
-def lock_if_free(path: Path) -> Iterator[bool]:
-    """Holds `path`'s lock and yields True if no one holds it; else yields False at once."""
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def node_lock(path: Path) -> Path:
+    """This node's lock file for `path` (which may be on a file system several nodes share)."""
+    folder = Path(tempfile.gettempdir()) / f"megalite-locks-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]}.lock"
 
 
 @contextmanager

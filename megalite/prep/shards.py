@@ -32,16 +32,16 @@ import numpy as np
 from megalite.data.chat import TRAIN_ON, load_chat_template
 from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, targets_path,
                                    token_dtype, write_atomic)
-from megalite.data.locks import lock_waiting
+from megalite.prep.locks import lock_waiting
+from megalite.data.prepared import FORMAT
 from megalite.data.record_counts import COUNT_KEYS, Counts, sum_reasons
-from megalite.data.shard_records import whole_shards
-from megalite.data.sources import RawChunk, check_readable, documents, read_chunks
+from megalite.prep.shard_records import whole_shards
+from megalite.prep.sources import RawChunk, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
-from megalite.data import workers
+from megalite.prep import workers
 from megalite.progress import Progress
 from megalite.typed_config import ConfigError
 
-FORMAT = "megalite-prepared"
 VERSION = 2
 IN_FLIGHT_PER_WORKER = 2
 LINE_EVERY_S = 10.0  # off a terminal: a progress line at most this often
@@ -68,7 +68,8 @@ class PrepareSettings:
     train_on: str = "assistant"  # assistant | last | all
 
 
-def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -> dict:
+def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
+                      lock: Path | None = None) -> dict:
     """Prepare `files` into `out` (finishing an earlier run there); returns meta.json's content."""
     if not settings.shard_size_gb >= 0:
         raise ConfigError(f"--shard-size-gb {settings.shard_size_gb} must be >= 0 (0: one shard "
@@ -83,7 +84,7 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings) -
     for f in files:
         check_readable(f, settings.text_key, conversations=settings.chat_template is not None)
     out.mkdir(parents=True, exist_ok=True)
-    with lock_waiting(out / ".lock", f"prepare-data waits for another run preparing into {out}"):
+    with lock_waiting(lock or out / ".lock", f"prepare-data waits for another run preparing into {out}"):
         info = _tokenizer(files, out, settings)
         dtype = np.dtype(token_dtype(info.vocab_size) if settings.dtype == "auto" else settings.dtype)
         check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
@@ -130,14 +131,6 @@ def _chat(info: TokenizerInfo, out: Path, settings: PrepareSettings) -> tuple[st
                                   else settings.chat_template)
     write_atomic(out / "chat_template.jinja", template.source)
     return template.source, settings.train_on
-
-
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> TokenizerInfo:

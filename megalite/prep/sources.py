@@ -15,12 +15,10 @@ a silently short shard.
 """
 from __future__ import annotations
 
-import glob
 import gzip
 import io
 import json
 import lzma
-import sys
 import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -28,48 +26,12 @@ from pathlib import Path
 from typing import Iterator
 
 from megalite.data.chat import ChatError, conversation_of
+from megalite.data.raw_files import kind_of
 from megalite.data.record_counts import Counts
 from megalite.typed_config import ConfigError
 
-EMBEDDED = Path(__file__).resolve().parent / "corpus" / "python-docs.jsonl.xz"
 CHUNK_BYTES = 1 << 20
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.xz", ".parquet", ".txt")
-SUPPORTED = ", ".join(SUFFIXES)
 BOM = b"\xef\xbb\xbf"
-
-
-def kind_of(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in SUFFIXES if name.endswith(s)), None)
-
-
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, directories (every supported file under them) and globs, in a stable order, each
-    file once however it is spelled. A directory's other files are named on stderr."""
-    files: list[Path] = []
-    for item in inputs:
-        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
-        if not matches or not Path(matches[0]).exists():
-            raise ConfigError(f"input '{item}' does not exist: give {SUPPORTED} files, "
-                              f"directories or globs of them")
-        for match in map(Path, matches):
-            if match.is_dir():
-                inside = sorted(p for p in match.rglob("*") if p.is_file())
-                found = [p for p in inside if kind_of(p)]
-                if not found:
-                    raise ConfigError(f"input directory '{match}' holds no {SUPPORTED} files")
-                others = [str(p) for p in inside if not kind_of(p)]
-                if others:
-                    print(f"prepare-data: skipping {len(others)} files of '{match}' that are "
-                          f"not {SUPPORTED}: {', '.join(others[:5])}{' ...' * (len(others) > 5)}",
-                          file=sys.stderr)
-                files += found
-            elif kind_of(match):
-                files.append(match)
-            else:
-                raise ConfigError(f"input '{match}' is not a supported file: name it "
-                                  f"{' / '.join('*' + s for s in SUFFIXES)}")
-    return list({f.resolve(): f for f in files}.values())
 
 
 def check_readable(path: Path, text_key: str, conversations: bool = False) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from megalite.data.chat import ChatError, ChatTemplate, conversation_tokens
 from megalite.data.record_counts import Counts
-from megalite.data.sources import RawChunk, parse, place
+from megalite.prep.sources import RawChunk, parse, place
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
