@@ -58,26 +58,16 @@ class CommLog:
         self.records: list[dict] = []
         self._originals: dict = {}
 
+    # ParallelState's groups by the names the records use: cp_dp sums the gradients over the CP
+    # and DP ranks, embedding ties the first and last pipeline stage, ep carries MoE's tokens,
+    # expert_dp the gradients of the ranks holding the same experts.
+    GROUPS = ("tp", "dp", "pp", "cp", "cp_dp", "embedding", "ep", "expert_dp")
+
     def group_name(self, group) -> str:
         if group is None or group is dist.group.WORLD:
             return "world"
-        if group is self.ps.tp_group:
-            return "tp"
-        if group is self.ps.dp_group:
-            return "dp"
-        if group is self.ps.pp_group:
-            return "pp"
-        if group is self.ps.cp_group:
-            return "cp"
-        if group is self.ps.cp_dp_group:
-            return "cp_dp"  # gradients, summed over the CP and DP ranks
-        if group is self.ps.embedding_group:
-            return "embedding"  # tied embeddings' first and last pipeline stage
-        if group is self.ps.ep_group:
-            return "ep"  # MoE experts' tokens
-        if group is self.ps.expert_dp_group:
-            return "expert_dp"  # experts' gradients, summed over the ranks holding the same
-        return f"tp-sub{dist.get_world_size(group)}"  # GQA's KV-head copies
+        return next((name for name in self.GROUPS if group is getattr(self.ps, f"{name}_group")),
+                    f"tp-sub{dist.get_world_size(group)}")  # GQA's KV-head copies
 
     def __enter__(self) -> "CommLog":
         for name in WRAPPED:

@@ -45,7 +45,7 @@ from bench import ROOT, on_path, peer
 from bench.gpu_summary import SWEEP_KINDS, write_summary
 from bench.point import device_name
 from bench.provenance import git_commit
-from bench.runner import INCOMPLETE, load_bench, stop_session
+from bench.runner import INCOMPLETE, load_bench, run_in_session
 from megalite.command_args import command_parser
 from megalite.typed_config import ConfigError
 
@@ -201,18 +201,10 @@ def run_step(step: Step, out: Path, limit: float) -> dict:
     # The repository on the path: the machine's own Python runs megalite uninstalled.
     env = on_path({**os.environ, "PYTHONUNBUFFERED": "1"})
     started = time.monotonic()
-    with (out / record["log"]).open("w") as log:
-        # Its own session, so that a step over its limit is killed with every process it started.
-        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=limit)
-            # A sweep its time limit cut keeps its finished points; the next call runs the rest.
-            status = "ok" if code == 0 else "incomplete" if step.kind in SWEEP_KINDS and code == INCOMPLETE \
-                else "failed"
-        except subprocess.TimeoutExpired:
-            stop_session(proc)
-            code, status = proc.returncode, "timeout"
+    code, timed_out = run_in_session([sys.executable, *argv], out / record["log"], env, limit, ROOT)
+    # A sweep its time limit cut keeps its finished points; the next call runs the rest.
+    status = ("timeout" if timed_out else "ok" if code == 0 else
+              "incomplete" if step.kind in SWEEP_KINDS and code == INCOMPLETE else "failed")
     return {**record, "status": status, "returncode": code, "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -260,15 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{step.name}: {previous['status']} in an earlier run, kept", flush=True)
             continue
         left = deadline - time.monotonic()
+        unrun = {"output": step.output, "command": shown(step.argv)}
         if step.name in problems:  # one step that cannot run does not stop the others
-            state["steps"][step.name] = {"status": "failed", "output": step.output,
-                                         "command": shown(step.argv),
+            state["steps"][step.name] = {"status": "failed", **unrun,
                                          "reason": f"not launched: {problems[step.name]}"}
         elif left < 30 or (step.kind not in SWEEP_KINDS and left < step.cap):
             # A sweep keeps its finished points for the next call; any other step would start
             # over there: it waits for a call with its whole cap left.
-            state["steps"][step.name] = {"status": "not run", "output": step.output,
-                                         "command": shown(step.argv),
+            state["steps"][step.name] = {"status": "not run", **unrun,
                                          "reason": f"the budget of {args.budget_min} min was spent"
                                          + (f" (less than its cap of {step.cap:.0f} s left)"
                                             if left >= 30 else "")}

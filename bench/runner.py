@@ -159,20 +159,28 @@ def _run_spec(row: dict, point: Point, directory: Path, timeout: float, limit: s
     env = on_path({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                    "PYTHONFAULTHANDLER": "1"})
     log = directory / "log.txt"
-    with log.open("w") as f:
-        # Its own session: stop_session ends it with everything it started.
-        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop_session(proc)
-            return {**row, "status": "timeout", "error": f"over {limit}"}
+    code, timed_out = run_in_session(command, log, env, timeout)
+    if timed_out:
+        return {**row, "status": "timeout", "error": f"over {limit}"}
     if code == 0:
         return {**row, "status": "ok", **json.loads((directory / "result.json").read_text())}
     text = log.read_text(errors="replace")
     status = "oom" if "out of memory" in text.lower() else "failed"
     return {**row, "status": status, "error": _reason(text) + f" (log: {log})"}
+
+
+def run_in_session(command: list[str], log: Path, env: dict, timeout: float,
+                   cwd: Path | None = None) -> tuple[int, bool]:
+    """(exit status, whether it ran past `timeout` s) of `command` run in its own session, its
+    output into `log`; past the timeout, stopped with everything it started (stop_session)."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(command, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            stop_session(proc)
+            return proc.returncode, True
 
 
 def stop_session(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
