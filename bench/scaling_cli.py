@@ -11,7 +11,7 @@ from bench.scaling_config import Hardware, load_scaling_file
 from bench.scaling_model import (Layout, check_fits, efficiency_from_single_device,
                                           executed_flops_per_step, model_flops_per_step, predict)
 from megalite.command_args import command_parser
-from megalite.config import ModelConfig
+from megalite.config import Dense, Experts, GroupedQuery, ModelConfig
 from megalite.typed_config import ConfigError
 
 LAYOUT_ARGS = ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch", "tp", "gpus")
@@ -38,9 +38,10 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
         raise ConfigError(f"--hardware {hw.name} predicts one layout: also give "
                           f"{' '.join(missing)}")
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
-                        hidden=args.hidden, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                        tie_embeddings=not args.untied, n_experts=args.experts,
-                        moe_top_k=args.top_k, moe_ffn_hidden=args.moe_ffn)
+                        hidden=args.hidden, n_heads=args.heads,
+                        attention=GroupedQuery(n_kv_heads=args.kv_heads), tie_embeddings=not args.untied,
+                        mlp=Experts(experts=args.experts, top_k=args.top_k, expert_ffn_hidden=args.moe_ffn)
+                        if args.experts else Dense())
     layout = Layout(model, args.seq_len, args.global_batch, args.micro_batch, args.tp, args.gpus,
                     args.recompute, args.grad_bytes, args.pp, args.virtual_stages, args.cp, args.cp_comm,
                     args.ep)

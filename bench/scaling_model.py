@@ -169,7 +169,7 @@ def executed_flops_per_step(layout: Layout) -> float:
 def parameter_count(cfg: ModelConfig) -> int:
     """The gradients the DP all-reduces carry: matmul weights (every expert's), plus the input
     embedding when it is not the LM head's weight."""
-    idle = expert_parameter_count(cfg) * (cfg.n_experts - cfg.moe_top_k) // max(1, cfg.n_experts)
+    idle = expert_parameter_count(cfg) * (cfg.n_experts - cfg.moe.top_k) // cfg.n_experts if cfg.moe else 0
     return matmul_params(cfg) + idle + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden)
 
 
@@ -197,7 +197,7 @@ def moe_all_to_all_bytes(cfg: ModelConfig, tokens: int, element_size: int) -> in
     the outputs a rank sends back are its experts' rows): the top-k copies of each token's
     hidden state out to the experts and their outputs back, each way again in backward, and
     the counts that size them (int64, forward)."""
-    return 4 * cfg.moe_top_k * tokens * cfg.hidden * element_size + cfg.n_experts * 8
+    return 4 * cfg.mlp.top_k * tokens * cfg.hidden * element_size + cfg.n_experts * 8
 
 
 def cp_bytes_per_layer_per_microbatch(layout: Layout) -> float:

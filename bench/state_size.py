@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megalite.config import ModelConfig
+from megalite.config import Dense, GroupedQuery, ModelConfig, Norms, Rotary
 
 GB = 1e9
 
@@ -26,7 +26,7 @@ def layer_params(cfg: ModelConfig) -> int:
     h, kv = cfg.hidden, 2 * cfg.kv_heads * cfg.head_size
     mlp_mats = 3 if cfg.gated else 2
     weights = 2 * h * h + kv * h + mlp_mats * h * cfg.ffn
-    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
+    norms = 2 * h * (2 if cfg.norms.kind == "layernorm" else 1)
     biases = (h + kv + h + cfg.ffn + h) if cfg.bias else 0
     return weights + norms + biases
 
@@ -35,8 +35,8 @@ def _ends(cfg: ModelConfig) -> tuple[int, int]:
     """The first stage's embedding (+ learned positions); the last one's final norm (+ LM head
     when untied: with pipeline stages a tied embedding's copy too)."""
     vocab = cfg.padded_vocab * cfg.hidden
-    positions = cfg.max_seq_len * cfg.hidden if cfg.position == "learned" else 0
-    final_norm = cfg.hidden * (2 if cfg.norm == "layernorm" else 1)
+    positions = cfg.max_seq_len * cfg.hidden if cfg.positions.kind == "learned" else 0
+    final_norm = cfg.hidden * (2 if cfg.norms.kind == "layernorm" else 1)
     return vocab + positions, final_norm + (0 if cfg.tie_embeddings else vocab)
 
 
@@ -71,15 +71,17 @@ def state_bytes(cfg: ModelConfig, tp: int, pp: int, dp: int, cp: int = 1,
     return StateBytes(n, 12 * n / replicas, (kept + sharded) * n, (kept + sharded / replicas) * n)
 
 
-LLAMA_7B = ModelConfig(vocab_size=32000, n_layers=32, hidden=4096, n_heads=32, ffn_hidden=11008,
-                       activation="swiglu", norm="rmsnorm", position="rotary", bias=False,
-                       tie_embeddings=False, max_seq_len=4096)
-LLAMA_70B = ModelConfig(vocab_size=128256, n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8,
-                        ffn_hidden=28672, activation="swiglu", norm="rmsnorm", position="rotary",
-                        bias=False, tie_embeddings=False, max_seq_len=8192)
-LLAMA_405B = ModelConfig(vocab_size=128256, n_layers=126, hidden=16384, n_heads=128, n_kv_heads=8,
-                         ffn_hidden=53248, activation="swiglu", norm="rmsnorm", position="rotary",
-                         bias=False, tie_embeddings=False, max_seq_len=8192)
+def _llama(vocab: int, layers: int, hidden: int, heads: int, kv_heads: int | None, ffn: int,
+           seq: int) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, n_layers=layers, hidden=hidden, n_heads=heads,
+                       attention=GroupedQuery(n_kv_heads=kv_heads), positions=Rotary(),
+                       mlp=Dense(ffn_hidden=ffn, activation="swiglu"), norms=Norms(kind="rmsnorm"),
+                       bias=False, tie_embeddings=False, max_seq_len=seq)
+
+
+LLAMA_7B = _llama(32000, 32, 4096, 32, None, 11008, 4096)
+LLAMA_70B = _llama(128256, 80, 8192, 64, 8, 28672, 8192)
+LLAMA_405B = _llama(128256, 126, 16384, 128, 8, 53248, 8192)
 # (name, model, tp, pp, dp): layouts of the size such models are trained at.
 SCALES = [("Llama 2 7B", LLAMA_7B, 4, 1, 16), ("Llama 3 70B", LLAMA_70B, 8, 8, 16),
           ("Llama 3.1 405B", LLAMA_405B, 8, 16, 16)]

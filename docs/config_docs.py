@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megalite.launch.sweep import SlurmConfig, SweepFile
 from megalite.run_config import Config
+from megalite.typed_config import variants
 
 FIELD = re.compile(r"^\s+(\w+): [^#]+?(?:\s+#\s*(.*))?$")
 
@@ -55,9 +56,13 @@ def default_of(field: dataclasses.Field):
 
 
 def sections(cls=Config, prefix: str = "") -> list[tuple[str, type]]:
-    """Every section of a run config, a nested one (train.muon) after its parent."""
+    """Every section of a run config, a nested one (train.muon) after its parent; a section
+    of variants (model.attention) once per variant, named `model.attention (kind: mla)`."""
     hints, out = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
+        choices = variants(hints[f.name])
+        for kind, variant in choices.items():
+            out += [(f"{prefix}{f.name} (kind: {kind})", variant)] + sections(variant, f"{prefix}{f.name}.")
         if dataclasses.is_dataclass(hints[f.name]):
             out += [(prefix + f.name, hints[f.name])] + sections(hints[f.name], f"{prefix}{f.name}.")
     return out
@@ -72,14 +77,23 @@ def rows(cls) -> list[tuple[str, str, str | None, str]]:
     """(key, type, default (None: required), comment) of every field of a section (a nested
     section has its own table)."""
     hints, notes = typing.get_type_hints(cls), comments(cls)
-    return [(f.name, type_name(hints[f.name]),
-             None if f.default is f.default_factory is dataclasses.MISSING else repr(default_of(f)),
-             notes.get(f.name, ""))
-            for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue
+        choices = variants(hints[f.name])
+        kind = " \\| ".join(f"`{k}`" for k in choices)
+        out.append((f.name, f"a section: kind {kind}" if choices else type_name(hints[f.name]),
+                    None if f.default is f.default_factory is dataclasses.MISSING else
+                    repr(f.default.kind if choices else default_of(f)), notes.get(f.name, "")))
+    return out
 
 
 def table(section: str, cls) -> list[str]:
-    lines = ["| key | type | default | what |", "|---|---|---|---|"]
+    section = section.split(" ")[0]
+    doc = (cls.__doc__ or "").strip() if section.startswith("model.") else ""
+    lines = ([" ".join(doc.split()), ""] if doc and not doc.startswith(cls.__name__ + "(") else []) + [
+        "| key | type | default | what |", "|---|---|---|---|"]
     for key, tp, default, note in rows(cls):
         cell = note.replace("|", "\\|")
         shown = "required" if default is None else f"`{default}`"
@@ -98,19 +112,37 @@ def markdown() -> str:
              "parallel.tp=2 train.max_steps=100",
              "```", "",
              "`model` may also be a preset name (`model=gpt2-small`, from `megalite/presets/`), or a "
-             "mapping whose `preset` key names the preset its other keys override.", "",
+             "mapping whose `preset` key names the preset its other keys override. A section of "
+             "variants (`model.attention`, `model.positions`, `model.positions.scaling`, "
+             "`model.mlp`) has a `kind` choosing one, and only the keys of the kind chosen: "
+             "another's is refused, naming the kind that has it. Overriding a section's kind "
+             "(`model.mlp.kind=moe`) keeps the keys the new kind shares with the preset's "
+             "(its activation) and starts the others from their defaults.", "",
              "Generated from the typed configs (`megalite/config.py`, `megalite/run_config.py`) by "
              "`python -m docs.config_docs --out docs/config.md`; "
              "`tests/test_config_docs.py` fails when this page is stale or a key has no comment.", ""]
     for name, cls in sections():
         lines += [f"## {name}", ""] + table(name, cls) + (init_from_note() if name == "model" else [])
-    lines += architectures()
+    lines += earlier_keys() + architectures()
     lines += ["# Sweep files", "",
               "`megalite slurm SWEEP.yaml` (see [clusters](clusters.md) and "
               "`configs/sweeps/demo-lr.yaml`) reads these keys (`megalite/launch/sweep.py`).", ""]
     for name, cls in sweep_sections():
         lines += [f"## {name or 'top level'}", ""] + table(name, cls)
     return "\n".join(lines)
+
+
+def earlier_keys() -> list[str]:
+    """The flat model keys of before the sections (flat_keys.MOVED) and their places."""
+    from megalite.flat_keys import MOVED
+    return ["# Keys of earlier versions", "",
+            "Before the model config had sections (b4372df and earlier) its keys were flat. A "
+            "checkpoint holding them resumes, exports and initialises runs as the sections they "
+            "mean; a config or an override giving them is translated once, with a note naming "
+            "each new key (`megalite/flat_keys.py`). A value that picks a variant picks it "
+            "(`model.n_experts=8` is `model.mlp.kind=moe` with `model.mlp.experts=8`; 0 is "
+            "`model.mlp.kind=dense`).", "", "| earlier key | now |", "|---|---|"] + [
+        f"| `model.{old}` | `model.{new}` |" for old, new in MOVED.items()] + [""]
 
 
 def init_from_note() -> list[str]:

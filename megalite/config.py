@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 
@@ -14,8 +14,259 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: instal
 
 
 @dataclass(frozen=True)
+class GroupedQuery:
+    """Heads of keys and values, each shared by a group of query heads: multi-head (n_kv_heads
+    = n_heads), grouped-query or multi-query attention (model/attention.py)."""
+    kind: Literal["gqa"] = "gqa"  # chooses this variant of the section
+    n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
+    head_dim: Optional[int] = None  # width of a head; None: hidden / n_heads (Qwen3: free of it)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3, Gemma 3)
+    qkv_bias: bool = False  # biases on the q, k and v projections even without model.bias (Qwen2)
+    # Softmax scale of the attention scores, as query_pre_attn_scalar ** -0.5 (Gemma 3); None:
+    # head_dim ** -0.5
+    query_pre_attn_scalar: Optional[float] = None
+    # Sliding-window attention (Mistral, Gemma 3): a query sees itself and the sliding_window - 1
+    # tokens before it. None: the whole context. Every layer slides when sliding_window_pattern
+    # is 1; with N > 1, layers i with (i + 1) % N == 0 attend to the whole context (Gemma 3: 6).
+    sliding_window: Optional[int] = None
+    sliding_window_pattern: int = 1  # N > 1: every N-th layer attends to the whole context
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        window, pattern, scalar = self.sliding_window, self.sliding_window_pattern, self.query_pre_attn_scalar
+        checks = [
+            (self.n_kv_heads is None or self.n_kv_heads >= 1,
+             f"model.attention.n_kv_heads={self.n_kv_heads} must be >= 1"),
+            (self.head_dim is None or self.head_dim >= 1,
+             f"model.attention.head_dim={self.head_dim} must be >= 1 (or null: hidden / n_heads)"),
+            (scalar is None or scalar > 0, f"model.attention.query_pre_attn_scalar={scalar} must be > 0"),
+        ]
+        return [m for ok, m in checks if not ok] + _window_problems(window, pattern)
+
+
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent, without
+    biases; one rotary key shared by the heads (model/latent_attention.py). Needs rotary
+    positions."""
+    kind: Literal["mla"] = "mla"  # chooses this variant of the section
+    q_lora_rank: Optional[int] = None  # the queries' latent width; None: a plain projection
+    kv_lora_rank: int = 512  # the keys' and values' latent width
+    qk_nope_head_dim: int = 128  # each head's query/key width without rotary
+    qk_rope_head_dim: int = 64  # the rotary part of each query, and the one shared rotary key
+    v_head_dim: int = 128  # each head's value width
+    sliding_window: Optional[int] = None  # as model.attention.kind=gqa's
+    sliding_window_pattern: int = 1  # as model.attention.kind=gqa's
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+                 "v_head_dim": self.v_head_dim}
+        problems = [f"model.attention.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
+        checks = [
+            (self.qk_nope_head_dim >= 0, f"model.attention.qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0"),
+            (self.q_lora_rank is None or self.q_lora_rank >= 1,
+             f"model.attention.q_lora_rank={self.q_lora_rank} must be >= 1, or null (a plain query projection)"),
+            (model.rotary is not None, f"model.attention.kind=mla rotates one shared key: it needs "
+                                       f"model.positions.kind=rotary, not {model.positions.kind!r}"),
+            (not model.bias, "model.attention.kind=mla makes keys and values from a latent without "
+                             "biases: model.bias=true would do nothing; set model.bias=false"),
+            (model.rotary is None or model.rotary.local_theta is None,
+             f"model.attention.kind=mla turns every layer at model.positions.theta: "
+             f"model.positions.local_theta={model.rotary and model.rotary.local_theta} would do nothing; leave it out"),
+        ]
+        return problems + [m for ok, m in checks if not ok] + _window_problems(self.sliding_window,
+                                                                               self.sliding_window_pattern)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """A learned table of positions (GPT-2), model.max_seq_len rows."""
+    kind: Literal["learned"] = "learned"  # chooses this variant of the section
+
+
+@dataclass(frozen=True)
+class Unscaled:
+    """Rotary frequencies as pretrained."""
+    kind: Literal["none"] = "none"  # chooses this variant of the section
+
+
+@dataclass(frozen=True)
+class LinearScaling:
+    """Every frequency / factor (position interpolation)."""
+    kind: Literal["linear"] = "linear"  # chooses this variant of the section
+    factor: float = 1.0  # how much longer the context is
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        return [] if self.factor > 0 else [f"model.positions.scaling.factor={self.factor} must be > 0"]
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1+: long wavelengths / factor, short ones kept, a smooth blend between."""
+    kind: Literal["llama3"] = "llama3"  # chooses this variant of the section
+    factor: float = 1.0  # how much longer the context is (Llama 3.1: 8)
+    # wavelengths above original_max_seq_len / low_freq_factor are divided by factor (Llama 3.1: 1)
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0  # wavelengths below original_max_seq_len / this are kept (Llama 3.1: 4)
+    original_max_seq_len: int = 8192  # the context length the model was pretrained at (Llama 3.1: 8192)
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        low, high = self.low_freq_factor, self.high_freq_factor
+        checks = [
+            (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
+            (low > 0, f"model.positions.scaling.low_freq_factor={low} must be > 0"),
+            (high > low, f"model.positions.scaling.high_freq_factor={high} must be > "
+                         f"low_freq_factor={low} (Llama 3.1: 4 and 1)"),
+            (self.original_max_seq_len >= 1,
+             f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
+        ]
+        return [m for ok, m in checks if not ok]
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN (Peng et al. 2023): a blend by rotations over the pretraining context, and an
+    attention factor (DeepSeek-V3, Qwen2.5 long context; model/positions.py)."""
+    kind: Literal["yarn"] = "yarn"  # chooses this variant of the section
+    factor: float = 1.0  # how much longer the context is
+    original_max_seq_len: int = 8192  # the context length the model was pretrained at
+    # frequencies turning more than beta_fast times over the pretraining context are kept, fewer
+    # than beta_slow times divided by factor, a linear ramp between
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0  # see beta_fast
+    # cos and sin times this; None: 0.1 ln(factor) + 1, or with mscale and mscale_all_dim the
+    # ratio of those two scales (DeepSeek-V3: 1)
+    attention_factor: Optional[float] = None
+    mscale: float = 0.0  # see attention_factor (0: unset)
+    # see attention_factor; MLA's softmax scale is also multiplied by
+    # (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek-V3)
+    mscale_all_dim: float = 0.0
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        checks = [
+            (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
+            (self.beta_fast > self.beta_slow > 0,
+             f"model.positions.scaling.beta_fast={self.beta_fast} must be > beta_slow={self.beta_slow} "
+             f"> 0 (YaRN: 32 and 1)"),
+            (self.original_max_seq_len >= 1,
+             f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
+        ]
+        return [m for ok, m in checks if not ok]
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary position embeddings (Llama), optionally scaled for longer contexts."""
+    kind: Literal["rotary"] = "rotary"  # chooses this variant of the section
+    theta: float = 10000.0  # rotary base frequency
+    # The sliding-window layers' rotary base (Gemma 3: 10000 against the global layers' 1e6),
+    # unscaled; None: theta and its scaling, as every other layer
+    local_theta: Optional[float] = None
+    # Frequencies stretched for contexts longer than pretraining's: none, linear, llama3 or yarn
+    scaling: Union[Unscaled, LinearScaling, Llama3Scaling, YarnScaling] = Unscaled()
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        checks = [
+            (self.theta > 0, f"model.positions.theta={self.theta} must be > 0"),
+            (self.local_theta is None or self.local_theta > 0,
+             f"model.positions.local_theta={self.local_theta} must be > 0"),
+            (self.local_theta is None or model.attention.sliding_window is not None,
+             f"model.positions.local_theta={self.local_theta} is the sliding-window layers' rotary "
+             f"base: it needs model.attention.sliding_window"),
+        ]
+        return [m for ok, m in checks if not ok] + getattr(self.scaling, "problems", lambda _: [])(model)
+
+
+Activation = Literal["gelu", "gelu_tanh", "swiglu", "geglu_tanh"]
+
+
+@dataclass(frozen=True)
+class Dense:
+    """One MLP per layer (model/mlp.py)."""
+    kind: Literal["dense"] = "dense"  # chooses this variant of the section
+    ffn_hidden: Optional[int] = None  # None: 4 * hidden
+    # GeLU (exact or tanh), SwiGLU (Llama) or GeGLU with tanh GeLU (Gemma)
+    activation: Activation = "gelu_tanh"
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts (model/moe.py): layers i with (i + 1) % every == 0, but
+    dense_layers, route each token to its top_k best of `experts` MLPs; the others are dense."""
+    kind: Literal["moe"] = "moe"  # chooses this variant of the section
+    ffn_hidden: Optional[int] = None  # the dense layers' MLP width; None: 4 * hidden
+    activation: Activation = "gelu_tanh"  # the experts' and the dense layers' (as kind=dense's)
+    experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts per token
+    expert_ffn_hidden: Optional[int] = None  # each expert's hidden width (None: ffn_hidden)
+    every: int = 1  # every `every`-th layer is a mixture of experts, the others dense
+    dense_layers: tuple[int, ...] = ()  # layers kept dense whatever `every` says (Qwen3-MoE)
+    # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
+    # Group-limited routing (DeepSeek-V3): experts in `groups` groups; a token picks its top-k
+    # among the topk_groups groups with the best sums of their two best scores
+    groups: int = 1
+    topk_groups: int = 1  # groups a token's experts come from (with groups > 1)
+    routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    # Switch-style load-balancing loss coefficient (Fedus et al. 2021), per MoE layer
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0  # router z-loss (Zoph et al. 2022): mean logsumexp^2
+    # Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias
+    # moves by this much toward balance (up if it took fewer copies than the mean). 0: off.
+    bias_update_rate: float = 0.0
+    # Tokens an expert takes per micro-batch: capacity_factor x tokens x top_k / experts; later
+    # ones (by position) are dropped. None: dropless.
+    capacity_factor: Optional[float] = None
+    # Shared experts every token passes (DeepSeek-V3, Qwen2-MoE): one TP-split MLP of
+    # shared_experts x expert_ffn_hidden.
+    shared_experts: int = 0
+    shared_gate: bool = False  # the shared experts scaled by sigmoid(g x) (Qwen2-MoE)
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        e, cf = self.experts, self.capacity_factor
+        checks = [
+            (e >= 1, f"model.mlp.experts={e} must be >= 1 (a dense model: model.mlp.kind=dense)"),
+            (1 <= self.top_k <= e, f"model.mlp.top_k={self.top_k} must be in [1, model.mlp.experts={e}]"),
+            (self.every >= 1, f"model.mlp.every={self.every} must be >= 1"),
+            (self.groups >= 1 and e % self.groups == 0 and (self.groups == 1 or e // self.groups >= 2),
+             f"model.mlp.groups={self.groups} must divide model.mlp.experts={e} into groups of 2 "
+             f"or more (a group is ranked by its two best scores), or be 1"),
+            (1 <= self.topk_groups <= self.groups and (
+                self.groups == 1 or self.top_k <= self.topk_groups * (e // max(self.groups, 1))),
+             f"model.mlp.topk_groups={self.topk_groups} must be in [1, model.mlp.groups="
+             f"{self.groups}] and its groups hold model.mlp.top_k={self.top_k} experts"),
+            (self.routed_scaling > 0, f"model.mlp.routed_scaling={self.routed_scaling} must be > 0"),
+            (all(0 <= i < model.n_layers for i in self.dense_layers),
+             f"model.mlp.dense_layers={list(self.dense_layers)} must name layers in "
+             f"[0, model.n_layers={model.n_layers})"),
+            (model.expert_ffn >= 1, f"model.mlp.expert_ffn_hidden={self.expert_ffn_hidden} must be >= 1"),
+            (self.shared_experts >= 0, f"model.mlp.shared_experts={self.shared_experts} must be >= 0"),
+            (not self.shared_gate or self.shared_experts > 0,
+             "model.mlp.shared_gate=true gates the shared experts: set model.mlp.shared_experts >= 1"),
+            (cf is None or cf > 0, f"model.mlp.capacity_factor={cf} must be > 0 (or null: dropless)"),
+            (min(self.aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate) >= 0,
+             "model.mlp.aux_loss_coeff, z_loss_coeff and bias_update_rate must be >= 0"),
+        ]
+        return [m for ok, m in checks if not ok]
+
+
+@dataclass(frozen=True)
+class Norms:
+    """The block's norms and the final one."""
+    kind: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm (GPT-2) or RMSNorm (Llama)
+    eps: float = 1e-5  # the norms' epsilon
+    weight_offset: float = 0.0  # norms scale by offset + weight (Gemma: 1, weights from 0)
+    # Norms also on the attention's and the MLP's outputs, before the residual adds (Gemma 2/3)
+    post_norms: bool = False
+
+    def problems(self, model: ModelConfig) -> list[str]:
+        return [] if self.eps > 0 else [f"model.norms.eps={self.eps} must be > 0"]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Enough knobs to express GPT-2 and Llama exactly."""
+    """A decoder: sizes, then a section per part, each a variant with its own keys
+    (docs/design.md, "adding a model setting")."""
 
     # The Hugging Face architecture export writes (import sets it; hf/convert.ARCHITECTURES);
     # None: the first that holds the config
@@ -28,161 +279,131 @@ class ModelConfig:
     n_layers: int = 12  # transformer blocks
     hidden: int = 768  # width of the residual stream
     n_heads: int = 12  # attention (query) heads
-    n_kv_heads: Optional[int] = None  # None: multi-head attention (n_kv_heads = n_heads)
     # gqa: heads of keys and values (multi-head, grouped-query, multi-query); mla: multi-head
-    # latent attention (DeepSeek-V2/V3), keys and values from a latent (model/latent_attention.py)
-    attention: Literal["gqa", "mla"] = "gqa"
-    q_lora_rank: Optional[int] = None  # mla: the queries' latent width; None: a plain projection
-    kv_lora_rank: int = 512  # mla: the keys' and values' latent width
-    qk_nope_head_dim: int = 128  # mla: each head's query/key width without rotary
-    qk_rope_head_dim: int = 64  # mla: the rotary part of each query, and the one shared rotary key
-    v_head_dim: int = 128  # mla: each head's value width
-    head_dim: Optional[int] = None  # width of a head; None: hidden / n_heads (Qwen3: free of it)
-    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3, Gemma 3)
-    # Softmax scale of the attention scores, as query_pre_attn_scalar ** -0.5 (Gemma 3); None:
-    # head_dim ** -0.5
-    query_pre_attn_scalar: Optional[float] = None
-    # Sliding-window attention (Mistral, Gemma 3): a query sees itself and the sliding_window - 1
-    # tokens before it. None: the whole context. Every layer slides when sliding_window_pattern
-    # is 1; with N > 1, layers i with (i + 1) % N == 0 attend to the whole context (Gemma 3: 6).
-    sliding_window: Optional[int] = None
-    sliding_window_pattern: int = 1  # N > 1: every N-th layer attends to the whole context
-    ffn_hidden: Optional[int] = None  # None: 4 * hidden
-    # MLP: GeLU (exact or tanh), SwiGLU (Llama) or GeGLU with tanh GeLU (Gemma)
-    activation: Literal["gelu", "gelu_tanh", "swiglu", "geglu_tanh"] = "gelu_tanh"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # LayerNorm (GPT-2) or RMSNorm (Llama)
-    norm_eps: float = 1e-5  # the norms' epsilon
-    norm_weight_offset: float = 0.0  # norms scale by offset + weight (Gemma: 1, weights from 0)
-    position: Literal["learned", "rotary"] = "learned"  # a learned table (GPT-2) or rotary (Llama)
-    rope_theta: float = 10000.0  # rotary base frequency
-    # The sliding-window layers' rotary base (Gemma 3: 10000 against the global layers' 1e6),
-    # unscaled; None: rope_theta and its scaling, as every other layer
-    rope_local_theta: Optional[float] = None
-    # Rotary frequencies stretched for contexts longer than pretraining's: none, linear (every
-    # frequency / rope_factor), llama3 (Llama 3.1+: long wavelengths / rope_factor, short ones
-    # kept, a smooth blend between) or yarn (YaRN, Peng et al. 2023: a blend by rotations over
-    # the pretraining context, and an attention factor; DeepSeek-V3, Qwen2.5 long context;
-    # model/positions.py)
-    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
-    rope_factor: float = 1.0  # linear, llama3, yarn: how much longer the context is (Llama 3.1: 8)
-    # llama3: wavelengths above rope_original_max_seq_len / rope_low_freq_factor are divided by
-    # rope_factor (Llama 3.1: 1)
-    rope_low_freq_factor: float = 1.0
-    # llama3: wavelengths below rope_original_max_seq_len / rope_high_freq_factor are kept
-    # (Llama 3.1: 4)
-    rope_high_freq_factor: float = 4.0
-    # llama3, yarn: the context length the model was pretrained at (Llama 3.1: 8192)
-    rope_original_max_seq_len: int = 8192
-    # yarn: frequencies turning more than rope_beta_fast times over the pretraining context are
-    # kept, fewer than rope_beta_slow times divided by rope_factor, a linear ramp between
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0  # yarn: see rope_beta_fast
-    # yarn: cos and sin times this; None: 0.1 ln(factor) + 1, or with rope_mscale and
-    # rope_mscale_all_dim the ratio of those two scales (DeepSeek-V3: 1)
-    rope_attention_factor: Optional[float] = None
-    rope_mscale: float = 0.0  # yarn: see rope_attention_factor (0: unset)
-    # yarn: see rope_attention_factor; MLA's softmax scale is also multiplied by
-    # (0.1 rope_mscale_all_dim ln(factor) + 1)^2 (DeepSeek-V3)
-    rope_mscale_all_dim: float = 0.0
+    # latent attention (DeepSeek-V2/V3)
+    attention: Union[GroupedQuery, Latent] = GroupedQuery()
+    positions: Union[Learned, Rotary] = Learned()  # a learned table (GPT-2) or rotary (Llama)
+    mlp: Union[Dense, Experts] = Dense()  # one MLP per layer, or a mixture of experts
+    norms: Norms = Norms()
     bias: bool = True  # biases in the linear layers and norms (GPT-2), or none (Llama)
-    # Norms also on the attention's and the MLP's outputs, before the residual adds (Gemma 2/3)
-    post_norms: bool = False
     scale_embeddings: bool = False  # the embeddings times sqrt(hidden) (Gemma)
-    qkv_bias: bool = False  # biases on the q, k and v projections even without `bias` (Qwen2)
     tie_embeddings: bool = True  # the LM head is the embedding matrix
     # The logits soft-capped to cap x tanh(logits / cap) (Gemma 2's final_logit_softcapping)
     final_logit_softcap: Optional[float] = None
     dropout: float = 0.0  # embedding, residual and attention dropout (0 for pretraining)
     init_std: float = 0.02  # normal init's std; projections into the residual / sqrt(2 n_layers)
-    # Mixture of experts (model/moe.py): 0 keeps the dense MLP in every layer. Otherwise layers
-    # i with (i + 1) % moe_every == 0 route each token to its moe_top_k best of n_experts MLPs.
-    n_experts: int = 0
-    moe_top_k: int = 2  # experts per token
-    moe_ffn_hidden: Optional[int] = None  # each expert's hidden width (None: ffn_hidden)
-    moe_every: int = 1  # every moe_every-th layer is a mixture of experts, the others dense
-    moe_dense_layers: tuple[int, ...] = ()  # layers kept dense whatever moe_every says (Qwen3-MoE)
-    # Router scores: softmax over the experts (Mixtral) or a sigmoid per expert (DeepSeek-V3)
-    moe_router: Literal["softmax", "sigmoid"] = "softmax"
-    moe_renormalize: bool = True  # the top-k weights divided by their sum (Mixtral, DeepSeek-V3)
-    # Group-limited routing (DeepSeek-V3): experts in moe_groups groups; a token picks its top-k
-    # among the moe_topk_groups groups with the best sums of their two best scores
-    moe_groups: int = 1
-    moe_topk_groups: int = 1  # groups a token's experts come from (with moe_groups > 1)
-    moe_routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
-    # Switch-style load-balancing loss coefficient (Fedus et al. 2021), per MoE layer
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0  # router z-loss (Zoph et al. 2022): mean logsumexp^2
-    # Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias
-    # moves by this much toward balance (up if it took fewer copies than the mean). 0: off.
-    moe_bias_update_rate: float = 0.0
-    # Tokens an expert takes per micro-batch: capacity_factor x tokens x top_k / n_experts;
-    # later ones (by position) are dropped. None: dropless.
-    moe_capacity_factor: Optional[float] = None
-    # Shared experts every token passes (DeepSeek-V3, Qwen2-MoE): one TP-split MLP of
-    # n_shared_experts x moe_ffn_hidden.
-    n_shared_experts: int = 0
-    moe_shared_gate: bool = False  # the shared experts scaled by sigmoid(g x) (Qwen2-MoE)
+
+    def problems(self) -> list[str]:
+        """Every way this model's settings are invalid (its sections' rules included), one line
+        each; layout_rules.check_layout adds the layout's."""
+        sizes = {"vocab_size": self.vocab_size, "vocab_pad_multiple": self.vocab_pad_multiple,
+                 "max_seq_len": self.max_seq_len, "n_layers": self.n_layers, "hidden": self.hidden,
+                 "n_heads": self.n_heads, "mlp.ffn_hidden": self.ffn}
+        problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
+        checks = [
+            (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
+            (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
+            (self.final_logit_softcap is None or self.final_logit_softcap > 0,
+             f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or null: none)"),
+        ]
+        problems += [m for ok, m in checks if not ok]
+        for section in (self.attention, self.positions, self.mlp, self.norms):
+            problems += getattr(section, "problems", lambda _: [])(self)
+        return problems
+
+    @property
+    def mla(self) -> bool:
+        return self.attention.kind == "mla"
+
+    @property
+    def rotary(self) -> Rotary | None:
+        return self.positions if self.positions.kind == "rotary" else None
+
+    @property
+    def moe(self) -> Experts | None:
+        return self.mlp if self.mlp.kind == "moe" else None
+
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer (0: dense)."""
+        return self.mlp.experts if self.mlp.kind == "moe" else 0
 
     @property
     def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        kv = None if self.mla else self.attention.n_kv_heads
+        return self.n_heads if kv is None else kv
 
     @property
     def head_size(self) -> int:
-        return self.hidden // self.n_heads if self.head_dim is None else self.head_dim
+        head_dim = None if self.mla else self.attention.head_dim
+        return self.hidden // self.n_heads if head_dim is None else head_dim
 
     @property
     def rotary_dim(self) -> int:
         """The width rotary positions turn: a head's, or MLA's rotary part."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+        return self.attention.qk_rope_head_dim if self.mla else self.head_size
 
     @property
     def qk_width(self) -> int:
         """A head's query/key width (the scores' dot products)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+        a = self.attention
+        return a.qk_nope_head_dim + a.qk_rope_head_dim if self.mla else self.head_size
 
     @property
     def v_width(self) -> int:
-        return self.v_head_dim if self.attention == "mla" else self.head_size
+        return self.attention.v_head_dim if self.mla else self.head_size
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of a layer, or None where it attends to the whole context."""
-        pattern = self.sliding_window_pattern
-        if self.sliding_window is None or (pattern > 1 and (layer + 1) % pattern == 0):
+        window, pattern = self.attention.sliding_window, self.attention.sliding_window_pattern
+        if window is None or (pattern > 1 and (layer + 1) % pattern == 0):
             return None
-        return self.sliding_window
+        return window
 
     @property
     def gated(self) -> bool:
         """The MLP multiplies a gate projection's activation by an up projection."""
-        return self.activation in ("swiglu", "geglu_tanh")
+        return self.mlp.activation in ("swiglu", "geglu_tanh")
 
     @property
     def ffn(self) -> int:
-        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+        return 4 * self.hidden if self.mlp.ffn_hidden is None else self.mlp.ffn_hidden
 
     @property
     def expert_ffn(self) -> int:
-        return self.ffn if self.moe_ffn_hidden is None else self.moe_ffn_hidden
+        moe = self.moe
+        return self.ffn if moe is None or moe.expert_ffn_hidden is None else moe.expert_ffn_hidden
 
     @property
     def shared_ffn(self) -> int:
         """The shared experts' MLP width (0: none)."""
-        return self.n_shared_experts * self.expert_ffn if self.n_experts else 0
+        return self.mlp.shared_experts * self.expert_ffn if self.moe else 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (self.n_experts > 0 and (layer + 1) % self.moe_every == 0
-                and layer not in self.moe_dense_layers)
+        moe = self.moe
+        return moe is not None and (layer + 1) % moe.every == 0 and layer not in moe.dense_layers
 
     @property
     def padded_vocab(self) -> int:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
 
+def _window_problems(window: int | None, pattern: int) -> list[str]:
+    checks = [
+        (window is None or window >= 1,
+         f"model.attention.sliding_window={window} must be >= 1 (or null: the whole context)"),
+        (pattern >= 1, f"model.attention.sliding_window_pattern={pattern} must be >= 1"),
+        (pattern == 1 or window is not None,
+         f"model.attention.sliding_window_pattern={pattern} spaces the global layers among sliding "
+         f"ones: it needs model.attention.sliding_window"),
+    ]
+    return [m for ok, m in checks if not ok]
+
+
 # The model settings that are training's, not the architecture's: under train.init_from the
 # checkpoint fixes every other model key, and these are the config's where it gives them.
-TRAINING_SETTINGS = ("dropout", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate",
-                     "moe_capacity_factor")
+TRAINING_SETTINGS = ("dropout", "mlp.aux_loss_coeff", "mlp.z_loss_coeff", "mlp.bias_update_rate",
+                     "mlp.capacity_factor")
 
 
 @dataclass(frozen=True)

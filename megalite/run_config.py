@@ -18,7 +18,8 @@ from typing import Literal, Optional
 import yaml
 
 from megalite.config import ModelConfig, ParallelConfig, read_preset
-from megalite.typed_config import ConfigError, from_dict
+from megalite.flat_keys import nest
+from megalite.typed_config import ConfigError, from_dict, merged
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,10 @@ def _set_dotted(raw: dict, keys: list[str], value) -> None:
 def _resolve_preset(model) -> dict:
     if isinstance(model, str):
         model = {"preset": model}
-    if not isinstance(model, dict) or "preset" not in model:
+    if not isinstance(model, dict):
+        return model
+    model = nest(model)
+    if "preset" not in model:
         return model
     model = dict(model)
-    return {**read_preset(model.pop("preset")), **model}
+    return merged(read_preset(model.pop("preset")), model, ModelConfig)

@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from megalite.config import TRAINING_SETTINGS
+from megalite.config import TRAINING_SETTINGS, ModelConfig
+from megalite.flat_keys import nest
 from megalite.layout_rules import check_layout, data_parallel_size
 from megalite.data.prepared import PreparedData
 from megalite.fp8.convert import check_fp8_layout
@@ -24,7 +25,7 @@ from megalite.run_config import Config, TrainConfig, to_dict
 from megalite.training.build import inductor_options
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.training.deepspeed_engine import check_deepspeed
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, from_dict, leaves, replaced
 
 
 def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True,
@@ -190,17 +191,20 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
     source = Path(cfg.train.init_from)
     saved = pretrained_config(source)
     # vocab_size is never the config's to fix: the tokenizer's, or here the checkpoint's.
-    named = sorted({key.split(".")[1] for key in given if key.startswith("model.")}
+    named = sorted({key.split(".", 1)[1] for key in given if key.startswith("model.")}
                    - {"preset", "vocab_size"})
-    differ = [f"model.{k}={getattr(cfg.model, k)!r} (the checkpoint's: {getattr(saved, k)!r})"
-              for k in named if k not in TRAINING_SETTINGS and getattr(cfg.model, k) != getattr(saved, k)]
+    ours, theirs = ({k: v for k, v, _ in leaves(m)} for m in (cfg.model, saved))
+    differ = [f"model.{k}={ours.get(k)!r} (the checkpoint's: {theirs.get(k, 'absent')!r})"
+              for k in named if (k not in TRAINING_SETTINGS or k not in theirs) and ours.get(k) != theirs.get(k)]
     if differ:
         raise ConfigError(f"train.init_from={source} fixes the architecture, and the config sets "
                           f"{', '.join(differ)}: drop " + ("these keys" if len(differ) > 1 else "the key")
                           + " (or give the checkpoint's value); of the model keys only "
                           f"{', '.join(TRAINING_SETTINGS)} are this run's to choose")
-    model = dataclasses.replace(saved, **{k: getattr(cfg.model, k) for k in named
-                                          if k in TRAINING_SETTINGS})
+    model = saved
+    for key in named:
+        if key in TRAINING_SETTINGS:
+            model = replaced(model, key, ours[key])
     data = cfg.data
     if data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
         data = dataclasses.replace(data, tokenizer=str(source / "tokenizer.json"))
@@ -272,8 +276,11 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
         raise ConfigError(f"run.dir '{run_dir}' holds {latest.name}, later than the step "
                           f"{saved['step']} of train.resume '{path}': resuming there would "
                           f"overwrite it; use another run.dir")
-    # A key the checkpoint's version did not have had its default's meaning then.
-    now, before = _flat(to_dict(cfg)), {**_flat(to_dict(Config())), **_flat(saved["config"])}
+    # A key the checkpoint's version did not have had its default's meaning then; its model
+    # may be of before the sections (flat_keys.py).
+    model = to_dict(from_dict(ModelConfig, nest(saved["config"]["model"], note=False), "model."))
+    now = _flat(to_dict(cfg))
+    before = {**_flat(to_dict(Config())), **_flat({**saved["config"], "model": {}}), **_flat(model, "model.")}
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
                if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
     check_same_optimizer(cfg.train, saved["config"].get("train", {}), path)

@@ -3,6 +3,10 @@
 Every key is checked against the dataclass: an unknown key is an error that names the nearest
 valid key, and every value is checked against its annotated type, so a typo in a config file
 fails at load time instead of silently falling back to a default.
+
+A section may be one of several variants (`attention: GroupedQuery | Latent`): dataclasses each
+with a `kind` literal, the mapping's `kind` choosing (absent: the field default's). A variant has
+only its own keys, so a key of a variant not chosen is refused naming the one that has it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ class ConfigError(ValueError):
 def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
@@ -28,12 +32,47 @@ def from_dict(cls: type, data: Any, where: str = ""):
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{where}{key}'{hint} "
                               f"(valid keys: {', '.join(sorted(fields))})")
-    return cls(**{key: coerce(hints[key], value, f"{where}{key}") for key, value in data.items()})
+    return cls(**{key: coerce(hints[key], _with_kind(value, fields[key]), f"{where}{key}")
+                  for key, value in data.items()})
+
+
+def variants(annotation: Any) -> dict[str, type]:
+    """A variant section's dataclasses by kind ({} for any other annotation)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else ()
+    if not options or not all(dataclasses.is_dataclass(o) for o in options):
+        return {}
+    return {typing.get_args(typing.get_type_hints(o)["kind"])[0]: o for o in options}
+
+
+def _with_kind(value: Any, field: dataclasses.Field) -> Any:
+    """A variant section's mapping without `kind`: the field default's kind."""
+    if isinstance(value, dict) and "kind" not in value and dataclasses.is_dataclass(field.default) \
+            and hasattr(field.default, "kind"):
+        return {"kind": field.default.kind, **value}
+    return value
+
+
+def _variant(choices: dict[str, type], value: Any, key: str):
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping with a kind ({', '.join(choices)}), got {value!r}")
+    kind = value.get("kind", next(iter(choices)))
+    if kind not in choices:
+        raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")
+    mine = {f.name for f in dataclasses.fields(choices[kind])}
+    for name in value:
+        owners = [k for k, cls in choices.items() if name in {f.name for f in dataclasses.fields(cls)}]
+        if name not in mine and owners:
+            raise ConfigError(f"{key}.{name} is a key of {key}.kind={' or '.join(owners)}, and "
+                              f"{key}.kind={kind}: set {key}.kind={owners[0]}, or leave it out")
+    return from_dict(choices[kind], {"kind": kind, **value}, f"{key}.")
 
 
 def coerce(annotation: Any, value: Any, key: str) -> Any:
     """Return `value` as `annotation`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(annotation)
+    choices = variants(annotation)
+    if choices:
+        return _variant(choices, value, key)
     if dataclasses.is_dataclass(annotation):
         return from_dict(annotation, value, f"{key}.")
     if origin is Literal:
@@ -85,3 +124,45 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
+
+
+def merged(base: dict, over: dict, cls: type) -> dict:
+    """`over`'s keys on `base`'s, section by section. A section whose kind `over` changes starts
+    from the new variant's defaults, keeping the keys of base's that the new variant has (a
+    preset's activation when `model.mlp.kind=moe` is given)."""
+    out = dict(base)
+    hints = typing.get_type_hints(cls)
+    for key, value in over.items():
+        old = out.get(key)
+        if not (isinstance(value, dict) and isinstance(old, dict) and key in hints):
+            out[key] = value
+            continue
+        choices = variants(hints[key])
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+        kind = value.get("kind", old.get("kind", getattr(default, "kind", None)))
+        target = choices.get(kind) if choices else hints[key]
+        if target is None or not dataclasses.is_dataclass(target):
+            out[key] = value
+            continue
+        if choices and kind != old.get("kind", getattr(default, "kind", None)):
+            mine = {f.name for f in dataclasses.fields(target)}
+            old = {k: v for k, v in old.items() if k in mine and k != "kind"}
+        out[key] = merged(old, value, target)
+    return out
+
+
+def leaves(obj, prefix: str = ""):
+    """(dotted key, value, its default) of every setting of a config, its sections' chosen
+    variants walked (their kinds included)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, f.default
+
+
+def replaced(obj, key: str, value):
+    """`obj` with the setting at dotted `key` replaced (its sections copied on the way)."""
+    head, _, rest = key.partition(".")
+    return dataclasses.replace(obj, **{head: replaced(getattr(obj, head), rest, value) if rest else value})

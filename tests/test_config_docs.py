@@ -1,13 +1,14 @@
 """docs/config.md, the configuration reference, is what docs/config_docs.py generates from the
 typed configs now; every key has a comment; its keys are exactly those a config accepts."""
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 
 from docs.config_docs import main, markdown, rows, sections, sweep_sections
 from megalite.run_config import load_config
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, variants
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -31,17 +32,27 @@ def test_a_stale_page_is_reported(tmp_path, capsys):
 
 
 def test_the_documented_keys_are_the_keys_a_config_accepts():
-    run_config = markdown().split("# Sweep files")[0]
+    run_config = markdown().split("# Keys of earlier versions")[0]
     documented = [line.split("`")[1] for line in run_config.splitlines() if line.startswith("| `")]
-    for key in documented:  # each one is accepted as an override, with its documented default
-        *section, name = key.split(".")
-        default = load_config(None)
-        for part in section:
-            default = getattr(default, part)
-        load_config(None, [f"{key}={_yaml(getattr(default, name))}"])
-    # Every field, but those that are sections of their own (train.muon).
-    every = ({f"{name}.{f.name}" for name, cls in sections() for f in dataclasses.fields(cls)}
-             - {name for name, _ in sections()})
+    # Each field of each section (a variant's with its kind chosen, and its parents') is
+    # accepted as an override with its documented default.
+    kinds, every = {}, set()
+    for name, cls in sections():
+        section, _, kind = name.partition(" (kind: ")
+        if kind:
+            kinds = {k: v for k, v in kinds.items() if not k.startswith(section)}
+            kinds[section] = kind.rstrip(")")
+        chosen = [f"{k}.kind={v}" for k, v in kinds.items() if section.startswith(k)]
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if variants(typing.get_type_hints(cls)[f.name]):  # a section of variants: its row is its kind
+                load_config(None, chosen + [f"{key}.kind={value.kind}"])
+            elif not dataclasses.is_dataclass(value):
+                load_config(None, chosen + [f"{key}={_yaml(value)}"])
+            else:
+                continue
+            every.add(key)
     assert set(documented) == every
     with pytest.raises(ConfigError, match="parallel.cp_comm"):
         load_config(None, ["parallel.cp_comms=p2p"])  # an unknown key names the nearest valid one

@@ -38,7 +38,7 @@ def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:
         raise ConfigError(
             f"train.fp8 on {name}: {why}, so its FP8 scales could not be one process's; add "
             f"'{name.split('.')[-1]}' to train.fp8.exclude, or use a layout that splits it over "
-            f"every rank (for KV heads: model.n_kv_heads >= parallel.tp)")
+            f"every rank (for KV heads: model.attention.n_kv_heads >= parallel.tp)")
     if isinstance(module, Experts) and pstate.ep_size > 1 and pstate.ep_size % pstate.cp_size:
         raise ConfigError(
             f"train.fp8 on {name} with parallel.ep={pstate.ep_size} and parallel.cp="

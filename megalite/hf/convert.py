@@ -23,6 +23,7 @@ import torch
 
 from megalite.command_args import export_parser, import_parser
 from megalite.config import ModelConfig
+from megalite.flat_keys import nest
 from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_tokenizer
 from megalite.hf import (deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
                          qwen3, qwen3_moe)
@@ -45,7 +46,7 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     if wrong:
         raise ConfigError(wrong)
     meta = json.loads((Path(ckpt) / "meta.json").read_text())
-    return from_dict(ModelConfig, meta["config"]["model"], "model.")
+    return from_dict(ModelConfig, nest(meta["config"]["model"], note=False), "model.")
 
 
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:

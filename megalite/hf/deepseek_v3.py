@@ -12,43 +12,40 @@ run them either; export writes none.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import with_experts
-from megalite.hf.expressible import DECODER, MOE, moe_problems
+from megalite.hf.experts import dense_of, with_experts
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
 from megalite.hf.layout import Recipe, Rows, whole
-from megalite.layout_rules import MLA_KEYS
 
 NAME = "DeepseekV3ForCausalLM"
-NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False,
-         "attention": "mla", "moe_router": "sigmoid"}
-FREE = ((DECODER - {"n_kv_heads", "head_dim"}) | MOE | set(MLA_KEYS)
-        | {"moe_dense_layers", "moe_groups", "moe_topk_groups", "moe_routed_scaling",
-           "moe_renormalize", "n_shared_experts", "moe_bias_update_rate"})
+NEEDS = {**LLAMA_NEEDS, "attention.kind": "mla", "mlp.kind": "moe", "mlp.router": "sigmoid"}
+FREE = ((DECODER - {"attention.n_kv_heads", "attention.head_dim"}) | MOE
+        | {f"attention.{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                      "qk_rope_head_dim", "v_head_dim")}
+        | {f"mlp.{k}" for k in ("dense_layers", "groups", "topk_groups", "routed_scaling",
+                                "renormalize", "shared_experts", "bias_update_rate")})
 
 
 def problems(cfg: ModelConfig) -> list[str]:
-    out = moe_problems(cfg)
-    dense = cfg.moe_dense_layers
-    if dense != tuple(range(len(dense))):
-        out.append(f"model.moe_dense_layers={list(dense)} (DeepSeek-V3's dense layers are the "
-                   f"first first_k_dense_replace: 0, 1, ...)")
-    return out
+    dense = cfg.mlp.dense_layers
+    return [] if dense == tuple(range(len(dense))) else [
+        f"model.mlp.dense_layers={list(dense)} (DeepSeek-V3's dense layers are the first "
+        f"first_k_dense_replace: 0, 1, ...)"]
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    a, m = cfg.attention, cfg.mlp
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "deepseek_v3",
-           "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
-           "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-           "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
+           "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank,
+           "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
+           "v_head_dim": a.v_head_dim, "head_dim": a.qk_rope_head_dim,
            "num_key_value_heads": cfg.n_heads, "rope_interleave": True,
-           "n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.moe_top_k,
-           "moe_intermediate_size": cfg.expert_ffn, "n_shared_experts": cfg.n_shared_experts,
-           "n_group": cfg.moe_groups, "topk_group": cfg.moe_topk_groups,
-           "norm_topk_prob": cfg.moe_renormalize, "routed_scaling_factor": cfg.moe_routed_scaling,
-           "first_k_dense_replace": len(cfg.moe_dense_layers), "num_nextn_predict_layers": 0}
+           "n_routed_experts": cfg.n_experts, "num_experts_per_tok": m.top_k,
+           "moe_intermediate_size": cfg.expert_ffn, "n_shared_experts": m.shared_experts,
+           "n_group": m.groups, "topk_group": m.topk_groups,
+           "norm_topk_prob": m.renormalize, "routed_scaling_factor": m.routed_scaling,
+           "first_k_dense_replace": len(m.dense_layers), "num_nextn_predict_layers": 0}
     del out["mlp_bias"]
     return out
 
@@ -62,16 +59,17 @@ def config_from_hf(hf: dict) -> ModelConfig:
                         f"rescales MLA's scores by it under yarn only)")
     dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
     return llama.decoder_from_hf(
-        {**hf, "head_dim": None}, "DeepSeek-V3", problems, attention="mla", n_kv_heads=None,
-        q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-        qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-        v_head_dim=hf["v_head_dim"], n_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
-        moe_top_k=hf["num_experts_per_tok"], moe_ffn_hidden=hf["moe_intermediate_size"],
-        n_shared_experts=hf.get("n_shared_experts") or 0, moe_router="sigmoid",
-        moe_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
-        moe_renormalize=bool(hf.get("norm_topk_prob", True)),
-        moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-        moe_dense_layers=tuple(range(dense)))
+        {**hf, "head_dim": None}, "DeepSeek-V3", problems,
+        attention={"kind": "mla", "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
+                   "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+                   "v_head_dim": hf["v_head_dim"]},
+        mlp={"kind": "moe", "experts": hf.get("n_routed_experts", hf.get("num_local_experts")),
+             "top_k": hf["num_experts_per_tok"], "expert_ffn_hidden": hf["moe_intermediate_size"],
+             "shared_experts": hf.get("n_shared_experts") or 0, "router": "sigmoid",
+             "groups": hf.get("n_group") or 1, "topk_groups": hf.get("topk_group") or 1,
+             "renormalize": bool(hf.get("norm_topk_prob", True)),
+             "routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
+             "dense_layers": tuple(range(dense))})
 
 
 def _rotary_rows(name: str, start: int, width: int) -> tuple[Rows, ...]:
@@ -81,8 +79,9 @@ def _rotary_rows(name: str, start: int, width: int) -> tuple[Rows, ...]:
 
 
 def mla_rows(cfg: ModelConfig, a: str) -> Recipe:
-    nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q = a + ("q_proj.weight" if cfg.q_lora_rank is None else "q_b_proj.weight")
+    mla = cfg.attention
+    nope, rope, rank = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+    q = a + ("q_proj.weight" if mla.q_lora_rank is None else "q_b_proj.weight")
     q_up = tuple(part for h in range(cfg.n_heads) for part in (
         (Rows(q, h * (nope + rope), h * (nope + rope) + nope),) if nope else ())
         + _rotary_rows(q, h * (nope + rope) + nope, rope))
@@ -90,10 +89,10 @@ def mla_rows(cfg: ModelConfig, a: str) -> Recipe:
            "kv_down.weight": (Rows(a + "kv_a_proj_with_mqa.weight", 0, rank),)
            + _rotary_rows(a + "kv_a_proj_with_mqa.weight", rank, rope),
            "kv_norm.weight": whole(a + "kv_a_layernorm.weight", rank),
-           "kv_up.weight": whole(a + "kv_b_proj.weight", cfg.n_heads * (nope + cfg.v_head_dim))}
-    if cfg.q_lora_rank is not None:
-        out.update({"q_down.weight": whole(a + "q_a_proj.weight", cfg.q_lora_rank),
-                    "q_norm.weight": whole(a + "q_a_layernorm.weight", cfg.q_lora_rank)})
+           "kv_up.weight": whole(a + "kv_b_proj.weight", cfg.n_heads * (nope + mla.v_head_dim))}
+    if mla.q_lora_rank is not None:
+        out.update({"q_down.weight": whole(a + "q_a_proj.weight", mla.q_lora_rank),
+                    "q_norm.weight": whole(a + "q_a_layernorm.weight", mla.q_lora_rank)})
     return out
 
 
@@ -101,13 +100,13 @@ LAYER = {name: hf for name, hf in llama.LAYER.items() if name != "attn.q_proj.we
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
-    out = with_experts(llama.recipe(dataclasses.replace(cfg, n_experts=0), LAYER, mla_rows),
+    out = with_experts(llama.recipe(dense_of(cfg), LAYER, mla_rows),
                        cfg, "mlp")
     for i in range(cfg.n_layers):
         if cfg.is_moe_layer(i):
             m, l = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
             out[m + "router.expert_bias"] = whole(l + "gate.e_score_correction_bias", cfg.n_experts)
-            if cfg.n_shared_experts:
+            if cfg.mlp.shared_experts:
                 for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
                     width = cfg.hidden if ours == "down" else cfg.shared_ffn
                     out[f"{m}shared.{ours}.weight"] = whole(f"{l}shared_experts.{theirs}.weight", width)

@@ -4,10 +4,17 @@ one tensor each and megalite stacks. megalite's expert bias, which these archite
 have, reads as zeros."""
 from __future__ import annotations
 
-from megalite.config import ModelConfig
+import dataclasses
+
+from megalite.config import Dense, ModelConfig
 from megalite.hf.layout import Recipe, Rows, stacked, whole
 
 QWEN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # megalite's -> the files'
+
+
+def dense_of(cfg: ModelConfig) -> ModelConfig:
+    """The model with every layer's MLP dense (of the dense layers' width): a recipe's start."""
+    return dataclasses.replace(cfg, mlp=Dense(ffn_hidden=cfg.mlp.ffn_hidden, activation=cfg.mlp.activation))
 
 
 def with_experts(out: Recipe, cfg: ModelConfig, moe: str, names: dict[str, str] = QWEN) -> Recipe:

@@ -1,45 +1,40 @@
 """Whether a Hugging Face architecture can hold a megalite model config: one rule for every
-architecture. Each says which settings it fixes (`needs`) and which it can carry at any value
-(`free`); every other setting must be at its default, or the export would silently drop it.
+architecture. Each says which settings it fixes (`NEEDS`: dotted keys, the sections' kinds among
+them) and which it carries at any value (`FREE`: a key, or a section whose keys all are); every
+other setting of the variants chosen must be at its default, or the export would silently drop
+it. A variant an architecture does not take is one NEEDS entry (`mlp.kind: dense`), whatever
+keys it has.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from megalite.config import ModelConfig
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, leaves
 
 # What every architecture carries: the sizes, and what only training reads.
 SHARED = frozenset({"architecture", "vocab_size", "vocab_pad_multiple", "max_seq_len", "n_layers",
-                    "hidden", "n_heads", "ffn_hidden", "norm_eps", "dropout", "init_std"})
+                    "hidden", "n_heads", "mlp.ffn_hidden", "norms.eps", "dropout", "init_std"})
 # A decoder of Llama's shape: GQA, rotary (and its scalings), a head of its own or tied.
-DECODER = frozenset({"n_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rope_factor",
-                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
-                     "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_mscale",
-                     "rope_mscale_all_dim", "tie_embeddings"})
-LLAMA_NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "swiglu", "bias": False}
+DECODER = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
+                     "positions.scaling", "tie_embeddings"})
+LLAMA_NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
+               "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
 # A mixture of experts' settings that training alone reads (capacity, balancing losses).
-MOE = frozenset({"n_experts", "moe_top_k", "moe_ffn_hidden", "moe_aux_loss_coeff",
-                 "moe_z_loss_coeff", "moe_capacity_factor"})
+MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_loss_coeff",
+                 "mlp.z_loss_coeff", "mlp.capacity_factor"})
 
 
 def check_expressible(cfg: ModelConfig, arch) -> None:
     """A ConfigError "not exportable as NAME: ..." listing each setting the architecture
     module `arch` cannot hold (its NEEDS, FREE and, if it has them, its own problems first)."""
     name, needs = arch.NAME, arch.NEEDS
-    wrong = list(getattr(arch, "problems", lambda _: [])(cfg))
-    wrong += [f"model.{key}={getattr(cfg, key)!r} ({name} needs {value!r})"
-              for key, value in needs.items() if getattr(cfg, key) != value]
-    for field in dataclasses.fields(ModelConfig):
-        key = field.name
-        if key not in needs and key not in arch.FREE and key not in SHARED:
-            if getattr(cfg, key) != field.default:
-                wrong.append(f"model.{key}={getattr(cfg, key)!r} ({name} has no such setting: "
-                             f"{field.default!r})")
+    values = {key: (value, default) for key, value, default in leaves(cfg)}
+    wrong = [f"model.{key}={values.get(key, ('absent',))[0]!r} ({name} needs {value!r})"
+             for key, value in needs.items() if values.get(key, (None,))[0] != value]
+    if not wrong:  # the variants are the architecture's: their settings and its own rules
+        wrong = list(getattr(arch, "problems", lambda _: [])(cfg))
+        wrong += [f"model.{key}={value!r} ({name} has no such setting: {default!r})"
+                  for key, (value, default) in values.items()
+                  if key not in needs and key not in SHARED and value != default
+                  and not any(key == free or key.startswith(free + ".") for free in arch.FREE)]
     if wrong:
         raise ConfigError(f"not exportable as {name}: " + "; ".join(wrong))
-
-
-def moe_problems(cfg: ModelConfig) -> list[str]:
-    """A mixture-of-experts architecture's (Mixtral, Qwen3-MoE)."""
-    return [] if cfg.n_experts else ["model.n_experts=0 (a mixture of experts needs >= 1)"]

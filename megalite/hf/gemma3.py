@@ -10,11 +10,12 @@ from megalite.hf.expressible import DECODER
 from megalite.hf.layout import Recipe
 
 NAME = "Gemma3ForCausalLM"
-NEEDS = {"position": "rotary", "norm": "rmsnorm", "activation": "geglu_tanh", "bias": False,
-         "norm_weight_offset": 1.0, "post_norms": True, "scale_embeddings": True, "qk_norm": True,
-         "tie_embeddings": True}
-FREE = (DECODER - {"tie_embeddings"}) | {"query_pre_attn_scalar", "sliding_window",
-                                         "sliding_window_pattern", "rope_local_theta",
+NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
+         "mlp.kind": "dense", "mlp.activation": "geglu_tanh", "bias": False,
+         "norms.weight_offset": 1.0, "norms.post_norms": True, "scale_embeddings": True,
+         "attention.qk_norm": True, "tie_embeddings": True}
+FREE = (DECODER - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
+                                         "attention.sliding_window_pattern", "positions.local_theta",
                                          "final_logit_softcap"}
 LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
          "attn.out_proj.weight": "self_attn.o_proj.weight",
@@ -28,13 +29,14 @@ LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "se
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
            "hidden_activation": "gelu_pytorch_tanh",
-           "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_size),
+           "query_pre_attn_scalar": _int_if_whole(cfg.attention.query_pre_attn_scalar or cfg.head_size),
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
-    local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
+    theta = cfg.positions.local_theta
+    local = {"rope_type": "default", "rope_theta": theta}
     out["rope_parameters"] = {"full_attention": out["rope_parameters"],
-                              "sliding_attention": local if cfg.rope_local_theta else out["rope_parameters"]}
+                              "sliding_attention": local if theta else out["rope_parameters"]}
     return out
 
 
@@ -76,20 +78,19 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if local is None:
         local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
     rope, problems = llama.rope_from_hf(hf, problems, full)
-    fields = dict(rope, **sliding)
     # Sliding layers turning as the global ones (an export's, without a base of their own):
     # no local base.
     if local != full and "sliding_window" in sliding:
         local_rope, problems = llama.rope_from_hf(hf, problems, local)
-        if local_rope.get("rope_scaling", "none") != "none":
+        if local_rope["scaling"]["kind"] != "none":
             problems.append(f"rope scaling {local.get('rope_type')!r} on the sliding-window layers")
-        fields["rope_local_theta"] = local_rope["rope_theta"]
+        rope["local_theta"] = local_rope["theta"]
     return llama.decoder_from_hf(
         {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
-        problems, **fields, activation="geglu_tanh", norm_weight_offset=1.0, post_norms=True,
-        scale_embeddings=True, qk_norm=True,
-        final_logit_softcap=hf.get("final_logit_softcapping"),
-        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]))
+        problems, positions={"kind": "rotary", **rope}, mlp={"activation": "geglu_tanh"},
+        norms={"weight_offset": 1.0, "post_norms": True}, scale_embeddings=True,
+        attention={**sliding, "qk_norm": True, "query_pre_attn_scalar": float(hf["query_pre_attn_scalar"])},
+        final_logit_softcap=hf.get("final_logit_softcapping"))
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

@@ -5,7 +5,7 @@ and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head
 """
 from __future__ import annotations
 
-from megalite.config import ModelConfig
+from megalite.config import Dense, ModelConfig, Norms
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError
 
@@ -13,15 +13,16 @@ ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
 
 NAME = "GPT2LMHeadModel"
-NEEDS = {"position": "learned", "norm": "layernorm", "bias": True, "tie_embeddings": True}
-FREE = frozenset({"activation", "n_kv_heads"})
+NEEDS = {"attention.kind": "gqa", "positions.kind": "learned", "norms.kind": "layernorm",
+         "mlp.kind": "dense", "bias": True, "tie_embeddings": True}
+FREE = frozenset({"mlp.activation", "attention.n_kv_heads"})
 
 
 def problems(cfg: ModelConfig) -> list[str]:
     out = [] if cfg.kv_heads == cfg.n_heads else [
-        f"model.n_kv_heads={cfg.n_kv_heads!r} (GPT-2 needs {cfg.n_heads!r}: no GQA)"]
-    if cfg.activation not in ACTIVATIONS:
-        out.append(f"model.activation={cfg.activation!r} (GPT-2 needs gelu_tanh or gelu)")
+        f"model.attention.n_kv_heads={cfg.kv_heads!r} (GPT-2 needs {cfg.n_heads!r}: no GQA)"]
+    if cfg.mlp.activation not in ACTIVATIONS:
+        out.append(f"model.mlp.activation={cfg.mlp.activation!r} (GPT-2 needs gelu_tanh or gelu)")
     return out
 
 
@@ -29,8 +30,8 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.hidden,
             "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn,
-            "activation_function": ACTIVATIONS[cfg.activation],
-            "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+            "activation_function": ACTIVATIONS[cfg.mlp.activation],
+            "layer_norm_epsilon": cfg.norms.eps, "initializer_range": cfg.init_std,
             "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
             "tie_word_embeddings": True, **special}
 
@@ -50,10 +51,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError("unsupported GPT-2 checkpoint: " + "; ".join(problems))
     return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                        n_layers=hf["n_layer"], hidden=hf["n_embd"], n_heads=hf["n_head"],
-                       ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"], activation=activation,
-                       norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       position="learned", bias=True, tie_embeddings=True,
-                       init_std=hf.get("initializer_range", 0.02))
+                       mlp=Dense(ffn_hidden=hf.get("n_inner") or 4 * hf["n_embd"], activation=activation),
+                       norms=Norms(eps=hf.get("layer_norm_epsilon", 1e-5)), bias=True,
+                       tie_embeddings=True, init_std=hf.get("initializer_range", 0.02))
 
 
 # megalite name in a block -> (GPT-2 name in a block, stored transposed as Conv1D, rows in megalite).

@@ -5,13 +5,12 @@ embedding uses the rotate-half convention, as megalite does, so Q and K need no 
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from megalite.config import ModelConfig
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, from_dict, merged
 
 NAME = "LlamaForCausalLM"
 NEEDS, FREE = LLAMA_NEEDS, DECODER
@@ -23,7 +22,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "hidden_act": "silu",
-            "rms_norm_eps": cfg.norm_eps, **rope_to_hf(cfg),
+            "rms_norm_eps": cfg.norms.eps, **rope_to_hf(cfg),
             "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout,
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
 
@@ -34,8 +33,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -> ModelConfig:
     """The ModelConfig of a Llama-shaped config.json (Llama, Mistral, Qwen2/3 and their
-    mixtures of experts), with the family's own `fields`; a ConfigError naming what megalite
-    cannot compute, `problems` first."""
+    mixtures of experts), with the family's own `fields` (sections as mappings, merged into
+    Llama's); a ConfigError naming what megalite cannot compute, `problems` first."""
     rope, problems = rope_from_hf(hf, list(problems))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias")
@@ -47,21 +46,22 @@ def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -
                         f"dequantize to bf16 first)")
     if problems:
         raise ConfigError(f"unsupported {family} checkpoint: " + "; ".join(problems))
-    cfg = ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"],
-                      n_layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
-                      n_heads=hf["num_attention_heads"],
-                      n_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                      ffn_hidden=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
-                      norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", **rope,
-                      bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                      init_std=hf.get("initializer_range", 0.02))
-    if hf.get("head_dim") not in (None, cfg.head_size):
-        fields = {"head_dim": hf["head_dim"], **fields}
-    return dataclasses.replace(cfg, **fields)
+    heads = hf["num_attention_heads"]
+    attention = {"n_kv_heads": hf.get("num_key_value_heads", heads)}
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        attention["head_dim"] = hf["head_dim"]
+    raw = {"vocab_size": hf["vocab_size"], "max_seq_len": hf["max_position_embeddings"],
+           "n_layers": hf["num_hidden_layers"], "hidden": hf["hidden_size"], "n_heads": heads,
+           "attention": attention, "positions": {"kind": "rotary", **rope},
+           "mlp": {"ffn_hidden": hf["intermediate_size"], "activation": "swiglu"},
+           "norms": {"kind": "rmsnorm", "eps": hf.get("rms_norm_eps", 1e-6)}, "bias": False,
+           "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+           "init_std": hf.get("initializer_range", 0.02)}
+    return from_dict(ModelConfig, merged(raw, fields, ModelConfig), "model.")
 
 
 def sliding_from_hf(hf: dict, default_types: Callable[[dict], list[str]]) -> tuple[dict, list[str]]:
-    """(ModelConfig's sliding_window and sliding_window_pattern, what megalite cannot compute)
+    """(model.attention's sliding_window and sliding_window_pattern, what megalite cannot compute)
     of a config.json: its `layer_types`, or where it has none the family's `default_types`
     (transformers' rule for its older configs)."""
     window = hf.get("sliding_window")
@@ -105,43 +105,44 @@ def sliding_to_hf(cfg: ModelConfig) -> dict:
     """config.json's sliding-window keys, `layer_types` included."""
     types = ["full_attention" if cfg.window_of(i) is None else "sliding_attention"
              for i in range(cfg.n_layers)]
-    return {"sliding_window": cfg.sliding_window, "use_sliding_window": cfg.sliding_window is not None,
+    window = cfg.attention.sliding_window
+    return {"sliding_window": window, "use_sliding_window": window is not None,
             "max_window_layers": 0, "layer_types": types}
 
 
-# Hugging Face's rope_type -> model.rope_scaling
+# Hugging Face's rope_type -> model.positions.scaling.kind
 SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
-# The rope parameters each scaling reads: megalite's name -> Hugging Face's.
+# The rope parameters each scaling reads: megalite's name (model.positions.scaling.*) -> Hugging Face's.
 ROPE_KEYS = {"none": {},
-             "linear": {"rope_factor": "factor"},
-             "llama3": {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                        "rope_high_freq_factor": "high_freq_factor",
-                        "rope_original_max_seq_len": "original_max_position_embeddings"},
-             "yarn": {"rope_factor": "factor",
-                      "rope_original_max_seq_len": "original_max_position_embeddings"}}
+             "linear": {"factor": "factor"},
+             "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor",
+                        "high_freq_factor": "high_freq_factor",
+                        "original_max_seq_len": "original_max_position_embeddings"},
+             "yarn": {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings"}}
 # Keys a scaling may leave out (their default is megalite's): megalite's name -> Hugging Face's.
-ROPE_OPTIONAL = {"yarn": {"rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow",
-                          "rope_attention_factor": "attention_factor", "rope_mscale": "mscale",
-                          "rope_mscale_all_dim": "mscale_all_dim"}}
+ROPE_OPTIONAL = {"yarn": {"beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                          "attention_factor": "attention_factor", "mscale": "mscale",
+                          "mscale_all_dim": "mscale_all_dim"}}
 
 
 def rope_from_hf(hf: dict, problems: list[str] | None = None,
                  rope: dict | None = None) -> tuple[dict, list[str]]:
-    """(ModelConfig's rope_* keys, what megalite cannot compute, after `problems`) of a
+    """(model.positions' keys but its kind, what megalite cannot compute, after `problems`) of a
     config.json: transformers 5's rope_parameters (rope_theta inside) or the older rope_scaling
     beside rope_theta; or of `rope`, one layer type's rope_parameters (Gemma 3)."""
     problems = [] if problems is None else problems
     if rope is None:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    out = {"theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if rope_type not in SCALINGS:
         supported = ", ".join(repr(t) for t in SCALINGS)
         return out, problems + [f"rope scaling {rope_type!r} (megalite computes rope_type {supported})"]
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         problems.append(f"partial_rotary_factor {partial} (megalite rotates the whole head)")
-    out["rope_scaling"] = SCALINGS[rope_type]
+    kind = SCALINGS[rope_type]
+    scaling = out["scaling"] = {"kind": kind}
     # transformers' default: the pretraining context is the model's
     given = {"original_max_position_embeddings": hf["max_position_embeddings"],
              **{k: v for k, v in rope.items() if v is not None}}
@@ -149,24 +150,24 @@ def rope_from_hf(hf: dict, problems: list[str] | None = None,
         given.setdefault("factor", hf["max_position_embeddings"] / given["original_max_position_embeddings"])
         if rope.get("truncate", True) is False:
             problems.append("yarn with truncate=false (megalite rounds the ramp's ends out)")
-    for ours, theirs in ROPE_KEYS[out["rope_scaling"]].items():
+    for ours, theirs in ROPE_KEYS[kind].items():
         if theirs in given:
-            out[ours] = type(getattr(ModelConfig, ours))(given[theirs])  # the field's int or float
+            scaling[ours] = int(given[theirs]) if ours == "original_max_seq_len" else float(given[theirs])
         else:
             problems.append(f"rope scaling {rope_type!r} without {theirs!r}")
-    out.update({ours: float(given[theirs])
-                for ours, theirs in ROPE_OPTIONAL.get(out["rope_scaling"], {}).items() if theirs in given})
+    scaling.update({ours: float(given[theirs])
+                    for ours, theirs in ROPE_OPTIONAL.get(kind, {}).items() if theirs in given})
     return out, problems
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
     """transformers 5's rope_parameters, and rope_theta and rope_scaling for older readers."""
-    keys = {**ROPE_KEYS[cfg.rope_scaling], **ROPE_OPTIONAL.get(cfg.rope_scaling, {})}
-    scaling = {"rope_type": next(t for t, ours in SCALINGS.items() if ours == cfg.rope_scaling),
-               **{theirs: getattr(cfg, ours) for ours, theirs in keys.items()
-                  if getattr(cfg, ours) is not None}}
-    return {"rope_theta": cfg.rope_theta,
-            "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta},
+    ours, theta = cfg.positions.scaling, cfg.positions.theta
+    keys = {**ROPE_KEYS[ours.kind], **ROPE_OPTIONAL.get(ours.kind, {})}
+    scaling = {"rope_type": next(t for t, kind in SCALINGS.items() if kind == ours.kind),
+               **{theirs: getattr(ours, mine) for mine, theirs in keys.items()
+                  if getattr(ours, mine) is not None}}
+    return {"rope_theta": theta, "rope_parameters": {**scaling, "rope_theta": theta},
             "rope_scaling": scaling if keys else None}
 
 
@@ -202,10 +203,10 @@ def gqa_rows(cfg: ModelConfig, a: str) -> Recipe:
     Gemma 3) as rows of the layer's `a` (model.layers.{i}.self_attn.) tensors."""
     d, out = cfg.head_size, {}
     out["kv_proj.weight"] = kv_interleaved(a + "k_proj.weight", a + "v_proj.weight", cfg.kv_heads, d)
-    if cfg.qkv_bias:
+    if cfg.attention.qkv_bias:
         out["q_proj.bias"] = whole(a + "q_proj.bias", cfg.n_heads * d)
         out["kv_proj.bias"] = kv_interleaved(a + "k_proj.bias", a + "v_proj.bias", cfg.kv_heads, d)
-    if cfg.qk_norm:
+    if cfg.attention.qk_norm:
         out["q_norm.weight"] = whole(a + "q_norm.weight", d)
         out["k_norm.weight"] = whole(a + "k_norm.weight", d)
     return out

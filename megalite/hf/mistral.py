@@ -9,16 +9,16 @@ from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "MistralForCausalLM"
-NEEDS, FREE = LLAMA_NEEDS, DECODER | {"sliding_window"}
+NEEDS, FREE = LLAMA_NEEDS, DECODER | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "mistral",
-            "sliding_window": cfg.sliding_window}
+            "sliding_window": cfg.attention.sliding_window}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mistral", **llama.one_window(hf))
+    return llama.decoder_from_hf(hf, "Mistral", attention=llama.one_window(hf))
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

@@ -7,36 +7,33 @@ transformers 5 fuses them), which megalite stacks; the router is `block_sparse_m
 """
 from __future__ import annotations
 
-import dataclasses
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE, moe_problems
+from megalite.hf.experts import dense_of, with_experts
+from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
 from megalite.hf.layout import Recipe
 
 NAME = "MixtralForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "moe_router": "softmax", "moe_renormalize": True}
-FREE = DECODER | MOE | {"sliding_window"}
-problems = moe_problems
+NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "mlp.router": "softmax", "mlp.renormalize": True}
+FREE = DECODER | MOE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     return {**llama.config_to_hf(cfg, special), "architectures": [NAME],
             "model_type": "mixtral", "intermediate_size": cfg.expert_ffn,
-            "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.moe_top_k,
-            "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "output_router_logits": False,
-            "sliding_window": cfg.sliding_window}
+            "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.mlp.top_k,
+            "router_aux_loss_coef": cfg.mlp.aux_loss_coeff, "output_router_logits": False,
+            "sliding_window": cfg.attention.sliding_window}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mixtral", **llama.one_window(hf),
-                                 n_experts=hf["num_local_experts"], moe_top_k=hf["num_experts_per_tok"],
-                                 moe_ffn_hidden=hf["intermediate_size"],
-                                 moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    return llama.decoder_from_hf(hf, "Mixtral", attention=llama.one_window(hf), mlp={
+        "kind": "moe", "experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
+        "expert_ffn_hidden": hf["intermediate_size"],
+        "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))})
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
     """Llama's recipe, each MLP replaced by the router and the stacked experts."""
-    return with_experts(llama.recipe(dataclasses.replace(cfg, n_experts=0)), cfg,
+    return with_experts(llama.recipe(dense_of(cfg)), cfg,
                         "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})

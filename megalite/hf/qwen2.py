@@ -8,8 +8,8 @@ from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen2ForCausalLM"
-SLIDING = frozenset({"sliding_window", "sliding_window_pattern"})
-NEEDS, FREE = {**LLAMA_NEEDS, "qkv_bias": True}, DECODER | SLIDING
+SLIDING = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
+NEEDS, FREE = {**LLAMA_NEEDS, "attention.qkv_bias": True}, DECODER | SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -21,7 +21,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen2", problems, qkv_bias=True, **sliding)
+    return llama.decoder_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

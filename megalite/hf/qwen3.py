@@ -9,7 +9,7 @@ from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen3ForCausalLM"
-NEEDS, FREE = {**LLAMA_NEEDS, "qk_norm": True}, DECODER | qwen2.SLIDING
+NEEDS, FREE = {**LLAMA_NEEDS, "attention.qk_norm": True}, DECODER | qwen2.SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -19,7 +19,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen3", problems, qk_norm=True, **sliding)
+    return llama.decoder_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

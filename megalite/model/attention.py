@@ -54,9 +54,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.head_dim = cfg.head_size
         self.window = cfg.window_of(layer)
-        self.rope = "local" if self.window is not None and cfg.rope_local_theta is not None else "global"
+        self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
-        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+        self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
         self.split_heads = tp > 1  # per-head weights (q/k norms) see only this rank's heads
         self.heads = cfg.n_heads // tp
         self.kv_heads = max(1, cfg.kv_heads // tp)
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         self.cp_group = pstate.cp_group
         self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
         std = cfg.init_std
-        qkv_bias = cfg.bias or cfg.qkv_bias
+        qkv_bias = cfg.bias or cfg.attention.qkv_bias
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
                                            bias=qkv_bias, init_std=std)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
@@ -78,8 +78,8 @@ class Attention(nn.Module):
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
                                           bias=cfg.bias, init_std=down_init_std(cfg))
-        self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
-        self.k_norm = Norm(cfg, pstate, cfg.head_size) if cfg.qk_norm else None
+        self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.attention.qk_norm else None
+        self.k_norm = Norm(cfg, pstate, cfg.head_size) if cfg.attention.qk_norm else None
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""

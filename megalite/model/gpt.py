@@ -95,18 +95,18 @@ class Output:
         return self._logits
 
 
-ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention -> the part
+ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention.kind -> the part
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.attn_norm = Norm(cfg, pstate)
-        self.attn = ATTENTIONS[cfg.attention](cfg, pstate, rng, layer)
-        self.attn_post_norm = Norm(cfg, pstate) if cfg.post_norms else None
+        self.attn = ATTENTIONS[cfg.attention.kind](cfg, pstate, rng, layer)
+        self.attn_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
-        self.mlp_post_norm = Norm(cfg, pstate) if cfg.post_norms else None
+        self.mlp_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
         self.rng = rng
         self.dropout = cfg.dropout
 
@@ -162,8 +162,8 @@ class GPT(nn.Module):
         if self.embed is not None and not embeds:
             self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
         self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
-                          if cfg.position == "learned" and embeds else None)
-        self.rotary = Rotary(cfg, device) if cfg.position == "rotary" else None
+                          if cfg.positions.kind == "learned" and embeds else None)
+        self.rotary = Rotary(cfg, device) if cfg.positions.kind == "rotary" else None
         self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
                               for chunk in self.chunks for i in chunk.layers})
         self.norm = Norm(cfg, pstate) if ends else None

@@ -43,18 +43,19 @@ class LatentAttention(nn.Module):
         tp, std = pstate.tp_size, cfg.init_std
         self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
         self.heads = cfg.n_heads // tp
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.rank = cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
+        self.rank = cfg.attention.kv_lora_rank
         self.window = cfg.window_of(layer)
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
         # correction, squared (transformers' yarn_apply_mscale)
-        mscale = (yarn_scale(cfg.rope_factor, cfg.rope_mscale_all_dim)
-                  if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim else 1.0)
+        yarn = cfg.positions.scaling
+        mscale = (yarn_scale(yarn.factor, yarn.mscale_all_dim)
+                  if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
         self.tp_group, self.cp_group = pstate.tp_group, pstate.cp_group
         self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
         q_width = cfg.n_heads * (self.nope + self.rope)
-        rank = cfg.q_lora_rank
+        rank = cfg.attention.q_lora_rank
         # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
         self.q_down = (ColumnParallelLinear(cfg.hidden, rank, pstate, bias=False, init_std=std, shards=1)
                        if rank else None)

@@ -36,7 +36,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, ffn: int | None = None):
         """ffn: the hidden width (default cfg.ffn; MoE's shared experts set their own)."""
         super().__init__()
-        self.activation = cfg.activation
+        self.activation = cfg.mlp.activation
         self.tp_group = pstate.tp_group
         ffn = cfg.ffn if ffn is None else ffn
 

@@ -38,7 +38,7 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, pstate: ParallelState):
         super().__init__()
-        self.activation, self.pstate = cfg.activation, pstate
+        self.activation, self.pstate = cfg.mlp.activation, pstate
         local = cfg.n_experts // pstate.ep_size
         self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
 
@@ -94,9 +94,9 @@ class MoE(nn.Module):
         self.cfg, self.pstate = cfg, pstate
         self.router = Router(cfg, pstate)
         self.experts = Experts(cfg, pstate)
-        self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.n_shared_experts else None
+        self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.mlp.shared_experts else None
         self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
-                                     Init(std=cfg.init_std)) if cfg.moe_shared_gate else None)
+                                     Init(std=cfg.init_std)) if cfg.mlp.shared_gate else None)
         self.rng = rng
         self.reset_statistics()
 
@@ -113,7 +113,7 @@ class MoE(nn.Module):
                 loss_scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """x: [batch, hidden_len, hidden], this rank's tokens (sequence shard under SP)."""
         batch, seq, hidden = x.shape
-        flat, k = x.reshape(-1, hidden), self.cfg.moe_top_k
+        flat, k = x.reshape(-1, hidden), self.cfg.mlp.top_k
         route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), sp, loss_scale)
         # Kept copies (token t's choice j at t*k + j), sorted by expert, then by token and choice.
         copies = route.kept.flatten().nonzero().squeeze(1)
@@ -144,7 +144,7 @@ class MoE(nn.Module):
             return
         self.load += route.load
         self.step_load += route.load
-        self.dropped += real.sum() * self.cfg.moe_top_k - route.kept.sum()
+        self.dropped += real.sum() * self.cfg.mlp.top_k - route.kept.sum()
         if route.aux_loss is not None:
             self.aux_loss += route.aux_loss.detach()
 
@@ -152,9 +152,9 @@ class MoE(nn.Module):
 @torch.no_grad()
 def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     """After a step, DeepSeek-V3's auxiliary-loss-free balancing: each MoE layer's expert bias
-    moves by model.moe_bias_update_rate toward balance, by the sign of (mean load - load) over
+    moves by model.mlp.bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
-    rate = model.cfg.moe_bias_update_rate
+    rate = model.cfg.moe.bias_update_rate if model.cfg.moe else 0.0
     if not rate:  # most runs: no walk over the modules every step
         return
     layers = [m for m in model.modules() if isinstance(m, MoE)]

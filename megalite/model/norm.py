@@ -1,5 +1,5 @@
 """LayerNorm (GPT-2) or RMSNorm (Llama), replicated on every TP rank. Gemma's RMSNorm scales by
-(1 + weight), its weight starting at zero: model.norm_weight_offset=1.
+(1 + weight), its weight starting at zero: model.norms.weight_offset=1.
 
 Sequence parallel, each rank normalises its own shard of the tokens (a norm is per token) and
 the weight's gradient is summed over TP (sum_grad_over_shards)."""
@@ -21,14 +21,14 @@ class Norm(nn.Module):
         """width: what is normalised (default hidden; a head's width for q/k norms, a latent's
         for MLA). eps: default the model's."""
         super().__init__()
-        self.kind, self.offset = cfg.norm, cfg.norm_weight_offset
-        self.eps = cfg.norm_eps if eps is None else eps
+        self.kind, self.offset = cfg.norms.kind, cfg.norms.weight_offset
+        self.eps = cfg.norms.eps if eps is None else eps
         self.tp_group = pstate.tp_group
         width = cfg.hidden if width is None else width
         self.weight = set_init(nn.Parameter(torch.empty(width, device=pstate.device)),
                                Init(fill=1.0 - self.offset))
         self.bias = None
-        if cfg.norm == "layernorm" and cfg.bias:
+        if cfg.norms.kind == "layernorm" and cfg.bias:
             self.bias = set_init(nn.Parameter(torch.empty(width, device=pstate.device)), Init())
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:

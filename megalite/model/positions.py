@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from megalite.config import ModelConfig
+from megalite.config import Llama3Scaling, ModelConfig, YarnScaling
 from megalite.parallel.init import Init, set_init
 from megalite.parallel.mappings import sum_grad_over_shards
 from megalite.parallel.state import ParallelState
@@ -30,14 +30,14 @@ class LearnedPositions(nn.Module):
 class Rotary(nn.Module):
     """Rotary embeddings (Su et al. 2021) in the rotate-half layout that Hugging Face Llama uses.
     The angles are a function of the position alone, so every rank (a TP, CP or pipeline rank, a
-    KV-cache step) takes its tokens' angles from its positions. With model.rope_local_theta the
+    KV-cache step) takes its tokens' angles from its positions. With model.positions.local_theta the
     sliding-window layers turn at a base of their own (Gemma 3)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(cfg, device), persistent=False)
         self.factor = attention_factor(cfg)
-        local = cfg.rope_local_theta
+        local = cfg.positions.local_theta
         self.register_buffer("local_inv_freq", None if local is None else
                              inverse_frequencies(cfg, device, local), persistent=False)
 
@@ -61,36 +61,35 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor,
 def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
                         local_theta: float | None = None) -> torch.Tensor:
     """The angle per position of each pair of head dimensions: theta^(-2i/head_dim), scaled by
-    cfg.rope_scaling; at base local_theta, if given, unscaled (Gemma 3's local layers)."""
-    d = cfg.rotary_dim
+    model.positions.scaling; at base local_theta, if given, unscaled (Gemma 3's local layers)."""
+    d, scaling = cfg.rotary_dim, cfg.positions.scaling
     exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
-    inv_freq = 1.0 / (local_theta or cfg.rope_theta) ** exponents
+    inv_freq = 1.0 / (local_theta or cfg.positions.theta) ** exponents
     if local_theta is not None:
         return inv_freq
-    if cfg.rope_scaling == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling == "llama3":
-        return _llama3(inv_freq, cfg)
-    if cfg.rope_scaling == "yarn":
-        return _yarn(inv_freq, cfg)
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3(inv_freq, scaling)
+    if scaling.kind == "yarn":
+        return _yarn(inv_freq, scaling, d, cfg.positions.theta)
     return inv_freq
 
 
-def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _yarn(inv_freq: torch.Tensor, yarn: YarnScaling, d: int, base: float) -> torch.Tensor:
     """YaRN (Peng et al. 2023): pair i of the head turns r_i = L / wavelength_i times over the
-    pretraining context L; a pair with r_i >= rope_beta_fast keeps its frequency, one with
-    r_i <= rope_beta_slow takes frequency / rope_factor, and between them the two blend by a
-    linear ramp over the pair index, its ends floored and ceiled (transformers' truncate)."""
-    d, base = cfg.rotary_dim, cfg.rope_theta
+    pretraining context L; a pair with r_i >= beta_fast keeps its frequency, one with
+    r_i <= beta_slow takes frequency / factor, and between them the two blend by a linear ramp
+    over the pair index, its ends floored and ceiled (transformers' truncate)."""
 
     def pair_of(rotations: float) -> float:  # the (fractional) pair index turning that often
-        return d * math.log(cfg.rope_original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return d * math.log(yarn.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair_of(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(pair_of(cfg.rope_beta_slow)), d - 1)
+    low = max(math.floor(pair_of(yarn.beta_fast)), 0)
+    high = min(math.ceil(pair_of(yarn.beta_slow)), d - 1)
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
             / max(high - low, 0.001)).clamp(0.0, 1.0)
-    return inv_freq / cfg.rope_factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
 
 
 def yarn_scale(factor: float, mscale: float = 1.0) -> float:
@@ -100,26 +99,27 @@ def yarn_scale(factor: float, mscale: float = 1.0) -> float:
 
 def attention_factor(cfg: ModelConfig) -> float:
     """What YaRN multiplies cos and sin by (1 without it)."""
-    if cfg.rope_scaling != "yarn":
+    yarn = cfg.positions.scaling
+    if yarn.kind != "yarn":
         return 1.0
-    if cfg.rope_attention_factor is not None:
-        return cfg.rope_attention_factor
-    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-        return yarn_scale(cfg.rope_factor, cfg.rope_mscale) / yarn_scale(cfg.rope_factor, cfg.rope_mscale_all_dim)
-    return yarn_scale(cfg.rope_factor)
+    if yarn.attention_factor is not None:
+        return yarn.attention_factor
+    if yarn.mscale and yarn.mscale_all_dim:
+        return yarn_scale(yarn.factor, yarn.mscale) / yarn_scale(yarn.factor, yarn.mscale_all_dim)
+    return yarn_scale(yarn.factor)
 
 
-def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def _llama3(inv_freq: torch.Tensor, llama3: Llama3Scaling) -> torch.Tensor:
     """Llama 3.1's scaling: a frequency whose wavelength fits in the pretraining context
-    rope_high_freq_factor times or more is kept (training saw it turn through every angle), one
-    that fits fewer than rope_low_freq_factor times is divided by rope_factor (so the longer
+    high_freq_factor times or more is kept (training saw it turn through every angle), one
+    that fits fewer than low_freq_factor times is divided by factor (so the longer
     context's angles stay within those seen), and those between blend the two linearly in how
     many times they fit."""
     wavelength = 2 * math.pi / inv_freq
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    kept = ((cfg.rope_original_max_seq_len / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    low, high = llama3.low_freq_factor, llama3.high_freq_factor
+    kept = ((llama3.original_max_seq_len / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     # kept is exactly 0 or 1 outside the blend, where this is inv_freq / factor or inv_freq.
-    return (1 - kept) * inv_freq / cfg.rope_factor + kept * inv_freq
+    return (1 - kept) * inv_freq / llama3.factor + kept * inv_freq
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -79,24 +79,24 @@ class Router(nn.Module):
         weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sp)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), weight.float())
-        scores = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
-        k = cfg.moe_top_k
+        scores = logits.softmax(-1) if cfg.mlp.router == "softmax" else logits.sigmoid()
+        k = cfg.mlp.top_k
         picking = scores.detach() + self.expert_bias.float()
-        if cfg.moe_groups > 1:
-            experts = group_limited(picking, cfg.moe_groups, cfg.moe_topk_groups, k)
+        if cfg.mlp.groups > 1:
+            experts = group_limited(picking, cfg.mlp.groups, cfg.mlp.topk_groups, k)
         else:
             experts = best(picking, k)
         weights = scores.gather(1, experts)
-        if cfg.moe_renormalize:
+        if cfg.mlp.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        if cfg.moe_routed_scaling != 1.0:
-            weights = weights * cfg.moe_routed_scaling
+        if cfg.mlp.routed_scaling != 1.0:
+            weights = weights * cfg.mlp.routed_scaling
         chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
         totals = all_reduce_over(torch.cat([chosen.sum(0), real.sum().view(1)]), group)
         load, n_tokens = totals[:-1], max(int(totals[-1]), 1)
         kept = real.unsqueeze(1).expand_as(experts)
-        if cfg.moe_capacity_factor is not None:
-            capacity = math.ceil(cfg.moe_capacity_factor * n_tokens * k / cfg.n_experts)
+        if cfg.mlp.capacity_factor is not None:
+            capacity = math.ceil(cfg.mlp.capacity_factor * n_tokens * k / cfg.n_experts)
             kept = kept & (self._queue_position(experts, real, key) < capacity)
         aux = None
         if loss_scale is not None and torch.is_grad_enabled():
@@ -123,11 +123,11 @@ class Router(nn.Module):
     def _losses(self, logits, scores, real, load, n_tokens) -> torch.Tensor:
         cfg, realf = self.cfg, real.unsqueeze(1).float()
         total = logits.new_zeros(())
-        if cfg.moe_aux_loss_coeff:
-            probs = scores if cfg.moe_router == "softmax" else scores / scores.sum(-1, keepdim=True)
+        if cfg.mlp.aux_loss_coeff:
+            probs = scores if cfg.mlp.router == "softmax" else scores / scores.sum(-1, keepdim=True)
             # n_tokens x (E / (k T^2)) sum_e load_e sum_t p_te: the micro-batch's loss x its tokens
-            total = total + (cfg.moe_aux_loss_coeff * cfg.n_experts / (cfg.moe_top_k * n_tokens)
+            total = total + (cfg.mlp.aux_loss_coeff * cfg.n_experts / (cfg.mlp.top_k * n_tokens)
                              * (load.float() * (probs * realf).sum(0)).sum())
-        if cfg.moe_z_loss_coeff:
-            total = total + cfg.moe_z_loss_coeff * (logits.logsumexp(-1).square() * real).sum()
+        if cfg.mlp.z_loss_coeff:
+            total = total + cfg.mlp.z_loss_coeff * (logits.logsumexp(-1).square() * real).sum()
         return total

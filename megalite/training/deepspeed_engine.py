@@ -125,7 +125,7 @@ def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelCo
                           "group): torchrun --nproc_per_node N -m megalite.train ...")
     n_kv = model.kv_heads
     if n_kv < tp:
-        raise ConfigError(f"train.engine=deepspeed with model.n_kv_heads={n_kv} < parallel.tp={tp}: "
+        raise ConfigError(f"train.engine=deepspeed with model.attention.n_kv_heads={n_kv} < parallel.tp={tp}: "
                           f"each KV head would sit on {tp // n_kv} TP ranks and DeepSpeed's gradient "
                           f"norm would count it {tp // n_kv} times; use parallel.tp <= {n_kv} or "
                           f"train.engine=native")

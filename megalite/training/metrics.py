@@ -22,20 +22,20 @@ def matmul_params(cfg: ModelConfig) -> int:
     its top-k experts and the shared ones."""
     attention = attention_params(cfg)
     per_width = (3 if cfg.gated else 2) * cfg.hidden
-    moe = (cfg.hidden * cfg.n_experts + per_width * (cfg.moe_top_k * cfg.expert_ffn + cfg.shared_ffn)
-           + cfg.hidden * cfg.moe_shared_gate)
+    moe = cfg.moe and (cfg.hidden * cfg.n_experts + per_width * (cfg.moe.top_k * cfg.expert_ffn + cfg.shared_ffn)
+                       + cfg.hidden * cfg.moe.shared_gate)
     mlps = sum(moe if cfg.is_moe_layer(i) else per_width * cfg.ffn for i in range(cfg.n_layers))
     return cfg.n_layers * attention + mlps + cfg.vocab_size * cfg.hidden
 
 
 def attention_params(cfg: ModelConfig) -> int:
     """One layer's attention matrices: Q, K, V and O; MLA's down- and up-projections."""
-    if cfg.attention == "mla":
-        heads, rank = cfg.n_heads, cfg.kv_lora_rank
+    if cfg.mla:
+        heads, rank = cfg.n_heads, cfg.attention.kv_lora_rank
         q_width = heads * cfg.qk_width
-        q = cfg.hidden * q_width if cfg.q_lora_rank is None else cfg.q_lora_rank * (cfg.hidden + q_width)
-        kv = cfg.hidden * (rank + cfg.qk_rope_head_dim) + rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return q + kv + heads * cfg.v_head_dim * cfg.hidden
+        q = cfg.hidden * q_width if cfg.attention.q_lora_rank is None else cfg.attention.q_lora_rank * (cfg.hidden + q_width)
+        kv = cfg.hidden * (rank + cfg.attention.qk_rope_head_dim) + rank * heads * (cfg.attention.qk_nope_head_dim + cfg.attention.v_head_dim)
+        return q + kv + heads * cfg.attention.v_head_dim * cfg.hidden
     return cfg.hidden * cfg.n_heads * cfg.head_size * 2 + cfg.hidden * 2 * cfg.kv_heads * cfg.head_size
 
 

@@ -1,0 +1,81 @@
+"""The model keys of before the config had sections (b4372df and earlier: `model.n_experts`,
+`model.rope_theta`, ...), each with its place now. A checkpoint's meta.json holding them is read
+as the sections it means; a config giving them is translated once, with a note naming the new
+keys (docs/config.md, "Keys of earlier versions")."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+import warnings
+
+from megalite.config import ModelConfig
+from megalite.typed_config import variants
+
+MOVED = {
+    **{k: f"attention.{k}" for k in ("n_kv_heads", "head_dim", "qk_norm", "qkv_bias", "query_pre_attn_scalar",
+                                     "sliding_window", "sliding_window_pattern", "q_lora_rank",
+                                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+    "attention": "attention.kind", "position": "positions.kind", "rope_theta": "positions.theta",
+    "rope_local_theta": "positions.local_theta", "rope_scaling": "positions.scaling.kind",
+    **{f"rope_{k}": f"positions.scaling.{k}" for k in (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len", "beta_fast",
+        "beta_slow", "attention_factor", "mscale", "mscale_all_dim")},
+    "ffn_hidden": "mlp.ffn_hidden", "activation": "mlp.activation", "n_experts": "mlp.experts",
+    "moe_ffn_hidden": "mlp.expert_ffn_hidden", "n_shared_experts": "mlp.shared_experts",
+    **{f"moe_{k}": f"mlp.{k}" for k in (
+        "top_k", "every", "dense_layers", "router", "renormalize", "groups", "topk_groups",
+        "routed_scaling", "aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "capacity_factor",
+        "shared_gate")},
+    "norm": "norms.kind", "norm_eps": "norms.eps", "norm_weight_offset": "norms.weight_offset",
+    "post_norms": "norms.post_norms",
+}
+
+
+def is_flat(model: dict) -> bool:
+    """Whether a raw model mapping holds keys of before the sections."""
+    return any(k in MOVED and not isinstance(v, dict) for k, v in model.items())
+
+
+def nest(model: dict, note: bool = True) -> dict:
+    """`model` (a raw mapping) with its flat keys moved into their sections. A flat key at its
+    default whose section's variant lacks it (an old checkpoint's `moe_top_k` of a dense model)
+    is dropped; one given at another value stays, for the variant's own error to name."""
+    flat = {k: v for k, v in model.items() if k in MOVED and not isinstance(v, dict)}
+    if not flat:
+        return model
+    out = {k: v for k, v in model.items() if k not in flat}
+    if "n_experts" in flat:
+        flat["mlp.kind"] = "moe" if flat["n_experts"] else "dense"
+        if not flat["n_experts"]:
+            del flat["n_experts"]
+    kinds = {MOVED.get(k, k): v for k, v in flat.items() if MOVED.get(k, k).endswith(".kind")}
+    def order(item):  # variants first, outer ones before inner ones
+        path = MOVED.get(item[0], item[0])
+        return not path.endswith(".kind"), path.count(".")
+    for key, value in sorted(flat.items(), key=order):
+        path = MOVED.get(key, key).split(".")
+        owner = _section(out, path[:-1], kinds)
+        if path[-1] == "kind" or path[-1] in owner["fields"] or value != owner["defaults"].get(path[-1]):
+            owner["mapping"][path[-1]] = value
+    if note:
+        warnings.warn("model keys of before the config had sections, translated: " +
+                      ", ".join(f"model.{k} -> model.{MOVED[k]}" for k in flat if k in MOVED) +
+                      "; write the new keys (docs/config.md)", stacklevel=3)
+    return out
+
+
+def _section(model: dict, path: list[str], kinds: dict) -> dict:
+    """The mapping at `path` (made where missing), its variant's fields, and the defaults any
+    variant of it has."""
+    cls, mapping, choices = ModelConfig, model, {}
+    for depth, name in enumerate(path):
+        mapping = mapping.setdefault(name, {})
+        if name not in typing.get_type_hints(cls):  # not in the variant chosen: left for its error
+            return {"mapping": mapping, "fields": set(), "defaults": {}}
+        annotation = typing.get_type_hints(cls)[name]
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+        choices = variants(annotation) or {default.kind: annotation}
+        kind = mapping.get("kind", kinds.get(".".join(path[:depth + 1] + ["kind"]), default.kind))
+        cls = choices.get(kind, type(default))
+    defaults = {f.name: f.default for c in choices.values() for f in dataclasses.fields(c)}
+    return {"mapping": mapping, "fields": {f.name for f in dataclasses.fields(cls)}, "defaults": defaults}
