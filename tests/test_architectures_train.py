@@ -7,22 +7,22 @@ import pytest
 from tests.test_train import assert_same_training, common, train_run
 
 # Llama's shape, at the learning rate of the other Llama-shaped trainer tests.
-LLAMA = ["model.position=rotary", "model.n_kv_heads=2", "model.activation=swiglu",
-         "model.norm=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
-QWEN3 = LLAMA + ["model.qk_norm=true", "model.head_dim=16", "model.sliding_window=8",
-                 "model.sliding_window_pattern=2"]
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu",
+         "model.norms.kind=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+QWEN3 = LLAMA + ["model.attention.qk_norm=true", "model.attention.head_dim=16", "model.attention.sliding_window=8",
+                 "model.attention.sliding_window_pattern=2"]
 ARCHITECTURES = {  # name -> (its settings, rows)
-    "qwen2": (LLAMA + ["model.qkv_bias=true"], "padded"),
-    "mistral": (LLAMA + ["model.head_dim=16", "model.sliding_window=8"], "packed"),
+    "qwen2": (LLAMA + ["model.attention.qkv_bias=true"], "padded"),
+    "mistral": (LLAMA + ["model.attention.head_dim=16", "model.attention.sliding_window=8"], "packed"),
     "qwen3": (QWEN3, "packed"),
-    "qwen3_moe": (QWEN3 + ["model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=24",
-                           "model.moe_dense_layers=[0]", "model.tie_embeddings=true"], "padded"),
-    "gemma3": (LLAMA + ["model.activation=geglu_tanh", "model.norm_weight_offset=1.0",
-                        "model.post_norms=true", "model.scale_embeddings=true",
-                        "model.qk_norm=true", "model.head_dim=16",
-                        "model.query_pre_attn_scalar=24", "model.sliding_window=8",
-                        "model.sliding_window_pattern=2", "model.rope_local_theta=100",
-                        "model.rope_theta=1e6", "model.tie_embeddings=true",
+    "qwen3_moe": (QWEN3 + ["model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=24",
+                           "model.mlp.dense_layers=[0]", "model.tie_embeddings=true"], "padded"),
+    "gemma3": (LLAMA + ["model.mlp.activation=geglu_tanh", "model.norms.weight_offset=1.0",
+                        "model.norms.post_norms=true", "model.scale_embeddings=true",
+                        "model.attention.qk_norm=true", "model.attention.head_dim=16",
+                        "model.attention.query_pre_attn_scalar=24", "model.attention.sliding_window=8",
+                        "model.attention.sliding_window_pattern=2", "model.positions.local_theta=100",
+                        "model.positions.theta=1e6", "model.tie_embeddings=true",
                         "model.final_logit_softcap=3.0"], "packed"),
 }
 LAYOUTS = {

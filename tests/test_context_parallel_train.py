@@ -52,7 +52,7 @@ def test_packed_rows_train_like_one_process(tmp_path, cache, single_packed, layo
 # Llama's shape: rotary positions, GQA (2 K/V heads for 4), SwiGLU, RMSNorm, untied head; a
 # higher learning rate, so that it visibly learns in 10 steps. (At 1e-2 step 9 spikes, and its
 # gradient norm moves by 6e-5 with the micro-batch size alone, in one process.)
-LLAMA = ["model.position=rotary", "model.n_kv_heads=2", "model.activation=swiglu", "model.norm=rmsnorm",
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm",
          "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
 
 

@@ -131,7 +131,7 @@ def test_a_slice_held_by_several_ranks_is_refused():
     (["data.mode=padded", "parallel.cp=2"], "parallel.cp=2: rows are padded"),
     (["data.mode=padded", "parallel.tp=2", "parallel.sequence_parallel=true"], "sequence parallelism"),
     (["data.seq_len=33", "parallel.tp=2", "parallel.sequence_parallel=true"], "data.seq_len=33"),
-    (["parallel.cp=2", "parallel.ep=3", "model.n_experts=6"], "parallel.ep=3 and parallel.cp=2"),
+    (["parallel.cp=2", "parallel.ep=3", "model.mlp.kind=moe", "model.mlp.experts=6"], "parallel.ep=3 and parallel.cp=2"),
 ])
 def test_layouts_whose_scales_could_not_be_one_process_are_refused(settings, named):
     from megalite.fp8.convert import check_fp8_layout

@@ -23,9 +23,9 @@ from tests.test_train import STEPS, common, losses, run_train, train_run
 TOL = 1e-6  # steps 1 and 2
 DRIFT = 1e-3  # every step's loss, relative
 ALL = ["train.fp8.layers=all", "train.fp8.emulate=true", "train.checkpoint_every=5"]
-LLAMA = ["model.position=rotary", "model.n_kv_heads=2", "model.activation=swiglu",
-         "model.norm=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
-MOE = LLAMA + ["model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32"]
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu",
+         "model.norms.kind=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+MOE = LLAMA + ["model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=32"]
 MODELS = {"llama": LLAMA, "moe": MOE}
 # name -> (model, recipe, layout settings, micro-batch, global batch, world)
 LAYOUTS = {

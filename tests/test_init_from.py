@@ -17,9 +17,9 @@ from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
 from tests.test_train import common, losses, train_run
 
-MOE = ["model.position=rotary", "model.activation=swiglu", "model.norm=rmsnorm", "model.bias=false",
-       "model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_router=sigmoid"]
-BALANCING = ["model.moe_aux_loss_coeff=0.01", "model.moe_bias_update_rate=0.001"]
+MOE = ["model.positions.kind=rotary", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm", "model.bias=false",
+       "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=32", "model.mlp.router=sigmoid"]
+BALANCING = ["model.mlp.aux_loss_coeff=0.01", "model.mlp.bias_update_rate=0.001"]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,8 @@ def test_a_preset_is_given_keys(pretrained):
 
 
 def test_keys_not_given_are_the_checkpoints_and_given_settings_the_configs(pretrained):
-    argv = [f"train.init_from={pretrained}", "model.dropout=0.1", "model.moe_capacity_factor=1.5",
-            "model.n_experts=4"]
+    argv = [f"train.init_from={pretrained}", "model.dropout=0.1", "model.mlp.capacity_factor=1.5",
+            "model.mlp.kind=moe", "model.mlp.experts=4"]
     model = with_pretrained(load_config(None, argv), given_keys(None, argv)).model
     saved = ModelConfig(**json.loads((pretrained / "meta.json").read_text())["config"]["model"]
                         | {"moe_dense_layers": ()})

@@ -264,9 +264,9 @@ def test_expert_parallel_layout_is_checked():
         check_layout(cfg, ParallelConfig(ep=3), 3)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the CP x DP ranks \(2"):
         check_layout(cfg, ParallelConfig(tp=2, ep=4), 4)
-    with pytest.raises(ConfigError, match=r"model.n_experts=0"):
+    with pytest.raises(ConfigError, match=r"model.mlp.kind=dense"):
         check_layout(CONFIGS["gpt2"], ParallelConfig(ep=2), 2)
     dense = dataclasses.replace(CONFIGS["gpt2"], moe_capacity_factor=1.0, n_shared_experts=1)
-    with pytest.raises(ConfigError, match=r"model.moe_capacity_factor=1.0 and model.n_shared_experts=1 "
+    with pytest.raises(ConfigError, match=r"model.mlp.capacity_factor=1.0 and model.n_shared_experts=1 "
                                           r"only apply to a mixture of experts, and model.n_experts=0"):
         check_layout(dense, ParallelConfig(), 1)

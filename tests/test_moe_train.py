@@ -21,22 +21,22 @@ from tests.test_reshard import SAVED_AT
 from tests.test_resume import ROOT
 from tests.test_train import STEPS, assert_same_training, common, losses, train_run
 
-MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
-       "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
+MOE = ["model.mlp.activation=swiglu", "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2",
+       "model.mlp.expert_ffn_hidden=48", "model.mlp.aux_loss_coeff=0.01", "model.mlp.z_loss_coeff=0.001",
        "train.micro_batch_size=2", "train.checkpoint_every=5"]
 # layout: (world, its settings, model settings the single-process reference shares)
 LAYOUTS = {
     "EP4 x CP2, expert bias": (4, ["parallel.cp=2", "parallel.ep=4"],
-                               ["model.moe_bias_update_rate=0.01"]),
+                               ["model.mlp.bias_update_rate=0.01"]),
     "EP2 x TP2, SP": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"], []),
     # The first stage's layer is dense (every second layer is MoE), yet it takes part in the
     # expert-bias step.
     "EP2 x PP2, distributed optimizer, capacity, expert bias": (
         4, ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1"],
-        ["model.moe_capacity_factor=1.0", "model.moe_every=2", "model.moe_bias_update_rate=0.01"]),
-    "EP2, top-1": (2, ["parallel.ep=2"], ["model.moe_top_k=1"]),
-    "EP4, top-1": (4, ["parallel.ep=4"], ["model.moe_top_k=1"]),
-    "EP2 x CP2, top-1": (2, ["parallel.cp=2", "parallel.ep=2"], ["model.moe_top_k=1"]),
+        ["model.mlp.capacity_factor=1.0", "model.mlp.every=2", "model.mlp.bias_update_rate=0.01"]),
+    "EP2, top-1": (2, ["parallel.ep=2"], ["model.mlp.top_k=1"]),
+    "EP4, top-1": (4, ["parallel.ep=4"], ["model.mlp.top_k=1"]),
+    "EP2 x CP2, top-1": (2, ["parallel.cp=2", "parallel.ep=2"], ["model.mlp.top_k=1"]),
 }
 
 

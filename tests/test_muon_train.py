@@ -12,10 +12,10 @@ from tests.test_train import STEPS, assert_same_training, common, losses, run_tr
 
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
         "train.checkpoint_every=5"]
-LLAMA = ["model.position=rotary", "model.n_kv_heads=1", "model.activation=swiglu",
-         "model.norm=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
-MOE = LLAMA[:1] + ["model.n_kv_heads=2"] + LLAMA[2:] + [
-    "model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=24"]
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=1", "model.mlp.activation=swiglu",
+         "model.norms.kind=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+MOE = LLAMA[:1] + ["model.attention.n_kv_heads=2"] + LLAMA[2:] + [
+    "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=24"]
 MODELS = {"llama": LLAMA, "moe": MOE}
 LAYOUTS = {  # name -> (model, layout settings)
     "tp2-dp2-zero1": ("llama", ["parallel.tp=2", "train.zero_stage=1"]),

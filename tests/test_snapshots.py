@@ -144,8 +144,8 @@ def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tm
     uninterrupted one, bit for bit."""
     layout = ["parallel.pp=2", "parallel.ep=2", "train.zero_stage=1", "model.dropout=0.0",
               "train.precision=pure_bf16",
-              "model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
-              "model.moe_ffn_hidden=32", "model.moe_every=2", "train.micro_batch_size=2"]
+              "model.mlp.activation=swiglu", "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2",
+              "model.mlp.expert_ffn_hidden=32", "model.mlp.every=2", "train.micro_batch_size=2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     uninterrupted(4, args(cache, whole, *layout))
     out = snapshot_restart(cache, killed, tmp_path / "shm", 4, layout, "SIGKILL", victim=3)
