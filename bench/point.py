@@ -36,7 +36,7 @@ from megalite.training.build import build_engine, build_model, compile_settings
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.metrics import (flops_per_token, matmul_params, max_over_ranks, peak_flops,
                                        peak_memory_bytes)
-from megalite.run_setup import validate
+from megalite.plan import validate
 
 
 def main(argv: list[str]) -> int:

@@ -41,7 +41,7 @@ from bench.report import write_report
 from megalite.command_args import command_parser
 from megalite.launch.sweep import expand, short_name
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.typed_config import ConfigError, from_dict
 
 BENCH_KEYS = ("dp", "scaling", "batch")

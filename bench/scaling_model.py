@@ -89,7 +89,7 @@ from dataclasses import dataclass
 from bench.scaling_config import Hardware
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.run_config import Config, DataConfig, TrainConfig
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.typed_config import ConfigError
 
@@ -129,7 +129,7 @@ class Layout:
 
 def check_fits(layout: Layout, hw: Hardware) -> None:
     """Raise ConfigError, naming the values, for a layout that cannot run on this hardware: TP
-    inside a node, and megalite's own rules (run_setup.validate) for the run it describes."""
+    inside a node, and megalite's own rules (plan.validate) for the run it describes."""
     if layout.gpus < 1 or layout.tp < 1:
         raise ConfigError(f"gpus={layout.gpus} and tp={layout.tp} must be >= 1")
     if layout.tp > hw.gpus_per_node or hw.gpus_per_node % layout.tp:

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.hf.convert import checkpoint_model_config
 from megalite.model import GPT

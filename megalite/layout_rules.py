@@ -3,19 +3,15 @@ before any collective runs: one ConfigError naming each value and its fix."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig, ParallelConfig
-from megalite.typed_config import ConfigError
 
 
-def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
-                 micro_batches: int | None = None, vocab: bool = True) -> None:
-    """Raise ONE ConfigError listing every way `model` cannot run on `parallel`'s layout of
-    `world_size` processes (with `micro_batches` per step, if known; model None: not known yet;
-    vocab False: model.vocab_size is not the run's yet, so tp's split of it is left unchecked).
-
-    Every entry point calls it before any collective (run_setup.validate for a run, inference
-    for generate and eval), so a bad config fails on every rank with the same message instead
-    of deadlocking the ranks that did not fail; GPT calls it for the split it is built on.
-    """
+def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
+                    micro_batches: int | None = None, vocab: bool = True) -> list[str]:
+    """Every way `model` cannot run on `parallel`'s layout of `world_size` processes (with
+    `micro_batches` per step, if known; model None: not known yet; vocab False: model.vocab_size
+    is not the run's yet, so tp's split of it is left unchecked), one line each, the model's own
+    rules (its sections') included. The plan (plan.py) gathers them with the other rules,
+    before any collective, on every rank."""
     tp, pp, cp, sequence_parallel = parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel
     problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
     if cp < 1:
@@ -59,11 +55,7 @@ def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world_size
                             f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
                             f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
                             f"parallel.sequence_parallel=false")
-    problems += _expert_parallel_problems(splittable, parallel, world_size, world_misfit)
-    if len(problems) == 1:
-        raise ConfigError(f"invalid config: {problems[0]}")
-    if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return problems + _expert_parallel_problems(splittable, parallel, world_size, world_misfit)
 
 
 def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,

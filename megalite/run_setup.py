@@ -1,13 +1,13 @@
-"""Everything decided before the process group exists: the batch layout, the pretrained
-source, the tokenizer's vocabulary, and which checkpoint (if any) a run resumes from.
+"""The steps of a run's plan (plan.py, which alone calls them): the pretrained source's
+architecture, the tokenizer's vocabulary, the steps of train.epochs, which checkpoint (if any) the
+run resumes from and the schedule it keeps; and run.dir writable.
 
-Each check runs on every rank from the same files, so a bad run stops everywhere with the same
+Each runs on every rank from the same files, so a bad run stops everywhere with the same
 ConfigError and no rank is left waiting in a collective.
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -16,85 +16,11 @@ from pathlib import Path
 
 from megalite.config import TRAINING_SETTINGS, ModelConfig
 from megalite.flat_keys import nest
-from megalite.layout_rules import check_layout, data_parallel_size
 from megalite.data.prepared import PreparedData
-from megalite.fp8.convert import check_fp8_layout
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
-from megalite.parallel.context import context_chunks
 from megalite.run_config import Config, TrainConfig, to_dict
-from megalite.training.build import inductor_options
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
-from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError, from_dict, leaves, replaced
-
-
-def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True,
-             vocab_from_tokenizer: bool = False) -> None:
-    """Every rule a run's config must meet on `world` processes (launched: under torchrun or
-    Slurm, with a process group to come), checked by every entry point that runs or plans a
-    run (train, a bench point, a sweep) before it reads data or joins a collective.
-    installed: also that the packages it needs (wandb, deepspeed) are installed here; false
-    where the run happens elsewhere (a sweep planned on a login node).
-    vocab_from_tokenizer: model.vocab_size will be the tokenizer's (with_tokenizer_vocab), so
-    its split over tp waits for check_data, which names the real one."""
-    parallel, t = cfg.parallel, cfg.train
-    dp = data_parallel_size(parallel, world)  # if that does not divide, check_layout says so
-    micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
-    check_layout(cfg.model, parallel, world, micro_batches, vocab=not vocab_from_tokenizer)
-    if not parallel.dp_bucket_mb > 0:
-        raise ConfigError(f"parallel.dp_bucket_mb={parallel.dp_bucket_mb} must be > 0: it is the size of "
-                          f"a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's default)")
-    if t.engine == "native" and t.zero_stage == 2:
-        raise ConfigError("train.zero_stage=2 with train.engine=native: the native engine "
-                          "partitions the optimizer state (stage 1), not the gradients; use "
-                          "train.zero_stage=1, or train.engine=deepspeed for stage 2")
-    if parallel.ep > 1 and t.engine == "deepspeed":
-        raise ConfigError(f"parallel.ep={parallel.ep} with train.engine=deepspeed: DeepSpeed's ZeRO would "
-                          f"sum the experts' gradients over every DP rank, not the ranks holding "
-                          f"the same experts; use train.engine=native (train.zero_stage 0 or 1)")
-    if t.micro_batch_size < 1 or t.global_batch_size < 1:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} and "
-                          f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    split = (f"tp {parallel.tp}" if parallel.pp == parallel.cp == 1 else
-             f"(tp x cp x pp) {parallel.tp * parallel.cp * parallel.pp}")
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"train.micro_batch_size={t.micro_batch_size} x DP={dp} (world {world} / {split}): "
-            f"use a global batch that is a multiple of "
-            f"{t.micro_batch_size * dp}, so every DP rank runs whole micro-batches")
-    if cfg.data.seq_len < 1:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} must be >= 1: the tokens of a training row")
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
-                          f"{cfg.model.max_seq_len}: lower data.seq_len or raise max_seq_len")
-    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
-    if cfg.data.seq_len % chunks:
-        sp = " x parallel.tp (sequence parallel)" if parallel.sequence_parallel else ""
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} with parallel.cp={parallel.cp}: each row is cut "
-                          f"into 2 x parallel.cp{sp} = {chunks} equal chunks, so data.seq_len must be a "
-                          f"multiple of {chunks}: use data.seq_len={cfg.data.seq_len + chunks - cfg.data.seq_len % chunks}")
-    if installed and cfg.run.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("run.wandb=true needs the wandb package: pip install 'megalite[wandb]', "
-                          "or set run.wandb=false")
-    for key in ("max_steps", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
-    for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps")):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0 (0: {zero})")
-    if t.profile_steps is not None and not 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.max_steps:
-        raise ConfigError(f"train.profile_steps={list(t.profile_steps)} must be [first, last] optimizer "
-                          f"steps with 1 <= first <= last <= train.max_steps={t.max_steps}")
-    check_ranges(t)
-    if t.fp8.recipe != "none" and installed and importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"train.fp8.recipe={t.fp8.recipe} needs the torchao package: pip install "
-                          f"'torchao>=0.18', or set train.fp8.recipe=none")
-    check_fp8_layout(cfg)
-    if any(not part for part in t.fp8.exclude):
-        raise ConfigError(f"train.fp8.exclude={list(t.fp8.exclude)} has an empty entry, which would "
-                          f"exclude every layer: list name parts such as out_proj, or none")
-    check_deepspeed(t, cfg.model, parallel, world if launched else None, installed)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -110,75 +36,6 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"run.dir '{run_dir}' cannot be written ({err.strerror or err}): "
                           f"give a run.dir on a writable filesystem with room for the "
                           f"checkpoints") from None
-
-
-def check_ranges(t: TrainConfig) -> None:
-    """The numbers an optimizer or schedule would take in a form of its own (torch reports a
-    bad lr as the scheduled value, not the one typed): each named with the value given."""
-    rules = [("train.lr", t.lr, t.lr >= 0, ">= 0"), ("train.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
-             ("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0 (0: no warmup)"),
-             ("train.epochs", t.epochs, 0 <= t.epochs < math.inf, ">= 0 (0: train.max_steps)"),
-             ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
-             ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1), e.g. 0.9"),
-             ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1), e.g. 0.95"),
-             ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0: no clipping)"),
-             ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: at the end)"),
-             ("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0: at the end)"),
-             ("train.snapshot_every", t.snapshot_every, t.snapshot_every >= 0, ">= 0 (0: none)"),
-             ("train.watchdog_s", t.watchdog_s, 0 <= t.watchdog_s < math.inf, ">= 0 (0: off)")]
-    m, muon = t.muon, " with train.optimizer=muon"
-    if t.optimizer == "muon":
-        rules += [("train.lr", t.lr, t.lr > 0, f"> 0{muon} (Muon's rate follows its schedule as a ratio)"),
-                  ("train.muon.lr", m.lr, m.lr > 0, f"> 0{muon}"),
-                  ("train.muon.momentum", m.momentum, 0 <= m.momentum < 1, f"in [0, 1){muon}, e.g. 0.95"),
-                  ("train.muon.weight_decay", m.weight_decay, m.weight_decay >= 0, f">= 0{muon}"),
-                  ("train.muon.ns_steps", m.ns_steps, 1 <= m.ns_steps < 100, f"in [1, 100){muon}, e.g. 5"),
-                  ("train.muon.eps", m.eps, m.eps > 0, f"> 0{muon}, e.g. 1e-7")]
-    for key, value, ok, need in rules:
-        if not ok:  # NaN fails every rule
-            raise ConfigError(f"{key}={value} must be {need}")
-    check_compile(t)
-    if t.snapshot_every and t.engine != "native":
-        raise ConfigError(f"train.snapshot_every={t.snapshot_every} with train.engine={t.engine}: in-memory "
-                          f"snapshots are not written for it yet; set train.snapshot_every=0 "
-                          f"(disk checkpoints: train.checkpoint_every)")
-
-
-def check_compile(t: TrainConfig) -> None:
-    """train.compile_mode and train.compile_options: with train.compile, one of them, and
-    options inductor has."""
-    chosen = [f"train.compile_mode={t.compile_mode}"] if t.compile_mode != "default" else []
-    chosen += [f"train.compile_options={t.compile_options}"] if t.compile_options else []
-    if chosen and not t.compile:
-        raise ConfigError(f"{chosen[0]} needs train.compile=true: without it nothing is compiled")
-    if len(chosen) > 1:
-        raise ConfigError(f"{' and '.join(chosen)}: torch.compile takes a mode or options, not "
-                          f"both; give the mode's settings as options (reduce-overhead is "
-                          f"{{triton.cudagraphs: true}}: torch._inductor.list_mode_options())")
-    if t.compile_options:
-        import torch._inductor
-        known = set(torch._inductor.list_options())
-        unknown = sorted(set(inductor_options(t.compile_options)) - known)
-        if unknown:
-            raise ConfigError(f"train.compile_options: {', '.join(unknown)} is not an inductor "
-                              f"setting of torch {torch.__version__}; "
-                              f"torch._inductor.list_options() names them (e.g. "
-                              f"coordinate_descent_tuning)")
-
-
-def check_data(cfg: Config, world: int, data: PreparedData, sizes: list[int]) -> None:
-    """The rules the data decides, once it is indexed (before any collective still): the layout
-    again with the tokenizer's vocabulary (tp must split it padded), and one source must fill a
-    global batch; in a blend each source must have a sample to give."""
-    check_layout(cfg.model, cfg.parallel, world)
-    least = cfg.train.global_batch_size if len(data.train) == 1 else 1
-    for source, n in zip(data.train, sizes):
-        if n < least:
-            raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} exceeds the "
-                              f"{n} training samples of data path {source.name} "
-                              f"(data.mode={cfg.data.mode}, data.seq_len={cfg.data.seq_len}): use "
-                              f"a smaller global batch or more data"
-                              + (" (data.synthetic_documents)" if source.name == "synthetic" else ""))
 
 
 def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:

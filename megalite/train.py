@@ -17,13 +17,12 @@ import torch.distributed as dist
 import yaml
 
 from megalite.command_args import train_parser
-from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Mixture, Prefetcher, Samples
+from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Prefetcher
 from megalite.data.chat import generation_prompt, load_chat_template
-from megalite.data.prepared import PreparedData, data_for_run
+from megalite.data.prepared import PreparedData
 from megalite.data.record_counts import skipped_records
 from megalite.generate import generate
 from megalite.hf.convert import load_pretrained
-from megalite.parallel.context import context_chunks
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
@@ -45,8 +44,8 @@ from megalite.training.preemption import (PREEMPTED, StopRequest, clear_marker, 
 from megalite.training.profiling import StepProfiler
 from megalite.training.snapshots import Snapshots, snapshot_dir
 from megalite.training.watchdog import Watchdog
-from megalite.run_setup import (check_data, check_run_dir, find_resume, run_identity, validate,
-                                with_epochs, with_pretrained, with_schedule, with_tokenizer_vocab)
+from megalite.plan import Plan, plan_run, sample_sets
+from megalite.run_setup import run_identity
 
 
 def parse_args(argv: list[str]) -> tuple[Config, frozenset[str]]:
@@ -58,27 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    # The tokenizer a pretrained model brings, unless data.tokenizer names one.
-    tokenizer_from = "train.init_from" if cfg.train.init_from and cfg.data.tokenizer == "bpe" \
-        else "data.tokenizer"
-    cfg = with_pretrained(cfg, given)
-    validate(cfg, world, launched="WORLD_SIZE" in os.environ,
-             vocab_from_tokenizer=not cfg.train.init_from)
-    check_run_dir(Path(cfg.run.dir))
-    data = data_for_run(cfg.data, tokenizer_from=tokenizer_from)
-    cfg = with_tokenizer_vocab(cfg, data)
-    train_set = sample_sets(data.train, cfg, data)
-    check_data(cfg, world, data, train_set.sizes)
-    cfg = with_epochs(cfg, sum(train_set.sizes))
-    resume_from = find_resume(cfg, data)
-    cfg = with_schedule(cfg, resume_from)
+    plan = plan_run(cfg, given, int(os.environ.get("WORLD_SIZE", "1")), launched="WORLD_SIZE" in os.environ)
     with StopRequest() as stop:
-        pstate = init_parallel(cfg.parallel)
+        pstate = init_parallel(plan.cfg.parallel)
         try:
             peers = Peers(pstate)
             try:
-                train(cfg, pstate, data, train_set, resume_from, stop, peers)
+                train(plan, pstate, stop, peers)
             except RuntimeError as err:  # a failed collective: a dead peer is named
                 lost = peers.lost(err)
                 if lost is None:
@@ -92,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(cfg: Config, ps: ParallelState, data: PreparedData, train_set: Samples,
-          resume_from: Path | None, stop: StopRequest, peers: Peers) -> None:
+def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> None:
+    cfg, data, train_set, resume_from = plan.cfg, plan.data, plan.train_set, plan.resume_from
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
     start, tokens_seen, source_tokens = resume(resume_from, model, ps, cfg, len(data.train))
@@ -278,14 +263,6 @@ class TokenCount:
 
 class Preempted(Exception):
     """Raised on every rank after the checkpoint of an agreed early stop."""
-
-
-def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
-    parallel = cfg.parallel
-    # Padded rows widen to whole chunks.
-    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
-    return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
-                    for s in sources], [s.weight for s in sources])
 
 
 def tokens_by_source(data: PreparedData, per_source: torch.Tensor) -> dict:

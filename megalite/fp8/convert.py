@@ -46,25 +46,29 @@ def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:
             f"that is a multiple of cp, or add 'experts' to train.fp8.exclude")
 
 
-def check_fp8_layout(cfg) -> None:
-    """Before any collective: the layouts whose FP8 scales could not be one process's."""
+def fp8_problems(cfg) -> list[str]:
+    """The layouts whose FP8 scales could not be one process's (plan.py gathers them)."""
     fp8, parallel, data = cfg.train.fp8, cfg.parallel, cfg.data
     if fp8.recipe == "none":
-        return
-    ep, cp = parallel.ep, parallel.cp
+        return []
+    problems, ep, cp = [], parallel.ep, parallel.cp
     if ep > 1 and cp > 1 and ep % cp and cp % ep:
-        raise ConfigError(f"train.fp8.recipe={fp8.recipe} with parallel.ep={ep} and parallel.cp={cp}: "
-                          f"a row's CP ranks would take their scales over different EP groups; "
-                          f"use an ep that is a multiple of cp, or a divisor of it")
+        problems.append(f"train.fp8.recipe={fp8.recipe} with parallel.ep={ep} and parallel.cp={cp}: "
+                        f"a row's CP ranks would take their scales over different EP groups; "
+                        f"use an ep that is a multiple of cp, or a divisor of it")
     sp = parallel.sequence_parallel and parallel.tp > 1
     widened = ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp)
     if widened:
         cut = f"parallel.cp={cp}" if cp > 1 else f"sequence parallelism over parallel.tp={parallel.tp}"
-        raise ConfigError(f"train.fp8.recipe={fp8.recipe} with data.mode={data.mode}, data.seq_len="
-                          f"{data.seq_len} and {cut}: rows are padded to whole shards, and that "
-                          f"padding's activations would enter the FP8 scales, which one process "
-                          f"does not have; use data.mode=packed with data.seq_len a multiple of "
-                          f"the shards, or train.fp8.recipe=none")
+        problems.append(f"train.fp8.recipe={fp8.recipe} with data.mode={data.mode}, data.seq_len="
+                        f"{data.seq_len} and {cut}: rows are padded to whole shards, and that "
+                        f"padding's activations would enter the FP8 scales, which one process "
+                        f"does not have; use data.mode=packed with data.seq_len a multiple of "
+                        f"the shards, or train.fp8.recipe=none")
+    if any(not part for part in fp8.exclude):
+        problems.append(f"train.fp8.exclude={list(fp8.exclude)} has an empty entry, which would "
+                        f"exclude every layer: list name parts such as out_proj, or none")
+    return problems
 
 
 def _units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from megalite.run_config import Config, given_keys, load_config
-from megalite.run_setup import validate, with_pretrained
+from megalite.plan import plan_config
 from megalite.typed_config import ConfigError, from_dict
 
 
@@ -119,10 +119,9 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         overrides = sweep.overrides + [f"{k}={v}" for k, v in point.items()] + [f"run.dir={run_dir}"]
         try:
             # As the job will resolve it: under train.init_from the checkpoint's architecture,
-            # written out whole in the point's config.yaml (run_setup.with_pretrained).
-            config = with_pretrained(load_config(sweep.base, overrides),
-                                     given_keys(sweep.base, overrides))
-            validate(config, world, installed=False)  # its packages: the nodes' business
+            # written out whole in the point's config.yaml (plan.plan_config).
+            config = plan_config(load_config(sweep.base, overrides), given_keys(sweep.base, overrides),
+                                 world)  # its packages and data: the nodes' business
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
                               f"{sweep.slurm.procs} processes: {err}") from None

@@ -46,8 +46,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config import ModelConfig, ParallelConfig
-from megalite.layout_rules import check_layout
+from megalite.config import ModelConfig
 from megalite.model.attention import Attention
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.kv_cache import KVCache
@@ -147,9 +146,6 @@ class GPT(nn.Module):
         activations in backward instead of storing them (in training mode). loss_chunk_tokens:
         tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
         super().__init__()
-        check_layout(cfg, ParallelConfig(tp=pstate.tp_size, cp=pstate.cp_size, ep=pstate.ep_size,
-                                         sequence_parallel=pstate.sequence_parallel),
-                     pstate.tp_size * pstate.cp_size * pstate.dp_size)
         self.cfg, self.pstate = cfg, pstate
         self.split = RankSplit(pstate, cfg.max_seq_len)
         self.rng = TensorParallelRNG(seed, pstate)

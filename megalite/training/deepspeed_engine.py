@@ -91,51 +91,51 @@ class ModelParallelUnit:
         return self.ps.dp_group
 
 
-def check_deepspeed(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
-                    world: int | None, installed: bool = True) -> None:
+def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
+                       world: int | None, installed: bool = True) -> list[str]:
     """Every way engine=deepspeed can be misconfigured, before any process group exists
     (installed: the deepspeed package too, where the run will import it)."""
     if train.engine != "deepspeed":
-        return
-    tp, pp = parallel.tp, parallel.pp
-    if parallel.cp > 1:
-        raise ConfigError(f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
-                          f"group would not hold the context-parallel ranks, whose gradients must be "
-                          f"summed too; use train.engine=native (or parallel.cp=1)")
-    if train.optimizer != "adamw":
-        raise ConfigError(f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands "
-                          f"DeepSpeed AdamW only (ZeRO partitions state by flat element ranges, and "
-                          f"{train.optimizer} needs whole matrices); use train.engine=native for "
-                          f"{train.optimizer} (train.zero_stage 0 or 1), or train.optimizer=adamw")
-    if train.precision == "pure_bf16":
-        raise ConfigError("train.precision=pure_bf16 needs train.engine=native (megalite's fp32 "
-                          "masters live in its own engine): set train.engine=native, or use "
-                          "train.precision=bf16 with train.engine=deepspeed")
-    if pp > 1 and train.zero_stage == 0:
-        raise ConfigError(f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
-                          f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
-                          f"clipping would count the other stages' replicated weights wrongly): "
-                          f"use train.engine=native, or train.zero_stage=1")
-    if installed and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("train.engine=deepspeed needs the deepspeed package: pip install "
-                          "--no-build-isolation 'megalite[deepspeed]' (after torch), or set "
-                          "train.engine=native")
-    if world is None:
-        raise ConfigError("train.engine=deepspeed runs under torchrun (DeepSpeed needs a process "
-                          "group): torchrun --nproc_per_node N -m megalite.train ...")
-    n_kv = model.kv_heads
-    if n_kv < tp:
-        raise ConfigError(f"train.engine=deepspeed with model.attention.n_kv_heads={n_kv} < parallel.tp={tp}: "
-                          f"each KV head would sit on {tp // n_kv} TP ranks and DeepSpeed's gradient "
-                          f"norm would count it {tp // n_kv} times; use parallel.tp <= {n_kv} or "
-                          f"train.engine=native")
-    for key in REFUSED:
-        if _lookup(train.deepspeed, key) is not None:
-            raise ConfigError(f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW "
-                              f"from train.*, the schedule is train.lr/warmup_steps, precision is "
-                              f"train.precision, the stage is train.zero_stage; no offload): "
-                              f"remove it")
-    deepspeed_config(train, world // (tp * pp))
+        return []
+    tp, pp, n_kv = parallel.tp, parallel.pp, model.kv_heads
+    rules = [
+        (parallel.cp == 1, f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
+                           f"group would not hold the context-parallel ranks, whose gradients must be "
+                           f"summed too; use train.engine=native (or parallel.cp=1)"),
+        (train.optimizer == "adamw",
+         f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands "
+         f"DeepSpeed AdamW only (ZeRO partitions state by flat element ranges, and "
+         f"{train.optimizer} needs whole matrices); use train.engine=native for "
+         f"{train.optimizer} (train.zero_stage 0 or 1), or train.optimizer=adamw"),
+        (train.precision != "pure_bf16", "train.precision=pure_bf16 needs train.engine=native (megalite's "
+                                         "fp32 masters live in its own engine): set train.engine=native, or "
+                                         "use train.precision=bf16 with train.engine=deepspeed"),
+        (pp == 1 or train.zero_stage != 0,
+         f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
+         f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
+         f"clipping would count the other stages' replicated weights wrongly): "
+         f"use train.engine=native, or train.zero_stage=1"),
+        (not installed or importlib.util.find_spec("deepspeed") is not None,
+         "train.engine=deepspeed needs the deepspeed package: pip install "
+         "--no-build-isolation 'megalite[deepspeed]' (after torch), or set train.engine=native"),
+        (world is not None, "train.engine=deepspeed runs under torchrun (DeepSpeed needs a process "
+                            "group): torchrun --nproc_per_node N -m megalite.train ..."),
+        (n_kv >= tp, f"train.engine=deepspeed with model.attention.n_kv_heads={n_kv} < parallel.tp={tp}: "
+                     f"each KV head would sit on {tp // max(n_kv, 1)} TP ranks and DeepSpeed's gradient "
+                     f"norm would count it {tp // max(n_kv, 1)} times; use parallel.tp <= {n_kv} or "
+                     f"train.engine=native"),
+    ]
+    problems = [message for ok, message in rules if not ok]
+    problems += [f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW from train.*, "
+                 f"the schedule is train.lr/warmup_steps, precision is train.precision, the stage "
+                 f"is train.zero_stage; no offload): remove it"
+                 for key in REFUSED if _lookup(train.deepspeed, key) is not None]
+    if not problems:
+        try:
+            deepspeed_config(train, world // (tp * pp))
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
 
 
 def deepspeed_config(train: TrainConfig, dp: int) -> dict:
