@@ -6,7 +6,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from megalite.config import ModelConfig
+from megalite.config import Dense, ModelConfig
 from megalite.fp8.convert import convert_to_fp8, describe_fp8
 from megalite.model.mlp import MLP
 from megalite.run_config import Fp8Config, TrainConfig
@@ -38,7 +38,7 @@ def test_fp8_auto_says_it_converted_nothing_on_a_small_model_and_what_to_change(
 
 
 def test_fp8_names_the_layers_converted_and_why_the_others_stay():
-    cfg = ModelConfig(hidden=64, n_heads=4, ffn_hidden=128)
+    cfg = ModelConfig(hidden=64, n_heads=4, mlp=Dense(ffn_hidden=128))
     auto = Fp8Config(recipe="rowwise")
     mlp = MLP(cfg, SINGLE)
     assert describe_fp8(mlp, auto, convert_to_fp8(mlp, auto, SINGLE), SINGLE) == (
