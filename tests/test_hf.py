@@ -16,7 +16,7 @@ from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  #
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
-from megalite.typed_config import ConfigError  # noqa: E402
+from megalite.typed_config import ConfigError, replaced  # noqa: E402
 from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
 from tests.support.harness import run_distributed  # noqa: E402
 from tests.support.models import CONFIGS, padded_batch  # noqa: E402
@@ -152,9 +152,9 @@ def test_gpt2_options_megalite_does_not_compute_are_refused(tmp_path, tokenizer_
 
 
 def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
-    odd = dataclasses.replace(MODELS["gpt2"], norm="rmsnorm")
+    odd = replaced(MODELS["gpt2"], "norms.kind", "rmsnorm")
     _, ckpt = megalite_checkpoint(odd, tokenizer_file, tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norm='rmsnorm'"):
+    with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norms\.kind='rmsnorm'"):
         export_hf(ckpt, tmp_path / "hf")
 
 

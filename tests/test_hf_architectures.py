@@ -7,6 +7,7 @@ AutoModelForCausalLM with the same loss, and
 greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
 windows are shorter than the eval windows and the generated text, so they are real."""
 import json
+from functools import reduce
 
 import pytest
 import tokenizers
@@ -25,22 +26,23 @@ from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
 SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# name -> (transformers config, what the import must read off it)
+# name -> (transformers config, what the import must read off it: model config key -> value)
 ARCHITECTURES = {
     "qwen2": (lambda: transformers.Qwen2Config(**SHAPE),
-              dict(qkv_bias=True, sliding_window=None)),
+              {"attention.qkv_bias": True, "attention.sliding_window": None}),
     "mistral": (lambda: transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=6),
-                dict(head_dim=16, sliding_window=6, sliding_window_pattern=1)),
+                {"attention.head_dim": 16, "attention.sliding_window": 6,
+                 "attention.sliding_window_pattern": 1}),
     "qwen3": (lambda: transformers.Qwen3Config(
         **{**SHAPE, "tie_word_embeddings": True}, head_dim=16, use_sliding_window=True,
         sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-        dict(head_dim=16, qk_norm=True, tie_embeddings=True, sliding_window=5,
-             sliding_window_pattern=2)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "tie_embeddings": True,
+         "attention.sliding_window": 5, "attention.sliding_window_pattern": 2}),
     "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
         **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, moe_intermediate_size=24,
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
-        dict(head_dim=16, qk_norm=True, n_experts=4, moe_dense_layers=(1,),
-             moe_renormalize=True)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "mlp.experts": 4,
+         "mlp.dense_layers": (1,), "mlp.renormalize": True}),
     "gemma3": (lambda: transformers.Gemma3TextConfig(
         **{**SHAPE, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16,
         query_pre_attn_scalar=24, sliding_window=6, final_logit_softcapping=3.0,
@@ -48,10 +50,11 @@ ARCHITECTURES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0}}),
-        dict(head_dim=16, qk_norm=True, sliding_window=6, sliding_window_pattern=3,
-             rope_local_theta=100.0, rope_scaling="linear", query_pre_attn_scalar=24.0,
-             norm_weight_offset=1.0, post_norms=True, scale_embeddings=True,
-             final_logit_softcap=3.0)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "attention.sliding_window": 6,
+         "attention.sliding_window_pattern": 3, "positions.local_theta": 100.0,
+         "positions.scaling.kind": "linear", "attention.query_pre_attn_scalar": 24.0,
+         "norms.weight_offset": 1.0, "norms.post_norms": True, "scale_embeddings": True,
+         "final_logit_softcap": 3.0}),
 }
 
 
@@ -87,7 +90,7 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
     run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
     cfg = checkpoint_model_config(tmp_path / "ckpt")
     expected = {"architecture": type(hf).__name__, **ARCHITECTURES[name][1]}
-    assert {key: getattr(cfg, key) for key in expected} == expected
+    assert {key: reduce(getattr, key.split("."), cfg) for key in expected} == expected
     same_as_transformers(hf, tmp_path, [["--ep", "2"]] if cfg.n_experts else [[]])
 
 

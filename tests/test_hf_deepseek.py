@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import Dense, GroupedQuery, Latent, ModelConfig, Norms, Rotary  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.model.router import group_limited  # noqa: E402
@@ -51,8 +51,8 @@ def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, t
     hf = random_deepseek(tmp_path / "hf", tokenizer_file, q_lora_rank)
     run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
     cfg = checkpoint_model_config(tmp_path / "ckpt")
-    assert (cfg.attention, cfg.q_lora_rank, cfg.moe_dense_layers, cfg.moe_groups,
-            cfg.moe_routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
+    assert (cfg.attention.kind, cfg.attention.q_lora_rank, cfg.mlp.dense_layers, cfg.mlp.groups,
+            cfg.mlp.routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
     same_as_transformers(hf, tmp_path, [[], ["--ep", "2"]])
 
 
@@ -79,11 +79,11 @@ def test_group_limited_choices_equal_transformers_ties_included(bias):
 def test_the_latent_cache_holds_the_latent_and_the_rotary_key():
     """Bytes per token and layer: (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), the same at
     every TP rank; GQA's: 2 x kv_heads / tp x head_dim x 4."""
-    mla = ModelConfig(attention="mla", position="rotary", norm="rmsnorm", activation="swiglu",
-                      bias=False, vocab_size=100, n_layers=3, hidden=32, n_heads=4, kv_lora_rank=16,
-                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, max_seq_len=32)
-    gqa = ModelConfig(position="rotary", norm="rmsnorm", activation="swiglu", bias=False,
-                      vocab_size=100, n_layers=3, hidden=32, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    llama = dict(positions=Rotary(), norms=Norms(kind="rmsnorm"), mlp=Dense(activation="swiglu"),
+                 bias=False, vocab_size=100, n_layers=3, hidden=32, n_heads=4, max_seq_len=32)
+    mla = ModelConfig(attention=Latent(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                       v_head_dim=12), **llama)
+    gqa = ModelConfig(attention=GroupedQuery(n_kv_heads=2), **llama)
     assert GPT(mla, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * (16 + 4) * 4
     assert GPT(gqa, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * 2 * 2 * 8 * 4
     assert run_distributed(cache_bytes_at_tp2, 2, mla) == [3 * (16 + 4) * 4] * 2

@@ -91,7 +91,7 @@ def today_read_hf(hf_dir):
         with safe_open(str(hf_dir / name), framework="pt") as f:
             tensors.update({k: f.get_tensor(k).float() for k in f.keys()})
     cfg = pretrained_config(hf_dir)
-    return cfg, (today_gpt2 if cfg.position == "learned" else today_llama)(tensors, cfg)
+    return cfg, (today_gpt2 if cfg.positions.kind == "learned" else today_llama)(tensors, cfg)
 
 
 # ---- tiny Hugging Face models -----------------------------------------------------------------
