@@ -1,17 +1,17 @@
 """Collectives per transformer layer, counted (bench/comm.py's CommLog): 2 all-reduces forward
 and 2 backward (TP > 1)."""
 import collections
-import dataclasses
 
 import pytest
 
 from bench.comm import CommLog
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, padded_batch
 
-VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
+VARIANTS = {**CONFIGS, "gpt2-gqa1": replaced(CONFIGS["gpt2"], "attention.n_kv_heads", 1)}
 
 
 def count_collectives(config_name: str, tp: int, sequence_parallel: bool = False) -> dict:

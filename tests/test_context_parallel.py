@@ -18,6 +18,7 @@ from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
 from tests.test_doc_attention import config, flex_on_cpu, packed_batch
@@ -86,7 +87,7 @@ def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str)
 LAYOUTS = {"cp2": (2, 1, 2, False), "cp4": (4, 1, 4, False), "cp2xtp2-sp": (4, 2, 2, True),
            "cp2xdp2": (4, 1, 2, False)}
 # One K/V head over TP2: both TP ranks keep a copy of it (n_kv_heads < tp).
-CONFIGS_KV1 = {"llama-kv1": dataclasses.replace(CONFIGS["llama"], n_kv_heads=1)}
+CONFIGS_KV1 = {"llama-kv1": replaced(CONFIGS["llama"], "attention.n_kv_heads", 1)}
 
 
 @pytest.mark.parametrize("config_name, kind", [("llama", "padded"), ("gpt2", "packed")])

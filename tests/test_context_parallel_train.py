@@ -52,8 +52,9 @@ def test_packed_rows_train_like_one_process(tmp_path, cache, single_packed, layo
 # Llama's shape: rotary positions, GQA (2 K/V heads for 4), SwiGLU, RMSNorm, untied head; a
 # higher learning rate, so that it visibly learns in 10 steps. (At 1e-2 step 9 spikes, and its
 # gradient norm moves by 6e-5 with the micro-batch size alone, in one process.)
-LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm",
-         "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2",
+         "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm", "model.bias=false",
+         "model.tie_embeddings=false", "train.lr=5e-3"]
 
 
 def test_llama_shape_right_padded_at_cp4_all_gather_and_cp2_tp2_ring(tmp_path, cache):

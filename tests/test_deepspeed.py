@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import ModelConfig, ParallelConfig
+from megalite.config import GroupedQuery, ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
@@ -77,7 +77,8 @@ TP2 = ParallelConfig(tp=2)
 
 
 @pytest.mark.parametrize("model, train, parallel, world, message", [
-    (ModelConfig(n_heads=4, n_kv_heads=1), {}, TP2, 4, "n_kv_heads=1 < parallel.tp=2"),
+    (ModelConfig(n_heads=4, attention=GroupedQuery(n_kv_heads=1)), {}, TP2, 4,
+     "model.attention.n_kv_heads=1 < parallel.tp=2"),
     (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, TP2, 4, "train_batch_size=32 disagrees"),
     (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, TP2, 4, "train.deepspeed.optimizer"),
     (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, TP2, 4, "zero_optimization.stage"),

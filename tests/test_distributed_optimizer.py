@@ -26,13 +26,13 @@ from megalite.run_setup import validate
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
 from megalite.training.engine import NativeEngine, autocast_for, train_step
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS
 
 ROWS, SEQ, STEPS = 12, 8, 8
 # GPT-2 with rows that split unevenly over 4 replicas (positions: 30 rows; MLP: 42).
-UNEVEN = dataclasses.replace(CONFIGS["gpt2"], max_seq_len=30, ffn_hidden=42)
+UNEVEN = replaced(dataclasses.replace(CONFIGS["gpt2"], max_seq_len=30), "mlp.ffn_hidden", 42)
 MODELS = {"llama": CONFIGS["llama"], "uneven": UNEVEN,
           "gpt2-4": dataclasses.replace(CONFIGS["gpt2"], n_layers=4)}  # 2 stages x 2 chunks
 # Small buckets: several per stage (at TP1 the embedding is larger than one).

@@ -30,6 +30,7 @@ from torch.testing import assert_close
 from megalite.model import GPT, doc_attention
 from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, PAD_ID, padded_batch
 
@@ -170,7 +171,7 @@ def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
             model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
         assert set(used) == {(torch_flex.create_block_mask, False),
                              (torch_flex.flex_attention, False)}, grad
-    windowed = GPT(config("llama", 13, sliding_window=4), ParallelState(), seed=0)
+    windowed = GPT(replaced(config("llama", 13), "attention.sliding_window", 4), ParallelState(), seed=0)
     right_ids, right_mask, right_labels = padded_batch(windowed.cfg, "right")
     with flex_on_cpu() as used:
         windowed(right_ids, attention_mask=right_mask, labels=right_labels)

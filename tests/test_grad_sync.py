@@ -7,7 +7,6 @@ and TP2xDP2; a bf16 reduction is within bf16 rounding; there is one DP all-reduc
 parameters without a gradient on some rank or micro-batch cannot deadlock the ranks. The norm
 equals the plain norm of the full gradients.
 """
-import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -23,13 +22,13 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 from megalite.run_setup import validate
 from megalite.training.grads import MIB, DataParallelGradSync, bucket_params, clip_grad_norm_
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, gather_full, padded_batch
 
 # GQA with one KV head at TP2: the KV weights are slices held by 2 copies, which the norm
 # counts once.
-GQA = dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)
+GQA = replaced(CONFIGS["gpt2"], "attention.n_kv_heads", 1)
 # 1500 fp32 elements: the 128 x 32 embedding (a 64 x 32 slice at TP2) is larger than a bucket.
 BUCKET_MB = 6000 / MIB
 LENGTHS = (12, 7, 3, 10, 5, 9, 11, 4)  # 2 micro-batches of 2 rows per DP rank at DP2

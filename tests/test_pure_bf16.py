@@ -196,10 +196,10 @@ def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
 def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     """(1 + w) in bf16 would round w = 0.003 away (steps of 2^-7 near 1): transformers and
     megalite compute the offset and the norm in fp32, then cast."""
-    from megalite.config import ModelConfig
+    from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
     from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norm="rmsnorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="rmsnorm", weight_offset=1.0), hidden=8), ParallelState())
     with torch.no_grad():
         norm.weight.fill_(0.003)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -208,12 +208,12 @@ def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
 
 
 def test_a_norm_offset_scales_a_layernorm_too():
-    """model.norm_weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
+    """model.norms.weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
     (it ran as an RMSNorm before)."""
-    from megalite.config import ModelConfig
+    from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
     from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norm="layernorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="layernorm", weight_offset=1.0), hidden=8), ParallelState())
     with torch.no_grad():
         norm.weight.fill_(0.5)
         norm.bias.fill_(0.25)

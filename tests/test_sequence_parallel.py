@@ -105,7 +105,7 @@ def test_all_reduces_become_reduce_scatter_and_all_gather_pairs(config_name):
     # Replicated parameters used on the shard: norm weights (and biases), row-parallel biases,
     # the position table; each sums its gradient over TP with one all-reduce in backward.
     per_layer = 2 * (2 if cfg.bias else 1) + (2 if cfg.bias else 0)
-    once = (2 if cfg.bias else 1) + (1 if cfg.position == "learned" else 0)
+    once = (2 if cfg.bias else 1) + (1 if cfg.positions.kind == "learned" else 0)
     assert calls == {
         # attention and MLP: g gathers their input, g-bar reduce-scatters their output; the
         # head's g; the embedding's g-bar; the loss's three all-reduces are unchanged.
