@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megalite.config import Experts, Latent, ModelConfig, Rotary
 from megalite.data.batches import BatchOrder, Samples
+from megalite.flat_keys import MOVED
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.train import main
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, from_dict, leaves
 from tests.test_train import STEPS, assert_same_training, common, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,16 +130,30 @@ def test_a_resume_compares_the_datas_content_not_its_files_times(tmp_path):
         main(small_args(tmp_path, corpus, "train.max_steps=4"))
 
 
+def flat_model(model: dict) -> dict:
+    """A model of meta.json as megalite wrote it before the config had sections: every key of
+    flat_keys.MOVED at the top (those of variants the model does not use at their defaults)."""
+    cfg = from_dict(ModelConfig, model, "model.")
+    every = ModelConfig(attention=Latent(), positions=Rotary(), mlp=Experts())  # the others' keys
+    values = {key: value for c in (every, cfg) for key, value, _ in leaves(c)}
+    flat = {key: value for key, value in model.items() if not isinstance(value, dict)}
+    flat.update({old: values[new] for old, new in MOVED.items() if new in values})
+    return json.loads(json.dumps({**flat, "n_experts": cfg.n_experts}))
+
+
 def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys):
-    """Written before rope scaling, decay_steps and eval_tokens existed (with eval_batches) and
-    before the keyed sample order: the missing keys mean their defaults, the retired one is
-    dropped with a note, the schedule is the one the run started with (decay to min_lr at its
-    max_steps), and the resume says the sample order changed (only then)."""
+    """Written before the model config had sections (flat keys), before rope scaling,
+    decay_steps and eval_tokens existed (with eval_batches) and before the keyed sample order:
+    the flat keys are read as the sections they mean (the config's with a note), the missing
+    keys mean their defaults, the retired one is dropped with a note, the schedule is the one
+    the run started with (decay to min_lr at its max_steps), and the resume says the sample
+    order changed (only then)."""
     import yaml
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     assert main(small_args(tmp_path, corpus, "train.max_steps=4")) == 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
     meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["config"]["model"] = flat_model(meta["config"]["model"])
     for section, keys in (("model", [k for k in meta["config"]["model"] if k.startswith("rope_")
                                      and k != "rope_theta"]), ("train", ["decay_steps", "eval_tokens"])):
         for key in keys:
@@ -146,10 +162,11 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys
     assert meta.pop("sample_order") == 2
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     old_config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    old_config["train"] = meta["config"]["train"]
+    old_config["model"], old_config["train"] = meta["config"]["model"], meta["config"]["train"]
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old_config))
-    with pytest.warns(UserWarning, match="train.eval_batches is retired"):
+    with pytest.warns(UserWarning, match="train.eval_batches is retired") as notes:
         assert main(["--config", str(tmp_path / "old.yaml"), "train.max_steps=6"]) == 0
+    assert any("model keys of before the config had sections, translated" in str(n.message) for n in notes)
     lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "lr" in r}
     assert sorted(lrs) == [1, 2, 3, 4, 5, 6] and lrs[5] == lrs[6] == 1e-4  # common()'s min_lr
