@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from megalite.hf.convert import pretrained_model
 from megalite.run_config import Config, given_keys, load_config
 from megalite.run_setup import validate, with_pretrained
 from megalite.typed_config import ConfigError, from_dict
@@ -127,7 +128,7 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         try:
             # As the job will resolve it: under train.init_from the checkpoint's architecture,
             # written out whole in the point's config.yaml (run_setup.with_pretrained).
-            config = with_pretrained(load_config(sweep.base, overrides),
+            config = with_pretrained(load_config(sweep.base, overrides, pretrained_model),
                                      given_keys(sweep.base, overrides))
             validate(config, world, installed=False)  # its packages: the nodes' business
         except ConfigError as err:
