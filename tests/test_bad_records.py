@@ -13,8 +13,7 @@ from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.run_config import DataConfig
 from megalite.train import report_data
 from megalite.typed_config import ConfigError
-from tests.test_chat import CONVERSATIONS, tokenizer  # noqa: F401  (the fixture)
-from tests.test_chat_data import model_dir  # noqa: F401  (the fixture: a template refusing tools)
+from tests.support.chat import CONVERSATIONS
 
 GOOD = {"messages": CONVERSATIONS[0]}
 BAD = [{"messages": []},

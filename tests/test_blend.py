@@ -15,9 +15,9 @@ from megalite.data.raw_files import EMBEDDED
 from megalite.run_config import DataConfig
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.typed_config import ConfigError
-from tests.test_resume import (ROOT, assert_continues_exactly, kill_every_process_of, one_thread,
-                               run, uninterrupted)
-from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+from tests.support.launch import ROOT, kill_every_process_of, one_thread, run
+from tests.support.resume import assert_continues_exactly, uninterrupted
+from tests.support.runs import STEPS, assert_same_training, common, losses, train_run
 
 
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.25], [0.05, 0.9, 0.05], [1.0]])

@@ -14,23 +14,12 @@ from megalite.data.indexed import IndexedShard, targets_path
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.typed_config import ConfigError
-from tests.test_chat import CONVERSATIONS, QWEN, tokenizer  # noqa: F401  (the fixture)
+from tests.support.chat import CONVERSATIONS, QWEN, REFUSING
 
-REFUSING = QWEN + "{% if messages[-1]['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
 RECORDS = [{"messages": CONVERSATIONS[0]}, {"text": "a document, not a conversation"},
            {"prompt": "Say hi.", "completion": "Hi!"},
            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]},
            {"messages": CONVERSATIONS[1]}]
-
-
-@pytest.fixture
-def model_dir(tmp_path, tokenizer):
-    directory = tmp_path / "model"
-    directory.mkdir()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "chat_template": REFUSING}))
-    return directory
 
 
 @pytest.mark.parametrize("workers", [0, 2])

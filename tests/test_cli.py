@@ -1,7 +1,7 @@
-"""The command line a new user meets: `megalite --help` and `--version`, every command's
-defaults in its --help, a wrong --ckpt answered with the path or command to use, files that
-follow the umask, and progress that suits a log file (a Slurm job's output)."""
-import argparse
+"""The command line a new user meets: a misused command line and `--version`, a wrong --ckpt
+answered with the path or command to use, files that follow the umask, and progress that suits
+a log file (a Slurm job's output). (`megalite --help` and every command's defaults in its
+--help, beside the measuring tools': tests/test_tools_cli.py.)"""
 import gzip
 import importlib.metadata
 import itertools
@@ -16,19 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import COMMANDS as BENCH_COMMANDS
-from megalite import cli, command_args
+from megalite import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.mark.parametrize("prog,table", [("megalite", cli.COMMANDS), ("python -m bench", BENCH_COMMANDS)])
-def test_help_lists_every_command_with_what_it_does(capsys, prog, table):
-    assert cli.dispatch(prog, table, ["--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"usage: {prog} <command>")
-    for name in table:
-        assert re.search(rf"^  {re.escape(name)} +\w", out, flags=re.M), name
 
 
 @pytest.mark.parametrize("argv", [[], ["trian"]])
@@ -40,43 +30,9 @@ def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
         assert "unknown command 'trian' (did you mean 'train'?)" in err
 
 
-@pytest.mark.parametrize("old", sorted(cli.MOVED))
-def test_a_command_that_moved_to_the_measuring_tools_says_where(capsys, old):
-    assert cli.main([old]) == 2
-    new = cli.MOVED[old]
-    assert new in BENCH_COMMANDS
-    assert f"run `python -m bench {new}`" in capsys.readouterr().err
-
-
 def test_version_is_the_installed_packages(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"megalite {importlib.metadata.version('megalite')}\n"
-
-
-@pytest.mark.parametrize("table,command", [(cli.COMMANDS, c) for c in cli.COMMANDS if c != "torchrun"]
-                         + [(BENCH_COMMANDS, c) for c in BENCH_COMMANDS])  # torchrun's help is its own
-def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, table, command):
-    parsers = []
-    parse = argparse.ArgumentParser.parse_args
-
-    def keep(parser, *args, **kwargs):
-        parsers.append(parser)
-        return parse(parser, *args, **kwargs)
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
-    with pytest.raises(SystemExit) as stop:
-        cli.dispatch("prog", table, [command, "--help"])
-    assert stop.value.code == 0
-    shown = " ".join(capsys.readouterr().out.split())
-    parser = parsers[0]
-    assert parser.formatter_class is command_args.HelpFormatter
-    defaulted = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
-                 and a.default not in (None, False, [], argparse.SUPPRESS)]
-    formatter = parser._get_formatter()
-    for action in defaulted:  # its own help, as --help prints it, names its default
-        help_text = " ".join(formatter._expand_help(action).split())
-        assert str(action.default) in help_text and help_text in shown, action.dest
-    if command == "generate":
-        assert "0: greedy" in shown
 
 
 def fake_run_dir(root):
@@ -136,7 +92,7 @@ def assert_modes_follow_umask(root: Path, mask: int) -> None:
 def run_logged_to_a_pipe(tmp_path_factory, cache):
     """A 6-step run with stdout to a pipe (as a Slurm job's log) under umask 022: (run dir,
     its stdout)."""
-    from tests.test_train import common
+    from tests.support.runs import common
     run_dir = tmp_path_factory.mktemp("logged") / "run"
     argv = [sys.executable, "-m", "megalite.train", *common(cache, run_dir, "padded"), "parallel.tp=1",
             "train.micro_batch_size=8", "train.max_steps=6", "train.log_every=2",
@@ -236,7 +192,7 @@ def print_threads(argv) -> int:
 
 def threads_of(command: str, load: float, **env: str) -> str:
     """torch's threads in the command, and OMP_NUM_THREADS there."""
-    from tests.test_help import REQUIRED
+    from tests.support.launch import REQUIRED
     clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-c", THREADS_PROBE, command, *REQUIRED.get(command, [])],
                           cwd=ROOT, env={**clean, "LOAD": str(load), **env}, capture_output=True,

@@ -18,9 +18,9 @@ from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
+from tests.support.attention import config, flex_on_cpu, packed_batch
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
-from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ = 16  # cuts into 2 x cp x tp = 8 chunks at CP4, and at CP2 x TP2 with SP

@@ -11,7 +11,7 @@ from pathlib import Path
 from megalite.cli import INTERRUPTED
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.training.preemption import PREEMPTED
-from tests.test_dead_rank import megalite_lines, stepped
+from tests.support.launch import megalite_lines, stepped
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGALITE_TORCHRUN = [sys.executable, "-m", "megalite", "torchrun", "--nproc_per_node", "2"]

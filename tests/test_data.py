@@ -11,14 +11,13 @@ from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder, Samples
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
+from tests.support.data import write_jsonl
 
 TEXTS = [f"Document number {i} talks about tensors and gradients. " * (1 + i % 4) for i in range(30)]
 
 
 def corpus(tmp_path):
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return path
+    return write_jsonl(tmp_path / "c.jsonl", TEXTS)
 
 
 def user_tokenizer(tmp_path, special):

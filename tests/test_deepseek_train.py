@@ -5,17 +5,9 @@ does: losses, gradient norms (clipping active) and final weights after 10 steps,
 (fp32), padded and packed."""
 import pytest
 
-from tests.test_architectures_train import LLAMA, single  # noqa: F401  (the fixture)
-from tests.test_moe_train import assert_docs_command_trains_like_one_process
-from tests.test_train import assert_same_training, common, train_run
+from tests.support.runs import (DEEPSEEK, assert_docs_command_trains_like_one_process,
+                                assert_same_training, common, train_run)
 
-DEEPSEEK = LLAMA + ["model.n_kv_heads=null", "model.attention=mla", "model.q_lora_rank=24",
-                    "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4",
-                    "model.v_head_dim=12", "model.n_experts=4", "model.moe_top_k=2",
-                    "model.moe_ffn_hidden=16", "model.n_shared_experts=1", "model.moe_router=sigmoid",
-                    "model.moe_groups=2", "model.moe_topk_groups=1", "model.moe_routed_scaling=2.5",
-                    "model.moe_dense_layers=[0]", "model.moe_bias_update_rate=0.01", "model.n_layers=3",
-                    "parallel.pp_layers=null"]
 LAYOUTS = {
     "tp2-dp2": ["parallel.tp=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],

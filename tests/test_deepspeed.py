@@ -14,7 +14,7 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
 from tests.support.harness import run_distributed
-from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
+from tests.support.runs import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
 pytestmark = pytest.mark.deepspeed  # every test: skipped without the package (tests/conftest.py)
 
@@ -116,7 +116,7 @@ def test_zero_with_pipeline_stages_trains_like_the_native_engine(tmp_path, cache
 def test_latent_attention_at_tp2_trains_like_the_native_engine(tmp_path, cache):
     """DeepSeek-V3's shape at TP2 x DP2 under ZeRO-1: MLA's down-projections, whole on every TP
     rank, count once in DeepSpeed's gradient norm (clipping is active), as in the native one."""
-    from tests.test_deepseek_train import DEEPSEEK
+    from tests.support.runs import DEEPSEEK
     native, zero = tmp_path / "native", tmp_path / "zero1"
     argv = common(cache, tmp_path, "padded") + DEEPSEEK + LAYOUT
     train_run(4, argv + [f"run.dir={native}"])

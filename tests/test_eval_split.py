@@ -21,7 +21,7 @@ from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.typed_config import ConfigError
-from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, save_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS
 

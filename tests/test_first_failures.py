@@ -99,7 +99,7 @@ def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
     the full disk, the path and the rank; the checkpoint before is whole and loads."""
     from megalite.training.checkpoint_dirs import latest_checkpoint
     from tests.support.checkpoints import read_whole_state
-    from tests.test_train import common
+    from tests.support.runs import common
     run_dir = tiny_disk / "run"
     assert cli_main(["train", *common(cache, run_dir, "packed"), "train.checkpoint_every=2"]) == 1
     printed = capsys.readouterr().err

@@ -17,7 +17,7 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import Fp8Config
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
-from tests.test_layers import SINGLE, build, randn
+from tests.support.layers import SINGLE, build, randn
 
 
 def fp8(recipe: str, emulate: bool = True) -> Float8Matmul:

@@ -32,9 +32,8 @@ from megalite import train as train_module
 from megalite.data.batches import Batch, BatchOrder, Prefetcher
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.support.checkpoints import read_whole_state
-from tests.test_loop import InOrder
-from tests.test_resume import kill_every_process_of
-from tests.test_train import losses, run_train
+from tests.support.launch import kill_every_process_of
+from tests.support.runs import InOrder, losses, run_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megalite import cli
+from tests.support.launch import REQUIRED
 
 ROOT = Path(__file__).resolve().parent.parent
 # `megalite ARGS` as the console script runs it; its last line on stderr says whether torch
@@ -33,10 +34,6 @@ OPTIONS = {
     "sweep-status": ["sweep_dir", "-h", "--json"],
     "prepare-data": None,  # another module's options, parsed there before torch already
 }
-# The arguments each command with a parser in command_args requires.
-REQUIRED = {"train": [], "export": ["--ckpt", "C", "--to-hf", "OUT"], "import": ["--from-hf", "D", "--to", "C"],
-            "eval": ["--ckpt", "C", "--text", "T"], "generate": ["--ckpt", "C", "--prompt", "P"],
-            "slurm": ["S.yaml", "--dry-run"], "sweep-status": ["DIR"]}
 
 
 def megalite(*args: str) -> subprocess.CompletedProcess:

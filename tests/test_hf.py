@@ -17,23 +17,12 @@ from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
-from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, read_whole_state, save_checkpoint  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.support.models import CONFIGS, padded_batch  # noqa: E402
+from tests.support.hf import MODELS, random_hf_model, run_cli  # noqa: E402
+from tests.support.models import padded_batch  # noqa: E402
 
-VOCAB = 320
 TOL = dict(atol=1e-4, rtol=1e-4)
-MODELS = {
-    "gpt2": dataclasses.replace(CONFIGS["gpt2"], vocab_size=VOCAB, max_seq_len=64),
-    "llama": dataclasses.replace(CONFIGS["llama"], vocab_size=VOCAB, max_seq_len=64),
-}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_bpe(["tensor parallel training of language models " * 20], VOCAB).save(str(path))
-    return path
 
 
 def batch(cfg):
@@ -65,24 +54,6 @@ def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokeniz
     assert_close(theirs[real], ours[real], **TOL)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok.pad_token_id == 2 and tok.eos_token_id == 0
-
-
-def random_hf_model(name: str, directory, tokenizer_file):
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
-                                         n_head=4, activation_function="gelu_new")
-    else:
-        config = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64,
-                                          hidden_size=32, intermediate_size=48,
-                                          num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, tie_word_embeddings=False,
-                                          rms_norm_eps=1e-5)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    # Llama is saved in shards (with model.safetensors.index.json), GPT-2 in one file.
-    model.save_pretrained(directory, max_shard_size="40KB" if name == "llama" else "5GB")
-    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    return model
 
 
 def check_imported_logits(tp: int, ckpt: str, ids, mask):
@@ -158,18 +129,6 @@ def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
         export_hf(ckpt, tmp_path / "hf")
 
 
-def run_cli(*args):
-    """What `megalite ARGS` prints, run in this process (a launch would only add imports)."""
-    import io
-    from contextlib import redirect_stdout
-
-    from megalite.cli import main
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert main(list(args)) == 0
-    return out.getvalue()
-
-
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
@@ -219,7 +178,7 @@ def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file)
     from safetensors.torch import load_file
 
     from megalite.train import main
-    from tests.test_train import run_train
+    from tests.support.runs import run_train
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     import_hf(tmp_path / "hf", tmp_path / "imported")
     corpus = tmp_path / "c.jsonl"

@@ -17,9 +17,7 @@ from megalite.model import GPT  # noqa: E402
 from megalite.model.router import group_limited  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_architectures import same_as_transformers  # noqa: E402
-from tests.test_hf_moe import CONTEXT  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
 
 
 def deepseek_config(q_lora_rank):

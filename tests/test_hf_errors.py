@@ -11,7 +11,7 @@ import pytest
 from megalite import cli
 from megalite.hf.convert import export_hf, import_hf, pretrained_config
 from megalite.typed_config import ConfigError
-from tests.test_hf import random_hf_model, tokenizer_file  # noqa: F401 (a fixture)
+from tests.support.hf import random_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

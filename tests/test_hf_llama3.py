@@ -59,7 +59,7 @@ def save_hf_model(config, directory, seed=0):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """name -> (transformers model, its directory, the megalite checkpoint imported from it)."""
-    from tests.test_real_tokenizers import llama3_shaped
+    from tests.support.tokenizer_shapes import llama3_shaped
     root = tmp_path_factory.mktemp("llama3")
     tokenizer = llama3_shaped(root / "tokenizer")
     vocab = load_tokenizer(tokenizer).vocab_size  # its special tokens last, as Llama 3's

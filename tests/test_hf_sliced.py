@@ -21,7 +21,7 @@ from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint, load_full_weights
-from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, save_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import padded_batch
 
@@ -233,7 +233,7 @@ def test_sharded_export_loads_in_transformers_with_megalites_loss(tmp_path, hf_d
     """A megalite checkpoint (DCP) exported in >= 2 shards: transformers' loss equals
     megalite's, to 1e-5 in fp32; bf16 rounds every weight (relative 2**-9), which moves the loss
     of these random models by a few 1e-3."""
-    from tests.test_hf import MODELS
+    from tests.support.hf import MODELS
     cfg = dataclasses.replace(MODELS[name], init_std=0.1)
     model = GPT(cfg, ParallelState(), seed=21)
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}

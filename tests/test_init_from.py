@@ -15,7 +15,7 @@ from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_pretrained
 from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
 
 MOE = ["model.position=rotary", "model.activation=swiglu", "model.norm=rmsnorm", "model.bias=false",
        "model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_router=sigmoid"]

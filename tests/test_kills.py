@@ -8,8 +8,8 @@ import re
 import time
 
 from tests.support.nodes import Nodes
-from tests.test_resume import assert_continues_exactly
-from tests.test_train import LAYOUT, STEPS, common
+from tests.support.resume import assert_continues_exactly
+from tests.support.runs import LAYOUT, STEPS, common
 
 KILLS, SNAPSHOT_EVERY, SEED = 5, 2, 0
 

@@ -4,34 +4,19 @@ The prefetched loop trains exactly as loading each step in turn; a failing load 
 the loop; a background save is a snapshot of the step it was asked for, complete once
 finished, and a failing write is raised on every rank with the earlier checkpoints intact.
 """
-import errno
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint.filesystem as dcp_files
 
 from megalite import train as train_module
 from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
 from megalite.training.checkpoint import CheckpointError, CheckpointWriter
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from tests.support.checkpoints import read_whole_state, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, fill_disk_of_rank_0, read_whole_state
 from tests.support.harness import run_distributed
-from tests.test_train import STEPS, common, losses
-
-
-def fill_disk_of_rank_0(full) -> None:
-    """From now on, rank 0's checkpoint writes of the tensors whose key `full(key)` fail as on
-    a full disk (in DCP's writer, where the bytes go to the file)."""
-    original = dcp_files._write_item
-
-    def write_item(transforms, stream, data, item, *args):
-        if dist.get_rank() == 0 and full(item.index.fqn):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(transforms, stream, data, item, *args)
-    dcp_files._write_item = write_item
+from tests.support.runs import InOrder, STEPS, common, losses
 
 
 def prefetch_threads() -> list[threading.Thread]:
@@ -80,22 +65,6 @@ def test_leaving_the_loop_early_stops_the_thread():
                     raise KeyboardInterrupt  # a preemption or an error in the step
     assert loaded in ([0, 1, 2], [0, 1, 2, 3])  # one step ahead at most (or cancelled unstarted)
     assert not prefetch_threads()
-
-
-class InOrder:
-    """The loop without a prefetch thread: each step loaded when the loop reaches it."""
-
-    def __init__(self, load, steps):
-        self.load, self.steps = load, steps
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def __iter__(self):
-        return ((step, self.load(step)) for step in self.steps)
 
 
 def test_prefetched_training_equals_training_without_prefetch(tmp_path, cache, monkeypatch):

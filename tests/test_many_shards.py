@@ -17,16 +17,13 @@ from megalite.data.indexed import OPEN_SHARDS, IndexedShard, ShardWriter
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.prep.command import main as prepare_main
 from megalite.data.tokenizer import train_bpe
+from tests.support.data import write_jsonl
 from tests.support.harness import run_distributed
-from tests.test_train import losses, run_train
+from tests.support.runs import losses, run_train
 
 SHARDS = 2000
 FD_LIMIT = 1024  # the usual default: 2,000 shards opened at once would need 4,000 descriptors
 TEXTS = [f"doc {i} {'of maps ' * (i % 3)}" for i in range(2 * SHARDS)]  # short: a cheap evaluation
-
-
-def write_jsonl(path, texts) -> None:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
 
 @pytest.fixture(scope="module")

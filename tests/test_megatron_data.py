@@ -18,7 +18,7 @@ from megalite.prep.command import prepare_for_run  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.run_config import DataConfig  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
-from tests.test_train import common, losses, train_run  # noqa: E402
+from tests.support.runs import common, losses, train_run  # noqa: E402
 
 TEXTS = [f"Shard test {i}. " + "Pipelines split layers; tensors split matrices. " * (1 + i % 5)
          for i in range(160)]

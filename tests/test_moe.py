@@ -6,9 +6,8 @@
   one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
   EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1
   and top-2, softmax and sigmoid routers, shared experts, dropless and with a capacity factor;
-  a batch where one EP rank and two experts receive no token at all;
-- the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
-  model uses, at EP2 and EP4;
+  a batch where one EP rank and two experts receive no token at all (the all-to-alls' bytes per
+  MoE layer: tests/test_tools_comm.py);
 - a layout expert parallelism cannot split is refused before any collective.
 """
 import dataclasses
@@ -19,8 +18,6 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.testing import assert_close
 
-from bench.comm import CommLog
-from bench.scaling_model import moe_all_to_all_bytes
 from megalite.config import ParallelConfig
 from megalite.layout_rules import check_layout
 from megalite.data.batches import Batch
@@ -36,29 +33,10 @@ from megalite.training.grads import sum_embedding_copies
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
+from tests.support.moe import MOE, moe_layers, moe_layers_by_name
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)
-BALANCING = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-MOE = {
-    # Mixtral's shape: SwiGLU experts, softmax top-2 renormalised.
-    "top2": dataclasses.replace(CONFIGS["llama"], n_experts=4, moe_top_k=2, moe_ffn_hidden=24,
-                                **BALANCING),
-    # DeepSeek-V3's: sigmoid scores, a shared expert; Qwen2-MoE's sigmoid gate on it; every
-    # other layer dense.
-    "top1 sigmoid shared": dataclasses.replace(
-        CONFIGS["gpt2"], n_layers=2, n_experts=4, moe_top_k=1, moe_router="sigmoid",
-        moe_renormalize=False, moe_every=2, n_shared_experts=1, moe_shared_gate=True,
-        moe_ffn_hidden=16, **BALANCING),
-}
-
-
-def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-
-
-def moe_layers(model: GPT) -> list[MoE]:
-    return list(moe_layers_by_name(model).values())
 
 
 def force_routing(model: GPT, scores: list[float]) -> None:
@@ -218,27 +196,6 @@ def test_a_rank_and_experts_with_no_tokens():
     loads = run_distributed(check_moe_step, 2, "top1 sigmoid shared", ParallelConfig(ep=2), "left",
                             {"moe_top_k": 2}, [2.0, 1.0, 1.0, 1.0])
     assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
-
-
-def count_all_to_all_bytes(ep: int) -> tuple[int, int]:
-    """(bytes this rank's all-to-alls took over the EP group in one forward and backward,
-    the formula's for its MoE layers)."""
-    cfg = MOE["top2"]
-    ps = ParallelState.from_world(1, pipeline=ParallelConfig(ep=ep))
-    model = GPT(cfg, ps, seed=3)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ps.dp_rank))
-    with CommLog(ps) as log:
-        model(ids, labels=ids, loss_scale=0.01).loss.backward()
-    measured = sum(r["bytes"] for r in log.records if r["op"] == "all_to_all_single" and r["group"] == "ep")
-    return measured, len(moe_layers(model)) * moe_all_to_all_bytes(cfg, ids.numel(), 4)
-
-
-@pytest.mark.parametrize("ep", [2, 4])
-def test_all_to_all_bytes_per_layer_equal_the_formula(ep):
-    """Summed over the EP ranks: a rank's outputs going back are its experts' rows, which only
-    balanced routing makes equal to its own tokens' copies."""
-    measured, formula = (sum(column) for column in zip(*run_distributed(count_all_to_all_bytes, ep, ep)))
-    assert measured == formula > 0
 
 
 def test_capacity_drops_by_place_in_the_batch():

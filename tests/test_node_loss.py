@@ -7,8 +7,8 @@ import time
 
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.support.nodes import Nodes
-from tests.test_resume import assert_continues_exactly
-from tests.test_train import LAYOUT, STEPS, common
+from tests.support.resume import assert_continues_exactly
+from tests.support.runs import LAYOUT, STEPS, common
 
 SNAPSHOTS = ["train.checkpoint_every=0", "train.snapshot_every=2"]
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from megalite.hf.convert import export_hf, import_hf
 from tests.support.checkpoints import read_whole_state
-from tests.test_train import losses, run_train
+from tests.support.runs import losses, run_train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "b4372df"
 

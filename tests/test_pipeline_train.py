@@ -5,9 +5,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.test_reshard import SAVED_AT, resume_and_compare
-from tests.test_resume import ROOT, torchrun
-from tests.test_train import assert_same_training, common, train_run
+from tests.support.launch import ROOT, torchrun
+from tests.support.resume import SAVED_AT, resume_and_compare
+from tests.support.runs import assert_same_training, common, train_run
 
 PIPELINE = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
             "train.micro_batch_size=2", "train.checkpoint_every=5"]

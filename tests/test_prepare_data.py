@@ -17,36 +17,11 @@ from megalite.data.indexed import IndexedShard
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.data.docs import held_out
 from megalite.data.raw_files import expand_inputs
-from megalite.data.tokenizer import load_tokenizer, train_bpe
+from megalite.data.tokenizer import load_tokenizer
 from megalite.typed_config import ConfigError
+from tests.support.data import TEXTS, tokenizer, write_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [f"Document {i}: caf\u00e9, tensors \u2014 and {'gradients ' * (i % 7)}\n  indented\n" for i in range(120)]
-
-
-def tokenizer(tmp_path, vocab=400) -> Path:
-    path = tmp_path / f"tok{vocab}.json"
-    if not path.is_file():
-        train_bpe(TEXTS, vocab).save(str(path))
-    return path
-
-
-def write_inputs(root: Path) -> dict[str, list[str]]:
-    """The same kind of text in every format megalite reads; returns each file's documents."""
-    root.mkdir(parents=True, exist_ok=True)
-    parts = {name: TEXTS[i * 30:(i + 1) * 30] for i, name in
-             enumerate(["a.jsonl.gz", "b.jsonl.zst", "c.parquet", "d.txt"])}
-    lines = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(parts["a.jsonl.gz"]))
-    (root / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
-    lines = "".join(json.dumps({"text": t}) + "\n" for t in parts["b.jsonl.zst"])
-    (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    table = pa.table({"id": [str(i) for i in range(30)], "text": parts["c.parquet"],
-                      "language": ["en"] * 30})
-    pq.write_table(table, root / "c.parquet", row_group_size=7)
-    # .txt documents are separated by two blank lines (their own edge newlines are dropped).
-    parts["d.txt"] = [t.strip("\n") for t in parts["d.txt"]]
-    (root / "d.txt").write_text("\n\n\n".join(parts["d.txt"]))
-    return parts
 
 
 def decoded(out: Path, info) -> list[list[str]]:
@@ -220,7 +195,7 @@ def test_the_command_prepares_globs_and_files_then_trains_on_the_directory(tmp_p
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["documents"] == 90
     assert "prepare" in done.stderr and "tok/s" in done.stderr  # the progress bar
-    from tests.test_train import common, train_run
+    from tests.support.runs import common, train_run
     run = tmp_path / "run"
     train_run(1, common(str(tmp_path / "cache"), run, "packed") + [
         f"data.path={out}", "train.max_steps=2", "train.micro_batch_size=8"])

@@ -14,7 +14,8 @@ import pytest
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.data.raw_files import expand_inputs
 from megalite.typed_config import ConfigError
-from tests.test_prepare_data import ROOT, TEXTS, tokenizer, write_inputs
+from tests.support.data import TEXTS, tokenizer, write_inputs
+from tests.support.launch import ROOT
 
 
 def process_group(pgid: int) -> list[int]:

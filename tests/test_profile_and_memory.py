@@ -13,7 +13,7 @@ from megalite.run_setup import validate
 from megalite.training.metrics import peak_memory_bytes
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
 
 STEPS = 4
 

@@ -8,7 +8,6 @@ step the model holds the masters rounded to bf16, exactly. At TP1xDP2 the synced
 gradients are the per-rank ones summed. DeepSpeed refuses the mode before launch. Through the
 trainer, checkpoints hold the fp32 masters and resume exactly.
 """
-import dataclasses
 import shutil
 
 import pytest
@@ -25,31 +24,10 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.mixed_precision import MasterWeights
 from megalite.typed_config import ConfigError
+from tests.support.bf16 import (LOSS_TOLERANCE, STEPS, check_model_is_the_rounded_masters, config,
+                                micro_batches)
 from tests.support.checkpoints import read_whole_state
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, padded_batch
-
-# The global batch: 2 micro-batches of 2 rows per DP rank at DP2.
-LENGTHS = (12, 7, 3, 10, 5, 9, 11, 4)
-STEPS = 3
-# The loss is ~4.6 (log of the vocabulary). pure_bf16 differs from autocast by rounding the
-# weights and every activation between ops to bf16 (unit roundoff 2^-9 each) where autocast
-# keeps them fp32; over 3 steps that moves the mean token loss by ~3e-3 here (0.07%), while a
-# real bug (an unsynced or unscaled gradient, a skipped update) moves it by more than 0.1.
-LOSS_TOLERANCE = 0.01
-
-
-def config(name: str) -> ModelConfig:
-    return dataclasses.replace(CONFIGS[name], dropout=0.0)  # no dropout: the runs are comparable
-
-
-def micro_batches(cfg: ModelConfig, ps: ParallelState) -> tuple[list[Batch], torch.Tensor]:
-    """This DP rank's 2 micro-batches of the global batch, and the global batch's token count."""
-    ids, _, labels = padded_batch(cfg, "right", LENGTHS)
-    per_rank = len(LENGTHS) // ps.dp_size
-    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
-    batches = [Batch(x, y) for x, y in zip(ids[rows].chunk(2), labels[rows].chunk(2))]
-    return batches, (labels != -100).sum().float()
 
 
 def train(name: str, ps: ParallelState, precision: str) -> tuple[list[float], NativeEngine]:
@@ -67,19 +45,6 @@ def train(name: str, ps: ParallelState, precision: str) -> tuple[list[float], Na
         losses.append(loss.item())
         check_model_is_the_rounded_masters(engine)
     return losses, engine
-
-
-def check_model_is_the_rounded_masters(engine: NativeEngine) -> None:
-    for p in engine.model.parameters():
-        master = engine.master(p)
-        if engine.masters is None:
-            assert master is p
-            continue
-        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
-        assert p.grad is None and master.grad.dtype == torch.float32
-        assert torch.equal(p.detach(), master.detach().bfloat16())
-        assert all(m.dtype == torch.float32 for m in engine.optimizer_state(p).values())
-        assert engine.optimizer_state(p)
 
 
 def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:
@@ -175,7 +140,7 @@ def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     """Through megalite.train: the checkpoint holds the fp32 master weights (not the bf16
     model), a run resumed from it continues with the uninterrupted run's losses, and sampling
     (bf16 KV cache) works at the end."""
-    from tests.test_train import common, losses, train_run
+    from tests.support.runs import common, losses, train_run
     run = common(cache, tmp_path / "a", "packed") + ["train.precision=pure_bf16", "train.max_steps=6",
                                                       "train.checkpoint_every=3"]
     train_run(1, run)

@@ -25,9 +25,9 @@ from megalite.training.checkpoint import load_checkpoint
 from megalite.training.build import build_model
 from megalite.run_setup import with_pretrained, with_tokenizer_vocab
 from tests.support.harness import run_distributed
+from tests.support.runs import losses, run_train
+from tests.support.tokenizer_shapes import SHAPES, TEXTS
 # The shapes' module fixtures, built once per module here too.
-from tests.test_real_tokenizers import SHAPES, TEXTS, corpus, hf_tokenizers  # noqa: F401
-from tests.test_train import losses, run_train
 
 
 def eval_text(tmp_path, tokenizer) -> tuple[object, list[int]]:

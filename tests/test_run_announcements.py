@@ -12,8 +12,8 @@ from megalite.model.mlp import MLP
 from megalite.run_config import Fp8Config, TrainConfig
 from megalite.training.optim import describe_schedule
 from megalite.typed_config import ConfigError
-from tests.test_layers import SINGLE
-from tests.test_train import common, run_train
+from tests.support.layers import SINGLE
+from tests.support.runs import common, run_train
 
 SMALL = "fp8 tensorwise: 0 of 10 block layers in FP8; in high precision: 10 too small to gain " \
         "(train.fp8.layers=auto, torchao's size filter; train.fp8.layers=all converts them)"

@@ -32,9 +32,10 @@ from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_epochs, with_pretrained
 from megalite.typed_config import ConfigError
 from megalite.train import sample_sets
+from tests.support.chat import QWEN
+from tests.support.data import write_records
 from tests.support.harness import run_distributed
-from tests.test_chat import QWEN
-from tests.test_train import STEPS, assert_same_training, losses, train_run
+from tests.support.runs import STEPS, assert_same_training, losses, one_process_runs, train_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,11 +81,6 @@ def as_messages(record: dict) -> list[dict]:
             {"role": "assistant", "content": record["completion"]}]
 
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
@@ -110,8 +106,8 @@ def sft(tmp_path_factory):
         tok.save(str(directory / "tokenizer.json"))
         (directory / "tokenizer_config.json").write_text(json.dumps(
             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN}))
-    return SimpleNamespace(root=root, dirs=dirs, train=write_jsonl(root / "train.jsonl", train),
-                           held=write_jsonl(root / "held.jsonl", held), held_records=held)
+    return SimpleNamespace(root=root, dirs=dirs, train=write_records(root / "train.jsonl", train),
+                           held=write_records(root / "held.jsonl", held), held_records=held)
 
 
 def settings(sft, model: str, mode: str, run_dir) -> list[str]:
@@ -126,13 +122,11 @@ def settings(sft, model: str, mode: str, run_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, sft):
-    runs = {}
+    runs = one_process_runs(tmp_path_factory)
 
     def run(model: str, mode: str):
-        if (model, mode) not in runs:
-            runs[model, mode] = tmp_path_factory.mktemp(f"single-{model}-{mode}")
-            train_run(1, settings(sft, model, mode, runs[model, mode]))
-        return runs[model, mode]
+        return runs((model, mode), lambda run_dir: settings(sft, model, mode, run_dir),
+                    f"single-{model}-{mode}")
     return run
 
 
@@ -326,7 +320,7 @@ def test_epochs_set_the_steps(sft, tmp_path):
 
 def test_a_bad_conversation_is_named(tmp_path, sft, single):
     ckpt = single("dense", "padded") / "checkpoints" / f"step_{STEPS:08d}"
-    bad = write_jsonl(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
+    bad = write_records(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
     with pytest.raises(ConfigError, match=r"--chat '.*bad\.jsonl' line 2: the record has neither "
                                           r"'messages' nor 'prompt' and 'completion'"):
         evaluate_main(["--ckpt", str(ckpt), "--chat", str(bad)])
@@ -344,7 +338,7 @@ def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
     other.train_from_iterator(WORDS * 3, trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"],
                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     other.save(str(tmp_path / "other.json"))
-    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": " ".join(WORDS)}] * 8)
+    docs = write_records(tmp_path / "docs.jsonl", [{"text": " ".join(WORDS)}] * 8)
     prepare_directory([docs], tmp_path / "prepared", PrepareSettings(
         tokenizer=str(tmp_path / "other.json"), progress=False))
     with pytest.raises(ConfigError, match=r"different tokenizers: .*'train\.init_from' \(.*dense/"

@@ -80,7 +80,7 @@ def test_an_id_beyond_the_tokenizers_vocabulary_is_refused_naming_the_shard(tmp_
 
 
 def test_every_rank_exits_with_the_id_error_under_torchrun(tmp_path):
-    from tests.test_train_inputs import small_args
+    from tests.support.runs import small_args
     tok = tokenizer(tmp_path)
     prefix = tmp_path / "bad_text_document"
     writer = ShardWriter(prefix, np.uint16)

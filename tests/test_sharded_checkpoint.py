@@ -17,10 +17,9 @@ from safetensors.torch import save_file
 
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
-from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
-from tests.test_reshard import SAVED_AT, resume_and_compare
-from tests.test_resume import args, kill_then_resume, uninterrupted
-from tests.test_train import common, train_run
+from tests.support.checkpoints import WeightsOnly, read_whole_state, save_checkpoint
+from tests.support.resume import SAVED_AT, args, kill_then_resume, resume_and_compare, uninterrupted
+from tests.support.runs import common, train_run
 
 # Eight layers: four stages of two model chunks each.
 MODEL = ("model.n_layers=8",)

@@ -19,7 +19,7 @@ from megalite.launch.slurm import write_sweep as write_sweep_files
 from megalite.launch.sweep import load_sweep
 from megalite.typed_config import ConfigError
 from tests.support import slurm_cluster
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_slurm = pytest.mark.skipif(not slurm_cluster.available(),

@@ -11,8 +11,7 @@ from megalite.parallel.random import TensorParallelRNG, run_rng_state
 from megalite.parallel.state import ParallelState
 from megalite.training.snapshots import Snapshots
 from tests.support.harness import run_distributed
-from tests.test_resume import (args, assert_continues_exactly, resumed_step, snapshot_restart,
-                               uninterrupted)
+from tests.support.resume import args, assert_continues_exactly, resumed_step, snapshot_restart, uninterrupted
 
 
 class Engine:

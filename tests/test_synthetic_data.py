@@ -7,8 +7,8 @@ import pytest
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
-from tests.test_prepare_data import tokenizer
-from tests.test_train import assert_same_training, common, run_train, train_run
+from tests.support.data import tokenizer
+from tests.support.runs import assert_same_training, common, run_train, train_run
 
 DOCS = 300
 

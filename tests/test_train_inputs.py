@@ -14,20 +14,10 @@ from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.train import main
 from megalite.typed_config import ConfigError
-from tests.test_train import STEPS, assert_same_training, common, train_run
+from tests.support.data import write_jsonl
+from tests.support.runs import STEPS, assert_same_training, common, small_args, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def small_args(tmp_path, data_path, *extra) -> list[str]:
-    return common(str(tmp_path / "cache"), tmp_path / "run", "padded") + [
-        f"data.path={data_path}", "data.val_fraction=0.0", "train.max_steps=2",
-        "train.global_batch_size=2", "train.micro_batch_size=2", *extra]
-
-
-def write_jsonl(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 PROSE = ("Tensor parallelism splits each weight matrix across devices, so that every device "
