@@ -6,6 +6,8 @@ import pytest
 
 from tests.support.runs import LLAMA, assert_same_training, common, train_run
 
+pytestmark = pytest.mark.exactness
+
 QWEN3 = LLAMA + ["model.qk_norm=true", "model.head_dim=16", "model.sliding_window=8",
                  "model.sliding_window_pattern=2"]
 ARCHITECTURES = {  # name -> (its settings, rows)

@@ -10,6 +10,8 @@ from tests.support.chat import CONVERSATIONS, LLAMA3, TEMPLATES, TOKENS
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.unit
+
 
 def hf(tokenizer, name: str):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, **TOKENS[name])

@@ -21,6 +21,7 @@ from megalite import cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [[], ["trian"]])
 def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
     assert cli.main(argv) == 2
@@ -30,6 +31,7 @@ def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
         assert "unknown command 'trian' (did you mean 'train'?)" in err
 
 
+@pytest.mark.unit
 def test_version_is_the_installed_packages(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"megalite {importlib.metadata.version('megalite')}\n"
@@ -49,6 +51,7 @@ COMMANDS_WITH_CKPT = {"export": ["--to-hf", "out"], "eval": ["--text", "some.txt
                       "generate": ["--prompt", "The"]}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", sorted(COMMANDS_WITH_CKPT))
 def test_a_run_directory_given_as_ckpt_suggests_its_newest_checkpoint(tmp_path, capsys, command):
     newest = fake_run_dir(tmp_path / "run")
@@ -59,6 +62,7 @@ def test_a_run_directory_given_as_ckpt_suggests_its_newest_checkpoint(tmp_path, 
         assert f"give its newest checkpoint, '{newest}'" in err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", sorted(COMMANDS_WITH_CKPT))
 def test_a_hugging_face_directory_given_as_ckpt_suggests_import(tmp_path, capsys, command):
     hf = tmp_path / "hf"
@@ -103,6 +107,7 @@ def run_logged_to_a_pipe(tmp_path_factory, cache):
     return run_dir, done.stdout
 
 
+@pytest.mark.e2e
 def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
     _, out = run_logged_to_a_pipe
     assert "\r" not in out
@@ -115,6 +120,7 @@ def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
     assert all(v.startswith("step ") for v in validations)  # on a line of its own
 
 
+@pytest.mark.e2e
 def test_checkpoints_and_exports_follow_the_umask(run_logged_to_a_pipe, tmp_path):
     run_dir, _ = run_logged_to_a_pipe
     assert_modes_follow_umask(run_dir / "checkpoints", 0o022)
@@ -135,6 +141,7 @@ def small_gz(tmp_path_factory):
     return path, len(text)
 
 
+@pytest.mark.unit
 def test_reading_counts_the_text_as_decompressed(small_gz):
     from megalite.prep.sources import read_chunks
     path, text_bytes = small_gz
@@ -143,6 +150,7 @@ def test_reading_counts_the_text_as_decompressed(small_gz):
     assert chunks[-1].read_to == path.stat().st_size < text_bytes
 
 
+@pytest.mark.unit
 def test_prepare_data_in_a_log_file_announces_the_bpe_and_prints_lines(small_gz, tmp_path, capsys):
     path, _ = small_gz
     out = tmp_path / "bpe"
@@ -159,6 +167,7 @@ def test_prepare_data_in_a_log_file_announces_the_bpe_and_prints_lines(small_gz,
                         rf"[\d.]+ MB/s of text, [\d,]+ tok/s, 300 docs", lines[-1]), lines
 
 
+@pytest.mark.unit
 def test_prepared_data_follows_the_umask_whatever_the_tokenizers_mode(small_gz, tmp_path):
     from megalite.data.tokenizer import train_bpe
     path, _ = small_gz
@@ -204,31 +213,37 @@ def threads_of(command: str, load: float, **env: str) -> str:
 COMPUTING = ("export", "import", "eval", "generate")
 
 
+@pytest.mark.unit
 def test_the_commands_that_compute():
     assert cli.COMPUTING == COMPUTING
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cores,load,threads", [(2, 0.3, 2), (2, 0.6, 1), (2, 5.0, 1), (6, 2.4, 4),
                                                 (16, 3.2, 13), (16, 0.0, 16)])
 def test_threads_are_the_cores_other_processes_leave(cores, load, threads):
     assert cli.torch_threads(cores, load) == threads
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", COMPUTING)
 def test_a_computing_command_takes_the_idle_cores_where_omp_num_threads_is_unset(command):
     assert threads_of(command, load=1.2) == "1 1"  # of 2 cores, 1.2 busy: torch alone takes 2
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch takes no more threads than cores")
 def test_omp_num_threads_set_by_the_user_is_kept():
     assert threads_of("eval", load=0.0) == "2 2"
     assert threads_of("eval", load=0.0, OMP_NUM_THREADS="1") == "1 1"
 
 
+@pytest.mark.e2e
 def test_train_keeps_torchs_threads_whatever_the_load():
     """A run's numbers depend on the threads: the load must not choose them."""
     assert threads_of("train", load=1.2).endswith(" None")  # torch chooses, as without megalite
 
 
+@pytest.mark.e2e
 def test_torchrun_leaves_its_workers_threads_to_torchrun():
     assert threads_of("torchrun", load=1.2).endswith(" None")  # it sets 1 per rank itself

@@ -9,6 +9,8 @@ import pytest
 from tests.support.resume import resume_and_compare
 from tests.support.runs import STEPS, assert_same_training, common, train_run
 
+pytestmark = pytest.mark.exactness
+
 
 def ran_at(run_dir) -> dict:
     return json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())["layout"]

@@ -8,8 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import psutil
 from tests.support.launch import megalite_lines, stepped
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,6 +8,8 @@ import pytest
 from tests.support.runs import (DEEPSEEK, assert_docs_command_trains_like_one_process,
                                 assert_same_training, common, train_run)
 
+pytestmark = pytest.mark.exactness
+
 LAYOUTS = {
     "tp2-dp2": ["parallel.tp=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],

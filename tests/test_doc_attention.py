@@ -34,6 +34,7 @@ from tests.support.models import CONFIGS, padded_batch
 LENGTHS = (13, 130)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seq", LENGTHS)
 def test_the_dense_mask_is_the_document_causal_rule(seq):
     ids, mask, docs, _ = packed_batch(100, seq)
@@ -46,6 +47,7 @@ def test_the_dense_mask_is_the_document_causal_rule(seq):
         assert torch.equal(layout.mask, reference_mask(mask_, docs_))
 
 
+@pytest.mark.unit
 def test_packed_rows_carry_a_block_mask_where_flex_runs_and_right_padding_no_mask():
     ids, mask, docs, _ = packed_batch(100, 13)
     right_ids, right_mask, _ = padded_batch(CONFIGS["gpt2"], "right")
@@ -65,6 +67,7 @@ def unmasked(batch: tuple) -> tuple:
 
 # Each config at each length, with and without an attention mask: eager flex costs ~0.3 s of
 # CPU per forward and backward, too much for every combination.
+@pytest.mark.unit
 @pytest.mark.parametrize("config_name, seq, masked", [
     ("gpt2", 13, True), ("gpt2", 130, False), ("llama", 13, False), ("llama", 130, True)])
 def test_flex_equals_dense_single_process(config_name, seq, masked):
@@ -73,6 +76,7 @@ def test_flex_equals_dense_single_process(config_name, seq, masked):
     flex_equals_dense(cfg, ParallelState(), batch if masked else unmasked(batch))
 
 
+@pytest.mark.unit
 def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
     """Packed rows, one shape a run, compile flex and its block mask dynamic=False (training
     and evaluation alike); a window over right-padded rows, whose width changes with each
@@ -92,11 +96,13 @@ def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
     assert set(used) == {(torch_flex.create_block_mask, None), (torch_flex.flex_attention, None)}
 
 
+@pytest.mark.unit
 def test_attention_dropout_falls_back_to_the_dense_path_exactly():
     cfg = config("llama", 13, dropout=0.2)
     flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
 
 
+@pytest.mark.unit
 def test_heads_narrower_than_flex_takes_fall_back_to_the_dense_path_exactly():
     cfg = config("llama", 13, hidden=32)  # heads of 8: GPU flex_attention refuses them
     flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
@@ -115,5 +121,6 @@ def check_flex_equals_dense_at_tp2():
                           batch, exact=True)
 
 
+@pytest.mark.exactness
 def test_flex_equals_dense_tensor_and_sequence_parallel():
     run_distributed(check_flex_equals_dense_at_tp2, 2)

@@ -2,6 +2,8 @@
 under PP, each stage its own masks."""
 import dataclasses
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -11,6 +13,8 @@ from megalite.parallel.random import TensorParallelRNG, seed_replicated_dropout
 from megalite.parallel.state import ParallelState
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, padded_batch, same_on_all_ranks
+
+pytestmark = pytest.mark.exactness
 
 
 def check_tracker():

@@ -20,6 +20,8 @@ from megalite.parallel import matmul
 from tests.support.harness import run_distributed
 from tests.support.runs import STEPS, common, losses, one_process_runs, run_train, train_run
 
+pytestmark = pytest.mark.exactness
+
 TOL = 1e-6  # steps 1 and 2
 DRIFT = 1e-3  # every step's loss, relative
 ALL = ["train.fp8.layers=all", "train.fp8.emulate=true", "train.checkpoint_every=5"]

@@ -24,10 +24,12 @@ def one_process():
     return functools.cache(lambda n_layers: check_cache_and_batching(1, n_layers=n_layers))
 
 
+@pytest.mark.unit
 def test_cache_and_batching_single_process(one_process):
     one_process(2)
 
 
+@pytest.mark.exactness
 def test_generation_at_tp2_equals_tp1(one_process):
     single = one_process(2)
     assert run_distributed(check_cache_and_batching, 2, 2) == [single, single]
@@ -35,6 +37,7 @@ def test_generation_at_tp2_equals_tp1(one_process):
 
 # With sequence parallelism, the prompt's forward without a cache runs on sequence shards, the
 # cached decoding steps on whole (one-token) sequences: the stages must agree on which.
+@pytest.mark.exactness
 @pytest.mark.parametrize("tp, sp, pipeline", [
     (1, False, ParallelConfig(pp=4)),
     (1, False, ParallelConfig(pp=2, pp_schedule="interleaved", virtual_stages=2)),
@@ -46,6 +49,7 @@ def test_generation_with_pipeline_stages_equals_one_process(one_process, tp, sp,
     assert run_distributed(check_cache_and_batching, world, tp, sp, pipeline, 4) == [single] * world
 
 
+@pytest.mark.unit
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0]]).log_softmax(-1).repeat(200, 1)
     g = torch.Generator().manual_seed(0)
@@ -56,6 +60,7 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
     assert pick(logits[:1], 0.0, 0, 1.0, g).tolist() == [0]
 
 
+@pytest.mark.unit
 def test_each_row_stops_at_its_own_eos_and_bad_prompts_are_refused():
     model = GPT(CONFIGS["gpt2"], ParallelState(), seed=3)
     free = generate(model, PROMPTS, 8, pad_id=PAD_ID)
@@ -80,6 +85,7 @@ def generated(argv: list[str]) -> str:
     return out.getvalue()
 
 
+@pytest.mark.e2e
 def test_the_command_runs_stages_of_uneven_layer_counts(tmp_path, cache):
     run_dir = tmp_path / "run"
     train_run(1, common(cache, run_dir, "packed") + [

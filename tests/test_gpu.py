@@ -46,7 +46,8 @@ from tests.support.models import CONFIGS, padded_batch
 
 # no_tf32 (tests/conftest.py): fp32 matmuls in full fp32 in every test here.
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.usefixtures("no_tf32")]
+              pytest.mark.usefixtures("no_tf32"),
+              pytest.mark.exactness]
 
 # Packed rows one token past FlexAttention's 128-token block: its last block is partial.
 FLEX_SEQ = 130

@@ -128,6 +128,7 @@ def check_prefetch(device: torch.device, cache, tmp_path: Path, monkeypatch) -> 
         assert got == expected and expected, (key, "pinned, prefetched:", expected, "not:", got)
 
 
+@pytest.mark.exactness
 def test_prefetched_batches_arrive_pinned_and_equal_the_unpinned_path(cache, tmp_path, monkeypatch):
     check_prefetch(CUDA, cache, tmp_path, monkeypatch)
 
@@ -280,5 +281,6 @@ def check_kill_and_resume(device: torch.device, cache, tmp_path: Path) -> None:
     check_probe(killed, device, 2)
 
 
+@pytest.mark.e2e
 def test_kill_and_resume_under_torchrun_continues_exactly(cache, tmp_path):
     check_kill_and_resume(CUDA, cache, tmp_path)

@@ -61,10 +61,12 @@ def check_partly_used_in_buckets() -> None:
     check_partly_used(ps, bucket_mb=25.0)  # one bucket
 
 
+@pytest.mark.exactness
 def test_parameters_without_gradients_do_not_deadlock():
     run_distributed(check_partly_used_in_buckets, 2, timeout=60)
 
 
+@pytest.mark.unit
 def test_buckets_follow_backward_order_one_dtype_each_up_to_the_cap():
     f32, bf16 = torch.float32, torch.bfloat16
     sizes = [(10, f32), (300, f32), (20, bf16), (30, f32), (40, f32), (5, bf16)]
@@ -75,6 +77,7 @@ def test_buckets_follow_backward_order_one_dtype_each_up_to_the_cap():
     assert [[index[id(p)] for p in b] for b in buckets] == [[5, 2], [4, 3], [1], [0]]
 
 
+@pytest.mark.unit
 def test_bucket_size_and_reduce_dtype_are_checked():
     assert load_config(None, []).parallel.dp_bucket_mb == 25.0
     with pytest.raises(ConfigError, match=r"parallel.dp_bucket_mb=0.0 must be > 0"):

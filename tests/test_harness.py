@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from tests.support.harness import DistributedFailure, ORPHAN_EXIT, _context, guard_rank, run_distributed
 
+pytestmark = pytest.mark.e2e
+
 
 def check_rank_one_raises():
     if dist.get_rank() == 1:

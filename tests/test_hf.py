@@ -39,6 +39,7 @@ def megalite_checkpoint(cfg, tokenizer_file, directory):
     return model, path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,arch", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
 def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokenizer_file, name, arch):
     model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
@@ -65,6 +66,7 @@ def check_imported_logits(tp: int, ckpt: str, ids, mask):
         return model.full_logits(model(ids, attention_mask=mask).logits)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
@@ -80,6 +82,7 @@ def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, toke
         assert_close(ours[real], theirs[real], **TOL)
 
 
+@pytest.mark.unit
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"],
                                                       "model_type": "bert"}))
@@ -87,6 +90,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
         import_hf(tmp_path, tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     big = train_bpe(list(islice(documents(EMBEDDED), 300)), 400)
@@ -95,12 +99,14 @@ def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_half_written_checkpoint_is_refused(tmp_path):
     (tmp_path / "step_00000003").mkdir()
     with pytest.raises(ConfigError, match="is not a complete megalite checkpoint"):
         export_hf(tmp_path / "step_00000003", tmp_path / "hf")
 
 
+@pytest.mark.unit
 def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -108,6 +114,7 @@ def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_p
         GPT(cfg, ParallelState(tp_size=3))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("option,message", [
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"scale_attn_weights": False}, "scale_attn_weights=false"),
@@ -122,6 +129,7 @@ def test_gpt2_options_megalite_does_not_compute_are_refused(tmp_path, tokenizer_
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
     odd = dataclasses.replace(MODELS["gpt2"], norm="rmsnorm")
     _, ckpt = megalite_checkpoint(odd, tokenizer_file, tmp_path / "run")
@@ -129,6 +137,7 @@ def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
         export_hf(ckpt, tmp_path / "hf")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
@@ -151,6 +160,7 @@ def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, toke
     assert result["loss"] == pytest.approx(total / count, abs=1e-4)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_greedy_generation_at_tp2_equals_transformers_generate(tmp_path, tokenizer_file, name):
     # A larger init than 0.02, so that the greedy continuation is not one token repeated.
@@ -173,6 +183,7 @@ def generate_at_tp2(ckpt: str, prompt):
     return generate(model, [prompt], 12, pad_id=2)[0]
 
 
+@pytest.mark.exactness
 def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file):
     """train.init_from=HF_DIR at TP=2: with lr 0, the final weights are the imported ones."""
     from safetensors.torch import load_file

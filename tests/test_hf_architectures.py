@@ -15,6 +15,8 @@ transformers = pytest.importorskip("transformers")
 from megalite.hf.convert import checkpoint_model_config  # noqa: E402
 from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
 
+pytestmark = pytest.mark.exactness
+
 SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)

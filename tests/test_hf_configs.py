@@ -12,6 +12,8 @@ from megalite.hf.convert import ARCHITECTURES, exportable_as
 from megalite.layout_rules import check_layout
 from megalite.typed_config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
 LLAMA = dict(vocab_size=320, max_seq_len=64, n_layers=6, hidden=32, n_heads=4, n_kv_heads=2,
              ffn_hidden=48, activation="swiglu", norm="rmsnorm", position="rotary", bias=False,

@@ -137,6 +137,7 @@ def hf_generate(hf, rows: list[list[int]], pad: int) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
+@pytest.mark.unit
 def test_llama3_rope_scaling_changes_the_frequencies_in_all_three_ranges(imported):
     for name, (hf, hf_dir, ckpt) in imported.items():
         cfg = checkpoint_model_config(ckpt)
@@ -148,6 +149,7 @@ def test_llama3_rope_scaling_changes_the_frequencies_in_all_three_ranges(importe
         assert kept.any() and divided.any() and not (kept | divided).all(), ratio
 
 
+@pytest.mark.exactness
 def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
     """Llama 3.1 and 3.2 shapes: the eval loss on text longer than the pretraining context,
     greedy generation (KV cache, two left-padded prompts past position 64) at TP2 and PP2, the
@@ -172,6 +174,7 @@ def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
         assert_close(ours["cp"], hf_logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(MODELS))
 def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported, tmp_path, name):
     hf, hf_dir, ckpt = imported[name]
@@ -194,6 +197,7 @@ def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported
                  torch.tensor(hf_text_loss(hf, ids, 128)), **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("written", ["rope_parameters", "rope_scaling"])
 def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
     """Linear scaling, from transformers 5's rope_parameters or an older config.json's
@@ -217,6 +221,7 @@ def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
         assert_close(model.full_logits(model(ids).logits), hf(input_ids=ids).logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scaling", [
     dict(rope_scaling="none"), dict(rope_scaling="linear", rope_factor=2.5),
     dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
@@ -244,6 +249,7 @@ def write_llama_config(directory, **changes) -> None:
 SUPPORTED = r"\(megalite computes rope_type 'default', 'linear', 'llama3', 'yarn'\)"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rope,message", [
     ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "yarn with truncate=false"),
     ({"rope_type": "dynamic", "factor": 2.0}, f"rope scaling 'dynamic' {SUPPORTED}"),
@@ -262,6 +268,7 @@ def test_unsupported_rope_is_refused_naming_it(tmp_path, rope, message):
         pretrained_config(tmp_path)  # train.init_from
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("changes,message", [
     (dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
      r"model\.rope_high_freq_factor=1\.0 must be > model\.rope_low_freq_factor=1\.0"),

@@ -20,6 +20,8 @@ from tests.support.harness import run_distributed  # noqa: E402
 from tests.support.hf import CONTEXT, VOCAB, transformers_loss  # noqa: E402
 from tests.support.launch import run, torchrun  # noqa: E402
 
+pytestmark = pytest.mark.exactness
+
 
 def random_mixtral(directory, tokenizer_file):
     torch.manual_seed(0)

@@ -17,6 +17,8 @@ from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
 from tests.support.runs import common, losses, train_run
 
+pytestmark = pytest.mark.e2e
+
 MOE = ["model.position=rotary", "model.activation=swiglu", "model.norm=rmsnorm", "model.bias=false",
        "model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=32", "model.moe_router=sigmoid"]
 BALANCING = ["model.moe_aux_loss_coeff=0.01", "model.moe_bias_update_rate=0.001"]

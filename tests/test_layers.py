@@ -1,4 +1,7 @@
 """Parallel layers against the same layer run in one process: outputs and every gradient."""
+
+import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +14,8 @@ from megalite.parallel.vocab import VocabParallelEmbedding, softmax_grad_, softm
 from tests.support.harness import run_distributed
 from tests.support.layers import SINGLE, build, randn
 from tests.support.models import gather_full
+
+pytestmark = pytest.mark.exactness
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -23,6 +23,7 @@ def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("megalite-prefetch")]
 
 
+@pytest.mark.unit
 def test_prefetcher_loads_each_step_once_in_order_one_step_ahead():
     loaded, seen = [], []
 
@@ -41,6 +42,7 @@ def test_prefetcher_loads_each_step_once_in_order_one_step_ahead():
     assert not prefetch_threads()
 
 
+@pytest.mark.unit
 def test_an_error_in_the_prefetch_thread_is_raised_in_the_loop_at_its_step():
     def load(step):
         if step == 5:
@@ -56,6 +58,7 @@ def test_an_error_in_the_prefetch_thread_is_raised_in_the_loop_at_its_step():
     assert not prefetch_threads()
 
 
+@pytest.mark.unit
 def test_leaving_the_loop_early_stops_the_thread():
     loaded = []
     with pytest.raises(KeyboardInterrupt):
@@ -67,6 +70,7 @@ def test_leaving_the_loop_early_stops_the_thread():
     assert not prefetch_threads()
 
 
+@pytest.mark.exactness
 def test_prefetched_training_equals_training_without_prefetch(tmp_path, cache, monkeypatch):
     argv = common(cache, tmp_path / "prefetched", "packed") + ["parallel.tp=1"]
     assert train_module.main(argv) == 0
@@ -85,6 +89,7 @@ def tiny_model(ps):
     return GPT(CONFIGS["gpt2"], ps, seed=0)
 
 
+@pytest.mark.unit
 def test_a_background_save_is_a_snapshot_complete_once_finished(tmp_path, monkeypatch):
     """Training goes on (here: the weights change) while the files are written; the
     checkpoint holds the weights of the step it was asked for, and appears, with the older
@@ -142,6 +147,7 @@ def check_background_write_failing_on_rank_0(tmp):
     return "no error", None
 
 
+@pytest.mark.e2e
 def test_a_failing_background_write_is_raised_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     (r0, latest0), (r1, latest1) = run_distributed(check_background_write_failing_on_rank_0, 2,
                                                    tmp_path, timeout=60)

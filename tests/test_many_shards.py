@@ -75,6 +75,7 @@ def many_shards(many) -> list[IndexedShard]:
     return [IndexedShard(many / s["name"]) for s in meta["shards"]]
 
 
+@pytest.mark.unit
 def test_a_store_of_many_shards_holds_none_open_and_reading_them_all_keeps_the_bound(corpora):
     one, many = corpora
     before = fds()
@@ -95,6 +96,7 @@ def test_a_store_of_many_shards_holds_none_open_and_reading_them_all_keeps_the_b
     np.testing.assert_array_equal(store.starts(docs), single.starts(docs))
 
 
+@pytest.mark.unit
 def test_a_view_kept_past_its_shards_eviction_still_reads_and_its_map_closes_when_dropped(corpora):
     _, many = corpora
     shards = many_shards(many)
@@ -117,6 +119,7 @@ def train_limited(argv: list[str]) -> int:
     return run_train(argv)
 
 
+@pytest.mark.exactness
 def test_2000_shards_train_at_tp2_dp2_under_ulimit_1024_like_one_shard_at_one_process(corpora, tmp_path):
     one, many = corpora
     argv = ["model=tiny", "model.hidden=32", "model.dropout=0.0", "data.mode=packed",
@@ -160,6 +163,7 @@ def same_contents(a: tuple, b: tuple) -> None:
     np.testing.assert_array_equal(a[2], b[2])
 
 
+@pytest.mark.unit
 def test_shard_size_gb_merges_small_inputs_into_fewer_shards_of_the_same_documents(tmp_path):
     files = [tmp_path / f"in{i:02d}.jsonl" for i in range(12)]
     for i, f in enumerate(files):
@@ -189,6 +193,7 @@ def test_shard_size_gb_merges_small_inputs_into_fewer_shards_of_the_same_documen
 
 
 
+@pytest.mark.unit
 def test_the_index_search_equals_numpys_without_copying_the_index():
     from megalite.data.indexed import _search_right
     rng = np.random.default_rng(0)

@@ -176,6 +176,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_step_equals_one_process(layout):
     world, parallel, recompute = LAYOUTS[layout]
@@ -185,11 +186,13 @@ def test_one_step_equals_one_process(layout):
                         {"moe_capacity_factor": capacity}, None, recompute)
 
 
+@pytest.mark.exactness
 def test_one_step_through_the_pipeline_equals_one_process():
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_pipelined, 4, config, capacity)
 
 
+@pytest.mark.exactness
 def test_a_rank_and_experts_with_no_tokens():
     """Every token picks experts 0 and 1 (top-2; the tie of experts 1, 2 and 3 goes to the
     lower index): EP rank 1 (experts 2 and 3) receives nothing."""
@@ -198,6 +201,7 @@ def test_a_rank_and_experts_with_no_tokens():
     assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
 
 
+@pytest.mark.unit
 def test_capacity_drops_by_place_in_the_batch():
     """Capacity 1 / 4 of the copies per expert, every token routed to expert 0 first: the
     first quarter of the real tokens keep their first choice, in batch order."""
@@ -215,6 +219,7 @@ def test_capacity_drops_by_place_in_the_batch():
     assert route.load.tolist() == [n_real, n_real, 0, 0]
 
 
+@pytest.mark.unit
 def test_expert_parallel_layout_is_checked():
     cfg = MOE["top2"]
     with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.n_experts=4"):

@@ -21,6 +21,8 @@ from tests.support.resume import SAVED_AT
 from tests.support.runs import (STEPS, assert_docs_command_trains_like_one_process,
                                 assert_same_training, common, losses, one_process_runs, train_run)
 
+pytestmark = pytest.mark.exactness
+
 MOE = ["model.activation=swiglu", "model.n_experts=4", "model.moe_top_k=2",
        "model.moe_ffn_hidden=48", "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
        "train.micro_batch_size=2", "train.checkpoint_every=5"]

@@ -19,6 +19,8 @@ from megalite.training.optimizers.build import takes_muon
 from megalite.training.optimizers.muon import Muon
 from megalite.typed_config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
                   activation="swiglu", norm="rmsnorm", position="rotary", n_experts=4,
                   moe_top_k=2, moe_ffn_hidden=24, moe_dense_layers=[0])

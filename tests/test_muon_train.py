@@ -11,6 +11,8 @@ from megalite.typed_config import ConfigError
 from tests.support.runs import (STEPS, assert_same_training, common, losses, one_process_runs,
                                 run_train, train_run)
 
+pytestmark = pytest.mark.exactness
+
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
         "train.checkpoint_every=5"]
 LLAMA = ["model.position=rotary", "model.n_kv_heads=1", "model.activation=swiglu",

@@ -56,11 +56,13 @@ def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:
     assert_close(torch.tensor(pure), torch.tensor(fp32), atol=LOSS_TOLERANCE, rtol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_pure_bf16_trains_like_autocast_single_process(name):
     check_losses_follow_autocast(name, ParallelState())
 
 
+@pytest.mark.exactness
 def test_pure_bf16_trains_like_autocast_at_tp2xdp2():
     run_distributed(check_tp2xdp2, 4)
 
@@ -69,6 +71,7 @@ def check_tp2xdp2() -> None:
     check_losses_follow_autocast("llama", ParallelState.from_world(2))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_micro_batch_gradients_are_summed_in_fp32(name):
     """The masters' gradient after 2 micro-batches is the fp32 sum of each one's bf16 gradient,
@@ -125,10 +128,12 @@ def check_dp_sync_sums_master_gradients() -> None:
         assert not torch.equal(engine.master(p).grad, masters.master(q).grad)
 
 
+@pytest.mark.exactness
 def test_dp_sync_sums_the_master_gradients_at_tp1xdp2():
     run_distributed(check_dp_sync_sums_master_gradients, 2)
 
 
+@pytest.mark.unit
 def test_deepspeed_refuses_pure_bf16_before_launch():
     train_cfg = TrainConfig(engine="deepspeed", precision="pure_bf16", global_batch_size=16,
                             micro_batch_size=4)
@@ -136,6 +141,7 @@ def test_deepspeed_refuses_pure_bf16_before_launch():
         check_deepspeed(train_cfg, ModelConfig(), ParallelConfig(tp=2), 4)
 
 
+@pytest.mark.exactness
 def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     """Through megalite.train: the checkpoint holds the fp32 master weights (not the bf16
     model), a run resumed from it continues with the uninterrupted run's losses, and sampling
@@ -158,6 +164,7 @@ def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     assert (tmp_path / "b" / "samples.txt").read_text()
 
 
+@pytest.mark.unit
 def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     """(1 + w) in bf16 would round w = 0.003 away (steps of 2^-7 near 1): transformers and
     megalite compute the offset and the norm in fp32, then cast."""
@@ -172,6 +179,7 @@ def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     assert torch.equal(norm.to(torch.bfloat16)(x), expected)
 
 
+@pytest.mark.unit
 def test_a_norm_offset_scales_a_layernorm_too():
     """model.norm_weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
     (it ran as an RMSNorm before)."""

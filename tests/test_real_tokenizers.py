@@ -26,6 +26,8 @@ from megalite.typed_config import ConfigError
 from tests.support.models import CONFIGS
 from tests.support.tokenizer_shapes import SHAPES, TEXTS, hf_directory
 
+pytestmark = pytest.mark.unit
+
 
 # (eos, bos) by name; the template puts bos first for the Llamas only.
 EXPECTED = {"gpt2": ("<|endoftext|>", "<|endoftext|>"), "llama2": ("</s>", "<s>"),

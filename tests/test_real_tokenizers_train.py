@@ -73,6 +73,7 @@ def gpt2_hf(hf_tokenizers, tmp_path_factory):
     return directory, model
 
 
+@pytest.mark.unit
 def test_gpt2s_vocabulary_imports_and_evaluates_as_transformers(gpt2_hf, tmp_path, capsys):
     import transformers
     directory, hf = gpt2_hf
@@ -111,6 +112,7 @@ def first_step_loss(argv: list[str]) -> float:
 MODES = {"gpt2": "padded", "llama2": "packed", "llama3": "padded"}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_prepare_train_at_tp2_dp2_and_evaluate(hf_tokenizers, corpus, gpt2_hf, tmp_path, name, capsys):
     tokenizer = hf_tokenizers[name]

@@ -9,6 +9,8 @@ from megalite.parallel.state import ParallelState
 from tests.support.models import CONFIGS, sequences
 from tests.support.reference_model import reference_logits
 
+pytestmark = pytest.mark.unit
+
 VARIANTS = {
     **CONFIGS,
     "gpt2-exact-gelu-gqa1": dataclasses.replace(CONFIGS["gpt2"], activation="gelu", n_kv_heads=1),

@@ -11,6 +11,8 @@ from tests.support.models import padded_batch
 from tests.support.resume import SAVED_AT, resume_and_compare
 from tests.support.runs import STEPS, common, losses, train_run
 
+pytestmark = pytest.mark.exactness
+
 
 def check_logits_at(tp: int, checkpoint_dir: str, config_path: str):
     cfg = load_config(config_path)

@@ -16,6 +16,8 @@ from tests.support.launch import ROOT, one_thread, run, torchrun
 from tests.support.resume import args, assert_continues_exactly, resumed_step, snapshot_restart, uninterrupted
 from tests.support.runs import STEPS
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def whole_tp2(tmp_path_factory, cache):

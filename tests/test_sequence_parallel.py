@@ -85,6 +85,7 @@ def check_sequence_parallel_is_exact(config_name: str, tp: int, seed: int = 3):
 
 # Both configs at TP=2; TP=4 on the Llama config (GQA with fewer KV heads than ranks), DP on
 # the GPT-2 one (learned positions, biases): each path covered once, in CI time.
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name,tp,world", [("gpt2", 2, 2), ("llama", 2, 2), ("llama", 4, 4),
                                                   ("gpt2", 2, 4)],
                          ids=["tp2-gpt2", "tp2-llama", "tp4-llama", "tp2xdp2-gpt2"])
@@ -112,6 +113,7 @@ def check_dropout_on_shards():
             assert same_on_all_ranks(p.grad, ps.tp_group), name
 
 
+@pytest.mark.exactness
 def test_each_rank_drops_its_shard_with_its_own_mask():
     run_distributed(check_dropout_on_shards, 2)
 
@@ -147,11 +149,13 @@ def check_recompute_replays_sequence_parallel_dropout(config_name: str):
             assert same_on_all_ranks(p.detach(), ps.tp_group), name
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_recomputation_replays_sequence_parallel_dropout_and_training_runs(config_name):
     run_distributed(check_recompute_replays_sequence_parallel_dropout, 2, config_name)
 
 
+@pytest.mark.exactness
 def test_generation_with_sequence_parallel_equals_tp1():
     single = check_cache_and_batching(1)
     assert run_distributed(check_cache_and_batching, 2, 2, True) == [single, single]
@@ -175,6 +179,7 @@ def check_bf16_autocast(config_name: str):
         assert_close(a, b, atol=0.05, rtol=0.1)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_bf16_autocast(config_name):
     run_distributed(check_bf16_autocast, 2, config_name)
@@ -207,11 +212,13 @@ def check_deepspeed_zero2_with_sequence_parallel():
         assert_close(b.detach(), a.detach(), **TOL, msg=name)
 
 
+@pytest.mark.exactness
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_with_sequence_parallel_trains_like_native():
     run_distributed(check_deepspeed_zero2_with_sequence_parallel, 4, torchrun_env=True)
 
 
+@pytest.mark.e2e
 def test_max_seq_len_not_divisible_by_tp_is_refused_before_any_collective(monkeypatch):
     cfg = ModelConfig(n_heads=4, hidden=32, max_seq_len=30)
     message = (r"parallel\.sequence_parallel=true splits every sequence into parallel\.tp=4 "

@@ -130,6 +130,7 @@ def single(tmp_path_factory, sft):
     return run
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fine_tuning_trains_like_one_process(tmp_path, sft, single, layout, mode):
@@ -215,6 +216,7 @@ def first_batch_pieces(sft, mode: str, run_dir, rendered) -> list[list[tuple]]:
     return rows
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_the_loss_is_the_mean_over_the_assistant_tokens(sft, single, mode):
     run_dir = single("dense", mode)
@@ -234,6 +236,7 @@ def test_the_loss_is_the_mean_over_the_assistant_tokens(sft, single, mode):
         assert abs(masked_loss(hf, [joined(row) for row in rows]) - expected) > 10 * tol
 
 
+@pytest.mark.exactness
 def test_the_exported_model_evaluates_and_generates_as_transformers(tmp_path, sft, single, capsys):
     """megalite export writes the chat template with the tokenizer; transformers' masked loss
     on the held-out conversations is `megalite eval --chat`'s, in one process, at TP2 and at DP2
@@ -286,6 +289,7 @@ def eval_at(argv: list[str]) -> dict:
     return json.loads(printed.getvalue() or "{}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft, mode):
     """data.drop_longer: the conversations of more than SEQ + 1 tokens (as transformers renders
@@ -307,6 +311,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
         prepare_for_run(with_pretrained(load_config(None, argv + ["data.seq_len=8"]), given_keys(None, argv)).data)
 
 
+@pytest.mark.unit
 def test_epochs_set_the_steps(sft, tmp_path):
     cfg = load_config(None, settings(sft, "dense", "padded", tmp_path) + ["train.epochs=2.5"])
     assert with_epochs(cfg, 40).train.max_steps == 13  # ceil(2.5 x 40 / 8)
@@ -318,6 +323,7 @@ def test_epochs_set_the_steps(sft, tmp_path):
         with_epochs(load_config(None, ["train.epochs=-1"]), 40)
 
 
+@pytest.mark.e2e
 def test_a_bad_conversation_is_named(tmp_path, sft, single):
     ckpt = single("dense", "padded") / "checkpoints" / f"step_{STEPS:08d}"
     bad = write_records(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
@@ -328,6 +334,7 @@ def test_a_bad_conversation_is_named(tmp_path, sft, single):
         generate_main(["--ckpt", str(ckpt), "--chat", "hello"])
 
 
+@pytest.mark.e2e
 def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
     """Prepared data whose tokenizer is not the pretrained model's: the error names the
     setting that brought the model's tokenizer, train.init_from, not data.tokenizer."""

@@ -37,6 +37,7 @@ def tp2pp2_zero1(tmp_path_factory, cache):
     return run_dir
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_tp2xpp2_zero1_checkpoint_continues_at_another_layout(tmp_path, cache, tp2pp2_zero1,
                                                                 layout):
@@ -45,6 +46,7 @@ def test_a_tp2xpp2_zero1_checkpoint_continues_at_another_layout(tmp_path, cache,
     resume_and_compare(cache, tp2pp2_zero1, checkpoint, tmp_path / layout, 4, tp, (*extra, *MODEL))
 
 
+@pytest.mark.e2e
 def test_replicas_share_the_writing(tp2dp2_padded):
     """At TP2 x DP2 each of the 4 ranks wrote its file, none more than 1.25 times the median:
     the DP replicas (and TP ranks, for the tensors they both hold) split what they hold."""
@@ -53,6 +55,7 @@ def test_replicas_share_the_writing(tp2dp2_padded):
     assert len(sizes) == 4 and max(sizes) <= 1.25 * statistics.median(sizes), sizes
 
 
+@pytest.mark.e2e
 def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, cache):
     """DP2 with zero_stage=1 (each rank holds half the rows of Adam's state), dropout on."""
     layout = ("parallel.tp=1", "train.zero_stage=1")
@@ -60,6 +63,7 @@ def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, c
     kill_then_resume(cache, tmp_path / "whole", tmp_path / "killed", *layout)
 
 
+@pytest.mark.unit
 def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
     """Named key and shapes, before DCP (which would wrap the error in its own exception)."""
     from megalite.model import GPT
@@ -72,6 +76,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
         load_checkpoint(path, GPT(wider, ps, init=False), ps)
 
 
+@pytest.mark.exactness
 def test_a_checkpoint_of_whole_tensors_still_resumes(tmp_path, cache, tp2pp2_zero1):
     """The format before sharding: the same weights and moments, rewritten as whole tensors,
     resume as the sharded checkpoint does."""

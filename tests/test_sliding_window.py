@@ -14,6 +14,8 @@ from megalite.parallel.state import ParallelState
 from tests.support.attention import flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
 from tests.support.models import CONFIGS
 
+pytestmark = pytest.mark.unit
+
 WINDOW = 4
 
 

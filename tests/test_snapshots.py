@@ -5,6 +5,8 @@ a node lost with its memory restarts from its partners' copies. And a whole run:
 SIGKILLed under torchrun --max-restarts at PP2 x DP2 x EP2 restarts from the snapshot."""
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from megalite.parallel.random import TensorParallelRNG, run_rng_state
@@ -12,6 +14,8 @@ from megalite.parallel.state import ParallelState
 from megalite.training.snapshots import Snapshots
 from tests.support.harness import run_distributed
 from tests.support.resume import args, assert_continues_exactly, resumed_step, snapshot_restart, uninterrupted
+
+pytestmark = pytest.mark.e2e
 
 
 class Engine:

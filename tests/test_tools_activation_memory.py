@@ -26,6 +26,7 @@ def measure_activation_bytes(tp: int) -> dict:
     return per_layer
 
 
+@pytest.mark.exactness
 def test_sequence_parallel_stores_fewer_activations_per_layer():
     measured = run_distributed(measure_activation_bytes, 2, 2)[0]
     off, on = measured[False], measured[True]
@@ -37,6 +38,7 @@ def test_sequence_parallel_stores_fewer_activations_per_layer():
     assert abs(on[0] / off[0] - expected) < 0.05, (measured, expected)
 
 
+@pytest.mark.unit
 def test_formulas_agree_without_parallelism():
     one = formula_bytes_per_layer(1024, 4, 768, 12)
     assert one == 1024 * 4 * 768 * (34 + 5 * 12 * 1024 / 768)

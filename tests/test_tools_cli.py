@@ -10,6 +10,8 @@ import pytest
 from bench.__main__ import COMMANDS as BENCH_COMMANDS
 from megalite import cli, command_args
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("prog,table", [("megalite", cli.COMMANDS), ("python -m bench", BENCH_COMMANDS)])
 def test_help_lists_every_command_with_what_it_does(capsys, prog, table):

@@ -29,6 +29,8 @@ from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, gather_full, padded_batch
 from tests.support.moe import MOE, moe_layers
 
+pytestmark = pytest.mark.exactness
+
 
 VARIANTS = {**CONFIGS, "gpt2-gqa1": dataclasses.replace(CONFIGS["gpt2"], n_kv_heads=1)}
 

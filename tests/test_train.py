@@ -11,6 +11,8 @@ from megalite.prep.command import prepare_for_run
 from megalite.run_config import load_config
 from tests.support.runs import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
+pytestmark = pytest.mark.exactness
+
 
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_tp2_dp2_trains_like_one_process(tmp_path, cache, mode, request):
