@@ -33,23 +33,27 @@ def with_changes(cfg: ModelConfig, changes: dict) -> ModelConfig:
     return cfg
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt2-medium", "llama-1b"])
 def test_presets_load_and_are_valid(preset):
     cfg = load_model_config(preset)
     check_layout(cfg, ParallelConfig(), 1)
 
 
+@pytest.mark.unit
 def test_llama_1b_preset_has_the_expected_shape():
     cfg = load_model_config("llama-1b")
     assert (cfg.kv_heads, cfg.head_size, cfg.padded_vocab) == (8, 64, 128256)
     check_layout(cfg, ParallelConfig(tp=8), 16)
 
 
+@pytest.mark.unit
 def test_unknown_key_names_the_nearest_valid_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'model\.n_head'; did you mean 'model\.n_heads'\?"):
         load_model_config("tiny", n_head=4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key,value,message", [
     ("n_layers", "2", r"model\.n_layers: expected an integer, got '2'"),
     ("n_layers", True, r"model\.n_layers: expected an integer, got True"),
@@ -63,15 +67,18 @@ def test_wrong_types_name_the_key_and_value(key, value, message):
         load_model_config("tiny", **nested({key: value}))
 
 
+@pytest.mark.unit
 def test_model_refuses_a_layout_it_cannot_split_exactly():
     with pytest.raises(ConfigError, match=r"parallel\.tp=4 must divide the model.s ffn_hidden \(50\)"):
         GPT(replaced(BASE, "mlp.ffn_hidden", 50), ParallelState(tp_size=4))
 
 
+@pytest.mark.unit
 def test_yaml_exponents_without_a_dot_are_numbers():
     assert load_model_config("tiny", norms={"eps": "1e-5"}).norms.eps == 1e-5
 
 
+@pytest.mark.unit
 def test_optional_fields_accept_null_and_ints_become_floats():
     cfg = load_model_config("tiny", attention={"n_kv_heads": None}, dropout=0)
     assert cfg.attention.n_kv_heads is None and isinstance(cfg.dropout, float)
@@ -99,8 +106,8 @@ def test_a_key_of_a_variant_not_chosen_is_refused_naming_the_kind_that_has_it(ke
 
 def test_flat_keys_of_before_are_translated_with_a_note_naming_the_new_keys():
     with pytest.warns(UserWarning, match=r"model keys of before the config had sections") as notes:
-        flat = load_config(None, ["model=tiny", "model.n_experts=4", "model.position=rotary",
-                                  "model.moe_top_k=1", "model.norm_eps=1e-6"]).model
+        flat = load_config(None, ["model=tiny", "model.mlp.kind=moe", "model.mlp.experts=4", "model.positions.kind=rotary",
+                                  "model.mlp.top_k=1", "model.norms.eps=1e-6"]).model
     note = "\n".join(str(n.message) for n in notes)
     for old, new in (("n_experts", "mlp.experts"), ("position", "positions.kind"),
                      ("moe_top_k", "mlp.top_k"), ("norm_eps", "norms.eps")):
@@ -126,11 +133,13 @@ def test_a_preset_sections_kind_overridden_keeps_the_keys_both_variants_have():
     assert moe.attention.n_kv_heads == 8  # a section not overridden: the preset's
 
 
+@pytest.mark.unit
 def test_missing_preset_lists_the_available_ones():
     with pytest.raises(ConfigError, match=r"model config 'gpt5' not found \(presets: gemma3-1b, gpt2-medium, gpt2-small, llama-1b, qwen3-0.6b, tiny\)"):
         load_model_config("gpt5")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("changes,tp,world,message", [
     (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
     ({"attention.n_kv_heads": 3}, 1, 1, r"model\.n_heads=8 is not divisible by model\.attention\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
@@ -158,6 +167,7 @@ def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
         check_layout(cfg, ParallelConfig(tp=tp), world)
 
 
+@pytest.mark.unit
 def test_all_problems_come_in_one_error():
     """Each problem once: a tp that fits neither the world nor the model is one line."""
     cfg = dataclasses.replace(BASE, n_heads=5, hidden=64, dropout=2.0)
@@ -167,6 +177,7 @@ def test_all_problems_come_in_one_error():
     assert lines[0] == "invalid config:" and len(lines) == 4, lines
 
 
+@pytest.mark.e2e
 def test_the_entry_point_rejects_a_bad_layout_before_any_process_group(monkeypatch):
     from megalite.train import main
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -176,6 +187,7 @@ def test_the_entry_point_rejects_a_bad_layout_before_any_process_group(monkeypat
     assert not dist.is_initialized()
 
 
+@pytest.mark.unit
 def test_without_torchrun_init_parallel_is_a_plain_single_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ps = init_parallel(ParallelConfig(tp=1))

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from tests.test_reshard import resume_and_compare
-from tests.test_train import STEPS, assert_same_training, common, train_run
+from tests.support.resume import resume_and_compare
+from tests.support.runs import STEPS, assert_same_training, common, train_run
+
+pytestmark = pytest.mark.exactness
 
 
 def ran_at(run_dir) -> dict:

@@ -17,13 +17,14 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import Fp8Config
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
-from tests.test_layers import SINGLE, build, randn
+from tests.support.layers import SINGLE, build, randn
 
 
 def fp8(recipe: str, emulate: bool = True) -> Float8Matmul:
     return Float8Matmul(float8_config(recipe, emulate))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_one_process_is_torchao_float8_linear(recipe, emulate):
@@ -78,6 +79,7 @@ def check_pair(recipe: str, sp: bool, reduce: bool):
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_a_tp2_pair_scales_as_one_process(recipe, sp):
@@ -89,6 +91,7 @@ def test_a_tp2_pair_scales_as_one_process(recipe, sp):
         assert max(run_distributed(check_pair, 2, recipe, sp, False)) > 1e-3
 
 
+@pytest.mark.unit
 def test_layers_auto_keeps_small_layers_in_high_precision():
     from megalite.model.mlp import MLP
     from megalite.config import Dense, ModelConfig
@@ -123,10 +126,12 @@ def check_partial_gradients_refused():
     return chosen
 
 
+@pytest.mark.exactness
 def test_a_slice_held_by_several_ranks_is_refused():
     assert run_distributed(check_partial_gradients_refused, 2) == [["q_up", "kv_up", "out_proj"]] * 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, named", [
     (["data.mode=padded", "parallel.cp=2"], "parallel.cp=2: rows are padded"),
     (["data.mode=padded", "parallel.tp=2", "parallel.sequence_parallel=true"], "sequence parallelism"),

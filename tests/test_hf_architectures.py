@@ -6,22 +6,17 @@ transformers' loss on the same windows, exported back (`megalite export --dtype 
 AutoModelForCausalLM with the same loss, and
 greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
 windows are shorter than the eval windows and the generated text, so they are real."""
-import json
 from functools import reduce
 
 import pytest
-import tokenizers
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from megalite.hf.convert import checkpoint_model_config  # noqa: E402
-from megalite.model import GPT  # noqa: E402
-from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.checkpoint import load_checkpoint  # noqa: E402
-from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
+
+pytestmark = pytest.mark.exactness
 
 SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -75,14 +70,6 @@ def random_model(name: str, directory, tokenizer_file):
     return hf
 
 
-def generate_at_tp2(ckpt: str, prompt):
-    from megalite.generate import generate
-    ps = ParallelState.from_world(2)
-    model = GPT(checkpoint_model_config(ckpt), ps, init=False)
-    load_checkpoint(ckpt, model, ps)
-    return generate(model, [prompt], 20, pad_id=2)[0]
-
-
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
         tmp_path, tokenizer_file, name):
@@ -94,34 +81,3 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
     same_as_transformers(hf, tmp_path, [["--ep", "2"]] if cfg.n_experts else [[]])
 
 
-def same_as_transformers(hf, tmp_path, eps: list[list[str]]) -> None:
-    """The checkpoint imported at tmp_path/ckpt from tmp_path/hf: `megalite eval --tp 2` (with
-    each of `eps`' options) on ranks with torchrun's environment gives transformers' loss;
-    exported in fp32, transformers reads the same model; greedy generation at TP2 equals
-    transformers'."""
-    text = tmp_path / "text.txt"
-    text.write_text("tensor parallel training of language models, " * 30)  # > 2 windows
-    # The tokenizer file itself: AutoTokenizer would pick each family's class (Gemma's wants
-    # an <unk> this small BPE lacks).
-    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-    ids = torch.tensor(tok.encode(text.read_text(), add_special_tokens=False).ids)
-    loss, count = transformers_loss(hf, ids)
-    assert len(ids) > 2 * CONTEXT
-    for ep in eps:
-        printed = run_distributed(run_cli, 4 if ep else 2, "eval", "--ckpt", str(tmp_path / "ckpt"),
-                                  "--text", str(text), "--tp", "2", *ep, "--json",
-                                  torchrun_env=True)[0]
-        result = json.loads(printed.strip().splitlines()[-1])
-        assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
-
-    assert f"wrote {type(hf).__name__}" in run_cli("export", "--ckpt", str(tmp_path / "ckpt"),
-                                                   "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert type(back) is type(hf)
-    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
-
-    prompt = [17, 45, 3, 99, 120]
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
-    ours = run_distributed(generate_at_tp2, 2, str(tmp_path / "ckpt"), prompt)[0]
-    assert ours == theirs and len(set(theirs)) > 3

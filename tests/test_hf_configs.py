@@ -12,6 +12,8 @@ from megalite.hf.convert import ARCHITECTURES, exportable_as
 from megalite.layout_rules import check_layout
 from megalite.typed_config import ConfigError, from_dict, merged
 
+pytestmark = pytest.mark.unit
+
 SPECIAL = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
 # The model settings as a config file's `model:` mapping; `changed` puts changes on them,
 # section by section (a section whose kind changes starts from the new variant's defaults).

@@ -17,9 +17,7 @@ from megalite.model import GPT  # noqa: E402
 from megalite.model.router import group_limited  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_architectures import same_as_transformers  # noqa: E402
-from tests.test_hf_moe import CONTEXT  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
 
 
 def deepseek_config(q_lora_rank):
@@ -45,6 +43,7 @@ def random_deepseek(directory, tokenizer_file, q_lora_rank):
     return hf
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "no-q_lora"])
 def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, tokenizer_file,
                                                                     q_lora_rank):
@@ -56,6 +55,7 @@ def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, t
     same_as_transformers(hf, tmp_path, [[], ["--ep", "2"]])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bias", [[0.0] * 8, [0.5, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5]])
 def test_group_limited_choices_equal_transformers_ties_included(bias):
     """Logits of two values, so that experts and groups tie at the cut (checked)."""
@@ -76,6 +76,7 @@ def test_group_limited_choices_equal_transformers_ties_included(bias):
     assert (picking.gather(1, ours).diff(dim=-1) <= 0).all()  # best first
 
 
+@pytest.mark.exactness
 def test_the_latent_cache_holds_the_latent_and_the_rotary_key():
     """Bytes per token and layer: (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), the same at
     every TP rank; GQA's: 2 x kv_heads / tp x head_dim x 4."""
@@ -101,6 +102,7 @@ def logits_of(directory, ids):
         return model.full_logits(model(ids).logits)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen2"])
 def test_yarn_scaled_models_give_transformers_logits(tmp_path, tokenizer_file, name):
     """YaRN over a pretraining context of 16 in a model of 64 (factor 4): the ramped

@@ -59,7 +59,7 @@ def save_hf_model(config, directory, seed=0):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """name -> (transformers model, its directory, the megalite checkpoint imported from it)."""
-    from tests.test_real_tokenizers import llama3_shaped
+    from tests.support.tokenizer_shapes import llama3_shaped
     root = tmp_path_factory.mktemp("llama3")
     tokenizer = llama3_shaped(root / "tokenizer")
     vocab = load_tokenizer(tokenizer).vocab_size  # its special tokens last, as Llama 3's
@@ -137,6 +137,7 @@ def hf_generate(hf, rows: list[list[int]], pad: int) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
+@pytest.mark.unit
 def test_llama3_rope_scaling_changes_the_frequencies_in_all_three_ranges(imported):
     for name, (hf, hf_dir, ckpt) in imported.items():
         cfg = checkpoint_model_config(ckpt)
@@ -148,6 +149,7 @@ def test_llama3_rope_scaling_changes_the_frequencies_in_all_three_ranges(importe
         assert kept.any() and divided.any() and not (kept | divided).all(), ratio
 
 
+@pytest.mark.exactness
 def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
     """Llama 3.1 and 3.2 shapes: the eval loss on text longer than the pretraining context,
     greedy generation (KV cache, two left-padded prompts past position 64) at TP2 and PP2, the
@@ -172,6 +174,7 @@ def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
         assert_close(ours["cp"], hf_logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(MODELS))
 def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported, tmp_path, name):
     hf, hf_dir, ckpt = imported[name]
@@ -194,6 +197,7 @@ def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported
                  torch.tensor(hf_text_loss(hf, ids, 128)), **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("written", ["rope_parameters", "rope_scaling"])
 def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
     """Linear scaling, from transformers 5's rope_parameters or an older config.json's
@@ -218,6 +222,7 @@ def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
         assert_close(model.full_logits(model(ids).logits), hf(input_ids=ids).logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scaling", [
     dict(kind="none"), dict(kind="linear", factor=2.5),
     dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -246,6 +251,7 @@ def write_llama_config(directory, **changes) -> None:
 SUPPORTED = r"\(megalite computes rope_type 'default', 'linear', 'llama3', 'yarn'\)"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rope,message", [
     ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "yarn with truncate=false"),
     ({"rope_type": "dynamic", "factor": 2.0}, f"rope scaling 'dynamic' {SUPPORTED}"),
@@ -264,6 +270,7 @@ def test_unsupported_rope_is_refused_naming_it(tmp_path, rope, message):
         pretrained_config(tmp_path)  # train.init_from
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scaling,message", [
     (Llama3Scaling(high_freq_factor=1.0),
      r"model\.positions\.scaling\.high_freq_factor=1\.0 must be > low_freq_factor=1\.0"),

@@ -17,10 +17,10 @@ from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.config import ParallelConfig  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_resume import run, torchrun  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, transformers_loss  # noqa: E402
+from tests.support.launch import run, torchrun  # noqa: E402
 
-CONTEXT = 64
+pytestmark = pytest.mark.exactness
 
 
 def random_mixtral(directory, tokenizer_file):
@@ -33,19 +33,6 @@ def random_mixtral(directory, tokenizer_file):
     model.save_pretrained(directory)
     (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     return model
-
-
-def transformers_loss(hf, ids: torch.Tensor) -> tuple[float, int]:
-    """The mean next-token loss over consecutive windows of CONTEXT tokens, as megalite eval
-    cuts a text, and the tokens predicted."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(ids), CONTEXT):
-            window = ids[start:start + CONTEXT].unsqueeze(0)
-            if window.shape[1] > 1:
-                total += hf(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
-                count += window.shape[1] - 1
-    return total / count, count
 
 
 def test_mixtral_round_trip_and_eval_at_ep2_tp2(tmp_path, tokenizer_file):

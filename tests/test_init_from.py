@@ -15,7 +15,9 @@ from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_pretrained
 from megalite.typed_config import ConfigError, from_dict, leaves
 from tests.support.checkpoints import read_whole_state
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
+
+pytestmark = pytest.mark.e2e
 
 MOE = ["model.positions.kind=rotary", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm", "model.bias=false",
        "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=32", "model.mlp.router=sigmoid"]

@@ -6,13 +6,10 @@
   one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
   EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1
   and top-2, softmax and sigmoid routers, shared experts, dropless and with a capacity factor;
-  a batch where one EP rank and two experts receive no token at all;
-- the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
-  model uses, at EP2 and EP4;
-- a layout expert parallelism cannot split is refused before any collective, and a mixture of
-  experts' setting on a dense model by the config loader.
+  a batch where one EP rank and two experts receive no token at all (the all-to-alls' bytes per
+  MoE layer: tests/test_tools_comm.py);
+- a layout expert parallelism cannot split is refused before any collective.
 """
-import dataclasses
 
 import pytest
 import torch
@@ -20,9 +17,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.testing import assert_close
 
-from bench.comm import CommLog
-from bench.scaling_model import moe_all_to_all_bytes
-from megalite.config import Experts, ModelConfig, ParallelConfig
+from megalite.config import ParallelConfig
 from megalite.layout_rules import check_layout
 from megalite.data.batches import Batch
 from megalite.model import GPT
@@ -37,43 +32,17 @@ from megalite.training.grads import sum_embedding_copies
 from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
-
-TOL = dict(atol=1e-5, rtol=1e-5)
-LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)
-BALANCING = dict(aux_loss_coeff=0.01, z_loss_coeff=0.001)
+from tests.support.moe import MOE, moe_layers, moe_layers_by_name
 
 
-def with_experts(cfg: ModelConfig, **experts) -> ModelConfig:
-    """`cfg` as a mixture of experts: its dense MLP's width and activation kept (the dense
-    layers' and the experts')."""
-    return dataclasses.replace(cfg, mlp=Experts(ffn_hidden=cfg.mlp.ffn_hidden,
-                                                activation=cfg.mlp.activation, **experts))
-
-
-def with_changes(cfg: ModelConfig, changes: dict) -> ModelConfig:
+def with_changes(cfg, changes: dict):
     """`cfg` with each dotted key of `changes` replaced."""
     for key, value in changes.items():
         cfg = replaced(cfg, key, value)
     return cfg
 
-
-MOE = {
-    # Mixtral's shape: SwiGLU experts, softmax top-2 renormalised.
-    "top2": with_experts(CONFIGS["llama"], experts=4, top_k=2, expert_ffn_hidden=24, **BALANCING),
-    # DeepSeek-V3's: sigmoid scores, a shared expert; Qwen2-MoE's sigmoid gate on it; every
-    # other layer dense.
-    "top1 sigmoid shared": dataclasses.replace(with_experts(
-        CONFIGS["gpt2"], experts=4, top_k=1, router="sigmoid", renormalize=False, every=2,
-        shared_experts=1, shared_gate=True, expert_ffn_hidden=16, **BALANCING), n_layers=2),
-}
-
-
-def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-
-
-def moe_layers(model: GPT) -> list[MoE]:
-    return list(moe_layers_by_name(model).values())
+TOL = dict(atol=1e-5, rtol=1e-5)
+LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)
 
 
 def force_routing(model: GPT, scores: list[float]) -> None:
@@ -213,6 +182,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_step_equals_one_process(layout):
     world, parallel, recompute = LAYOUTS[layout]
@@ -222,11 +192,13 @@ def test_one_step_equals_one_process(layout):
                         {"mlp.capacity_factor": capacity}, None, recompute)
 
 
+@pytest.mark.exactness
 def test_one_step_through_the_pipeline_equals_one_process():
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_pipelined, 4, config, capacity)
 
 
+@pytest.mark.exactness
 def test_a_rank_and_experts_with_no_tokens():
     """Every token picks experts 0 and 1 (top-2; the tie of experts 1, 2 and 3 goes to the
     lower index): EP rank 1 (experts 2 and 3) receives nothing."""
@@ -235,27 +207,7 @@ def test_a_rank_and_experts_with_no_tokens():
     assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
 
 
-def count_all_to_all_bytes(ep: int) -> tuple[int, int]:
-    """(bytes this rank's all-to-alls took over the EP group in one forward and backward,
-    the formula's for its MoE layers)."""
-    cfg = MOE["top2"]
-    ps = ParallelState.from_world(1, pipeline=ParallelConfig(ep=ep))
-    model = GPT(cfg, ps, seed=3)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ps.dp_rank))
-    with CommLog(ps) as log:
-        model(ids, labels=ids, loss_scale=0.01).loss.backward()
-    measured = sum(r["bytes"] for r in log.records if r["op"] == "all_to_all_single" and r["group"] == "ep")
-    return measured, len(moe_layers(model)) * moe_all_to_all_bytes(cfg, ids.numel(), 4)
-
-
-@pytest.mark.parametrize("ep", [2, 4])
-def test_all_to_all_bytes_per_layer_equal_the_formula(ep):
-    """Summed over the EP ranks: a rank's outputs going back are its experts' rows, which only
-    balanced routing makes equal to its own tokens' copies."""
-    measured, formula = (sum(column) for column in zip(*run_distributed(count_all_to_all_bytes, ep, ep)))
-    assert measured == formula > 0
-
-
+@pytest.mark.unit
 def test_capacity_drops_by_place_in_the_batch():
     """Capacity 1 / 4 of the copies per expert, every token routed to expert 0 first: the
     first quarter of the real tokens keep their first choice, in batch order."""
@@ -273,6 +225,7 @@ def test_capacity_drops_by_place_in_the_batch():
     assert route.load.tolist() == [n_real, n_real, 0, 0]
 
 
+@pytest.mark.unit
 def test_expert_parallel_layout_is_checked():
     cfg = MOE["top2"]
     with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.mlp.experts=4"):

@@ -19,6 +19,8 @@ from megalite.training.optimizers.build import takes_muon
 from megalite.training.optimizers.muon import Muon
 from megalite.typed_config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, max_seq_len=16,
                   attention=GroupedQuery(n_kv_heads=2), positions=Rotary(), norms=Norms(kind="rmsnorm"),
                   mlp=Experts(activation="swiglu", experts=4, top_k=2, expert_ffn_hidden=24,

@@ -10,6 +10,8 @@ from megalite.typed_config import replaced
 from tests.support.models import CONFIGS, sequences
 from tests.support.reference_model import reference_logits
 
+pytestmark = pytest.mark.unit
+
 VARIANTS = {
     **CONFIGS,
     "gpt2-exact-gelu-gqa1": replaced(replaced(CONFIGS["gpt2"], "mlp.activation", "gelu"),

@@ -11,6 +11,8 @@ from megalite.run_config import DataConfig, TrainConfig
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.training.optim import lr_at
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_then_cosine_to_min_lr():
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=14)

@@ -11,8 +11,10 @@ import torch
 from megalite.model.layout import cached_layout, context_layout, sequence_layout
 from megalite.parallel.context import zigzag_index
 from megalite.parallel.state import ParallelState
+from tests.support.attention import flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
 from tests.support.models import CONFIGS
-from tests.test_doc_attention import flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
+
+pytestmark = pytest.mark.unit
 
 WINDOW = 4
 

@@ -58,3 +58,8 @@ def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState)
     parts = all_gather(local.unsqueeze(0), 0, pstate.tp_group)
     copies = pstate.tp_size // shard.count
     return torch.cat(list(parts[::copies]), dim=shard.dim)
+
+
+def same_on_all_ranks(x: torch.Tensor, group) -> bool:
+    copies = all_gather(x.unsqueeze(0), 0, group)
+    return all(torch.equal(c, copies[0]) for c in copies)
