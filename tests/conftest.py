@@ -33,10 +33,6 @@ def deepspeed_missing() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        tier = OTHERS_TIERS.get(getattr(getattr(item, "path", None), "name", None))
-        if tier and not any(item.get_closest_marker(t) for t in TIERS):
-            item.add_marker(getattr(pytest.mark, tier.get(item.originalname, tier["*"])))
     if deepspeed_missing():  # README's quick start does not install it; .ci/run does
         for item in items:
             if item.get_closest_marker("deepspeed"):
@@ -44,19 +40,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 TIERS = ("unit", "exactness", "e2e")
-# The tiers of the tools' tests kept elsewhere (their files carry no marks): file -> test
-# function -> tier, "*" for the rest of the file.
-OTHERS_TIERS = {
-    "test_bench.py": {"*": "e2e"},
-    "test_gpu_check.py": {"*": "e2e"},
-    "test_peer_bench.py": {"*": "e2e"},
-    "test_profile_split.py": {"*": "unit"},
-    "test_scaling_model.py": {"*": "unit"},
-    "test_state_size.py": {"*": "unit", "test_a_rank_of_tp2xpp2_holds_what_the_formula_says": "exactness",
-                           "test_the_distributed_optimizer_keeps_the_moments_the_formula_says": "exactness"},
-    "test_tools_compare.py": {"*": "unit", "test_a_commit_is_extracted_and_its_own_megalite_imported": "e2e",
-                              "test_against_runs_the_sweep_at_both_and_writes_head_over_base": "e2e"},
-}
 UNIT_STARTS_NO_PROCESS = "a unit test starts no process: mark it exactness or e2e"
 _unit_test: list[str] = []  # the unit test running now (its node id), while one runs
 _refused: list[str] = []  # the starts it was refused (kept: the code under test may catch them)

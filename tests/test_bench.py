@@ -24,6 +24,8 @@ from megalite.parallel.sharding import row_range, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 
+pytestmark = pytest.mark.e2e
+
 CONFIGS = Path(__file__).parent.parent / "configs"
 DEMO = str(CONFIGS / "demo.yaml")
 # The shipped CPU sweeps' kinds of layout, on rows of 256 tokens: one process (cpu.yaml's

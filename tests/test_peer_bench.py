@@ -7,6 +7,8 @@ import pytest
 
 from bench.peer import largest_micro_batch, main as peer_bench
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("transformers")
 
 

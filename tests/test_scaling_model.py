@@ -17,6 +17,8 @@ from bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per
 from megalite.config import Experts, ModelConfig
 from megalite.typed_config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "bench" / "scaling.yaml"
 
