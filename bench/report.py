@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.provenance import git_commit
+from megalite.launch.sweep import setting_name
 
 COLUMNS = ["point", "status", "device", "tp", "cp", "cp_comm", "pp", "dp", "devices", "sequence_parallel",
            "pp_schedule", "virtual_stages", "pipeline_bubble", "pipeline_bubble_measured",
@@ -106,7 +107,7 @@ def plot(out: Path, rows: list[dict], device: str) -> None:
 def _series(rows: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in r["settings"].items()
+        label = ", ".join(f"{setting_name(k)}={v}" for k, v in r["settings"].items()
                           if k != "dp") or "dp only"
         groups.setdefault(label, []).append(r)
     return groups

@@ -49,33 +49,55 @@ def nest(model: dict, note: bool = True) -> dict:
         if not flat["n_experts"]:
             del flat["n_experts"]
     kinds = {MOVED.get(k, k): v for k, v in flat.items() if MOVED.get(k, k).endswith(".kind")}
+
     def order(item):  # variants first, outer ones before inner ones
         path = MOVED.get(item[0], item[0])
         return not path.endswith(".kind"), path.count(".")
+    written = []
     for key, value in sorted(flat.items(), key=order):
         path = MOVED.get(key, key).split(".")
-        owner = _section(out, path[:-1], kinds)
-        if path[-1] == "kind" or path[-1] in owner["fields"] or value != owner["defaults"].get(path[-1]):
-            owner["mapping"][path[-1]] = value
-    if note:
+        if path[-1] in _fields_at(out, path[:-1], kinds) or _plain(value) != _plain(_default_at(path)):
+            mapping = out
+            for name in path[:-1]:
+                mapping = mapping.setdefault(name, {})
+            mapping[path[-1]] = value
+            written.append(f"model.{key} -> model.{'.'.join(path)}" if key in MOVED else None)
+    if note:  # (model.n_experts: its kind too)
         warnings.warn("model keys of before the config had sections, translated: " +
-                      ", ".join(f"model.{k} -> model.{MOVED[k]}" for k in flat if k in MOVED) +
-                      "; write the new keys (docs/config.md)", stacklevel=3)
+                      ", ".join(w for w in written if w) + ("; model.n_experts -> model.mlp.kind="
+                                                           + flat["mlp.kind"] if "mlp.kind" in flat else "")
+                      + "; write the new keys (docs/config.md)", stacklevel=3)
     return out
 
 
-def _section(model: dict, path: list[str], kinds: dict) -> dict:
-    """The mapping at `path` (made where missing), its variant's fields, and the defaults any
-    variant of it has."""
-    cls, mapping, choices = ModelConfig, model, {}
+def _fields_at(model: dict, path: list[str], kinds: dict) -> set[str]:
+    """The fields of the section at `path`'s chosen variant (none where the variants chosen
+    above have no such section)."""
+    cls, mapping = ModelConfig, model
     for depth, name in enumerate(path):
-        mapping = mapping.setdefault(name, {})
-        if name not in typing.get_type_hints(cls):  # not in the variant chosen: left for its error
-            return {"mapping": mapping, "fields": set(), "defaults": {}}
-        annotation = typing.get_type_hints(cls)[name]
+        mapping = mapping.get(name, {}) if isinstance(mapping, dict) else {}
+        hints = typing.get_type_hints(cls) if cls is not None else {}
+        if name not in hints:
+            cls = None
+            continue
         default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-        choices = variants(annotation) or {default.kind: annotation}
         kind = mapping.get("kind", kinds.get(".".join(path[:depth + 1] + ["kind"]), default.kind))
-        cls = choices.get(kind, type(default))
-    defaults = {f.name: f.default for c in choices.values() for f in dataclasses.fields(c)}
-    return {"mapping": mapping, "fields": {f.name for f in dataclasses.fields(cls)}, "defaults": defaults}
+        cls = (variants(hints[name]) or {default.kind: hints[name]}).get(kind)
+    return set() if cls is None else {f.name for f in dataclasses.fields(cls)}
+
+
+def _default_at(path: list[str], cls=ModelConfig):
+    """The default of the setting at `path` in whichever variants have it (what a flat key's
+    default meant)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == path[0])
+    if len(path) == 1:
+        return field.default
+    annotation = typing.get_type_hints(cls)[path[0]]
+    for option in (variants(annotation) or {"": annotation}).values():
+        if path[1] in {f.name for f in dataclasses.fields(option)}:
+            return _default_at(path[1:], option)
+
+
+def _plain(value):
+    """As JSON holds it: tuples are lists."""
+    return list(value) if isinstance(value, tuple) else value

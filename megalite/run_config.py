@@ -212,9 +212,15 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] = (), pretrained=None) -> Config:
+    """pretrained: the model mapping of a train.init_from path (hf.convert.pretrained_model),
+    the base its model keys go on: a key of the checkpoint's variants (model.mlp.aux_loss_coeff
+    of a mixture of experts) reads as the config's of that model."""
     raw = _raw_config(path, overrides)
     _drop_retired(raw)
+    source = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), dict) else None
+    if source and pretrained is not None:
+        raw["model"] = merged(pretrained(source), raw["model"], ModelConfig)
     return from_dict(Config, raw)
 
 

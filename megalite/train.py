@@ -22,7 +22,7 @@ from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepared import PreparedData
 from megalite.data.record_counts import skipped_records
 from megalite.generate import generate
-from megalite.hf.convert import load_pretrained
+from megalite.hf.convert import load_pretrained, pretrained_model
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
@@ -50,7 +50,8 @@ from megalite.run_setup import run_identity
 
 def parse_args(argv: list[str]) -> tuple[Config, frozenset[str]]:
     args = train_parser().parse_args(argv)
-    return load_config(args.config, args.overrides), given_keys(args.config, args.overrides)
+    return (load_config(args.config, args.overrides, pretrained_model),
+            given_keys(args.config, args.overrides))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,11 +4,10 @@ shorter than the rows (packed rows: shorter than most documents), so the window 
 training, under CP (all-gather and ring) and across pipeline stages."""
 import pytest
 
-from tests.test_train import assert_same_training, common, train_run
+from tests.support.runs import LLAMA, assert_same_training, common, train_run
 
-# Llama's shape, at the learning rate of the other Llama-shaped trainer tests.
-LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu",
-         "model.norms.kind=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+pytestmark = pytest.mark.exactness
+
 QWEN3 = LLAMA + ["model.attention.qk_norm=true", "model.attention.head_dim=16", "model.attention.sliding_window=8",
                  "model.attention.sliding_window_pattern=2"]
 ARCHITECTURES = {  # name -> (its settings, rows)
@@ -32,21 +31,6 @@ LAYOUTS = {
 # The second layout of some runs: experts over EP, the ring instead of the all-gather.
 EXTRA = {("qwen3_moe", "tp2-dp2-sp"): ["parallel.ep=2"], ("qwen3_moe", "pp2-cp2"): ["parallel.ep=2"],
          ("mistral", "pp2-cp2"): ["parallel.cp_comm=p2p"], ("qwen3", "pp2-cp2"): ["parallel.cp_comm=p2p"]}
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, cache):
-    """The one-process run of some settings on padded or packed rows, made once a module."""
-    runs = {}
-
-    def run(settings: list[str], mode: str):
-        key = (*settings, mode)
-        if key not in runs:
-            runs[key] = tmp_path_factory.mktemp(f"single-{mode}")
-            train_run(1, common(cache, runs[key], mode) + settings
-                      + ["parallel.tp=1", "train.micro_batch_size=8"])
-        return runs[key]
-    return run
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

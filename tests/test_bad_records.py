@@ -13,8 +13,7 @@ from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.run_config import DataConfig
 from megalite.train import report_data
 from megalite.typed_config import ConfigError
-from tests.test_chat import CONVERSATIONS, tokenizer  # noqa: F401  (the fixture)
-from tests.test_chat_data import model_dir  # noqa: F401  (the fixture: a template refusing tools)
+from tests.support.chat import CONVERSATIONS
 
 GOOD = {"messages": CONVERSATIONS[0]}
 BAD = [{"messages": []},
@@ -34,6 +33,7 @@ def write_chat(path):
     return path
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [0, 2])
 def test_bad_conversations_are_named_by_their_line(tmp_path, model_dir, monkeypatch, workers):
     monkeypatch.setattr(sources, "CHUNK_BYTES", 1000)  # about 6 lines a chunk: 42 is not a first
@@ -51,6 +51,7 @@ def test_bad_conversations_are_named_by_their_line(tmp_path, model_dir, monkeypa
                                           strict=True, progress=False))
 
 
+@pytest.mark.unit
 def test_parquet_conversations_are_named_by_their_row(tmp_path, model_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -63,6 +64,7 @@ def test_parquet_conversations_are_named_by_their_row(tmp_path, model_dir):
     assert meta["reasons"] == {"'messages' is empty": 1, NO_ASSISTANT: 1}
 
 
+@pytest.mark.unit
 def test_the_counts_per_reason_end_prepare_data_and_start_training(tmp_path, model_dir, capsys):
     out = tmp_path / "out"
     assert cli.main(["prepare-data", "--input", str(write_chat(tmp_path / "chat.jsonl")), "--out",
@@ -80,6 +82,7 @@ def test_the_counts_per_reason_end_prepare_data_and_start_training(tmp_path, mod
         f"{SKIPPED} (the first 20 of each file listed by line in the prepared data's meta.json)\n")
 
 
+@pytest.mark.unit
 def test_conversations_without_a_chat_template_are_recognised(tmp_path, model_dir, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -97,6 +100,7 @@ def test_conversations_without_a_chat_template_are_recognised(tmp_path, model_di
             f"--tokenizer's chat template\n")
 
 
+@pytest.mark.unit
 def test_text_given_as_conversations_is_refused_as_such(tmp_path, model_dir):
     (tmp_path / "docs.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     with pytest.raises(ConfigError) as refused:

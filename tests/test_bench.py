@@ -24,6 +24,8 @@ from megalite.parallel.sharding import row_range, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
 
+pytestmark = pytest.mark.e2e
+
 CONFIGS = Path(__file__).parent.parent / "configs"
 DEMO = str(CONFIGS / "demo.yaml")
 # The shipped CPU sweeps' kinds of layout, on rows of 256 tokens: one process (cpu.yaml's
@@ -41,10 +43,11 @@ LAYOUTS = {"name": "layouts", "base": DEMO, "batch": "packed",
                       {"parallel.cp": 4, "parallel.cp_comm": "p2p"}],
            "warmup_steps": 0, "steps": 1}
 # Multi-head latent attention (DeepSeek-V3's), at TP2 and at CP2: what TP and CP move.
-MLA = {"model.position": "rotary", "model.norm": "rmsnorm", "model.activation": "swiglu",
-       "model.bias": False, "model.attention": "mla", "model.q_lora_rank": 24,
-       "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 4,
-       "model.v_head_dim": 12}
+MLA = {"model.positions.kind": "rotary", "model.norms.kind": "rmsnorm",
+       "model.mlp.activation": "swiglu", "model.bias": False, "model.attention.kind": "mla",
+       "model.attention.q_lora_rank": 24, "model.attention.kv_lora_rank": 16,
+       "model.attention.qk_nope_head_dim": 8, "model.attention.qk_rope_head_dim": 4,
+       "model.attention.v_head_dim": 12}
 LAYOUTS["points"] += [{**MLA, "parallel.tp": 2}, {**MLA, "parallel.cp": 2}]
 # TP with SP across DP ranks (ZeRO-1, the default), the global batch grown with them (scaling:
 # weak), with Muon: each matrix's update gathered whole over DP and TP (optimizer_gathers);
@@ -160,10 +163,11 @@ def optimizer_gathers(cfg, tp: int, replicas: int, group: str) -> dict[tuple[str
 def latent_weights(m) -> int:
     """MLA: one layer's replicated weights read by this rank's heads only (the down-projections
     and the latent norms), whose gradients are all-reduced over TP in each backward."""
-    if m.attention != "mla":
+    if not m.mla:
         return 0
-    q = (m.hidden + 1) * m.q_lora_rank if m.q_lora_rank else 0
-    return q + m.hidden * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+    a = m.attention
+    q = (m.hidden + 1) * a.q_lora_rank if a.q_lora_rank else 0
+    return q + m.hidden * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
 
 
 def grad_group(point: dict) -> tuple[int, str]:
@@ -212,8 +216,8 @@ def kv_elements(point: dict, cfg) -> dict[tuple[str, str], int]:
     m = cfg.model
     b, s, cp = point["micro_batch_size"], point["seq_len"], point["cp"]
     layers = (point["global_batch_size"] // (b * point["dp"])) * m.n_layers * b
-    if m.attention == "mla":
-        per = layers * (m.kv_lora_rank + m.qk_rope_head_dim) * s
+    if m.mla:
+        per = layers * (m.attention.kv_lora_rank + m.attention.qk_rope_head_dim) * s
         return {("all_gather", "cp"): per, ("reduce_scatter", "cp"): per}
     per = layers * m.kv_heads * m.head_size
     if point["cp_comm"] == "all_gather":
@@ -241,7 +245,7 @@ def test_a_cpu_sweep_writes_results_and_plots(results):
     # Sequence parallelism stores less per layer than TP alone, as Korthikanti et al. count.
     # (Per layer and micro-batch of the same size: the SP point's DP ranks change nothing.)
     tp2 = {p["sequence_parallel"]: p for p in data["points"]
-           if p["tp"] == 2 and "model.attention" not in p["settings"]}
+           if p["tp"] == 2 and "model.attention.kind" not in p["settings"]}
     assert len(tp2) == 2
     assert tp2[True]["activation_bytes_per_layer"] < tp2[False]["activation_bytes_per_layer"]
     assert (tp2[True]["activation_formula_bytes_per_layer"]

@@ -15,11 +15,12 @@ from megalite.data.raw_files import EMBEDDED
 from megalite.run_config import DataConfig
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.typed_config import ConfigError
-from tests.test_resume import (ROOT, assert_continues_exactly, kill_every_process_of, one_thread,
-                               run, uninterrupted)
-from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+from tests.support.launch import ROOT, kill_every_process_of, one_thread, run
+from tests.support.resume import assert_continues_exactly, uninterrupted
+from tests.support.runs import STEPS, assert_same_training, common, losses, train_run
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.25], [0.05, 0.9, 0.05], [1.0]])
 def test_every_prefix_of_the_stream_holds_each_source_in_proportion(weights):
     n = 20_000
@@ -50,6 +51,7 @@ def blend_args(sources) -> str:
     return f"data.blend=[[0.7, {sources[0]}], [0.3, {sources[1]}]]"
 
 
+@pytest.mark.unit
 def test_a_blend_consumes_tokens_in_proportion_over_200_steps(sources, tmp_path):
     data = prepare_for_run(DataConfig(blend=[[0.7, str(sources[0])], [0.3, str(sources[1])]],
                                    cache_dir=str(tmp_path / "cache")))
@@ -62,6 +64,7 @@ def test_a_blend_consumes_tokens_in_proportion_over_200_steps(sources, tmp_path)
     assert abs(share[0] - 0.7) <= 0.02 * 0.7 and abs(share[1] - 0.3) <= 0.02 * 0.3, share
 
 
+@pytest.mark.exactness
 def test_a_blend_trains_the_same_model_at_tp2_dp2_and_reports_tokens_per_source(sources, tmp_path):
     base = common(str(tmp_path / "cache"), None, "packed")[:-1] + [blend_args(sources)]
     train_run(1, base + ["parallel.tp=1", "train.micro_batch_size=8", f"run.dir={tmp_path / 'one'}"])
@@ -74,6 +77,7 @@ def test_a_blend_trains_the_same_model_at_tp2_dp2_and_reports_tokens_per_source(
     assert per_source[0][str(sources[0])] > per_source[0][str(sources[1])] > 0
 
 
+@pytest.mark.e2e
 def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
     def args(run_dir, *extra):
         return ["-m", "megalite.train"] + common(str(tmp_path / "cache"), run_dir, "packed") + [
@@ -98,6 +102,7 @@ def test_a_blend_resumes_exactly_after_a_kill(sources, tmp_path):
     assert all(got[s] == expected[s] for s in expected if s > resumed_from)
 
 
+@pytest.mark.unit
 def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
     for name in ("x", "y"):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps({"text": f"{name} text " * 50}) + "\n")
@@ -109,6 +114,7 @@ def test_blends_of_raw_files_with_their_own_bpe_are_refused(tmp_path):
         prepare_for_run(DataConfig(blend=[[1, "x"], [0, "y"]], cache_dir=str(tmp_path / "cache")))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
     ({"blend": [[1, "x"], [float("inf"), "y"]]}, r"data\.blend\[1\]=\[inf, 'y'\]: .*finite weight > 0"),
     ({"blend": [[1, "x"], [float("nan"), "y"]]}, r"data\.blend\[1\]=\[nan, 'y'\]"),

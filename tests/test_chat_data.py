@@ -14,25 +14,15 @@ from megalite.data.indexed import IndexedShard, targets_path
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.typed_config import ConfigError
-from tests.test_chat import CONVERSATIONS, QWEN, tokenizer  # noqa: F401  (the fixture)
+from tests.support.chat import CONVERSATIONS, QWEN, REFUSING
 
-REFUSING = QWEN + "{% if messages[-1]['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
 RECORDS = [{"messages": CONVERSATIONS[0]}, {"text": "a document, not a conversation"},
            {"prompt": "Say hi.", "completion": "Hi!"},
            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]},
            {"messages": CONVERSATIONS[1]}]
 
 
-@pytest.fixture
-def model_dir(tmp_path, tokenizer):
-    directory = tmp_path / "model"
-    directory.mkdir()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "chat_template": REFUSING}))
-    return directory
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [0, 2])
 def test_conversations_are_prepared_with_their_targets(tmp_path, model_dir, tokenizer, workers):
     data = tmp_path / "chat.jsonl"
@@ -57,6 +47,7 @@ def test_conversations_are_prepared_with_their_targets(tmp_path, model_dir, toke
             t + "<|im_end|>" for t in turns)
 
 
+@pytest.mark.unit
 def test_documents_keep_their_shard_records(tmp_path, model_dir):
     data = tmp_path / "docs.jsonl"
     data.write_text(json.dumps({"text": "plain text"}) + "\n")
@@ -66,6 +57,7 @@ def test_documents_keep_their_shard_records(tmp_path, model_dir):
     assert not targets_path(tmp_path / "out" / meta["shards"][0]["name"]).exists()
 
 
+@pytest.mark.unit
 def test_conversations_need_jsonl_and_a_tokenizer(tmp_path, model_dir):
     text = tmp_path / "chat.txt"
     text.write_text("hello")
@@ -78,6 +70,7 @@ def test_conversations_need_jsonl_and_a_tokenizer(tmp_path, model_dir):
         prepare_directory([data], tmp_path / "b", PrepareSettings(chat_template="auto", progress=False))
 
 
+@pytest.mark.unit
 def test_parquet_conversations(tmp_path, model_dir, tokenizer):
     """A parquet file of a `messages` column (a list of structs, as datasets writes them), and
     one of `prompt` and `completion` columns, give the jsonl records' targets; a null row is

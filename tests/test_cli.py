@@ -1,7 +1,7 @@
-"""The command line a new user meets: `megalite --help` and `--version`, every command's
-defaults in its --help, a wrong --ckpt answered with the path or command to use, files that
-follow the umask, and progress that suits a log file (a Slurm job's output)."""
-import argparse
+"""The command line a new user meets: a misused command line and `--version`, a wrong --ckpt
+answered with the path or command to use, files that follow the umask, and progress that suits
+a log file (a Slurm job's output). (`megalite --help` and every command's defaults in its
+--help, beside the measuring tools': tests/test_tools_cli.py.)"""
 import gzip
 import importlib.metadata
 import itertools
@@ -16,21 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.__main__ import COMMANDS as BENCH_COMMANDS
-from megalite import cli, command_args
+from megalite import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("prog,table", [("megalite", cli.COMMANDS), ("python -m bench", BENCH_COMMANDS)])
-def test_help_lists_every_command_with_what_it_does(capsys, prog, table):
-    assert cli.dispatch(prog, table, ["--help"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"usage: {prog} <command>")
-    for name in table:
-        assert re.search(rf"^  {re.escape(name)} +\w", out, flags=re.M), name
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", [[], ["trian"]])
 def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
     assert cli.main(argv) == 2
@@ -40,43 +31,10 @@ def test_misuse_lists_the_commands_and_exits_2(capsys, argv):
         assert "unknown command 'trian' (did you mean 'train'?)" in err
 
 
-@pytest.mark.parametrize("old", sorted(cli.MOVED))
-def test_a_command_that_moved_to_the_measuring_tools_says_where(capsys, old):
-    assert cli.main([old]) == 2
-    new = cli.MOVED[old]
-    assert new in BENCH_COMMANDS
-    assert f"run `python -m bench {new}`" in capsys.readouterr().err
-
-
+@pytest.mark.unit
 def test_version_is_the_installed_packages(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"megalite {importlib.metadata.version('megalite')}\n"
-
-
-@pytest.mark.parametrize("table,command", [(cli.COMMANDS, c) for c in cli.COMMANDS if c != "torchrun"]
-                         + [(BENCH_COMMANDS, c) for c in BENCH_COMMANDS])  # torchrun's help is its own
-def test_every_option_with_a_default_shows_it_in_help(monkeypatch, capsys, table, command):
-    parsers = []
-    parse = argparse.ArgumentParser.parse_args
-
-    def keep(parser, *args, **kwargs):
-        parsers.append(parser)
-        return parse(parser, *args, **kwargs)
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep)
-    with pytest.raises(SystemExit) as stop:
-        cli.dispatch("prog", table, [command, "--help"])
-    assert stop.value.code == 0
-    shown = " ".join(capsys.readouterr().out.split())
-    parser = parsers[0]
-    assert parser.formatter_class is command_args.HelpFormatter
-    defaulted = [a for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
-                 and a.default not in (None, False, [], argparse.SUPPRESS)]
-    formatter = parser._get_formatter()
-    for action in defaulted:  # its own help, as --help prints it, names its default
-        help_text = " ".join(formatter._expand_help(action).split())
-        assert str(action.default) in help_text and help_text in shown, action.dest
-    if command == "generate":
-        assert "0: greedy" in shown
 
 
 def fake_run_dir(root):
@@ -93,6 +51,7 @@ COMMANDS_WITH_CKPT = {"export": ["--to-hf", "out"], "eval": ["--text", "some.txt
                       "generate": ["--prompt", "The"]}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", sorted(COMMANDS_WITH_CKPT))
 def test_a_run_directory_given_as_ckpt_suggests_its_newest_checkpoint(tmp_path, capsys, command):
     newest = fake_run_dir(tmp_path / "run")
@@ -103,6 +62,7 @@ def test_a_run_directory_given_as_ckpt_suggests_its_newest_checkpoint(tmp_path, 
         assert f"give its newest checkpoint, '{newest}'" in err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", sorted(COMMANDS_WITH_CKPT))
 def test_a_hugging_face_directory_given_as_ckpt_suggests_import(tmp_path, capsys, command):
     hf = tmp_path / "hf"
@@ -136,7 +96,7 @@ def assert_modes_follow_umask(root: Path, mask: int) -> None:
 def run_logged_to_a_pipe(tmp_path_factory, cache):
     """A 6-step run with stdout to a pipe (as a Slurm job's log) under umask 022: (run dir,
     its stdout)."""
-    from tests.test_train import common
+    from tests.support.runs import common
     run_dir = tmp_path_factory.mktemp("logged") / "run"
     argv = [sys.executable, "-m", "megalite.train", *common(cache, run_dir, "padded"), "parallel.tp=1",
             "train.micro_batch_size=8", "train.max_steps=6", "train.log_every=2",
@@ -147,6 +107,7 @@ def run_logged_to_a_pipe(tmp_path_factory, cache):
     return run_dir, done.stdout
 
 
+@pytest.mark.e2e
 def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
     _, out = run_logged_to_a_pipe
     assert "\r" not in out
@@ -159,6 +120,7 @@ def test_progress_in_a_log_file_is_a_line_per_logged_step(run_logged_to_a_pipe):
     assert all(v.startswith("step ") for v in validations)  # on a line of its own
 
 
+@pytest.mark.e2e
 def test_checkpoints_and_exports_follow_the_umask(run_logged_to_a_pipe, tmp_path):
     run_dir, _ = run_logged_to_a_pipe
     assert_modes_follow_umask(run_dir / "checkpoints", 0o022)
@@ -179,6 +141,7 @@ def small_gz(tmp_path_factory):
     return path, len(text)
 
 
+@pytest.mark.unit
 def test_reading_counts_the_text_as_decompressed(small_gz):
     from megalite.prep.sources import read_chunks
     path, text_bytes = small_gz
@@ -187,6 +150,7 @@ def test_reading_counts_the_text_as_decompressed(small_gz):
     assert chunks[-1].read_to == path.stat().st_size < text_bytes
 
 
+@pytest.mark.unit
 def test_prepare_data_in_a_log_file_announces_the_bpe_and_prints_lines(small_gz, tmp_path, capsys):
     path, _ = small_gz
     out = tmp_path / "bpe"
@@ -203,6 +167,7 @@ def test_prepare_data_in_a_log_file_announces_the_bpe_and_prints_lines(small_gz,
                         rf"[\d.]+ MB/s of text, [\d,]+ tok/s, 300 docs", lines[-1]), lines
 
 
+@pytest.mark.unit
 def test_prepared_data_follows_the_umask_whatever_the_tokenizers_mode(small_gz, tmp_path):
     from megalite.data.tokenizer import train_bpe
     path, _ = small_gz
@@ -236,7 +201,7 @@ def print_threads(argv) -> int:
 
 def threads_of(command: str, load: float, **env: str) -> str:
     """torch's threads in the command, and OMP_NUM_THREADS there."""
-    from tests.test_help import REQUIRED
+    from tests.support.launch import REQUIRED
     clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-c", THREADS_PROBE, command, *REQUIRED.get(command, [])],
                           cwd=ROOT, env={**clean, "LOAD": str(load), **env}, capture_output=True,
@@ -248,31 +213,37 @@ def threads_of(command: str, load: float, **env: str) -> str:
 COMPUTING = ("export", "import", "eval", "generate")
 
 
+@pytest.mark.unit
 def test_the_commands_that_compute():
     assert cli.COMPUTING == COMPUTING
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cores,load,threads", [(2, 0.3, 2), (2, 0.6, 1), (2, 5.0, 1), (6, 2.4, 4),
                                                 (16, 3.2, 13), (16, 0.0, 16)])
 def test_threads_are_the_cores_other_processes_leave(cores, load, threads):
     assert cli.torch_threads(cores, load) == threads
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", COMPUTING)
 def test_a_computing_command_takes_the_idle_cores_where_omp_num_threads_is_unset(command):
     assert threads_of(command, load=1.2) == "1 1"  # of 2 cores, 1.2 busy: torch alone takes 2
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="torch takes no more threads than cores")
 def test_omp_num_threads_set_by_the_user_is_kept():
     assert threads_of("eval", load=0.0) == "2 2"
     assert threads_of("eval", load=0.0, OMP_NUM_THREADS="1") == "1 1"
 
 
+@pytest.mark.e2e
 def test_train_keeps_torchs_threads_whatever_the_load():
     """A run's numbers depend on the threads: the load must not choose them."""
     assert threads_of("train", load=1.2).endswith(" None")  # torch chooses, as without megalite
 
 
+@pytest.mark.e2e
 def test_torchrun_leaves_its_workers_threads_to_torchrun():
     assert threads_of("torchrun", load=1.2).endswith(" None")  # it sets 1 per rank itself

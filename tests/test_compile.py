@@ -54,26 +54,31 @@ def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfi
                                    msg=key)
 
 
+@pytest.mark.unit
 def test_compiled_model_matches_eager_single_process():
     check_compiled_model_matches_eager(1, "llama")
 
 
+@pytest.mark.exactness
 def test_compiled_model_matches_eager_at_tp2():
     run_distributed(check_compiled_model_matches_eager, 2, 2, "gpt2")
 
 
+@pytest.mark.exactness
 def test_compiled_fp8_matches_eager():
     """FP8 (torchao's casts and scaled matmuls, the amax reduced over TP) compiles too."""
     check_compiled_model_matches_eager(1, "llama", fp8="rowwise")
     run_distributed(check_compiled_model_matches_eager, 2, 2, "llama", None, "tensorwise")
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("cp_comm", ["all_gather", "p2p"])
 def test_compiled_model_matches_eager_under_context_parallelism(cp_comm):
     run_distributed(check_compiled_model_matches_eager, 2, 1, "llama",
                     ParallelConfig(cp=2, cp_comm=cp_comm))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_training_forward_is_one_graph_at_tp1(name, packed):
@@ -90,6 +95,7 @@ def test_training_forward_is_one_graph_at_tp1(name, packed):
     assert explained.graph_count == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, expected", [
     ([], {}),
     (["train.compile_mode=reduce-overhead"], {"mode": "reduce-overhead"}),
@@ -107,6 +113,7 @@ def test_compile_settings_reach_torch_compile(monkeypatch, settings, expected):
     assert calls == [expected]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, message", [
     (["train.compile_mode=max-autotune"],
      r"^train\.compile_mode=max-autotune needs train\.compile=true"),

@@ -23,6 +23,7 @@ def chunk():
     return z, z.amax(dim=-1), local, mine, ignored
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("tokens", [TOKENS, 8])  # a second shape: the chunk a batch's end leaves
 def test_the_compiled_loss_passes_equal_the_plain_ones(tokens):
     z, z_max, local, mine, ignored = (t[:tokens] for t in chunk())
@@ -40,11 +41,13 @@ def test_the_compiled_loss_passes_equal_the_plain_ones(tokens):
     assert fast_grad.data_ptr() == fast.data_ptr()  # in place: no logits-sized buffer
 
 
+@pytest.mark.unit
 def test_fused_compiles_for_cuda_only():
     assert fused(shifted_exp_, torch.device("cpu")) is shifted_exp_
     assert fused(shifted_exp_, torch.device("cuda")) is compiled(shifted_exp_)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cap", [None, 5.0])
 def test_the_compiled_whole_vocabulary_chunk_equals_the_plain_one(dtype, cap):

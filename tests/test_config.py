@@ -4,84 +4,162 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from megalite.config import ModelConfig, ParallelConfig, load_model_config
+from megalite.config import Experts, Latent, ModelConfig, ParallelConfig, Rotary, load_model_config
 from megalite.layout_rules import check_layout
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
-from megalite.typed_config import ConfigError
+from megalite.run_config import load_config
+from megalite.typed_config import ConfigError, replaced
 
 BASE = ModelConfig(vocab_size=1000, hidden=64, n_heads=8, n_layers=2, max_seq_len=64)
 
 
+def nested(keys: dict) -> dict:
+    """The nested mapping that sets dotted keys: nested({"norms.eps": 0}) == {"norms": {"eps": 0}}."""
+    out = {}
+    for key, value in keys.items():
+        *sections, name = key.split(".")
+        inner = out
+        for section in sections:
+            inner = inner.setdefault(section, {})
+        inner[name] = value
+    return out
+
+
+def with_changes(cfg: ModelConfig, changes: dict) -> ModelConfig:
+    """`cfg` with each dotted key of `changes` replaced."""
+    for key, value in changes.items():
+        cfg = replaced(cfg, key, value)
+    return cfg
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-small", "gpt2-medium", "llama-1b"])
 def test_presets_load_and_are_valid(preset):
     cfg = load_model_config(preset)
     check_layout(cfg, ParallelConfig(), 1)
 
 
+@pytest.mark.unit
 def test_llama_1b_preset_has_the_expected_shape():
     cfg = load_model_config("llama-1b")
     assert (cfg.kv_heads, cfg.head_size, cfg.padded_vocab) == (8, 64, 128256)
     check_layout(cfg, ParallelConfig(tp=8), 16)
 
 
+@pytest.mark.unit
 def test_unknown_key_names_the_nearest_valid_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'model\.n_head'; did you mean 'model\.n_heads'\?"):
         load_model_config("tiny", n_head=4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("key,value,message", [
     ("n_layers", "2", r"model\.n_layers: expected an integer, got '2'"),
     ("n_layers", True, r"model\.n_layers: expected an integer, got True"),
     ("bias", 1, r"model\.bias: expected true or false, got 1"),
     ("dropout", "high", r"model\.dropout: expected a number, got 'high'"),
-    ("norm", "batchnorm", r"model\.norm: 'batchnorm' is not one of 'layernorm', 'rmsnorm'"),
-    ("n_kv_heads", 2.5, r"model\.n_kv_heads: expected an integer, got 2\.5"),
+    ("norms.kind", "batchnorm", r"model\.norms\.kind: 'batchnorm' is not one of 'layernorm', 'rmsnorm'"),
+    ("attention.n_kv_heads", 2.5, r"model\.attention\.n_kv_heads: expected an integer, got 2\.5"),
 ])
 def test_wrong_types_name_the_key_and_value(key, value, message):
     with pytest.raises(ConfigError, match=message):
-        load_model_config("tiny", **{key: value})
+        load_model_config("tiny", **nested({key: value}))
 
 
+@pytest.mark.unit
 def test_model_refuses_a_layout_it_cannot_split_exactly():
     with pytest.raises(ConfigError, match=r"parallel\.tp=4 must divide the model.s ffn_hidden \(50\)"):
-        GPT(dataclasses.replace(BASE, ffn_hidden=50), ParallelState(tp_size=4))
+        GPT(replaced(BASE, "mlp.ffn_hidden", 50), ParallelState(tp_size=4))
 
 
+@pytest.mark.unit
 def test_yaml_exponents_without_a_dot_are_numbers():
-    assert load_model_config("tiny", norm_eps="1e-5").norm_eps == 1e-5
+    assert load_model_config("tiny", norms={"eps": "1e-5"}).norms.eps == 1e-5
 
 
+@pytest.mark.unit
 def test_optional_fields_accept_null_and_ints_become_floats():
-    cfg = load_model_config("tiny", n_kv_heads=None, dropout=0)
-    assert cfg.n_kv_heads is None and isinstance(cfg.dropout, float)
+    cfg = load_model_config("tiny", attention={"n_kv_heads": None}, dropout=0)
+    assert cfg.attention.n_kv_heads is None and isinstance(cfg.dropout, float)
 
 
+@pytest.mark.parametrize("keys,message", [
+    ({"attention.kv_lora_rank": 16}, r"model\.attention\.kv_lora_rank is a key of model\.attention\.kind=mla, and "
+                                        r"model\.attention\.kind=gqa: set model\.attention\.kind=mla, or leave it out$"),
+    ({"mlp.top_k": 2}, r"model\.mlp\.top_k is a key of model\.mlp\.kind=moe, and model\.mlp\.kind=dense: "
+                          r"set model\.mlp\.kind=moe, or leave it out$"),
+    ({"positions.theta": 1e6}, r"model\.positions\.theta is a key of model\.positions\.kind=rotary, and "
+                                  r"model\.positions\.kind=learned: set model\.positions\.kind=rotary"),
+    ({"positions.kind": "rotary", "positions.scaling.factor": 2.0}, r"model\.positions\.scaling\.factor is a key of "
+                                         r"model\.positions\.scaling\.kind=linear or llama3 or yarn, and "
+                                         r"model\.positions\.scaling\.kind=none: set model\.positions\.scaling\.kind=linear"),
+])
+def test_a_key_of_a_variant_not_chosen_is_refused_naming_the_kind_that_has_it(keys, message):
+    """tiny: grouped-query attention, learned positions (rotary's scaling: none), a dense MLP.
+    A key only a mixture of experts has, on a dense model, cannot be written at all."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model=tiny", *(f"model.{key}={value}" for key, value in keys.items())])
+    with pytest.raises(ConfigError, match=message):
+        load_model_config("tiny", **nested(keys))
+
+
+def test_flat_keys_of_before_are_translated_with_a_note_naming_the_new_keys():
+    with pytest.warns(UserWarning, match=r"model keys of before the config had sections") as notes:
+        flat = load_config(None, ["model=tiny", "model.mlp.kind=moe", "model.mlp.experts=4", "model.positions.kind=rotary",
+                                  "model.mlp.top_k=1", "model.norms.eps=1e-6"]).model
+    note = "\n".join(str(n.message) for n in notes)
+    for old, new in (("n_experts", "mlp.experts"), ("position", "positions.kind"),
+                     ("moe_top_k", "mlp.top_k"), ("norm_eps", "norms.eps")):
+        assert f"model.{old} -> model.{new}" in note, note
+    sectioned = load_config(None, ["model=tiny", "model.mlp.kind=moe", "model.mlp.experts=4",
+                                   "model.positions.kind=rotary", "model.mlp.top_k=1",
+                                   "model.norms.eps=1e-6"]).model
+    assert flat == sectioned
+    assert (flat.n_experts, flat.mlp.top_k, flat.rotary, flat.norms.eps) == (4, 1, Rotary(), 1e-6)
+    assert flat.mlp.activation == "gelu_tanh"  # tiny's, kept
+
+
+def test_a_preset_sections_kind_overridden_keeps_the_keys_both_variants_have():
+    """llama-1b's MLP is dense SwiGLU of 8192; as a mixture of experts it keeps both (the keys
+    Experts has too) and takes Experts' defaults for the rest. Its GQA's n_kv_heads=8, a key
+    latent attention lacks, is dropped rather than refused."""
+    cfg = load_config(None, ["model=llama-1b", "model.mlp.kind=moe", "model.attention.kind=mla"]).model
+    assert cfg.mlp == Experts(ffn_hidden=8192, activation="swiglu")
+    assert cfg.attention == Latent()
+    assert cfg.norms == load_model_config("llama-1b").norms and cfg.positions.theta == 500000.0
+    moe = load_config(None, ["model=llama-1b", "model.mlp.kind=moe", "model.mlp.experts=4"]).model
+    assert moe.mlp == Experts(ffn_hidden=8192, activation="swiglu", experts=4)
+    assert moe.attention.n_kv_heads == 8  # a section not overridden: the preset's
+
+
+@pytest.mark.unit
 def test_missing_preset_lists_the_available_ones():
     with pytest.raises(ConfigError, match=r"model config 'gpt5' not found \(presets: gemma3-1b, gpt2-medium, gpt2-small, llama-1b, qwen3-0.6b, tiny\)"):
         load_model_config("gpt5")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("changes,tp,world,message", [
     (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
-    (dict(n_kv_heads=3), 1, 1, r"model\.n_heads=8 is not divisible by model\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
-    (dict(hidden=40, n_heads=8, position="rotary"), 1, 1, r"rotary positions need an even head dim, got 5"),
+    ({"attention.n_kv_heads": 3}, 1, 1, r"model\.n_heads=8 is not divisible by model\.attention\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
+    (dict(hidden=40, n_heads=8, positions=Rotary()), 1, 1, r"rotary positions need an even head dim, got 5"),
     ({}, 2, 3, r"^invalid config: parallel\.tp=2 must divide the world size 3: use parallel\.tp among \[1\] \(the divisors of the world size 3 that split the model\) or launch a multiple of 2 processes$"),
     ({}, 16, 16, r"^invalid config: parallel\.tp=16 must divide the model's heads \(8\): use parallel\.tp among \[1, 2, 4, 8\] \(the divisors of the world size 16 that split the model\)$"),
-    (dict(n_kv_heads=2), 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads
-    (dict(n_heads=12, n_kv_heads=6, hidden=48), 4, 4, r"parallel\.tp=4 must divide the model's KV heads \(6\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\)$"),
-    (dict(n_heads=12, n_kv_heads=2, hidden=48), 4, 4, None),
-    (dict(ffn_hidden=250), 4, 4, r"parallel\.tp=4 must divide the model's ffn_hidden \(250\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\)$"),
+    ({"attention.n_kv_heads": 2}, 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads
+    ({"n_heads": 12, "attention.n_kv_heads": 6, "hidden": 48}, 4, 4, r"parallel\.tp=4 must divide the model's KV heads \(6\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\)$"),
+    ({"n_heads": 12, "attention.n_kv_heads": 2, "hidden": 48}, 4, 4, None),
+    ({"mlp.ffn_hidden": 250}, 4, 4, r"parallel\.tp=4 must divide the model's ffn_hidden \(250\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\)$"),
     (dict(vocab_pad_multiple=2, vocab_size=1001), 4, 4, r"parallel\.tp=4 must divide the model's padded vocab \(1002\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\), or a model\.vocab_pad_multiple that is a multiple of 4$"),
     (dict(dropout=1.0), 1, 1, r"model\.dropout=1\.0 must be in \[0, 1\)"),
     (dict(n_layers=0), 1, 1, r"model\.n_layers=0 must be >= 1"),
     (dict(max_seq_len=0), 1, 1, r"model\.max_seq_len=0 must be >= 1"),
-    (dict(norm_eps=0.0), 1, 1, r"model\.norm_eps=0\.0 must be > 0"),
+    ({"norms.eps": 0.0}, 1, 1, r"model\.norms\.eps=0\.0 must be > 0"),
     (dict(init_std=-1.0), 1, 1, r"model\.init_std=-1\.0 must be > 0"),
     ({}, 0, 1, r"parallel\.tp=0 must be >= 1"),
 ])
 def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
-    cfg = dataclasses.replace(BASE, **changes)
+    cfg = with_changes(BASE, changes)
     if message is None:
         check_layout(cfg, ParallelConfig(tp=tp), world)
         return
@@ -89,6 +167,7 @@ def test_each_layout_error_names_values_and_fix(changes, tp, world, message):
         check_layout(cfg, ParallelConfig(tp=tp), world)
 
 
+@pytest.mark.unit
 def test_all_problems_come_in_one_error():
     """Each problem once: a tp that fits neither the world nor the model is one line."""
     cfg = dataclasses.replace(BASE, n_heads=5, hidden=64, dropout=2.0)
@@ -98,6 +177,7 @@ def test_all_problems_come_in_one_error():
     assert lines[0] == "invalid config:" and len(lines) == 4, lines
 
 
+@pytest.mark.e2e
 def test_the_entry_point_rejects_a_bad_layout_before_any_process_group(monkeypatch):
     from megalite.train import main
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -107,6 +187,7 @@ def test_the_entry_point_rejects_a_bad_layout_before_any_process_group(monkeypat
     assert not dist.is_initialized()
 
 
+@pytest.mark.unit
 def test_without_torchrun_init_parallel_is_a_plain_single_process(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ps = init_parallel(ParallelConfig(tp=1))

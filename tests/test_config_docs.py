@@ -10,6 +10,8 @@ from docs.config_docs import main, markdown, rows, sections, sweep_sections
 from megalite.run_config import load_config
 from megalite.typed_config import ConfigError, variants
 
+pytestmark = pytest.mark.unit
+
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
 

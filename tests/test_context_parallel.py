@@ -18,9 +18,10 @@ from megalite.parallel.mappings import all_gather
 from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
+from tests.support.attention import config, flex_on_cpu, packed_batch
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
-from tests.test_doc_attention import config, flex_on_cpu, packed_batch
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SEQ = 16  # cuts into 2 x cp x tp = 8 chunks at CP4, and at CP2 x TP2 with SP
@@ -86,9 +87,10 @@ def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str)
 LAYOUTS = {"cp2": (2, 1, 2, False), "cp4": (4, 1, 4, False), "cp2xtp2-sp": (4, 2, 2, True),
            "cp2xdp2": (4, 1, 2, False)}
 # One K/V head over TP2: both TP ranks keep a copy of it (n_kv_heads < tp).
-CONFIGS_KV1 = {"llama-kv1": dataclasses.replace(CONFIGS["llama"], n_kv_heads=1)}
+CONFIGS_KV1 = {"llama-kv1": replaced(CONFIGS["llama"], "attention.n_kv_heads", 1)}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name, kind", [("llama", "padded"), ("gpt2", "packed")])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("comm", ["all_gather", "p2p"])
@@ -97,11 +99,13 @@ def test_context_parallel_model_equals_single_process(config_name, kind, layout,
     run_distributed(check_cp, world, config_name, kind, tp, cp, sp, comm)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("comm", ["all_gather", "p2p"])
 def test_context_parallel_with_fewer_kv_heads_than_tp_ranks(comm):
     run_distributed(check_cp, 4, "llama-kv1", "padded", 2, 2, False, comm)
 
 
+@pytest.mark.unit
 def test_zigzag_split_covers_the_row_once_and_balances_causal_work():
     for cp in (1, 2, 4):
         assert torch.equal(zigzag_order(32, cp).sort().values, torch.arange(32))
@@ -132,10 +136,12 @@ def check_flex_rule(config_name: str):
     assert_close(flex[real], dense[real], **TOL)
 
 
+@pytest.mark.exactness
 def test_context_parallel_flex_rule_equals_dense():
     run_distributed(check_flex_rule, 2, "gpt2")
 
 
+@pytest.mark.unit
 def test_context_parallel_refuses_dropout_and_short_rows():
     from megalite.typed_config import ConfigError
     cfg = dataclasses.replace(CONFIGS["gpt2"], dropout=0.1)
@@ -166,6 +172,7 @@ def check_ring_mask_rows_are_built_once_per_forward(flex: bool) -> None:
     assert len(masks) == 1, f"{len(masks)} mask tensors saved by {cfg.n_layers} layers"
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("flex", [False, True], ids=["dense", "where-flex-runs"])
 def test_ring_attention_mask_rows_are_built_once_and_shared_by_the_layers(flex):
     run_distributed(check_ring_mask_rows_are_built_once_per_forward, 2, flex)
@@ -189,10 +196,12 @@ def check_ring_math_ignores_autocast() -> None:
         assert torch.equal(plain, autocast), name
 
 
+@pytest.mark.exactness
 def test_ring_attention_math_stays_fp32_under_bf16_autocast():
     run_distributed(check_ring_math_ignores_autocast, 2)
 
 
+@pytest.mark.unit
 def test_padded_micro_batches_widen_to_whole_chunks():
     import numpy as np
 

@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from tests.test_reshard import resume_and_compare
-from tests.test_train import STEPS, assert_same_training, common, train_run
+from tests.support.resume import resume_and_compare
+from tests.support.runs import STEPS, assert_same_training, common, train_run
+
+pytestmark = pytest.mark.exactness
 
 
 def ran_at(run_dir) -> dict:
@@ -52,8 +54,9 @@ def test_packed_rows_train_like_one_process(tmp_path, cache, single_packed, layo
 # Llama's shape: rotary positions, GQA (2 K/V heads for 4), SwiGLU, RMSNorm, untied head; a
 # higher learning rate, so that it visibly learns in 10 steps. (At 1e-2 step 9 spikes, and its
 # gradient norm moves by 6e-5 with the micro-batch size alone, in one process.)
-LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm",
-         "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
+LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=2",
+         "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm", "model.bias=false",
+         "model.tie_embeddings=false", "train.lr=5e-3"]
 
 
 def test_llama_shape_right_padded_at_cp4_all_gather_and_cp2_tp2_ring(tmp_path, cache):

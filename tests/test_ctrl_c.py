@@ -8,10 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megalite.cli import INTERRUPTED
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from megalite.training.preemption import PREEMPTED
-from tests.test_dead_rank import megalite_lines, stepped
+from tests.support.launch import megalite_lines, stepped
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 MEGALITE_TORCHRUN = [sys.executable, "-m", "megalite", "torchrun", "--nproc_per_node", "2"]

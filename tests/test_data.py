@@ -11,14 +11,13 @@ from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder, Samples
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
+from tests.support.data import write_jsonl
 
 TEXTS = [f"Document number {i} talks about tensors and gradients. " * (1 + i % 4) for i in range(30)]
 
 
 def corpus(tmp_path):
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    return path
+    return write_jsonl(tmp_path / "c.jsonl", TEXTS)
 
 
 def user_tokenizer(tmp_path, special):
@@ -31,6 +30,7 @@ def user_tokenizer(tmp_path, special):
     return path
 
 
+@pytest.mark.unit
 def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
     tok = user_tokenizer(tmp_path, ["<s>", "</s>", "<pad>"])
     data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
@@ -41,6 +41,7 @@ def test_user_tokenizer_is_used_with_its_special_tokens(tmp_path):
     assert all(d[-1] == 1 for d in docs.documents(np.arange(len(docs)), 10**6))  # each ends with eos
 
 
+@pytest.mark.unit
 def test_user_tokenizer_without_padding_token_pads_with_eos(tmp_path):
     tok = user_tokenizer(tmp_path, ["</s>"])
     data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), tokenizer=str(tok),
@@ -48,6 +49,7 @@ def test_user_tokenizer_without_padding_token_pads_with_eos(tmp_path):
     assert data.tokenizer.pad_id == data.tokenizer.eos_id == 0
 
 
+@pytest.mark.unit
 def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
     cfg = DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300, cache_dir=str(tmp_path / "cache"))
     first = prepare_for_run(cfg)
@@ -61,6 +63,7 @@ def test_cache_is_built_once_and_rebuilt_when_the_corpus_changes(tmp_path):
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("given", [True, False])  # a tokenizer given, or a BPE trained here
 def test_a_rerun_with_nothing_to_do_keeps_an_older_directorys_data_key(tmp_path, given):
     """A directory an earlier version prepared has no bos_id or pad_id in meta.json and no file
@@ -85,6 +88,7 @@ def test_a_rerun_with_nothing_to_do_keeps_an_older_directorys_data_key(tmp_path,
     assert prepare_for_run(DataConfig(path=str(out))).meta["cache_key"] == key
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_path, mode):
     data = prepare_for_run(DataConfig(path=str(corpus(tmp_path)), bpe_vocab_size=300,
@@ -101,6 +105,7 @@ def test_dp_ranks_read_disjoint_rows_of_a_layout_independent_global_batch(tmp_pa
         assert bool((batch.input_ids[batch.attention_mask == 0] == data.tokenizer.pad_id).all())
 
 
+@pytest.mark.e2e
 def test_prepare_data_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "megalite", "prepare-data",
                            f"data.path={corpus(tmp_path)}", "data.bpe_vocab_size=300",

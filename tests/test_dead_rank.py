@@ -8,23 +8,18 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import psutil
+from tests.support.launch import megalite_lines, stepped
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def stepped(run_dir: Path) -> bool:
-    """A training step is logged (metrics.jsonl is opened before the first)."""
-    log = run_dir / "metrics.jsonl"
-    return log.exists() and '"loss"' in log.read_text()
 LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "megalite torchrun": [sys.executable, "-m", "megalite", "torchrun"]}
-
-
-def megalite_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.strip()
-            and not line.startswith("W")  # torchrun's start-up banner about OMP_NUM_THREADS
-            and not line.startswith("data: rank ")]  # which rank prepares the data
 
 
 def kill_rank(launcher: str, cache: str, run_dir: Path, victim: int, **env: str):

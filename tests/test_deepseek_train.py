@@ -5,17 +5,11 @@ does: losses, gradient norms (clipping active) and final weights after 10 steps,
 (fp32), padded and packed."""
 import pytest
 
-from tests.test_architectures_train import LLAMA, single  # noqa: F401  (the fixture)
-from tests.test_moe_train import assert_docs_command_trains_like_one_process
-from tests.test_train import assert_same_training, common, train_run
+from tests.support.runs import (DEEPSEEK, assert_docs_command_trains_like_one_process,
+                                assert_same_training, common, train_run)
 
-DEEPSEEK = LLAMA + ["model.attention.n_kv_heads=null", "model.attention.kind=mla", "model.attention.q_lora_rank=24",
-                    "model.attention.kv_lora_rank=16", "model.attention.qk_nope_head_dim=8", "model.attention.qk_rope_head_dim=4",
-                    "model.attention.v_head_dim=12", "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2",
-                    "model.mlp.expert_ffn_hidden=16", "model.mlp.shared_experts=1", "model.mlp.router=sigmoid",
-                    "model.mlp.groups=2", "model.mlp.topk_groups=1", "model.mlp.routed_scaling=2.5",
-                    "model.mlp.dense_layers=[0]", "model.mlp.bias_update_rate=0.01", "model.n_layers=3",
-                    "parallel.pp_layers=null"]
+pytestmark = pytest.mark.exactness
+
 LAYOUTS = {
     "tp2-dp2": ["parallel.tp=2"],
     "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],

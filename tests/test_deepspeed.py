@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.config import ModelConfig, ParallelConfig
+from megalite.config import GroupedQuery, ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
 from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
 from tests.support.harness import run_distributed
-from tests.test_train import LAYOUT, STEPS, assert_same_training, common, losses, train_run
+from tests.support.runs import LAYOUT, STEPS, assert_same_training, common, losses, train_run
 
 pytestmark = pytest.mark.deepspeed  # every test: skipped without the package (tests/conftest.py)
 
@@ -23,6 +23,7 @@ def moments(run_dir, step=STEPS):
     return read_whole_state(run_dir / "checkpoints" / f"step_{step:08d}", "optimizer")
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zero_trains_like_the_native_engine(tmp_path, cache, tp2dp2_padded, stage):
     train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
@@ -35,6 +36,7 @@ def test_zero_trains_like_the_native_engine(tmp_path, cache, tp2dp2_padded, stag
         torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.exactness
 def test_zero2_resumes_from_a_native_checkpoint(tmp_path, cache, tp2dp2_padded):
     train_run(4, common(cache, tmp_path, "padded") + LAYOUT +
               ["train.engine=deepspeed", "train.zero_stage=2",
@@ -69,6 +71,7 @@ def check_replicas_stay_identical(stage: int) -> None:
         assert not torch.equal(p.detach(), p0)
 
 
+@pytest.mark.exactness
 def test_zero2_dp_replicas_hold_identical_parameters():
     run_distributed(check_replicas_stay_identical, 4, 2, torchrun_env=True)
 
@@ -76,8 +79,10 @@ def test_zero2_dp_replicas_hold_identical_parameters():
 TP2 = ParallelConfig(tp=2)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model, train, parallel, world, message", [
-    (ModelConfig(n_heads=4, n_kv_heads=1), {}, TP2, 4, "n_kv_heads=1 < parallel.tp=2"),
+    (ModelConfig(n_heads=4, attention=GroupedQuery(n_kv_heads=1)), {}, TP2, 4,
+     "model.attention.n_kv_heads=1 < parallel.tp=2"),
     (ModelConfig(), {"deepspeed": {"train_batch_size": 32}}, TP2, 4, "train_batch_size=32 disagrees"),
     (ModelConfig(), {"deepspeed": {"optimizer": {"type": "Adam"}}}, TP2, 4, "train.deepspeed.optimizer"),
     (ModelConfig(), {"deepspeed": {"zero_optimization": {"stage": 3}}}, TP2, 4, "zero_optimization.stage"),
@@ -94,6 +99,7 @@ def test_bad_deepspeed_configs_are_refused_before_any_collective(model, train, p
         check_deepspeed(cfg, model, parallel, world)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("stage, extra", [
     (1, ["train.deepspeed.zero_optimization.overlap_comm=true"]),  # ZeRO's reduce hooks on
     (2, []),
@@ -113,10 +119,11 @@ def test_zero_with_pipeline_stages_trains_like_the_native_engine(tmp_path, cache
         torch.testing.assert_close(saved[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.exactness
 def test_latent_attention_at_tp2_trains_like_the_native_engine(tmp_path, cache):
     """DeepSeek-V3's shape at TP2 x DP2 under ZeRO-1: MLA's down-projections, whole on every TP
     rank, count once in DeepSpeed's gradient norm (clipping is active), as in the native one."""
-    from tests.test_deepseek_train import DEEPSEEK
+    from tests.support.runs import DEEPSEEK
     native, zero = tmp_path / "native", tmp_path / "zero1"
     argv = common(cache, tmp_path, "padded") + DEEPSEEK + LAYOUT
     train_run(4, argv + [f"run.dir={native}"])

@@ -26,13 +26,13 @@ from megalite.run_setup import validate
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
 from megalite.training.engine import NativeEngine, autocast_for, train_step
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS
 
 ROWS, SEQ, STEPS = 12, 8, 8
 # GPT-2 with rows that split unevenly over 4 replicas (positions: 30 rows; MLP: 42).
-UNEVEN = dataclasses.replace(CONFIGS["gpt2"], max_seq_len=30, ffn_hidden=42)
+UNEVEN = replaced(dataclasses.replace(CONFIGS["gpt2"], max_seq_len=30), "mlp.ffn_hidden", 42)
 MODELS = {"llama": CONFIGS["llama"], "uneven": UNEVEN,
           "gpt2-4": dataclasses.replace(CONFIGS["gpt2"], n_layers=4)}  # 2 stages x 2 chunks
 # Small buckets: several per stage (at TP1 the embedding is larger than one).
@@ -151,6 +151,7 @@ def compare(results: list[dict], loss_atol: float, norm_rtol: float) -> None:
         assert_close(torch.tensor(norm1), torch.tensor(norm0), atol=0, rtol=norm_rtol)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero1_trains_as_the_replicated_engine_fp32(layout):
     name, world_layout, micro = LAYOUTS[layout]
@@ -162,6 +163,7 @@ def test_zero1_trains_as_the_replicated_engine_fp32(layout):
     assert max(results[0]["losses"][0][1]) > 0.5
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout,precision", [("tp2xdp2-sp", "fp32"), ("dp4-accumulation", "fp32"),
                                               ("dp4-accumulation", "pure_bf16")])
 def test_zero1_muon_trains_as_the_replicated_engine(layout, precision):
@@ -189,6 +191,7 @@ def test_zero1_muon_trains_as_the_replicated_engine(layout, precision):
 BF16_LOSS_TOL, BF16_NORM_TOL = 2e-3, 4e-2
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout,reduce", [("tp2xdp2-sp", "fp32"), ("dp4-accumulation", "bf16")])
 def test_zero1_pure_bf16_trains_as_the_replicated_engine_with_1_over_dp_of_the_state(layout, reduce):
     name, world_layout, micro = LAYOUTS[layout]
@@ -229,16 +232,19 @@ def check_moments_round_trip() -> None:
             assert torch.equal(t, b.optimizer_state(q)[m])
 
 
+@pytest.mark.exactness
 def test_moments_round_trip_through_held_rows():
     run_distributed(check_moments_round_trip, 2)
 
 
+@pytest.mark.unit
 def test_a_single_replica_keeps_the_replicated_engine():
     engine = make_engine(CONFIGS["gpt2"], ParallelState(), 1, "fp32")
     assert type(engine) is NativeEngine
     assert all(engine.held_rows(p) == (0, p.shape[0]) for p in engine.model.parameters())
 
 
+@pytest.mark.unit
 def test_zero_stage_2_under_the_native_engine_is_refused_before_the_run():
     with pytest.raises(ConfigError, match="train.zero_stage=2 with train.engine=native.*"
                                           "use train.zero_stage=1, or train.engine=deepspeed"):

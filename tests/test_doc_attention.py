@@ -18,80 +18,24 @@ path, compiled, is checked against the dense one in tests/test_gpu.py (head dims
 which CUDA's flex kernel needs).
 """
 import dataclasses
-import warnings
-from contextlib import contextmanager, nullcontext
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
-from torch.testing import assert_close
 
-from megalite.model import GPT, doc_attention
+from megalite.model import GPT
 from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
+from tests.support.attention import config, flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, PAD_ID, padded_batch
+from tests.support.models import CONFIGS, padded_batch
 
-TOL = dict(atol=1e-5, rtol=1e-5)
 # An odd length (sequence parallelism pads it to shards), and one past the 128-token block.
 LENGTHS = (13, 130)
 
 
-@contextmanager
-def flex_on_cpu():
-    """Layouts and attention take the flex path on CPU; yields the functions it compiled (run
-    eagerly here) with torch.compile's `dynamic` for each, to show that it ran."""
-    used = []
-    with mock.patch.object(doc_attention, "FLEX_DEVICES", ("cuda", "cpu")), \
-            mock.patch.object(doc_attention, "compiled",
-                              lambda fn, dynamic=None: used.append((fn, dynamic)) or fn), \
-            mock.patch.object(torch_flex, "_validate_device", lambda *tensors: None), \
-            warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        yield used
-
-
-def config(name: str, seq: int, **overrides):
-    """A test config with heads FlexAttention takes (16 wide: hidden 64 over 4 heads)."""
-    # A multiple of 32: sequence parallelism needs one of tp.
-    return dataclasses.replace(CONFIGS[name], max_seq_len=32 * -(-seq // 32),
-                               **{"hidden": 64, **overrides})
-
-
-def packed_batch(vocab_size: int, seq: int, seed: int = 0) -> tuple:
-    """ids, attention mask, doc ids, labels of 4 packed rows: documents cut at random places
-    (so they cross rows); row 2 ends in pads that share its last document's id, row 3 starts
-    with pads sharing its first document's id and ends in pads of their own."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (4, seq), generator=generator)
-    starts = torch.rand(4, seq, generator=generator) < 0.25
-    starts[:, 0] = True
-    docs = starts.long().cumsum(-1)
-    mask = torch.ones(4, seq, dtype=torch.long)
-    mask[2, -3:] = 0
-    docs[2, -3:] = docs[2, -4]
-    mask[3, :2] = 0
-    docs[3, :3] = docs[3, 2]
-    mask[3, -4:] = 0
-    docs[3, -4:] = docs[3, -5] + 1
-    ids[mask == 0] = PAD_ID
-    follows = (docs[:, 1:] == docs[:, :-1]) & mask[:, 1:].bool() & mask[:, :-1].bool()
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:].masked_fill(~follows, -100)
-    return ids, mask, docs, labels
-
-
-def reference_mask(mask: torch.Tensor | None, docs: torch.Tensor) -> torch.Tensor:
-    """Query q sees key k when k is a real token of q's document at or before q; every query
-    sees itself (else a pad query's softmax row would be empty: NaN)."""
-    seq = docs.shape[1]
-    real = torch.ones_like(docs, dtype=torch.bool) if mask is None else mask.bool()
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    same_doc = docs[:, :, None] == docs[:, None, :]
-    return ((causal & same_doc & real[:, None, :]) | torch.eye(seq, dtype=torch.bool)).unsqueeze(1)
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize("seq", LENGTHS)
 def test_the_dense_mask_is_the_document_causal_rule(seq):
     ids, mask, docs, _ = packed_batch(100, seq)
@@ -104,6 +48,7 @@ def test_the_dense_mask_is_the_document_causal_rule(seq):
         assert torch.equal(layout.mask, reference_mask(mask_, docs_))
 
 
+@pytest.mark.unit
 def test_packed_rows_carry_a_block_mask_where_flex_runs_and_right_padding_no_mask():
     ids, mask, docs, _ = packed_batch(100, 13)
     right_ids, right_mask, _ = padded_batch(CONFIGS["gpt2"], "right")
@@ -121,35 +66,9 @@ def unmasked(batch: tuple) -> tuple:
     return ids, None, docs, labels
 
 
-def run(model: GPT, batch: tuple) -> tuple:
-    """Logits, per-token losses and gradients of one forward and backward."""
-    ids, mask, docs, labels = batch
-    out = model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
-    out.token_losses.sum().backward()
-    return out.logits.detach(), out.token_losses.detach(), {
-        name: p.grad for name, p in model.named_parameters()}
-
-
-def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False, seed: int = 3):
-    """`exact`: bit for bit, for the dropout fallback, which runs the dense path itself."""
-    results = []
-    for flex in (False, True):
-        with flex_on_cpu() if flex else nullcontext() as used:
-            torch.manual_seed(seed)  # dropout: the same masks both times
-            results.append(run(GPT(cfg, ps, seed=seed), batch))
-        if flex:
-            assert any(fn is torch_flex.flex_attention for fn, _ in used) == (not exact)
-    (logits, losses, grads), (flex_logits, flex_losses, flex_grads) = results
-    assert torch.isfinite(logits).any(-1).all()
-    tol = dict(atol=0, rtol=0) if exact else TOL
-    assert_close(flex_logits, logits, **tol)
-    assert_close(flex_losses, losses, **tol)
-    for name, grad in grads.items():
-        assert_close(flex_grads[name], grad, **tol, msg=lambda m: f"{name}: {m}")
-
-
 # Each config at each length, with and without an attention mask: eager flex costs ~0.3 s of
 # CPU per forward and backward, too much for every combination.
+@pytest.mark.unit
 @pytest.mark.parametrize("config_name, seq, masked", [
     ("gpt2", 13, True), ("gpt2", 130, False), ("llama", 13, False), ("llama", 130, True)])
 def test_flex_equals_dense_single_process(config_name, seq, masked):
@@ -158,6 +77,7 @@ def test_flex_equals_dense_single_process(config_name, seq, masked):
     flex_equals_dense(cfg, ParallelState(), batch if masked else unmasked(batch))
 
 
+@pytest.mark.unit
 def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
     """Packed rows, one shape a run, compile flex and its block mask dynamic=False (training
     and evaluation alike); a window over right-padded rows, whose width changes with each
@@ -170,18 +90,20 @@ def test_packed_rows_compile_flex_for_their_shape_and_varying_widths_for_any():
             model(ids, attention_mask=mask, doc_ids=docs, labels=labels)
         assert set(used) == {(torch_flex.create_block_mask, False),
                              (torch_flex.flex_attention, False)}, grad
-    windowed = GPT(config("llama", 13, sliding_window=4), ParallelState(), seed=0)
+    windowed = GPT(replaced(config("llama", 13), "attention.sliding_window", 4), ParallelState(), seed=0)
     right_ids, right_mask, right_labels = padded_batch(windowed.cfg, "right")
     with flex_on_cpu() as used:
         windowed(right_ids, attention_mask=right_mask, labels=right_labels)
     assert set(used) == {(torch_flex.create_block_mask, None), (torch_flex.flex_attention, None)}
 
 
+@pytest.mark.unit
 def test_attention_dropout_falls_back_to_the_dense_path_exactly():
     cfg = config("llama", 13, dropout=0.2)
     flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
 
 
+@pytest.mark.unit
 def test_heads_narrower_than_flex_takes_fall_back_to_the_dense_path_exactly():
     cfg = config("llama", 13, hidden=32)  # heads of 8: GPU flex_attention refuses them
     flex_equals_dense(cfg, ParallelState(), packed_batch(cfg.vocab_size, 13), exact=True)
@@ -200,5 +122,6 @@ def check_flex_equals_dense_at_tp2():
                           batch, exact=True)
 
 
+@pytest.mark.exactness
 def test_flex_equals_dense_tensor_and_sequence_parallel():
     run_distributed(check_flex_equals_dense_at_tp2, 2)

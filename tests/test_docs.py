@@ -10,6 +10,8 @@ import pytest
 from megalite.run_config import load_config
 from megalite.run_setup import validate
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 

@@ -2,21 +2,19 @@
 under PP, each stage its own masks."""
 import dataclasses
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
 from megalite.config import ParallelConfig
 from megalite.model import GPT
-from megalite.parallel.mappings import all_gather
 from megalite.parallel.random import TensorParallelRNG, seed_replicated_dropout
 from megalite.parallel.state import ParallelState
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, padded_batch
+from tests.support.models import CONFIGS, padded_batch, same_on_all_ranks
 
-
-def same_on_all_ranks(x: torch.Tensor, group) -> bool:
-    copies = all_gather(x.unsqueeze(0), 0, group)
-    return all(torch.equal(c, copies[0]) for c in copies)
+pytestmark = pytest.mark.exactness
 
 
 def check_tracker():

@@ -21,7 +21,7 @@ from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.typed_config import ConfigError
-from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, save_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS
 
@@ -74,6 +74,7 @@ def read_by_rank(path, ranks: int, monkeypatch) -> list[tuple[list[str], int]]:
     return out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content", ["lines", "one line", "empty", "newlines at starts"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 7])
 def test_pieces_follow_the_rule_and_each_rank_reads_only_its_own(tmp_path, monkeypatch,
@@ -155,6 +156,7 @@ def eval_on_rank(ckpt: str, path: str, piece_bytes: int, patch=setattr,
     return out.getvalue(), seen
 
 
+@pytest.mark.exactness
 def test_the_loss_at_dp2_equals_dp1_and_the_pieces_scored_here(checkpoint, tmp_path, monkeypatch):
     ckpt, model = checkpoint
     path = tmp_path / "eval.txt"
@@ -176,6 +178,7 @@ def test_the_loss_at_dp2_equals_dp1_and_the_pieces_scored_here(checkpoint, tmp_p
     assert one["tokens"] == count and one["loss"] == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", [("--pp", "2"), ("--cp", "2")])
 def test_the_loss_at_pp2_and_cp2_equals_one_process(checkpoint, tmp_path, monkeypatch, layout):
     """Training's validation and `megalite eval` share one loss (training/evaluation.py): eval
@@ -190,12 +193,14 @@ def test_the_loss_at_pp2_and_cp2_equals_one_process(checkpoint, tmp_path, monkey
     assert two["tokens"] == one["tokens"] and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
+@pytest.mark.unit
 def test_a_cp_that_widens_a_window_past_the_positions_is_refused():
     evaluate.check_windows_split(32, ParallelConfig(cp=2))  # 31 tokens widen to 32
     with pytest.raises(ConfigError, match=r"--cp 2 cuts each window into 4 equal chunks.*max_seq_len=30"):
         evaluate.check_windows_split(30, ParallelConfig(cp=2))  # 29 widen to 32
 
 
+@pytest.mark.unit
 def test_a_text_under_the_piece_size_is_scored_whole(checkpoint, tmp_path, capsys):
     ckpt, model = checkpoint
     path = tmp_path / "eval.txt"
@@ -207,6 +212,7 @@ def test_a_text_under_the_piece_size_is_scored_whole(checkpoint, tmp_path, capsy
     assert result["tokens"] == count and result["loss"] == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.unit
 def test_a_text_with_nothing_to_predict_is_refused(checkpoint, tmp_path):
     path = tmp_path / "empty.txt"
     path.write_text("")

@@ -17,6 +17,7 @@ from megalite.training.evaluation import eval_plan
 from megalite.typed_config import ConfigError
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("setting, message", [
     ("train.lr=-1", r"^train\.lr=-1\.0 must be >= 0$"),
     ("train.min_lr=-1e-5", r"^train\.min_lr=-1e-05 must be >= 0$"),
@@ -35,6 +36,7 @@ def test_a_number_out_of_range_is_named_as_typed(setting, message):
         validate(load_config(None, ["model=tiny", setting]), 1)
 
 
+@pytest.mark.unit
 def test_snapshots_are_refused_where_not_written_yet():
     with pytest.raises(ConfigError, match=r"train\.snapshot_every=5 with train\.engine=deepspeed: "
                                           r"in-memory snapshots are not written for it yet"):
@@ -42,6 +44,7 @@ def test_snapshots_are_refused_where_not_written_yet():
                                     "train.engine=deepspeed"]), 1)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["file", "sys"])
 def test_a_run_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path, capsys, where):
     """A path through a regular file, and one the filesystem refuses (standing in for a
@@ -57,6 +60,7 @@ def test_a_run_dir_that_cannot_be_written_is_one_line_before_any_work(tmp_path, 
     assert not (tmp_path / "cache").exists()  # nothing read or prepared before
 
 
+@pytest.mark.unit
 def test_a_tp_that_does_not_split_names_the_world_size():
     with pytest.raises(ConfigError) as err:
         validate(load_config(None, ["model=tiny", "parallel.tp=3", "train.global_batch_size=12",
@@ -66,6 +70,7 @@ def test_a_tp_that_does_not_split_names_the_world_size():
         in str(err.value)
 
 
+@pytest.mark.unit
 def test_each_evaluation_is_bounded_by_default_and_said_at_start():
     """Not the whole held-out set (on a large corpus, as much as many training steps): the
     first 2^20 tokens' rows, a fixed set; how many is printed before the first."""
@@ -93,13 +98,14 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=True, timeout=60)
 
 
+@pytest.mark.e2e
 def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tiny_disk, cache,
                                                                                  capsys):
     """torch's zip writer says only "unexpected pos" when a write falls short: the line names
     the full disk, the path and the rank; the checkpoint before is whole and loads."""
     from megalite.training.checkpoint_dirs import latest_checkpoint
     from tests.support.checkpoints import read_whole_state
-    from tests.test_train import common
+    from tests.support.runs import common
     run_dir = tiny_disk / "run"
     assert cli_main(["train", *common(cache, run_dir, "packed"), "train.checkpoint_every=2"]) == 1
     printed = capsys.readouterr().err
@@ -112,6 +118,7 @@ def test_a_disk_filling_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
     assert latest is not None and read_whole_state(latest)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shared, nodes, refused", [("True", "2", True), ("False", "2", False),
                                                     ("True", "1", False)])
 def test_restarts_across_nodes_with_torchruns_shared_store_are_refused(monkeypatch, shared, nodes,

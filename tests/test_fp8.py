@@ -17,13 +17,14 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import Fp8Config
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
-from tests.test_layers import SINGLE, build, randn
+from tests.support.layers import SINGLE, build, randn
 
 
 def fp8(recipe: str, emulate: bool = True) -> Float8Matmul:
     return Float8Matmul(float8_config(recipe, emulate))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_one_process_is_torchao_float8_linear(recipe, emulate):
@@ -78,6 +79,7 @@ def check_pair(recipe: str, sp: bool, reduce: bool):
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_a_tp2_pair_scales_as_one_process(recipe, sp):
@@ -89,10 +91,11 @@ def test_a_tp2_pair_scales_as_one_process(recipe, sp):
         assert max(run_distributed(check_pair, 2, recipe, sp, False)) > 1e-3
 
 
+@pytest.mark.unit
 def test_layers_auto_keeps_small_layers_in_high_precision():
     from megalite.model.mlp import MLP
-    from megalite.config import ModelConfig
-    cfg = ModelConfig(hidden=64, n_heads=4, ffn_hidden=128)
+    from megalite.config import Dense, ModelConfig
+    cfg = ModelConfig(hidden=64, n_heads=4, mlp=Dense(ffn_hidden=128))
     assert convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise"), SINGLE) == []
     chosen = convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise", layers="all",
                                                          exclude=("down",)), SINGLE)
@@ -102,20 +105,20 @@ def test_layers_auto_keeps_small_layers_in_high_precision():
 def check_partial_gradients_refused():
     """At TP2: a KV slice held by both ranks (n_kv_heads=1), and latent attention's replicated
     down-projections, are refused with the layer named and the fix."""
-    from megalite.config import ModelConfig
+    from megalite.config import GroupedQuery, Latent, ModelConfig, Rotary
     from megalite.model.attention import Attention
     from megalite.model.latent_attention import LatentAttention
     from megalite.parallel.random import TensorParallelRNG
     ps = ParallelState.from_world(2)
     rng = TensorParallelRNG(0, ps)
     fp8 = Fp8Config(recipe="tensorwise", layers="all")
-    gqa = ModelConfig(hidden=64, n_heads=4, n_kv_heads=1, position="rotary", bias=False)
+    gqa = ModelConfig(hidden=64, n_heads=4, attention=GroupedQuery(n_kv_heads=1), positions=Rotary(), bias=False)
     with pytest.raises(ConfigError, match=r"on kv_proj: its slice is held by 2 TP ranks.*"
                                           r"'kv_proj' to train.fp8.exclude"):
         convert_to_fp8(Attention(gqa, ps, rng, layer=0), fp8, ps)
-    mla = ModelConfig(hidden=64, n_heads=4, position="rotary", bias=False, attention="mla",
-                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16,
-                      v_head_dim=8)
+    mla = ModelConfig(hidden=64, n_heads=4, positions=Rotary(), bias=False,
+                      attention=Latent(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
+                                       qk_rope_head_dim=16, v_head_dim=8))
     with pytest.raises(ConfigError, match=r"on q_down: its slice is held by 2 TP ranks"):
         convert_to_fp8(LatentAttention(mla, ps, rng, layer=0), fp8, ps)
     chosen = convert_to_fp8(LatentAttention(mla, ps, rng, layer=0),
@@ -123,10 +126,12 @@ def check_partial_gradients_refused():
     return chosen
 
 
+@pytest.mark.exactness
 def test_a_slice_held_by_several_ranks_is_refused():
     assert run_distributed(check_partial_gradients_refused, 2) == [["q_up", "kv_up", "out_proj"]] * 2
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, named", [
     (["data.mode=padded", "parallel.cp=2"], "parallel.cp=2: rows are padded"),
     (["data.mode=padded", "parallel.tp=2", "parallel.sequence_parallel=true"], "sequence parallelism"),

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from megalite.parallel import matmul
 from tests.support.harness import run_distributed
-from tests.test_train import STEPS, common, losses, run_train, train_run
+from tests.support.runs import STEPS, common, losses, one_process_runs, run_train, train_run
+
+pytestmark = pytest.mark.exactness
 
 TOL = 1e-6  # steps 1 and 2
 DRIFT = 1e-3  # every step's loss, relative
@@ -76,13 +78,10 @@ def mismatch(a, b, first: int = 1) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache):
     """The one-process run of each layout, made once a module."""
-    runs = {}
+    runs = one_process_runs(tmp_path_factory)
 
     def run(layout: str):
-        if layout not in runs:
-            runs[layout] = tmp_path_factory.mktemp("single") / layout
-            train_run(1, settings(cache, runs[layout], layout, single=True))
-        return runs[layout]
+        return runs(layout, lambda run_dir: settings(cache, run_dir, layout, single=True))
     return run
 
 

@@ -1,6 +1,5 @@
 """Generation: the KV cache changes nothing, nor does TP, nor pipeline stages, nor batching
 with left padding."""
-import dataclasses
 import functools
 import io
 from contextlib import redirect_stdout
@@ -12,34 +11,10 @@ from megalite.config import ParallelConfig
 from megalite.generate import generate, main, pick
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
+from tests.support.generation import PROMPTS, check_cache_and_batching
 from tests.support.harness import DistributedFailure, run_distributed
 from tests.support.models import CONFIGS, PAD_ID
-from tests.test_train import common, train_run
-
-PROMPTS = [[7, 3, 9, 1], [4, 4], [11, 2, 8, 6, 5, 13]]
-NEW = 6  # tokens per generation: the prompt's forward, then 5 decoding steps off the cache
-
-
-def check_cache_and_batching(tp: int, sequence_parallel: bool = False,
-                             pipeline: ParallelConfig | None = None, n_layers: int = 2):
-    distributed = tp > 1 or pipeline is not None
-    ps = (ParallelState.from_world(tp, sequence_parallel=sequence_parallel, pipeline=pipeline)
-          if distributed else ParallelState())
-    results = []
-    for cfg in CONFIGS.values():
-        model = GPT(dataclasses.replace(cfg, n_layers=n_layers), ps, seed=3)
-        for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.9, 5, 0.9)):
-            kw = dict(pad_id=PAD_ID, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
-            cached = generate(model, PROMPTS[:1], NEW, **kw)
-            assert cached == generate(model, PROMPTS[:1], NEW, use_cache=False, **kw)
-            assert len(cached[0]) == NEW
-            results.append(cached)
-        # Left-padded batch, greedy: each row as if generated alone.
-        batched = generate(model, PROMPTS, NEW, pad_id=PAD_ID)
-        assert batched == [generate(model, [p], NEW, pad_id=PAD_ID)[0] for p in PROMPTS]
-        assert batched == generate(model, PROMPTS, NEW, pad_id=PAD_ID, use_cache=False)
-        results.append(batched)
-    return results
+from tests.support.runs import common, train_run
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +24,12 @@ def one_process():
     return functools.cache(lambda n_layers: check_cache_and_batching(1, n_layers=n_layers))
 
 
+@pytest.mark.unit
 def test_cache_and_batching_single_process(one_process):
     one_process(2)
 
 
+@pytest.mark.exactness
 def test_generation_at_tp2_equals_tp1(one_process):
     single = one_process(2)
     assert run_distributed(check_cache_and_batching, 2, 2) == [single, single]
@@ -60,6 +37,7 @@ def test_generation_at_tp2_equals_tp1(one_process):
 
 # With sequence parallelism, the prompt's forward without a cache runs on sequence shards, the
 # cached decoding steps on whole (one-token) sequences: the stages must agree on which.
+@pytest.mark.exactness
 @pytest.mark.parametrize("tp, sp, pipeline", [
     (1, False, ParallelConfig(pp=4)),
     (1, False, ParallelConfig(pp=2, pp_schedule="interleaved", virtual_stages=2)),
@@ -71,6 +49,7 @@ def test_generation_with_pipeline_stages_equals_one_process(one_process, tp, sp,
     assert run_distributed(check_cache_and_batching, world, tp, sp, pipeline, 4) == [single] * world
 
 
+@pytest.mark.unit
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0]]).log_softmax(-1).repeat(200, 1)
     g = torch.Generator().manual_seed(0)
@@ -81,6 +60,7 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
     assert pick(logits[:1], 0.0, 0, 1.0, g).tolist() == [0]
 
 
+@pytest.mark.unit
 def test_each_row_stops_at_its_own_eos_and_bad_prompts_are_refused():
     model = GPT(CONFIGS["gpt2"], ParallelState(), seed=3)
     free = generate(model, PROMPTS, 8, pad_id=PAD_ID)
@@ -105,6 +85,7 @@ def generated(argv: list[str]) -> str:
     return out.getvalue()
 
 
+@pytest.mark.e2e
 def test_the_command_runs_stages_of_uneven_layer_counts(tmp_path, cache):
     run_dir = tmp_path / "run"
     train_run(1, common(cache, run_dir, "packed") + [

@@ -38,14 +38,17 @@ from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.build import compile_settings
 from megalite.training.engine import NativeEngine, autocast_for, train_step
+from tests.support.attention import packed_batch
+from tests.support.bf16 import (LOSS_TOLERANCE, STEPS, check_model_is_the_rounded_masters,
+                                config as pure_bf16_config, micro_batches)
+from tests.support.gpu import CUDA, assert_relative_norm
 from tests.support.models import CONFIGS, padded_batch
-from tests.test_doc_attention import packed_batch
-from tests.test_pure_bf16 import (LOSS_TOLERANCE, STEPS, check_model_is_the_rounded_masters,
-                                  config as pure_bf16_config, micro_batches)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# no_tf32 (tests/conftest.py): fp32 matmuls in full fp32 in every test here.
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32"),
+              pytest.mark.exactness]
 
-CUDA = torch.device("cuda", 0)
 # Packed rows one token past FlexAttention's 128-token block: its last block is partial.
 FLEX_SEQ = 130
 
@@ -58,16 +61,6 @@ def nccl_state():
     dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def no_tf32():
-    """fp32 matmuls and convolutions in full fp32: TF32 keeps 10 mantissa bits (~5e-4 relative
-    per product), above every fp32 tolerance here. Put back after each test."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def assert_close_scaled(got: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
     """Elementwise within tol relative to each element, or tol relative to the tensor's largest
     element: fp32 rounding differences scale with the magnitudes summed, not with the result
@@ -75,16 +68,6 @@ def assert_close_scaled(got: torch.Tensor, expected: torch.Tensor, tol: float, w
     got, expected = got.detach().float().cpu(), expected.detach().float().cpu()
     assert_close(got, expected, rtol=tol, atol=tol * float(expected.abs().max()),
                  msg=lambda m: f"{what}: {m}")
-
-
-def assert_relative_norm(got: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
-    """|got - expected| <= tol |expected| in the Euclidean norm of the whole tensor: bf16 results
-    are compared as a whole, since single elements round by up to 2^-8 relative each and a few
-    of them (small sums of cancelling terms) by much more."""
-    got, expected = got.detach().double().cpu(), expected.detach().double().cpu()
-    err, scale = float((got - expected).norm()), float(expected.norm())
-    assert err <= tol * scale, (f"{what}: |got - expected| / |expected| = "
-                                f"{err / max(scale, 1e-300):.3g} > {tol:.3g}")
 
 
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))

@@ -15,6 +15,8 @@ from megalite.run_config import load_config
 from bench.__main__ import COMMANDS
 from megalite.cli import dispatch
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@
   backward, with an expert that gets no row.
 
 Skipped where there is no CUDA device; `python -m bench gpu-check` runs it with the rest of the
-GPU tests (tests/test_gpu.py holds the whole model's checks and the shared helpers).
+GPU tests (tests/test_gpu.py holds the whole model's checks; tests/support/gpu.py the shared helpers).
 """
 from __future__ import annotations
 
@@ -23,11 +23,14 @@ from megalite.generate import generate
 from megalite.model import GPT
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses
 from megalite.parallel.state import ParallelState
+from tests.support.generation import PROMPTS
+from tests.support.gpu import CUDA, assert_relative_norm
 from tests.support.models import CONFIGS, PAD_ID
-from tests.test_generate import PROMPTS
-from tests.test_gpu import CUDA, assert_relative_norm, no_tf32  # noqa: F401 (no_tf32: autouse)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# no_tf32 (tests/conftest.py): fp32 matmuls in full fp32 in every test here.
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("no_tf32"),
+              pytest.mark.exactness]
 
 
 # ---------------------------------------------------------------------------------------------

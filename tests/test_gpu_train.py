@@ -32,9 +32,8 @@ from megalite import train as train_module
 from megalite.data.batches import Batch, BatchOrder, Prefetcher
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.support.checkpoints import read_whole_state
-from tests.test_loop import InOrder
-from tests.test_resume import kill_every_process_of
-from tests.test_train import losses, run_train
+from tests.support.launch import kill_every_process_of
+from tests.support.runs import InOrder, losses, run_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -129,6 +128,7 @@ def check_prefetch(device: torch.device, cache, tmp_path: Path, monkeypatch) -> 
         assert got == expected and expected, (key, "pinned, prefetched:", expected, "not:", got)
 
 
+@pytest.mark.exactness
 def test_prefetched_batches_arrive_pinned_and_equal_the_unpinned_path(cache, tmp_path, monkeypatch):
     check_prefetch(CUDA, cache, tmp_path, monkeypatch)
 
@@ -281,5 +281,6 @@ def check_kill_and_resume(device: torch.device, cache, tmp_path: Path) -> None:
     check_probe(killed, device, 2)
 
 
+@pytest.mark.e2e
 def test_kill_and_resume_under_torchrun_continues_exactly(cache, tmp_path):
     check_kill_and_resume(CUDA, cache, tmp_path)

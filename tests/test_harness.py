@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.harness import ORPHAN_EXIT, DistributedFailure, _context, guard_rank, run_distributed
+from tests.support.harness import DistributedFailure, ORPHAN_EXIT, _context, guard_rank, run_distributed
+
+pytestmark = pytest.mark.e2e
 
 
 def check_rank_one_raises():

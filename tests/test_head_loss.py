@@ -69,6 +69,7 @@ def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False, 
 
 
 # gpt2: tied head, LayerNorm; llama: untied head, GQA (at TP=4 with KV copies).
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name,tp", [("gpt2", 1), ("llama", 1), ("gpt2", 2), ("llama", 4)])
 def test_fused_head_loss_equals_the_unfused_path(config_name, tp):
     if tp == 1:
@@ -77,10 +78,12 @@ def test_fused_head_loss_equals_the_unfused_path(config_name, tp):
         run_distributed(check_head_loss, tp, config_name, tp)
 
 
+@pytest.mark.exactness
 def test_fused_head_loss_with_sequence_parallelism():
     run_distributed(check_head_loss, 2, "gpt2", 2, True)
 
 
+@pytest.mark.exactness
 def test_soft_capped_logits_train_as_the_unfused_path():
     """Gemma 2's final_logit_softcapping, capped low enough to bend the logits: the unfused
     path differentiates cap x tanh(z / cap) by autograd, the fused one by its slope."""
@@ -92,6 +95,7 @@ def check_capped(tp: int):
     check_head_loss("llama", tp, tp > 1, final_logit_softcap=0.5)
 
 
+@pytest.mark.unit
 def test_training_path_saves_nothing_of_the_logits_size():
     # A vocabulary wide enough that the logits are larger than any other activation or weight.
     cfg = dataclasses.replace(CONFIGS["gpt2"], vocab_size=1000)

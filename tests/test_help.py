@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megalite import cli
+from tests.support.launch import REQUIRED
 
 ROOT = Path(__file__).resolve().parent.parent
 # `megalite ARGS` as the console script runs it; its last line on stderr says whether torch
@@ -33,10 +34,6 @@ OPTIONS = {
     "sweep-status": ["sweep_dir", "-h", "--json"],
     "prepare-data": None,  # another module's options, parsed there before torch already
 }
-# The arguments each command with a parser in command_args requires.
-REQUIRED = {"train": [], "export": ["--ckpt", "C", "--to-hf", "OUT"], "import": ["--from-hf", "D", "--to", "C"],
-            "eval": ["--ckpt", "C", "--text", "T"], "generate": ["--ckpt", "C", "--prompt", "P"],
-            "slurm": ["S.yaml", "--dry-run"], "sweep-status": ["DIR"]}
 
 
 def megalite(*args: str) -> subprocess.CompletedProcess:
@@ -50,10 +47,12 @@ def listed_options(help_text: str) -> list[str]:
     return [name for section in sections for name in re.findall(r"^  ([-\w]+)", section, re.M)]
 
 
+@pytest.mark.unit
 def test_every_command_but_torchrun_is_listed():
     assert sorted(OPTIONS) == sorted(set(cli.COMMANDS) - {"torchrun"})  # torchrun's help is torch's
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", sorted(OPTIONS))
 def test_help_lists_the_options_without_importing_torch(command):
     done = megalite(command, "--help")
@@ -64,6 +63,7 @@ def test_help_lists_the_options_without_importing_torch(command):
         assert listed_options(done.stdout) == OPTIONS[command]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", sorted(REQUIRED))
 def test_a_bad_argument_is_refused_without_importing_torch(command):
     done = megalite(command, *REQUIRED[command], "--no-such-option")
@@ -72,6 +72,7 @@ def test_a_bad_argument_is_refused_without_importing_torch(command):
         f"megalite {command}: error: unrecognized arguments: --no-such-option", "torch not imported"]
 
 
+@pytest.mark.unit
 def test_the_torch_free_choices_are_the_commands_own():
     """command_args restates two lists its torch-free parsers cannot import: they must agree."""
     from megalite import command_args

@@ -16,24 +16,13 @@ from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  #
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
-from megalite.typed_config import ConfigError  # noqa: E402
-from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from megalite.typed_config import ConfigError, replaced  # noqa: E402
+from tests.support.checkpoints import WeightsOnly, read_whole_state, save_checkpoint  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.support.models import CONFIGS, padded_batch  # noqa: E402
+from tests.support.hf import MODELS, random_hf_model, run_cli  # noqa: E402
+from tests.support.models import padded_batch  # noqa: E402
 
-VOCAB = 320
 TOL = dict(atol=1e-4, rtol=1e-4)
-MODELS = {
-    "gpt2": dataclasses.replace(CONFIGS["gpt2"], vocab_size=VOCAB, max_seq_len=64),
-    "llama": dataclasses.replace(CONFIGS["llama"], vocab_size=VOCAB, max_seq_len=64),
-}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    train_bpe(["tensor parallel training of language models " * 20], VOCAB).save(str(path))
-    return path
 
 
 def batch(cfg):
@@ -50,6 +39,7 @@ def megalite_checkpoint(cfg, tokenizer_file, directory):
     return model, path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,arch", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
 def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokenizer_file, name, arch):
     model, ckpt = megalite_checkpoint(MODELS[name], tokenizer_file, tmp_path / "run")
@@ -67,24 +57,6 @@ def test_exported_model_gives_megalites_logits_in_transformers(tmp_path, tokeniz
     assert tok.pad_token_id == 2 and tok.eos_token_id == 0
 
 
-def random_hf_model(name: str, directory, tokenizer_file):
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
-                                         n_head=4, activation_function="gelu_new")
-    else:
-        config = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64,
-                                          hidden_size=32, intermediate_size=48,
-                                          num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, tie_word_embeddings=False,
-                                          rms_norm_eps=1e-5)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    # Llama is saved in shards (with model.safetensors.index.json), GPT-2 in one file.
-    model.save_pretrained(directory, max_shard_size="40KB" if name == "llama" else "5GB")
-    (directory / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    return model
-
-
 def check_imported_logits(tp: int, ckpt: str, ids, mask):
     ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
     cfg = checkpoint_model_config(ckpt)
@@ -94,6 +66,7 @@ def check_imported_logits(tp: int, ckpt: str, ids, mask):
         return model.full_logits(model(ids, attention_mask=mask).logits)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
@@ -109,6 +82,7 @@ def test_imported_transformers_model_gives_its_logits_at_tp_1_2_4(tmp_path, toke
         assert_close(ours[real], theirs[real], **TOL)
 
 
+@pytest.mark.unit
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"],
                                                       "model_type": "bert"}))
@@ -116,6 +90,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
         import_hf(tmp_path, tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     big = train_bpe(list(islice(documents(EMBEDDED), 300)), 400)
@@ -124,12 +99,14 @@ def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path, tokenizer_file):
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_half_written_checkpoint_is_refused(tmp_path):
     (tmp_path / "step_00000003").mkdir()
     with pytest.raises(ConfigError, match="is not a complete megalite checkpoint"):
         export_hf(tmp_path / "step_00000003", tmp_path / "hf")
 
 
+@pytest.mark.unit
 def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_path, tokenizer_file):
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
@@ -137,6 +114,7 @@ def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_p
         GPT(cfg, ParallelState(tp_size=3))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("option,message", [
     ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({"scale_attn_weights": False}, "scale_attn_weights=false"),
@@ -151,25 +129,15 @@ def test_gpt2_options_megalite_does_not_compute_are_refused(tmp_path, tokenizer_
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_non_gpt2_or_llama_shapes_are_not_exported(tmp_path, tokenizer_file):
-    odd = dataclasses.replace(MODELS["gpt2"], norm="rmsnorm")
+    odd = replaced(MODELS["gpt2"], "norms.kind", "rmsnorm")
     _, ckpt = megalite_checkpoint(odd, tokenizer_file, tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norm='rmsnorm'"):
+    with pytest.raises(ConfigError, match=r"not exportable as GPT2LMHeadModel: model\.norms\.kind='rmsnorm'"):
         export_hf(ckpt, tmp_path / "hf")
 
 
-def run_cli(*args):
-    """What `megalite ARGS` prints, run in this process (a launch would only add imports)."""
-    import io
-    from contextlib import redirect_stdout
-
-    from megalite.cli import main
-    out = io.StringIO()
-    with redirect_stdout(out):
-        assert main(list(args)) == 0
-    return out.getvalue()
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, tokenizer_file, name):
     hf = random_hf_model(name, tmp_path / "hf", tokenizer_file)
@@ -192,6 +160,7 @@ def test_eval_command_equals_the_same_computation_in_transformers(tmp_path, toke
     assert result["loss"] == pytest.approx(total / count, abs=1e-4)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_greedy_generation_at_tp2_equals_transformers_generate(tmp_path, tokenizer_file, name):
     # A larger init than 0.02, so that the greedy continuation is not one token repeated.
@@ -214,12 +183,13 @@ def generate_at_tp2(ckpt: str, prompt):
     return generate(model, [prompt], 12, pad_id=2)[0]
 
 
+@pytest.mark.exactness
 def test_training_starts_from_a_hugging_face_directory(tmp_path, tokenizer_file):
     """train.init_from=HF_DIR at TP=2: with lr 0, the final weights are the imported ones."""
     from safetensors.torch import load_file
 
     from megalite.train import main
-    from tests.test_train import run_train
+    from tests.support.runs import run_train
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     import_hf(tmp_path / "hf", tmp_path / "imported")
     corpus = tmp_path / "c.jsonl"

@@ -6,41 +6,38 @@ transformers' loss on the same windows, exported back (`megalite export --dtype 
 AutoModelForCausalLM with the same loss, and
 greedy generation at TP2 (through the KV cache) equal to transformers' generate. The sliding
 windows are shorter than the eval windows and the generated text, so they are real."""
-import json
+from functools import reduce
 
 import pytest
-import tokenizers
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from megalite.hf.convert import checkpoint_model_config  # noqa: E402
-from megalite.model import GPT  # noqa: E402
-from megalite.parallel.state import ParallelState  # noqa: E402
-from megalite.training.checkpoint import load_checkpoint  # noqa: E402
-from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_moe import CONTEXT, transformers_loss  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
+
+pytestmark = pytest.mark.exactness
 
 SHAPE = dict(vocab_size=VOCAB, max_position_embeddings=CONTEXT, hidden_size=32,
              intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# name -> (transformers config, what the import must read off it)
+# name -> (transformers config, what the import must read off it: model config key -> value)
 ARCHITECTURES = {
     "qwen2": (lambda: transformers.Qwen2Config(**SHAPE),
-              dict(qkv_bias=True, sliding_window=None)),
+              {"attention.qkv_bias": True, "attention.sliding_window": None}),
     "mistral": (lambda: transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=6),
-                dict(head_dim=16, sliding_window=6, sliding_window_pattern=1)),
+                {"attention.head_dim": 16, "attention.sliding_window": 6,
+                 "attention.sliding_window_pattern": 1}),
     "qwen3": (lambda: transformers.Qwen3Config(
         **{**SHAPE, "tie_word_embeddings": True}, head_dim=16, use_sliding_window=True,
         sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
-        dict(head_dim=16, qk_norm=True, tie_embeddings=True, sliding_window=5,
-             sliding_window_pattern=2)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "tie_embeddings": True,
+         "attention.sliding_window": 5, "attention.sliding_window_pattern": 2}),
     "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
         **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, moe_intermediate_size=24,
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1]),
-        dict(head_dim=16, qk_norm=True, n_experts=4, moe_dense_layers=(1,),
-             moe_renormalize=True)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "mlp.experts": 4,
+         "mlp.dense_layers": (1,), "mlp.renormalize": True}),
     "gemma3": (lambda: transformers.Gemma3TextConfig(
         **{**SHAPE, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=16,
         query_pre_attn_scalar=24, sliding_window=6, final_logit_softcapping=3.0,
@@ -48,10 +45,11 @@ ARCHITECTURES = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0}}),
-        dict(head_dim=16, qk_norm=True, sliding_window=6, sliding_window_pattern=3,
-             rope_local_theta=100.0, rope_scaling="linear", query_pre_attn_scalar=24.0,
-             norm_weight_offset=1.0, post_norms=True, scale_embeddings=True,
-             final_logit_softcap=3.0)),
+        {"attention.head_dim": 16, "attention.qk_norm": True, "attention.sliding_window": 6,
+         "attention.sliding_window_pattern": 3, "positions.local_theta": 100.0,
+         "positions.scaling.kind": "linear", "attention.query_pre_attn_scalar": 24.0,
+         "norms.weight_offset": 1.0, "norms.post_norms": True, "scale_embeddings": True,
+         "final_logit_softcap": 3.0}),
 }
 
 
@@ -72,14 +70,6 @@ def random_model(name: str, directory, tokenizer_file):
     return hf
 
 
-def generate_at_tp2(ckpt: str, prompt):
-    from megalite.generate import generate
-    ps = ParallelState.from_world(2)
-    model = GPT(checkpoint_model_config(ckpt), ps, init=False)
-    load_checkpoint(ckpt, model, ps)
-    return generate(model, [prompt], 20, pad_id=2)[0]
-
-
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
         tmp_path, tokenizer_file, name):
@@ -87,38 +77,7 @@ def test_imported_architecture_evaluates_exports_and_generates_as_transformers(
     run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
     cfg = checkpoint_model_config(tmp_path / "ckpt")
     expected = {"architecture": type(hf).__name__, **ARCHITECTURES[name][1]}
-    assert {key: getattr(cfg, key) for key in expected} == expected
+    assert {key: reduce(getattr, key.split("."), cfg) for key in expected} == expected
     same_as_transformers(hf, tmp_path, [["--ep", "2"]] if cfg.n_experts else [[]])
 
 
-def same_as_transformers(hf, tmp_path, eps: list[list[str]]) -> None:
-    """The checkpoint imported at tmp_path/ckpt from tmp_path/hf: `megalite eval --tp 2` (with
-    each of `eps`' options) on ranks with torchrun's environment gives transformers' loss;
-    exported in fp32, transformers reads the same model; greedy generation at TP2 equals
-    transformers'."""
-    text = tmp_path / "text.txt"
-    text.write_text("tensor parallel training of language models, " * 30)  # > 2 windows
-    # The tokenizer file itself: AutoTokenizer would pick each family's class (Gemma's wants
-    # an <unk> this small BPE lacks).
-    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
-    ids = torch.tensor(tok.encode(text.read_text(), add_special_tokens=False).ids)
-    loss, count = transformers_loss(hf, ids)
-    assert len(ids) > 2 * CONTEXT
-    for ep in eps:
-        printed = run_distributed(run_cli, 4 if ep else 2, "eval", "--ckpt", str(tmp_path / "ckpt"),
-                                  "--text", str(text), "--tp", "2", *ep, "--json",
-                                  torchrun_env=True)[0]
-        result = json.loads(printed.strip().splitlines()[-1])
-        assert result["tokens"] == count and result["loss"] == pytest.approx(loss, abs=1e-5), ep
-
-    assert f"wrote {type(hf).__name__}" in run_cli("export", "--ckpt", str(tmp_path / "ckpt"),
-                                                   "--to-hf", str(tmp_path / "out"), "--dtype", "fp32")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
-    assert type(back) is type(hf)
-    assert transformers_loss(back, ids)[0] == pytest.approx(loss, abs=1e-6)
-
-    prompt = [17, 45, 3, 99, 120]
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                         eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
-    ours = run_distributed(generate_at_tp2, 2, str(tmp_path / "ckpt"), prompt)[0]
-    assert ours == theirs and len(set(theirs)) > 3

@@ -11,15 +11,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import Dense, GroupedQuery, Latent, ModelConfig, Norms, Rotary  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.model.router import group_limited  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, run_cli, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_hf_architectures import same_as_transformers  # noqa: E402
-from tests.test_hf_moe import CONTEXT  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, run_cli, same_as_transformers  # noqa: E402
 
 
 def deepseek_config(q_lora_rank):
@@ -45,17 +43,19 @@ def random_deepseek(directory, tokenizer_file, q_lora_rank):
     return hf
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q_lora", "no-q_lora"])
 def test_deepseek_v3_evaluates_exports_and_generates_as_transformers(tmp_path, tokenizer_file,
                                                                     q_lora_rank):
     hf = random_deepseek(tmp_path / "hf", tokenizer_file, q_lora_rank)
     run_cli("import", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "ckpt"))
     cfg = checkpoint_model_config(tmp_path / "ckpt")
-    assert (cfg.attention, cfg.q_lora_rank, cfg.moe_dense_layers, cfg.moe_groups,
-            cfg.moe_routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
+    assert (cfg.attention.kind, cfg.attention.q_lora_rank, cfg.mlp.dense_layers, cfg.mlp.groups,
+            cfg.mlp.routed_scaling) == ("mla", q_lora_rank, (0,), 2, 2.5)
     same_as_transformers(hf, tmp_path, [[], ["--ep", "2"]])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bias", [[0.0] * 8, [0.5, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.5]])
 def test_group_limited_choices_equal_transformers_ties_included(bias):
     """Logits of two values, so that experts and groups tie at the cut (checked)."""
@@ -76,14 +76,15 @@ def test_group_limited_choices_equal_transformers_ties_included(bias):
     assert (picking.gather(1, ours).diff(dim=-1) <= 0).all()  # best first
 
 
+@pytest.mark.exactness
 def test_the_latent_cache_holds_the_latent_and_the_rotary_key():
     """Bytes per token and layer: (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), the same at
     every TP rank; GQA's: 2 x kv_heads / tp x head_dim x 4."""
-    mla = ModelConfig(attention="mla", position="rotary", norm="rmsnorm", activation="swiglu",
-                      bias=False, vocab_size=100, n_layers=3, hidden=32, n_heads=4, kv_lora_rank=16,
-                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, max_seq_len=32)
-    gqa = ModelConfig(position="rotary", norm="rmsnorm", activation="swiglu", bias=False,
-                      vocab_size=100, n_layers=3, hidden=32, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    llama = dict(positions=Rotary(), norms=Norms(kind="rmsnorm"), mlp=Dense(activation="swiglu"),
+                 bias=False, vocab_size=100, n_layers=3, hidden=32, n_heads=4, max_seq_len=32)
+    mla = ModelConfig(attention=Latent(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                       v_head_dim=12), **llama)
+    gqa = ModelConfig(attention=GroupedQuery(n_kv_heads=2), **llama)
     assert GPT(mla, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * (16 + 4) * 4
     assert GPT(gqa, ParallelState()).new_cache(2, 10).bytes_per_token() == 3 * 2 * 2 * 8 * 4
     assert run_distributed(cache_bytes_at_tp2, 2, mla) == [3 * (16 + 4) * 4] * 2
@@ -101,6 +102,7 @@ def logits_of(directory, ids):
         return model.full_logits(model(ids).logits)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen2"])
 def test_yarn_scaled_models_give_transformers_logits(tmp_path, tokenizer_file, name):
     """YaRN over a pretraining context of 16 in a model of 64 (factor 4): the ramped

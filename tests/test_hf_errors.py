@@ -11,7 +11,7 @@ import pytest
 from megalite import cli
 from megalite.hf.convert import export_hf, import_hf, pretrained_config
 from megalite.typed_config import ConfigError
-from tests.test_hf import random_hf_model, tokenizer_file  # noqa: F401 (a fixture)
+from tests.support.hf import random_hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +44,7 @@ CUTS = {"the data": (lambda n: n - 8, "incomplete metadata, file not fully cover
         "all but 4 bytes": (lambda n: 4, "header too small")}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("where", sorted(CUTS))
 def test_import_of_a_cut_off_file_is_one_line_naming_it(hf_dirs, tmp_path, capsys, where):
     keep, reason = CUTS[where]
@@ -54,6 +55,7 @@ def test_import_of_a_cut_off_file_is_one_line_naming_it(hf_dirs, tmp_path, capsy
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.unit
 def test_a_cut_off_shard_is_named_before_anything_is_written(hf_dirs, tmp_path, capsys):
     shards = sorted(p.name for p in (hf_dirs / "llama").glob("model-*.safetensors"))
     assert len(shards) > 2
@@ -64,6 +66,7 @@ def test_a_cut_off_shard_is_named_before_anything_is_written(hf_dirs, tmp_path, 
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.unit
 def test_init_from_a_cut_off_file_is_refused_while_reading_its_config(hf_dirs, tmp_path):
     hf = cut(hf_dirs, tmp_path, "gpt2", "model.safetensors", lambda n: n - 8)
     with pytest.raises(ConfigError) as refused:
@@ -72,6 +75,7 @@ def test_init_from_a_cut_off_file_is_refused_while_reading_its_config(hf_dirs, t
                                                    "incomplete metadata, file not fully covered")
 
 
+@pytest.mark.e2e
 def test_init_from_a_cut_off_file_under_megalite_torchrun_is_one_line_and_status_2(hf_dirs, tmp_path):
     hf = cut(hf_dirs, tmp_path, "gpt2", "model.safetensors", lambda n: n - 8)
     corpus = tmp_path / "c.jsonl"
@@ -97,6 +101,7 @@ def ckpt(hf_dirs, tmp_path_factory):
     return path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("under", ["", "sub/dir"])
 def test_export_onto_a_file_is_one_line_naming_it(ckpt, tmp_path, capsys, under):
     (tmp_path / "file").write_text("not a directory")
@@ -108,6 +113,7 @@ def test_export_onto_a_file_is_one_line_naming_it(ckpt, tmp_path, capsys, under)
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
+@pytest.mark.unit
 def test_export_into_an_earlier_export_replaces_its_model_files(ckpt, tmp_path):
     """As --to-hf's help says: a loader finds only the new weights; other files are kept."""
     out = tmp_path / "hf"

@@ -1,7 +1,6 @@
 """Llama 3.x checkpoints: rotary scaling (rope_type llama3 and linear) and Llama 3.2's tied
 embeddings, imported, evaluated, generated from and exported, checked against transformers
 itself (CPU, fp32), with a Llama-3-shaped tokenizer (bos put first by its template, no pad)."""
-import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from megalite.config import ModelConfig, ParallelConfig, load_model_config
+from megalite.config import (LinearScaling, Llama3Scaling, ModelConfig, ParallelConfig, Rotary,
+                             Unscaled, load_model_config)
 from megalite.layout_rules import check_layout
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import llama
@@ -19,7 +19,7 @@ from megalite.model import GPT
 from megalite.model.positions import inverse_frequencies
 from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, from_dict, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import full_sequence
 
@@ -59,7 +59,7 @@ def save_hf_model(config, directory, seed=0):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """name -> (transformers model, its directory, the megalite checkpoint imported from it)."""
-    from tests.test_real_tokenizers import llama3_shaped
+    from tests.support.tokenizer_shapes import llama3_shaped
     root = tmp_path_factory.mktemp("llama3")
     tokenizer = llama3_shaped(root / "tokenizer")
     vocab = load_tokenizer(tokenizer).vocab_size  # its special tokens last, as Llama 3's
@@ -137,17 +137,19 @@ def hf_generate(hf, rows: list[list[int]], pad: int) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
+@pytest.mark.unit
 def test_llama3_rope_scaling_changes_the_frequencies_in_all_three_ranges(imported):
     for name, (hf, hf_dir, ckpt) in imported.items():
         cfg = checkpoint_model_config(ckpt)
         scaled = inverse_frequencies(cfg)
-        assert cfg.rope_scaling == "llama3" and torch.equal(scaled, hf.model.rotary_emb.inv_freq)
-        ratio = scaled / inverse_frequencies(dataclasses.replace(cfg, rope_scaling="none"))
+        assert cfg.positions.scaling.kind == "llama3" and torch.equal(scaled, hf.model.rotary_emb.inv_freq)
+        ratio = scaled / inverse_frequencies(replaced(cfg, "positions.scaling", Unscaled()))
         factor = MODELS[name]["rope_scaling"]["factor"]
         kept, divided = ratio == 1, torch.isclose(ratio, torch.tensor(1 / factor), rtol=1e-6)
         assert kept.any() and divided.any() and not (kept | divided).all(), ratio
 
 
+@pytest.mark.exactness
 def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
     """Llama 3.1 and 3.2 shapes: the eval loss on text longer than the pretraining context,
     greedy generation (KV cache, two left-padded prompts past position 64) at TP2 and PP2, the
@@ -172,6 +174,7 @@ def test_llama3_models_imported_at_tp2_cp2_pp2_equal_transformers(imported):
         assert_close(ours["cp"], hf_logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(MODELS))
 def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported, tmp_path, name):
     hf, hf_dir, ckpt = imported[name]
@@ -194,6 +197,7 @@ def test_exported_llama3_model_loads_in_transformers_with_the_same_loss(imported
                  torch.tensor(hf_text_loss(hf, ids, 128)), **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("written", ["rope_parameters", "rope_scaling"])
 def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
     """Linear scaling, from transformers 5's rope_parameters or an older config.json's
@@ -207,9 +211,10 @@ def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
         config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "linear", "factor": 4})
         (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = pretrained_config(tmp_path)
-    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_theta) == ("linear", 4.0, 500000.0)
+    assert (cfg.positions.scaling.kind, cfg.positions.scaling.factor,
+            cfg.positions.theta) == ("linear", 4.0, 500000.0)
     assert_close(inverse_frequencies(cfg),
-                 inverse_frequencies(dataclasses.replace(cfg, rope_scaling="none")) / 4)
+                 inverse_frequencies(replaced(cfg, "positions.scaling", Unscaled())) / 4)
     model = GPT(cfg, ParallelState(), init=False)
     load_pretrained(tmp_path, model, ParallelState())
     ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(0))
@@ -217,16 +222,18 @@ def test_linear_scaled_model_gives_transformers_logits(tmp_path, written):
         assert_close(model.full_logits(model(ids).logits), hf(input_ids=ids).logits, **TOL)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scaling", [
-    dict(rope_scaling="none"), dict(rope_scaling="linear", rope_factor=2.5),
-    dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
-         rope_high_freq_factor=4.0, rope_original_max_seq_len=64)])
+    dict(kind="none"), dict(kind="linear", factor=2.5),
+    dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_seq_len=64)])
 def test_rope_scaling_written_for_transformers_reads_back_the_same(tmp_path, scaling):
     """A megalite model config's rotary scaling (a YAML can train one from scratch), as export
     writes it: transformers computes megalite's frequencies, and import reads the same config."""
     cfg = load_model_config("tiny", vocab_size=VOCAB, max_seq_len=128, hidden=64, n_heads=4,
-                            activation="swiglu", norm="rmsnorm", position="rotary", bias=False,
-                            n_kv_heads=4, ffn_hidden=96, rope_theta=500000.0, **scaling)
+                            bias=False, attention=dict(n_kv_heads=4),
+                            positions=dict(kind="rotary", theta=500000.0, scaling=scaling),
+                            mlp=dict(activation="swiglu", ffn_hidden=96), norms=dict(kind="rmsnorm"))
     written = llama.config_to_hf(cfg, {})
     assert llama.config_from_hf(written) == cfg
     (tmp_path / "config.json").write_text(json.dumps(written))
@@ -244,6 +251,7 @@ def write_llama_config(directory, **changes) -> None:
 SUPPORTED = r"\(megalite computes rope_type 'default', 'linear', 'llama3', 'yarn'\)"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rope,message", [
     ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "yarn with truncate=false"),
     ({"rope_type": "dynamic", "factor": 2.0}, f"rope scaling 'dynamic' {SUPPORTED}"),
@@ -262,15 +270,24 @@ def test_unsupported_rope_is_refused_naming_it(tmp_path, rope, message):
         pretrained_config(tmp_path)  # train.init_from
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
-     r"model\.rope_high_freq_factor=1\.0 must be > model\.rope_low_freq_factor=1\.0"),
-    (dict(rope_scaling="llama3", rope_low_freq_factor=0.0), r"model\.rope_low_freq_factor=0\.0 must be > 0"),
-    (dict(rope_scaling="linear", rope_factor=0.0), r"model\.rope_factor=0\.0 must be > 0"),
-    (dict(rope_scaling="linear", position="learned"),
-     r"model\.rope_scaling='linear' scales rotary positions, but model\.position='learned'"),
+@pytest.mark.unit
+@pytest.mark.parametrize("scaling,message", [
+    (Llama3Scaling(high_freq_factor=1.0),
+     r"model\.positions\.scaling\.high_freq_factor=1\.0 must be > low_freq_factor=1\.0"),
+    (Llama3Scaling(low_freq_factor=0.0), r"model\.positions\.scaling\.low_freq_factor=0\.0 must be > 0"),
+    (LinearScaling(factor=0.0), r"model\.positions\.scaling\.factor=0\.0 must be > 0"),
 ])
-def test_bad_rope_scaling_values_are_config_errors(changes, message):
-    cfg = dataclasses.replace(ModelConfig(position="rotary"), **changes)
+def test_bad_rope_scaling_values_are_config_errors(scaling, message):
+    cfg = ModelConfig(positions=Rotary(scaling=scaling))
     with pytest.raises(ConfigError, match=message):
         check_layout(cfg, ParallelConfig(), 1)
+
+
+def test_rope_scaling_of_learned_positions_is_refused_by_the_loader():
+    # A scaling is model.positions.kind=rotary's own: learned positions have none to write
+    # (before the sections, check_layout refused it as scaling nothing).
+    with pytest.raises(ConfigError, match=r"model\.positions\.scaling is a key of "
+                                          r"model\.positions\.kind=rotary, and "
+                                          r"model\.positions\.kind=learned"):
+        from_dict(ModelConfig, {"positions": {"kind": "learned",
+                                              "scaling": {"kind": "linear", "factor": 2.0}}}, "model.")

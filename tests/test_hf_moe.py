@@ -17,10 +17,10 @@ from megalite.parallel.state import ParallelState  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.config import ParallelConfig  # noqa: E402
 from tests.support.harness import run_distributed  # noqa: E402
-from tests.test_hf import VOCAB, tokenizer_file  # noqa: E402,F401  (the fixture)
-from tests.test_resume import run, torchrun  # noqa: E402
+from tests.support.hf import CONTEXT, VOCAB, transformers_loss  # noqa: E402
+from tests.support.launch import run, torchrun  # noqa: E402
 
-CONTEXT = 64
+pytestmark = pytest.mark.exactness
 
 
 def random_mixtral(directory, tokenizer_file):
@@ -35,23 +35,10 @@ def random_mixtral(directory, tokenizer_file):
     return model
 
 
-def transformers_loss(hf, ids: torch.Tensor) -> tuple[float, int]:
-    """The mean next-token loss over consecutive windows of CONTEXT tokens, as megalite eval
-    cuts a text, and the tokens predicted."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(ids), CONTEXT):
-            window = ids[start:start + CONTEXT].unsqueeze(0)
-            if window.shape[1] > 1:
-                total += hf(input_ids=window, labels=window).loss.item() * (window.shape[1] - 1)
-                count += window.shape[1] - 1
-    return total / count, count
-
-
 def test_mixtral_round_trip_and_eval_at_ep2_tp2(tmp_path, tokenizer_file):
     hf = random_mixtral(tmp_path / "hf", tokenizer_file)
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
-    assert (cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn) == (4, 2, 24)
+    assert (cfg.n_experts, cfg.mlp.top_k, cfg.expert_ffn) == (4, 2, 24)
     text = tmp_path / "text.txt"
     text.write_text("tensor parallel training of language models, " * 40)  # > 3 windows
     done = run(torchrun(4) + ["-m", "megalite", "eval", "--ckpt", str(tmp_path / "ckpt"),
@@ -98,7 +85,8 @@ def test_qwen2_moe_round_trip_at_ep2(tmp_path, tokenizer_file):
     hf.save_pretrained(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
-    assert (cfg.n_shared_experts, cfg.moe_shared_gate, cfg.moe_renormalize, cfg.qkv_bias) == (2, True, False, True)
+    assert (cfg.mlp.shared_experts, cfg.mlp.shared_gate, cfg.mlp.renormalize,
+            cfg.attention.qkv_bias) == (2, True, False, True)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits

@@ -21,7 +21,7 @@ from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.training.checkpoint import load_checkpoint, load_full_weights
-from tests.support.checkpoints import save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, save_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import padded_batch
 
@@ -91,7 +91,7 @@ def today_read_hf(hf_dir):
         with safe_open(str(hf_dir / name), framework="pt") as f:
             tensors.update({k: f.get_tensor(k).float() for k in f.keys()})
     cfg = pretrained_config(hf_dir)
-    return cfg, (today_gpt2 if cfg.position == "learned" else today_llama)(tensors, cfg)
+    return cfg, (today_gpt2 if cfg.positions.kind == "learned" else today_llama)(tensors, cfg)
 
 
 # ---- tiny Hugging Face models -----------------------------------------------------------------
@@ -175,6 +175,7 @@ def compare_sliced_load(tp: int, pp: int, dirs: dict[str, str]) -> dict[str, int
     return read
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
 def test_sliced_init_from_equals_the_full_read_then_slice(hf_dirs, tp, pp):
     for name, path in hf_dirs.items():
@@ -191,6 +192,7 @@ def test_sliced_init_from_equals_the_full_read_then_slice(hf_dirs, tp, pp):
 
 # ---- import: streamed, equal to today's -------------------------------------------------------
 
+@pytest.mark.unit
 def test_import_streams_the_same_tensors_as_todays_import(hf_dirs, tmp_path):
     for name, path in hf_dirs.items():
         cfg = import_hf(path, tmp_path / name)
@@ -202,6 +204,7 @@ def test_import_streams_the_same_tensors_as_todays_import(hf_dirs, tmp_path):
         assert checkpoint_model_config(tmp_path / name) == cfg
 
 
+@pytest.mark.unit
 def test_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     tensors = {"b": torch.randn(3, 5).to(torch.bfloat16), "a": torch.randn(7),
                "ids": torch.arange(6).reshape(2, 3), "empty": torch.zeros(0, 4),
@@ -222,18 +225,20 @@ def test_safetensors_writer_is_read_back_by_safetensors(tmp_path):
 
 # ---- export: sharded, loads in transformers ---------------------------------------------------
 
+@pytest.mark.unit
 def test_shards_are_cut_as_transformers_cuts_them():
     assert shard_names({"a": 4, "b": 4, "c": 9, "d": 1}, 8) == [["a", "b"], ["c"], ["d"]]
     assert shard_names({"a": 4, "b": 4}, 100) == [["a", "b"]]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,dtype,tol", [("gpt2", torch.float32, 1e-5), ("llama", torch.float32, 1e-5),
                                             ("gpt2", torch.bfloat16, 2e-2), ("llama", torch.bfloat16, 2e-2)])
 def test_sharded_export_loads_in_transformers_with_megalites_loss(tmp_path, hf_dirs, name, dtype, tol):
     """A megalite checkpoint (DCP) exported in >= 2 shards: transformers' loss equals
     megalite's, to 1e-5 in fp32; bf16 rounds every weight (relative 2**-9), which moves the loss
     of these random models by a few 1e-3."""
-    from tests.test_hf import MODELS
+    from tests.support.hf import MODELS
     cfg = dataclasses.replace(MODELS[name], init_std=0.1)
     model = GPT(cfg, ParallelState(), seed=21)
     meta = {"config": {"model": dataclasses.asdict(cfg)}, "tokens": 0}
@@ -268,6 +273,7 @@ def test_sharded_export_loads_in_transformers_with_megalites_loss(tmp_path, hf_d
     assert abs(theirs.item() - ours.item()) <= tol, (theirs.item(), ours.item())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama-kv2-untied", "llama-kv4-tied-bf16"])
 def test_import_then_export_gives_back_the_hugging_face_tensors(hf_dirs, tmp_path, name):
     """Through the whole-tensor checkpoint an import writes (the legacy read of export)."""

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
 
 
@@ -71,17 +73,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.unit
 def test_the_walk_finds_a_cycle_when_there_is_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+@pytest.mark.unit
 def test_the_walk_sees_module_level_and_deferred_imports():
     graph = import_graph()
     assert "megalite.parallel.mappings" in graph["megalite.parallel.layers"]
     assert "megalite.failures" in graph["megalite.cli"]  # inside a function
 
 
+@pytest.mark.unit
 def test_the_package_has_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
@@ -91,6 +96,7 @@ def part_of(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
+@pytest.mark.unit
 def test_the_package_s_parts_import_one_way():
     """Folders (parallel/, model/, pipeline/, training/, data/, hf/, launch/) and top-level
     modules as single nodes: none imports one that imports it back."""
@@ -102,6 +108,7 @@ def test_the_package_s_parts_import_one_way():
     assert not found, "cycles between parts:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+@pytest.mark.unit
 def test_the_trainer_never_imports_the_measuring_tools():
     """bench/ runs megalite from outside; nothing in the package reaches back into it."""
     reaching = {module_name(p): sorted(n for n in imported(p) if n.split(".")[0] == "bench")
@@ -119,6 +126,7 @@ def reached(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+@pytest.mark.unit
 def test_no_training_rank_imports_the_preparation_room():
     """prep/ is prepare-data's (a rank runs it as a process of its own: data_for_run); the
     training loop, eval, generate and export reach none of it, deferred imports included."""
@@ -128,6 +136,7 @@ def test_no_training_rank_imports_the_preparation_room():
     assert "megalite.prep.shards" in reached(graph, "megalite.prep.command")  # the walk sees prep
 
 
+@pytest.mark.e2e
 def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
     """`pip install .` (not editable) puts in site-packages the model presets, the sbatch
     template and the embedded corpus: a run from anywhere finds them, not only from a clone."""

@@ -1,6 +1,8 @@
 """TP-invariant init: TP=t shards concatenate to the TP=1 weights bit for bit."""
 import weakref
 
+import pytest
+
 import torch
 
 import megalite.parallel.init as init_module
@@ -38,10 +40,12 @@ def check_init_is_tp_invariant(*tps: int):
     assert len(alive) > 0
 
 
+@pytest.mark.exactness
 def test_tp_shards_concatenate_to_the_tp1_weights():
     run_distributed(check_init_is_tp_invariant, 4, 2, 4)
 
 
+@pytest.mark.unit
 def test_init_depends_on_the_seed_and_not_on_construction_order():
     cfg = CONFIGS["gpt2"]
     a, b, c = (GPT(cfg, ParallelState(), seed=s) for s in (1, 1, 2))

@@ -13,9 +13,11 @@ import torch
 from megalite.config import TRAINING_SETTINGS, ModelConfig
 from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_pretrained
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, from_dict, leaves
 from tests.support.checkpoints import read_whole_state
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
+
+pytestmark = pytest.mark.e2e
 
 MOE = ["model.positions.kind=rotary", "model.mlp.activation=swiglu", "model.norms.kind=rmsnorm", "model.bias=false",
        "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2", "model.mlp.expert_ffn_hidden=32", "model.mlp.router=sigmoid"]
@@ -46,8 +48,8 @@ def test_balancing_settings_are_honoured_under_init_from(tmp_path, cache, pretra
     fine_tune(cache, plain, pretrained, [])
     fine_tune(cache, balanced, pretrained, BALANCING)
     saved = json.loads((balanced / "checkpoints" / "step_00000003" / "meta.json").read_text())
-    assert saved["config"]["model"]["moe_aux_loss_coeff"] == 0.01
-    assert saved["config"]["model"]["moe_bias_update_rate"] == 0.001
+    assert saved["config"]["model"]["mlp"]["aux_loss_coeff"] == 0.01
+    assert saved["config"]["model"]["mlp"]["bias_update_rate"] == 0.001
     # The auxiliary loss is in the loss, and the routing biases moved (both 0 without).
     assert all(v > 0 for v in losses(balanced, "moe_aux_loss").values())
     assert all(v == 0 for v in losses(plain, "moe_aux_loss").values())
@@ -80,12 +82,12 @@ def test_keys_not_given_are_the_checkpoints_and_given_settings_the_configs(pretr
     argv = [f"train.init_from={pretrained}", "model.dropout=0.1", "model.mlp.capacity_factor=1.5",
             "model.mlp.kind=moe", "model.mlp.experts=4"]
     model = with_pretrained(load_config(None, argv), given_keys(None, argv)).model
-    saved = ModelConfig(**json.loads((pretrained / "meta.json").read_text())["config"]["model"]
-                        | {"moe_dense_layers": ()})
-    assert (model.dropout, model.moe_capacity_factor) == (0.1, 1.5)
+    saved = from_dict(ModelConfig, json.loads((pretrained / "meta.json").read_text())["config"]["model"],
+                      "model.")
+    assert (model.dropout, model.mlp.capacity_factor) == (0.1, 1.5)
     assert model.n_layers == saved.n_layers == 2 and model.hidden == 32 and model.n_experts == 4
-    assert model.moe_aux_loss_coeff == saved.moe_aux_loss_coeff == 0.0  # not given: the checkpoint's
-    assert set(TRAINING_SETTINGS) < {f.name for f in ModelConfig.__dataclass_fields__.values()}
+    assert model.mlp.aux_loss_coeff == saved.mlp.aux_loss_coeff == 0.0  # not given: the checkpoint's
+    assert set(TRAINING_SETTINGS) < {key for key, _, _ in leaves(model)}
 
 
 def test_a_slurm_sweep_from_a_checkpoint_writes_configs_its_jobs_accept(tmp_path, pretrained):
@@ -98,7 +100,7 @@ def test_a_slurm_sweep_from_a_checkpoint_writes_configs_its_jobs_accept(tmp_path
     (tmp_path / "base.yaml").write_text("train: {max_steps: 3}\n")
     (tmp_path / "sweep.yaml").write_text(
         f"name: ft\nbase: {tmp_path / 'base.yaml'}\nrun_root: {tmp_path / 'runs'}\n"
-        f"overrides: [train.init_from={pretrained}, model.moe_aux_loss_coeff=0.01]\n"
+        f"overrides: [train.init_from={pretrained}, model.mlp.aux_loss_coeff=0.01]\n"
         f"grid: {{train.lr: [0.001]}}\nslurm: {{procs_per_node: 1}}\n")
     sweep, runs = load_sweep(tmp_path / "sweep.yaml")
     write_sweep(sweep, runs, "")
@@ -106,4 +108,4 @@ def test_a_slurm_sweep_from_a_checkpoint_writes_configs_its_jobs_accept(tmp_path
     model = with_pretrained(load_config(written), given_keys(written)).model
     saved = json.loads((pretrained / "meta.json").read_text())["config"]["model"]
     assert (model.n_layers, model.hidden, model.n_experts) == (saved["n_layers"], saved["hidden"], 4)
-    assert model.moe_aux_loss_coeff == 0.01
+    assert model.mlp.aux_loss_coeff == 0.01

@@ -7,9 +7,13 @@ import random
 import re
 import time
 
+import pytest
+
 from tests.support.nodes import Nodes
-from tests.test_resume import assert_continues_exactly
-from tests.test_train import LAYOUT, STEPS, common
+from tests.support.resume import assert_continues_exactly
+from tests.support.runs import LAYOUT, STEPS, common
+
+pytestmark = pytest.mark.e2e
 
 KILLS, SNAPSHOT_EVERY, SEED = 5, 2, 0
 

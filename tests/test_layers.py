@@ -1,18 +1,21 @@
 """Parallel layers against the same layer run in one process: outputs and every gradient."""
+
+import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from megalite.parallel.init import init_parameters_
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.sharding import local_slice, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.parallel.vocab import VocabParallelEmbedding, softmax_grad_, softmax_stats_
 from tests.support.harness import run_distributed
+from tests.support.layers import SINGLE, build, randn
 from tests.support.models import gather_full
 
-SINGLE = ParallelState()
+pytestmark = pytest.mark.exactness
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -40,11 +43,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, tp_group)
 
 
-
-def randn(*shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def run(layer: nn.Module, x: torch.Tensor, out_grad) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and input gradient of `layer` under loss sum(out * out_grad(out))."""
     x = x.clone().requires_grad_()
@@ -63,12 +61,6 @@ def assert_params_are_slices(layer: nn.Module, ref: nn.Module, ps: ParallelState
         assert_close(p.grad, local_slice(full_grad, p), msg=name)
         assert torch.equal(gather_full(p.detach(), shard, ps), full), name
         assert_close(gather_full(p.grad, shard, ps), full_grad, msg=name)
-
-
-def build(cls, ps, *args, **kwargs):
-    layer = cls(*args, ps, **kwargs)
-    init_parameters_(layer, seed=7)
-    return layer
 
 
 def check_linear_layers(*tps: int):

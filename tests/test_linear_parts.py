@@ -22,6 +22,8 @@ from megalite.parallel.linear_parts import LinearParts
 from megalite.parallel.state import ParallelState
 from tests.support.models import CONFIGS, padded_batch
 
+pytestmark = pytest.mark.unit
+
 BATCH, SEQ, HIDDEN = 3, 40, 16  # 120 tokens: more rows than any weight has
 HEADS, KV_HEADS, HEAD = 4, 2, 8
 

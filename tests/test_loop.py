@@ -4,40 +4,26 @@ The prefetched loop trains exactly as loading each step in turn; a failing load 
 the loop; a background save is a snapshot of the step it was asked for, complete once
 finished, and a failing write is raised on every rank with the earlier checkpoints intact.
 """
-import errno
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint.filesystem as dcp_files
 
 from megalite import train as train_module
 from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
 from megalite.training.checkpoint import CheckpointError, CheckpointWriter
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from tests.support.checkpoints import read_whole_state, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, fill_disk_of_rank_0, read_whole_state
 from tests.support.harness import run_distributed
-from tests.test_train import STEPS, common, losses
-
-
-def fill_disk_of_rank_0(full) -> None:
-    """From now on, rank 0's checkpoint writes of the tensors whose key `full(key)` fail as on
-    a full disk (in DCP's writer, where the bytes go to the file)."""
-    original = dcp_files._write_item
-
-    def write_item(transforms, stream, data, item, *args):
-        if dist.get_rank() == 0 and full(item.index.fqn):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(transforms, stream, data, item, *args)
-    dcp_files._write_item = write_item
+from tests.support.runs import InOrder, STEPS, common, losses
 
 
 def prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("megalite-prefetch")]
 
 
+@pytest.mark.unit
 def test_prefetcher_loads_each_step_once_in_order_one_step_ahead():
     loaded, seen = [], []
 
@@ -56,6 +42,7 @@ def test_prefetcher_loads_each_step_once_in_order_one_step_ahead():
     assert not prefetch_threads()
 
 
+@pytest.mark.unit
 def test_an_error_in_the_prefetch_thread_is_raised_in_the_loop_at_its_step():
     def load(step):
         if step == 5:
@@ -71,6 +58,7 @@ def test_an_error_in_the_prefetch_thread_is_raised_in_the_loop_at_its_step():
     assert not prefetch_threads()
 
 
+@pytest.mark.unit
 def test_leaving_the_loop_early_stops_the_thread():
     loaded = []
     with pytest.raises(KeyboardInterrupt):
@@ -82,22 +70,7 @@ def test_leaving_the_loop_early_stops_the_thread():
     assert not prefetch_threads()
 
 
-class InOrder:
-    """The loop without a prefetch thread: each step loaded when the loop reaches it."""
-
-    def __init__(self, load, steps):
-        self.load, self.steps = load, steps
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def __iter__(self):
-        return ((step, self.load(step)) for step in self.steps)
-
-
+@pytest.mark.exactness
 def test_prefetched_training_equals_training_without_prefetch(tmp_path, cache, monkeypatch):
     argv = common(cache, tmp_path / "prefetched", "packed") + ["parallel.tp=1"]
     assert train_module.main(argv) == 0
@@ -116,6 +89,7 @@ def tiny_model(ps):
     return GPT(CONFIGS["gpt2"], ps, seed=0)
 
 
+@pytest.mark.unit
 def test_a_background_save_is_a_snapshot_complete_once_finished(tmp_path, monkeypatch):
     """Training goes on (here: the weights change) while the files are written; the
     checkpoint holds the weights of the step it was asked for, and appears, with the older
@@ -173,6 +147,7 @@ def check_background_write_failing_on_rank_0(tmp):
     return "no error", None
 
 
+@pytest.mark.e2e
 def test_a_failing_background_write_is_raised_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     (r0, latest0), (r1, latest1) = run_distributed(check_background_write_failing_on_rank_0, 2,
                                                    tmp_path, timeout=60)

@@ -17,16 +17,13 @@ from megalite.data.indexed import OPEN_SHARDS, IndexedShard, ShardWriter
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.prep.command import main as prepare_main
 from megalite.data.tokenizer import train_bpe
+from tests.support.data import write_jsonl
 from tests.support.harness import run_distributed
-from tests.test_train import losses, run_train
+from tests.support.runs import losses, run_train
 
 SHARDS = 2000
 FD_LIMIT = 1024  # the usual default: 2,000 shards opened at once would need 4,000 descriptors
 TEXTS = [f"doc {i} {'of maps ' * (i % 3)}" for i in range(2 * SHARDS)]  # short: a cheap evaluation
-
-
-def write_jsonl(path, texts) -> None:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +75,7 @@ def many_shards(many) -> list[IndexedShard]:
     return [IndexedShard(many / s["name"]) for s in meta["shards"]]
 
 
+@pytest.mark.unit
 def test_a_store_of_many_shards_holds_none_open_and_reading_them_all_keeps_the_bound(corpora):
     one, many = corpora
     before = fds()
@@ -98,6 +96,7 @@ def test_a_store_of_many_shards_holds_none_open_and_reading_them_all_keeps_the_b
     np.testing.assert_array_equal(store.starts(docs), single.starts(docs))
 
 
+@pytest.mark.unit
 def test_a_view_kept_past_its_shards_eviction_still_reads_and_its_map_closes_when_dropped(corpora):
     _, many = corpora
     shards = many_shards(many)
@@ -120,6 +119,7 @@ def train_limited(argv: list[str]) -> int:
     return run_train(argv)
 
 
+@pytest.mark.exactness
 def test_2000_shards_train_at_tp2_dp2_under_ulimit_1024_like_one_shard_at_one_process(corpora, tmp_path):
     one, many = corpora
     argv = ["model=tiny", "model.hidden=32", "model.dropout=0.0", "data.mode=packed",
@@ -163,6 +163,7 @@ def same_contents(a: tuple, b: tuple) -> None:
     np.testing.assert_array_equal(a[2], b[2])
 
 
+@pytest.mark.unit
 def test_shard_size_gb_merges_small_inputs_into_fewer_shards_of_the_same_documents(tmp_path):
     files = [tmp_path / f"in{i:02d}.jsonl" for i in range(12)]
     for i, f in enumerate(files):
@@ -192,6 +193,7 @@ def test_shard_size_gb_merges_small_inputs_into_fewer_shards_of_the_same_documen
 
 
 
+@pytest.mark.unit
 def test_the_index_search_equals_numpys_without_copying_the_index():
     from megalite.data.indexed import _search_right
     rng = np.random.default_rng(0)

@@ -1,4 +1,7 @@
 """Each communication primitive: forward and backward against values computed from every rank's data."""
+
+import pytest
+
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
@@ -50,14 +53,17 @@ def check_mappings_at(ps: ParallelState):
     assert_close(y, total(xs).chunk(t, 1)[r]); assert_close(gx, torch.cat(grads, 1))
 
 
+@pytest.mark.exactness
 def test_mappings_two_ranks():
     run_distributed(check_mappings, 2, 2)
 
 
+@pytest.mark.exactness
 def test_mappings_four_ranks_in_tp_groups_of_four_and_two():
     run_distributed(check_mappings, 4, 4, 2)
 
 
+@pytest.mark.unit
 def test_a_single_rank_group_is_the_identity_without_autograd_node():
     x = torch.randn(2, 3, requires_grad=True)
     for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",

@@ -18,7 +18,7 @@ from megalite.prep.command import prepare_for_run  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
 from megalite.run_config import DataConfig  # noqa: E402
 from megalite.typed_config import ConfigError  # noqa: E402
-from tests.test_train import common, losses, train_run  # noqa: E402
+from tests.support.runs import common, losses, train_run  # noqa: E402
 
 TEXTS = [f"Shard test {i}. " + "Pipelines split layers; tensors split matrices. " * (1 + i % 5)
          for i in range(160)]
@@ -46,6 +46,7 @@ def prepared(tmp_path):
     return tok, ours, theirs, info
 
 
+@pytest.mark.unit
 def test_megatron_reads_our_shards(prepared):
     tok, ours, _, info = prepared
     meta = json.loads((ours / "meta.json").read_text())
@@ -59,6 +60,7 @@ def test_megatron_reads_our_shards(prepared):
             assert data[i].tolist() == info.encode(next(documents)) + [info.eos_id]
 
 
+@pytest.mark.unit
 def test_we_read_megatron_files_as_megatron_does(prepared):
     _, _, theirs, _ = prepared
     data = indexed_dataset.IndexedDataset(str(theirs))
@@ -68,6 +70,7 @@ def test_we_read_megatron_files_as_megatron_does(prepared):
     assert all(np.array_equal(ours[i], data[i]) for i in range(len(data)))
 
 
+@pytest.mark.unit
 def test_megatron_sentence_split_documents_read_whole(tmp_path):
     """Megatron data with several sequences (sentences) per document: a document is all of them."""
     prefix = tmp_path / "split"
@@ -83,6 +86,7 @@ def test_megatron_sentence_split_documents_read_whole(tmp_path):
     assert doc.tolist() == [[0] * 5 + [1] * 2 + [2] * 4]
 
 
+@pytest.mark.unit
 def test_megatron_data_needs_its_tokenizer_and_one_that_fits_its_dtype(prepared, tmp_path):
     _, _, theirs, _ = prepared
     with pytest.raises(ConfigError, match=r"is Megatron indexed data, which does not say its "
@@ -98,6 +102,7 @@ def test_megatron_data_needs_its_tokenizer_and_one_that_fits_its_dtype(prepared,
                                 cache_dir=str(tmp_path / "cache")))
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["packed", "padded"])
 def test_megatron_written_and_megalite_written_data_train_the_same(prepared, tmp_path, mode):
     tok, ours, theirs, _ = prepared
@@ -110,6 +115,7 @@ def test_megatron_written_and_megalite_written_data_train_the_same(prepared, tmp
     assert losses(tmp_path / "a", "val_loss") == losses(tmp_path / "b", "val_loss")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("documents", [
     [[5, 0], [], [7, 8, 0]],  # an empty document in the middle (preprocess_data.py keeps them)
     [[5, 0], [7, 8, 0], []],  # and at the end
@@ -133,6 +139,7 @@ def test_megatron_empty_documents_read_as_megatron_reads_them(tmp_path, document
     assert doc[0].tolist() == [i for i, d in enumerate(documents) for _ in d]
 
 
+@pytest.mark.unit
 def test_a_file_without_documents_leaves_no_shard_megatron_could_not_map(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "some text"}) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "  "}) + "\nnot json\n")
@@ -149,6 +156,7 @@ def test_a_file_without_documents_leaves_no_shard_megatron_could_not_map(tmp_pat
     assert (data.meta["train_documents"], data.meta["empty"], data.meta["not_json"]) == (1, 1, 1)
 
 
+@pytest.mark.unit
 def test_data_paths_that_cannot_be_read_as_one_kind_are_refused(prepared, tmp_path):
     tok, ours, theirs, _ = prepared
     (tmp_path / "unfinished").mkdir()  # a prepare-data killed before its meta.json
@@ -165,6 +173,7 @@ def test_data_paths_that_cannot_be_read_as_one_kind_are_refused(prepared, tmp_pa
     assert both.meta["train_documents"] + both.meta["val_documents"] == len(TEXTS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cut", [".bin", ".idx"])
 def test_a_truncated_shard_is_refused_naming_the_file(prepared, tmp_path, cut):
     """A half-copied file (a killed rsync): its documents must not read as garbage."""

@@ -16,6 +16,8 @@ from megalite.parallel.state import ParallelState
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, gather_full, padded_batch
 
+pytestmark = pytest.mark.exactness
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

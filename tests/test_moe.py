@@ -6,12 +6,10 @@
   one process in fp32 to 1e-5 at EP2 (with activation checkpointing), EP4, EP2 x TP2 with SP,
   EP2 x CP2, and EP2 x PP2 through the pipeline schedule and the engine's gradient sync; top-1
   and top-2, softmax and sigmoid routers, shared experts, dropless and with a capacity factor;
-  a batch where one EP rank and two experts receive no token at all;
-- the all-to-alls' bytes per MoE layer (bench/comm.py's count) equal the formula the scaling
-  model uses, at EP2 and EP4;
+  a batch where one EP rank and two experts receive no token at all (the all-to-alls' bytes per
+  MoE layer: tests/test_tools_comm.py);
 - a layout expert parallelism cannot split is refused before any collective.
 """
-import dataclasses
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.testing import assert_close
 
-from bench.comm import CommLog
-from bench.scaling_model import moe_all_to_all_bytes
 from megalite.config import ParallelConfig
 from megalite.layout_rules import check_layout
 from megalite.data.batches import Batch
@@ -30,35 +26,23 @@ from megalite.parallel.mappings import all_gather, group_size
 from megalite.parallel.sharding import expert_shard_of, shard_of
 from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined, train_pipelined
-from megalite.run_config import TrainConfig
+from megalite.run_config import TrainConfig, load_config
 from megalite.training.engine import NativeEngine
 from megalite.training.grads import sum_embedding_copies
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
+from tests.support.moe import MOE, moe_layers, moe_layers_by_name
+
+
+def with_changes(cfg, changes: dict):
+    """`cfg` with each dotted key of `changes` replaced."""
+    for key, value in changes.items():
+        cfg = replaced(cfg, key, value)
+    return cfg
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)
-BALANCING = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-MOE = {
-    # Mixtral's shape: SwiGLU experts, softmax top-2 renormalised.
-    "top2": dataclasses.replace(CONFIGS["llama"], n_experts=4, moe_top_k=2, moe_ffn_hidden=24,
-                                **BALANCING),
-    # DeepSeek-V3's: sigmoid scores, a shared expert; Qwen2-MoE's sigmoid gate on it; every
-    # other layer dense.
-    "top1 sigmoid shared": dataclasses.replace(
-        CONFIGS["gpt2"], n_layers=2, n_experts=4, moe_top_k=1, moe_router="sigmoid",
-        moe_renormalize=False, moe_every=2, n_shared_experts=1, moe_shared_gate=True,
-        moe_ffn_hidden=16, **BALANCING),
-}
-
-
-def moe_layers_by_name(model: GPT) -> dict[str, MoE]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-
-
-def moe_layers(model: GPT) -> list[MoE]:
-    return list(moe_layers_by_name(model).values())
 
 
 def force_routing(model: GPT, scores: list[float]) -> None:
@@ -116,7 +100,7 @@ def total(x: torch.Tensor, *groups) -> torch.Tensor:
 
 def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: dict,
                    scores: list[float] | None = None, recompute: bool = False):
-    cfg = dataclasses.replace(MOE[config], **overrides)
+    cfg = with_changes(MOE[config], overrides)
     ps = ParallelState.from_world(parallel.tp, sequence_parallel=parallel.sequence_parallel,
                                   pipeline=parallel)
     ids, mask, labels = padded_batch(cfg, side, lengths=LENGTHS)
@@ -156,7 +140,7 @@ def check_moe_pipelined(config: str, capacity: float | None) -> None:
     """EP2 x PP2 (x DP2): one step through the 1F1B schedule, two micro-batches per rank, the
     engine summing the gradients (dense over DP, experts over their replicas). Right-padded
     rows with their mask, as training gives an MoE model (its padding goes to no expert)."""
-    cfg = dataclasses.replace(MOE[config], moe_capacity_factor=capacity)
+    cfg = replaced(MOE[config], "mlp.capacity_factor", capacity)
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(pp=2, ep=2))
     ids, mask, labels = padded_batch(cfg, "right", lengths=LENGTHS)
     micro = [Batch(ids[r:r + 2], labels[r:r + 2], attention_mask=mask[r:r + 2]) for r in range(0, 8, 2)]
@@ -198,53 +182,36 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_one_step_equals_one_process(layout):
     world, parallel, recompute = LAYOUTS[layout]
     side = "right" if parallel.cp > 1 else "left"
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_step, world, config, parallel, side,
-                        {"moe_capacity_factor": capacity}, None, recompute)
+                        {"mlp.capacity_factor": capacity}, None, recompute)
 
 
+@pytest.mark.exactness
 def test_one_step_through_the_pipeline_equals_one_process():
     for config, capacity in (("top2", None), ("top1 sigmoid shared", 1.0)):
         run_distributed(check_moe_pipelined, 4, config, capacity)
 
 
+@pytest.mark.exactness
 def test_a_rank_and_experts_with_no_tokens():
     """Every token picks experts 0 and 1 (top-2; the tie of experts 1, 2 and 3 goes to the
     lower index): EP rank 1 (experts 2 and 3) receives nothing."""
     loads = run_distributed(check_moe_step, 2, "top1 sigmoid shared", ParallelConfig(ep=2), "left",
-                            {"moe_top_k": 2}, [2.0, 1.0, 1.0, 1.0])
+                            {"mlp.top_k": 2}, [2.0, 1.0, 1.0, 1.0])
     assert loads[0][0][2:] == [0, 0] and min(loads[0][0][:2]) > 0
 
 
-def count_all_to_all_bytes(ep: int) -> tuple[int, int]:
-    """(bytes this rank's all-to-alls took over the EP group in one forward and backward,
-    the formula's for its MoE layers)."""
-    cfg = MOE["top2"]
-    ps = ParallelState.from_world(1, pipeline=ParallelConfig(ep=ep))
-    model = GPT(cfg, ps, seed=3)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ps.dp_rank))
-    with CommLog(ps) as log:
-        model(ids, labels=ids, loss_scale=0.01).loss.backward()
-    measured = sum(r["bytes"] for r in log.records if r["op"] == "all_to_all_single" and r["group"] == "ep")
-    return measured, len(moe_layers(model)) * moe_all_to_all_bytes(cfg, ids.numel(), 4)
-
-
-@pytest.mark.parametrize("ep", [2, 4])
-def test_all_to_all_bytes_per_layer_equal_the_formula(ep):
-    """Summed over the EP ranks: a rank's outputs going back are its experts' rows, which only
-    balanced routing makes equal to its own tokens' copies."""
-    measured, formula = (sum(column) for column in zip(*run_distributed(count_all_to_all_bytes, ep, ep)))
-    assert measured == formula > 0
-
-
+@pytest.mark.unit
 def test_capacity_drops_by_place_in_the_batch():
     """Capacity 1 / 4 of the copies per expert, every token routed to expert 0 first: the
     first quarter of the real tokens keep their first choice, in batch order."""
-    cfg = dataclasses.replace(MOE["top1 sigmoid shared"], moe_top_k=2, moe_capacity_factor=0.5)
+    cfg = with_changes(MOE["top1 sigmoid shared"], {"mlp.top_k": 2, "mlp.capacity_factor": 0.5})
     model = GPT(cfg, ParallelState(), seed=3)
     force_routing(model, [3.0, 2.0, 1.0, 0.0])
     ids, mask, _ = padded_batch(cfg, "left", lengths=(12, 7, 3, 10))
@@ -258,15 +225,18 @@ def test_capacity_drops_by_place_in_the_batch():
     assert route.load.tolist() == [n_real, n_real, 0, 0]
 
 
+@pytest.mark.unit
 def test_expert_parallel_layout_is_checked():
     cfg = MOE["top2"]
-    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.n_experts=4"):
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.mlp.experts=4"):
         check_layout(cfg, ParallelConfig(ep=3), 3)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the CP x DP ranks \(2"):
         check_layout(cfg, ParallelConfig(tp=2, ep=4), 4)
     with pytest.raises(ConfigError, match=r"model.mlp.kind=dense"):
         check_layout(CONFIGS["gpt2"], ParallelConfig(ep=2), 2)
-    dense = dataclasses.replace(CONFIGS["gpt2"], moe_capacity_factor=1.0, n_shared_experts=1)
-    with pytest.raises(ConfigError, match=r"model.mlp.capacity_factor=1.0 and model.n_shared_experts=1 "
-                                          r"only apply to a mixture of experts, and model.n_experts=0"):
-        check_layout(dense, ParallelConfig(), 1)
+    # A mixture of experts' settings on a dense model: not a model at all, the loader refuses it.
+    for setting in ("model.mlp.capacity_factor=1.0", "model.mlp.shared_experts=1"):
+        key = setting.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{key} is a key of model.mlp.kind=moe, and "
+                                              rf"model.mlp.kind=dense: set model.mlp.kind=moe"):
+            load_config(None, ["model=tiny", setting])

@@ -17,9 +17,11 @@ from megalite.config import ParallelConfig
 from megalite.generate import generate
 from megalite.inference import loaded
 from tests.support.harness import run_distributed
-from tests.test_reshard import SAVED_AT
-from tests.test_resume import ROOT
-from tests.test_train import STEPS, assert_same_training, common, losses, train_run
+from tests.support.resume import SAVED_AT
+from tests.support.runs import (STEPS, assert_docs_command_trains_like_one_process,
+                                assert_same_training, common, losses, one_process_runs, train_run)
+
+pytestmark = pytest.mark.exactness
 
 MOE = ["model.mlp.activation=swiglu", "model.mlp.kind=moe", "model.mlp.experts=4", "model.mlp.top_k=2",
        "model.mlp.expert_ffn_hidden=48", "model.mlp.aux_loss_coeff=0.01", "model.mlp.z_loss_coeff=0.001",
@@ -42,14 +44,11 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache):
-    runs = {}
+    runs = one_process_runs(tmp_path_factory)
 
     def run(model_settings: list[str]):
-        key = tuple(model_settings)
-        if key not in runs:
-            runs[key] = tmp_path_factory.mktemp("moe-single")
-            train_run(1, common(cache, runs[key], "padded") + MOE + model_settings)
-        return runs[key]
+        return runs(tuple(model_settings), lambda run_dir: common(cache, run_dir, "padded") + MOE
+                    + model_settings, "moe-single")
     return run
 
 
@@ -108,25 +107,3 @@ def test_the_docs_command_trains_like_one_process(tmp_path, cache):
                                                 moe_load=True)
 
 
-def assert_docs_command_trains_like_one_process(tmp_path, cache, page: str, section: str,
-                                                config: str, moe_load: bool = False) -> None:
-    """The torchrun command of a docs page's section (4 processes, EP2 x TP2), a few steps,
-    smaller and on the tokenizer the other training tests share, gives one process's losses
-    (and MoE loads)."""
-    docs = (ROOT / "docs" / page).read_text().split(section)[1]
-    command = docs.split("```bash")[1].split("```")[0].split()
-    assert command[:3] == ["torchrun", "--nproc_per_node", "4"]
-    argv = command[command.index("--config"):]
-    assert argv[1] == config and {"parallel.ep=2", "parallel.tp=2"} <= set(argv)
-    short = [f"data.cache_dir={cache}", "data.bpe_vocab_size=512", "train.max_steps=3",
-             "train.global_batch_size=8", "train.micro_batch_size=2", "data.seq_len=64",
-             "train.eval_every=0", "train.eval_tokens=64", "sample.max_new_tokens=2"]
-    argv = [a.replace("configs/", f"{ROOT}/configs/") for a in argv]
-    train_run(4, argv + short + [f"run.dir={tmp_path / 'ep2'}"])
-    train_run(1, argv + short + [f"run.dir={tmp_path / 'one'}", "parallel.ep=1", "parallel.tp=1"])
-    one, ep2 = losses(tmp_path / "one"), losses(tmp_path / "ep2")
-    assert sorted(ep2) == [1, 2, 3] and sorted(one) == sorted(ep2)
-    for step in one:
-        assert abs(one[step] - ep2[step]) <= 1e-5, (step, one[step], ep2[step])
-    if moe_load:
-        assert losses(tmp_path / "ep2", "moe_load") == losses(tmp_path / "one", "moe_load")

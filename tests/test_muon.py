@@ -9,7 +9,7 @@ biases to AdamW. A checkpoint's optimizer state of another optimizer is refused 
 import pytest
 import torch
 
-from megalite.config import ModelConfig
+from megalite.config import Experts, GroupedQuery, ModelConfig, Norms, Rotary
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import MuonConfig, TrainConfig, load_config
@@ -19,9 +19,12 @@ from megalite.training.optimizers.build import takes_muon
 from megalite.training.optimizers.muon import Muon
 from megalite.typed_config import ConfigError
 
-CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
-                  activation="swiglu", norm="rmsnorm", position="rotary", n_experts=4,
-                  moe_top_k=2, moe_ffn_hidden=24, moe_dense_layers=[0])
+pytestmark = pytest.mark.unit
+
+CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, max_seq_len=16,
+                  attention=GroupedQuery(n_kv_heads=2), positions=Rotary(), norms=Norms(kind="rmsnorm"),
+                  mlp=Experts(activation="swiglu", experts=4, top_k=2, expert_ffn_hidden=24,
+                              dense_layers=(0,)))
 
 
 def logical_matrices(name: str, p: torch.Tensor) -> dict[str, callable]:

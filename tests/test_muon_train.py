@@ -8,7 +8,10 @@ naming both optimizers, and loads its weights alone when asked."""
 import pytest
 
 from megalite.typed_config import ConfigError
-from tests.test_train import STEPS, assert_same_training, common, losses, run_train, train_run
+from tests.support.runs import (STEPS, assert_same_training, common, losses, one_process_runs,
+                                run_train, train_run)
+
+pytestmark = pytest.mark.exactness
 
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
         "train.checkpoint_every=5"]
@@ -31,15 +34,12 @@ SAVED_AT = 5
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache):
     """The one-process Muon run of each model, made once a module."""
-    runs = {}
+    runs = one_process_runs(tmp_path_factory)
 
     def run(model: str, extra: tuple[str, ...] = ()):
-        key = (model, *extra)
-        if key not in runs:
-            runs[key] = tmp_path_factory.mktemp(f"single-{model}")
-            train_run(1, common(cache, runs[key], "packed") + MODELS[model] + MUON + list(extra)
-                      + ["parallel.tp=1", "train.micro_batch_size=8"])
-        return runs[key]
+        return runs((model, *extra), lambda run_dir: common(cache, run_dir, "packed") + MODELS[model]
+                    + MUON + list(extra) + ["parallel.tp=1", "train.micro_batch_size=8"],
+                    f"single-{model}")
     return run
 
 

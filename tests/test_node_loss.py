@@ -5,10 +5,14 @@ two nodes (tests/support/nodes.py)."""
 import re
 import time
 
+import pytest
+
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.support.nodes import Nodes
-from tests.test_resume import assert_continues_exactly
-from tests.test_train import LAYOUT, STEPS, common
+from tests.support.resume import assert_continues_exactly
+from tests.support.runs import LAYOUT, STEPS, common
+
+pytestmark = pytest.mark.e2e
 
 SNAPSHOTS = ["train.checkpoint_every=0", "train.snapshot_every=2"]
 

@@ -15,11 +15,12 @@ from safetensors.torch import load_file
 
 from megalite.hf.convert import export_hf, import_hf
 from tests.support.checkpoints import read_whole_state
-from tests.test_train import losses, run_train
+from tests.support.runs import losses, run_train
 
 FIXTURE = Path(__file__).parent / "fixtures" / "b4372df"
 
 
+@pytest.mark.exactness
 def test_resumes_with_the_losses_it_would_have_had(tmp_path, cache):
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
     shutil.copytree(FIXTURE / "checkpoint", ckpt)
@@ -33,6 +34,7 @@ def test_resumes_with_the_losses_it_would_have_had(tmp_path, cache):
         assert norms[step] == pytest.approx(then[step]["grad_norm"], rel=1e-4), step
 
 
+@pytest.mark.unit
 def test_exports_as_it_did(tmp_path):
     assert export_hf(FIXTURE / "checkpoint", tmp_path / "hf") == "MixtralForCausalLM"
     then = json.loads((FIXTURE / "hf" / "config.json").read_text())
@@ -43,6 +45,7 @@ def test_exports_as_it_did(tmp_path):
         assert torch.equal(old[name], new[name]), name
 
 
+@pytest.mark.unit
 def test_its_export_imports_to_its_weights(tmp_path):
     import_hf(FIXTURE / "hf", tmp_path / "ckpt")
     imported, saved = read_whole_state(tmp_path / "ckpt"), read_whole_state(FIXTURE / "checkpoint")

@@ -8,6 +8,8 @@ from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
 from tests.support.models import CONFIGS, PAD_ID, padded_batch, sequences
 
+pytestmark = pytest.mark.unit
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

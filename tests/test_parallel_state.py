@@ -1,6 +1,8 @@
 """The TP x DP layout built from torchrun's environment: consecutive ranks form a TP group."""
 from datetime import timedelta
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -8,6 +10,8 @@ from megalite.config import ParallelConfig
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.state import init_parallel
 from tests.support.harness import run_distributed
+
+pytestmark = pytest.mark.exactness
 
 
 def check_layout_from_torchrun_env():

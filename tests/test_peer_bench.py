@@ -7,6 +7,8 @@ import pytest
 
 from bench.peer import largest_micro_batch, main as peer_bench
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("transformers")
 
 
@@ -61,15 +63,17 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
     import transformers
 
     from bench.peer import hf_inputs, rows_of
-    from megalite.config import load_model_config
+    from megalite.config import Dense, GroupedQuery, Norms, Rotary, load_model_config
     from megalite.hf import layout
     from megalite.hf.convert import exportable_as
     from megalite.model import GPT
     from megalite.parallel.state import ParallelState
     cfg = load_model_config("tiny", vocab_size=300, max_seq_len=64)
     if preset == "llama":
-        cfg = dataclasses.replace(cfg, n_kv_heads=2, activation="swiglu", norm="rmsnorm",
-                                  position="rotary", bias=False, tie_embeddings=False, ffn_hidden=96)
+        cfg = dataclasses.replace(cfg, attention=GroupedQuery(n_kv_heads=2),
+                                  mlp=Dense(activation="swiglu", ffn_hidden=96),
+                                  norms=Norms(kind="rmsnorm"), positions=Rotary(), bias=False,
+                                  tie_embeddings=False)
     model = GPT(cfg, ParallelState(), seed=0)
     _, arch = exportable_as(cfg)
     hf = transformers.AutoModelForCausalLM.from_config(

@@ -7,8 +7,12 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from megalite.parallel.state import ParallelState
 from megalite.training.peers import SETTLE_S, Peers
+
+pytestmark = pytest.mark.e2e
 
 CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
 

@@ -28,6 +28,8 @@ from tests.support.checkpoints import save_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import CONFIGS, gather_full
 
+pytestmark = pytest.mark.exactness
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS, SEQ, MICRO = 8, 16, 2
 STEPS = 4  # optimizer steps: Adam's state, the tied copies' sync and the buffers carry over

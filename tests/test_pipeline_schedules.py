@@ -35,6 +35,7 @@ def play(name: str, pp: int, virtual: int, m: int) -> int:
     return ticks
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1),
                                           ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 4), (4, 8)])
@@ -93,6 +94,7 @@ def completes_as_nccl_runs_groups(name: str, pp: int, virtual: int, m: int) -> b
     return True
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1),
                                           ("interleaved", 2), ("interleaved", 3)])
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (4, 4), (4, 8)])
@@ -110,6 +112,7 @@ def test_message_groups_match_in_order_and_complete_as_nccl_runs_them(name, virt
     assert completes_as_nccl_runs_groups(name, pp, virtual, m)
 
 
+@pytest.mark.unit
 def test_a_plan_runs_every_action_once_with_its_message_exchanged_before():
     for rank in range(4):
         steps = plan("interleaved", 4, rank, 2, 8)
@@ -130,6 +133,7 @@ def in_flight(actions: list[Action]) -> int:
     return most
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pp,m", [(2, 8), (4, 8)])
 def test_1f1b_holds_at_most_pp_micro_batches_where_gpipe_holds_all(pp, m):
     for r in range(pp):
@@ -137,6 +141,7 @@ def test_1f1b_holds_at_most_pp_micro_batches_where_gpipe_holds_all(pp, m):
         assert in_flight(schedule("gpipe", pp, r, 1, m)) == m
 
 
+@pytest.mark.unit
 def test_interleaving_shrinks_the_bubble():
     """In ticks of one chunk's forward or backward, the ideal step is 2 v m; the bubble adds
     about 2 (p - 1) ticks with v chunks of 1/v the work, i.e. (p - 1) / (v m) of the step."""
@@ -148,6 +153,7 @@ def test_interleaving_shrinks_the_bubble():
     assert interleaved <= 2 * plain
 
 
+@pytest.mark.unit
 def test_stages_split_layers_and_ends():
     chunks = [chunks_of(8, 4, r, 2) for r in range(4)]
     assert [c.layers for c in chunks[0]] == [range(0, 1), range(4, 5)]
@@ -166,6 +172,7 @@ BAD = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides", sorted(BAD))
 def test_bad_pipeline_configs_are_refused_before_launch(overrides):
     cfg = load_config("configs/demo.yaml", ["parallel.tp=1", *overrides.split()])
@@ -173,6 +180,7 @@ def test_bad_pipeline_configs_are_refused_before_launch(overrides):
         validate(cfg, 4)
 
 
+@pytest.mark.unit
 def test_good_pipeline_configs_pass():
     for overrides in (["parallel.tp=2", "parallel.pp=2"],
                       ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.virtual_stages=2"],
@@ -208,6 +216,7 @@ def check_batched_exchange() -> list:
     return received
 
 
+@pytest.mark.exactness
 def test_the_nccl_exchange_gives_every_receive_its_tensor():
     assert run_distributed(check_batched_exchange, 2) == [[[10.0, 10.0], [11.0, 11.0]],
                                                           [[0.0, 0.0], [1.0, 1.0]]]

@@ -5,14 +5,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.test_reshard import SAVED_AT, resume_and_compare
-from tests.test_resume import ROOT, torchrun
-from tests.test_train import assert_same_training, common, train_run
+import pytest
+
+from tests.support.launch import ROOT, torchrun
+from tests.support.resume import SAVED_AT, resume_and_compare
+from tests.support.runs import assert_same_training, common, train_run
 
 PIPELINE = ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
             "train.micro_batch_size=2", "train.checkpoint_every=5"]
 
 
+@pytest.mark.exactness
 def test_tp2xpp2_trains_like_tp2xdp2_and_resumes_without_stages(tmp_path, cache, tp2dp2_padded):
     piped = tmp_path / "tp2xpp2"
     train_run(4, common(cache, piped, "padded") + PIPELINE)
@@ -35,6 +38,7 @@ def worker_pid(run_dir: Path, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} runs {run_dir}")
 
 
+@pytest.mark.e2e
 def test_a_rank_killed_inside_the_schedule_ends_the_job(tmp_path, cache):
     run_dir = tmp_path / "dies"
     cmd = torchrun(2) + ["-m", "megalite.train"] + common(cache, run_dir, "padded") + [

@@ -17,36 +17,11 @@ from megalite.data.indexed import IndexedShard
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.data.docs import held_out
 from megalite.data.raw_files import expand_inputs
-from megalite.data.tokenizer import load_tokenizer, train_bpe
+from megalite.data.tokenizer import load_tokenizer
 from megalite.typed_config import ConfigError
+from tests.support.data import TEXTS, tokenizer, write_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-TEXTS = [f"Document {i}: caf\u00e9, tensors \u2014 and {'gradients ' * (i % 7)}\n  indented\n" for i in range(120)]
-
-
-def tokenizer(tmp_path, vocab=400) -> Path:
-    path = tmp_path / f"tok{vocab}.json"
-    if not path.is_file():
-        train_bpe(TEXTS, vocab).save(str(path))
-    return path
-
-
-def write_inputs(root: Path) -> dict[str, list[str]]:
-    """The same kind of text in every format megalite reads; returns each file's documents."""
-    root.mkdir(parents=True, exist_ok=True)
-    parts = {name: TEXTS[i * 30:(i + 1) * 30] for i, name in
-             enumerate(["a.jsonl.gz", "b.jsonl.zst", "c.parquet", "d.txt"])}
-    lines = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(parts["a.jsonl.gz"]))
-    (root / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
-    lines = "".join(json.dumps({"text": t}) + "\n" for t in parts["b.jsonl.zst"])
-    (root / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    table = pa.table({"id": [str(i) for i in range(30)], "text": parts["c.parquet"],
-                      "language": ["en"] * 30})
-    pq.write_table(table, root / "c.parquet", row_group_size=7)
-    # .txt documents are separated by two blank lines (their own edge newlines are dropped).
-    parts["d.txt"] = [t.strip("\n") for t in parts["d.txt"]]
-    (root / "d.txt").write_text("\n\n\n".join(parts["d.txt"]))
-    return parts
 
 
 def decoded(out: Path, info) -> list[list[str]]:
@@ -60,6 +35,7 @@ def decoded(out: Path, info) -> list[list[str]]:
     return result
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_format_decodes_back_to_its_input_text(tmp_path, workers):
     parts = write_inputs(tmp_path / "in")
@@ -73,6 +49,7 @@ def test_every_format_decodes_back_to_its_input_text(tmp_path, workers):
     assert meta["documents"] == 120 and meta["tokens"] == sum(s["tokens"] for s in meta["shards"])
 
 
+@pytest.mark.e2e
 def test_shards_are_the_same_for_any_worker_count_and_chunking(tmp_path, monkeypatch):
     write_inputs(tmp_path / "in")
     files = expand_inputs([str(tmp_path / "in")])
@@ -84,6 +61,7 @@ def test_shards_are_the_same_for_any_worker_count_and_chunking(tmp_path, monkeyp
         assert f.read_bytes() == (tmp_path / "w2" / f.name).read_bytes(), f.name
 
 
+@pytest.mark.unit
 def test_bad_records_are_counted_by_file_and_line_and_nothing_is_lost(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "fine one"}\n'
@@ -112,6 +90,7 @@ def test_bad_records_are_counted_by_file_and_line_and_nothing_is_lost(tmp_path):
                           PrepareSettings(tokenizer=str(tokenizer(tmp_path)), strict=True, progress=False))
 
 
+@pytest.mark.unit
 def test_parquet_without_the_text_column_names_its_columns(tmp_path):
     pq.write_table(pa.table({"id": ["1"], "content": ["hello"]}), tmp_path / "x.parquet")
     with pytest.raises(ConfigError, match=r"'.*x\.parquet' has no column 'text' \(its columns: id, "
@@ -133,6 +112,7 @@ def big_vocabulary_tokenizer(path: Path, size: int = 70_000) -> Path:
     return path
 
 
+@pytest.mark.unit
 def test_a_vocabulary_the_dtype_cannot_hold_is_refused(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"text": "w1 w69000"}\n')
     tok = str(big_vocabulary_tokenizer(tmp_path / "big.json"))
@@ -153,6 +133,7 @@ def decoded_ids(out: Path) -> list[np.ndarray]:
     return docs.documents(np.arange(len(docs)), 10**9)
 
 
+@pytest.mark.unit
 def test_an_output_directory_of_another_tokenizer_is_refused(tmp_path):
     write_inputs(tmp_path / "in")
     files = expand_inputs([str(tmp_path / "in" / "a.jsonl.gz")])
@@ -162,6 +143,7 @@ def test_an_output_directory_of_another_tokenizer_is_refused(tmp_path):
                           PrepareSettings(tokenizer=str(tokenizer(tmp_path, 350)), progress=False))
 
 
+@pytest.mark.unit
 def test_a_file_without_the_text_key_is_an_error_naming_its_keys(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"body": "one", "id": 1}\n{"body": "two", "id": 2}\n')
     with pytest.raises(ConfigError, match=r"x\.jsonl': none of its 2 records has the text field "
@@ -172,6 +154,7 @@ def test_a_file_without_the_text_key_is_an_error_naming_its_keys(tmp_path):
     assert not list((tmp_path / "out").glob("00000-*"))
 
 
+@pytest.mark.unit
 def test_a_bpe_is_trained_again_only_where_no_shard_uses_it(tmp_path):
     """A re-run in the same directory: with other BPE settings it is refused once shards exist;
     after a first run that trained on nothing (a wrong --text-key), it trains afresh."""
@@ -191,6 +174,7 @@ def test_a_bpe_is_trained_again_only_where_no_shard_uses_it(tmp_path):
         prepare_directory(files, out, PrepareSettings(bpe_vocab_size=350, text_key="body", progress=False))
 
 
+@pytest.mark.unit
 def test_held_out_documents_are_spread_by_number_and_independent_of_sharding(tmp_path):
     tok = str(tokenizer(tmp_path))
     whole, halves = tmp_path / "whole.jsonl", [tmp_path / "h1.jsonl", tmp_path / "h2.jsonl"]
@@ -210,6 +194,7 @@ def test_held_out_documents_are_spread_by_number_and_independent_of_sharding(tmp
         assert np.array_equal(a.window([0], a.n_tokens)[0], b.window([0], b.n_tokens)[0])
 
 
+@pytest.mark.e2e
 def test_the_command_prepares_globs_and_files_then_trains_on_the_directory(tmp_path):
     write_inputs(tmp_path / "in")
     out = tmp_path / "prep"
@@ -220,13 +205,14 @@ def test_the_command_prepares_globs_and_files_then_trains_on_the_directory(tmp_p
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["documents"] == 90
     assert "prepare" in done.stderr and "tok/s" in done.stderr  # the progress bar
-    from tests.test_train import common, train_run
+    from tests.support.runs import common, train_run
     run = tmp_path / "run"
     train_run(1, common(str(tmp_path / "cache"), run, "packed") + [
         f"data.path={out}", "train.max_steps=2", "train.micro_batch_size=8"])
     assert (run / "checkpoints" / "step_00000002" / "meta.json").is_file()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["truncated .zst", "truncated .gz", "corrupt .gz", "truncated .xz"])
 def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, damage):
     import lzma
@@ -244,6 +230,7 @@ def test_a_damaged_compressed_file_is_an_error_naming_it(tmp_path, damage):
     assert not list((tmp_path / "out").glob("*.bin")) and not list((tmp_path / "out").glob(".*tmp"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["truncated", "corrupt page"])
 def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, damage):
     import pyarrow as pa
@@ -262,6 +249,7 @@ def test_a_damaged_parquet_file_is_an_error_naming_it(tmp_path, damage):
     assert not list((tmp_path / "out").glob("*.bin")) and not list((tmp_path / "out").glob(".*tmp"))
 
 
+@pytest.mark.unit
 def test_odd_but_valid_records_are_kept_and_counted(tmp_path):
     """A BOM, CRLF endings, no final newline, a lone UTF-16 surrogate, a parquet null; a .txt
     ending in a separator (no record after it), an empty .txt (no record at all)."""
@@ -285,6 +273,7 @@ def test_odd_but_valid_records_are_kept_and_counted(tmp_path):
         (3, 2, 1, ["row 1: 'text' is null"])
 
 
+@pytest.mark.unit
 def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path, capsys):
     write_inputs(tmp_path / "in")
     (tmp_path / "in" / "notes.md").write_text("not data")
@@ -296,6 +285,7 @@ def test_inputs_are_each_read_once_and_a_directory_names_what_it_skips(tmp_path,
     assert "skipping 1 files" in err and "notes.md" in err
 
 
+@pytest.mark.unit
 def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeypatch):
     """The memory bound: at most IN_FLIGHT_PER_WORKER x workers chunks submitted and not yet
     written, however long the file."""

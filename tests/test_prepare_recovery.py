@@ -14,7 +14,8 @@ import pytest
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.data.raw_files import expand_inputs
 from megalite.typed_config import ConfigError
-from tests.test_prepare_data import ROOT, TEXTS, tokenizer, write_inputs
+from tests.support.data import TEXTS, tokenizer, write_inputs
+from tests.support.launch import ROOT
 
 
 def process_group(pgid: int) -> list[int]:
@@ -37,6 +38,7 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+@pytest.mark.e2e
 def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
     """Killed as soon as it is seen (a sibling may still be starting): the run ends at once
     with the error, and no process of it is left."""
@@ -75,6 +77,7 @@ def test_a_worker_that_dies_is_an_error_naming_the_file_and_the_fix(tmp_path):
     assert not list((tmp_path / "out").glob("*.bin"))
 
 
+@pytest.mark.unit
 def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run(tmp_path, monkeypatch):
     import megalite.prep.shards as prepare_shards
     source = tmp_path / "x.jsonl"
@@ -93,6 +96,7 @@ def test_a_file_rewritten_while_it_is_prepared_is_prepared_again_by_the_next_run
     assert prepare_directory([source], tmp_path / "out", settings)["documents"] == len(TEXTS) + 1
 
 
+@pytest.mark.e2e
 def test_a_failed_run_keeps_its_whole_shards_and_a_rerun_prepares_only_what_is_missing(tmp_path):
     write_inputs(tmp_path / "in")
     (tmp_path / "in" / "e.jsonl").write_text('{"text": "ok"}\nnot json\n')
@@ -114,6 +118,7 @@ def test_a_failed_run_keeps_its_whole_shards_and_a_rerun_prepares_only_what_is_m
     assert all(p.stat().st_mtime_ns != before[p.name] for p in out.glob("0000[0-3]-*"))
 
 
+@pytest.mark.e2e
 def test_a_sigkilled_run_leaves_no_half_shard_and_the_rerun_matches_a_clean_run(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t * 40}) + "\n" for t in TEXTS * 30))

@@ -13,11 +13,12 @@ from megalite.run_setup import validate
 from megalite.training.metrics import peak_memory_bytes
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
 
 STEPS = 4
 
 
+@pytest.mark.e2e
 def test_a_tp2_run_traces_its_window_on_each_rank_and_logs_peak_memory(tmp_path, cache):
     run_dir = tmp_path / "run"
     train_run(2, common(cache, run_dir, "packed") + [
@@ -47,12 +48,14 @@ def rank_peaks() -> tuple[float, float]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, peak_memory_bytes(ps)
 
 
+@pytest.mark.e2e
 def test_peak_memory_is_the_fullest_ranks():
     (own0, reported0), (own1, reported1) = run_distributed(rank_peaks, 2)
     assert reported0 == reported1 >= own1 > own0 + 200 * 2**20
     assert reported1 - own1 < 16 * 2**20  # rank 1's peak, not a sum
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("window", ["[0,2]", "[3,2]", "[2,5]"])
 def test_a_window_outside_the_run_is_refused(window):
     cfg = load_config(None, [f"train.profile_steps={window}", f"train.max_steps={STEPS}"])

@@ -10,6 +10,8 @@ import pytest
 
 from bench.profile import restate, restated_table, summarize
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CUDA, CPU = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
 

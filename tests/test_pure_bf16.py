@@ -8,7 +8,6 @@ step the model holds the masters rounded to bf16, exactly. At TP1xDP2 the synced
 gradients are the per-rank ones summed. DeepSpeed refuses the mode before launch. Through the
 trainer, checkpoints hold the fp32 masters and resume exactly.
 """
-import dataclasses
 import shutil
 
 import pytest
@@ -25,31 +24,10 @@ from megalite.training.deepspeed_engine import check_deepspeed
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.mixed_precision import MasterWeights
 from megalite.typed_config import ConfigError
+from tests.support.bf16 import (LOSS_TOLERANCE, STEPS, check_model_is_the_rounded_masters, config,
+                                micro_batches)
 from tests.support.checkpoints import read_whole_state
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, padded_batch
-
-# The global batch: 2 micro-batches of 2 rows per DP rank at DP2.
-LENGTHS = (12, 7, 3, 10, 5, 9, 11, 4)
-STEPS = 3
-# The loss is ~4.6 (log of the vocabulary). pure_bf16 differs from autocast by rounding the
-# weights and every activation between ops to bf16 (unit roundoff 2^-9 each) where autocast
-# keeps them fp32; over 3 steps that moves the mean token loss by ~3e-3 here (0.07%), while a
-# real bug (an unsynced or unscaled gradient, a skipped update) moves it by more than 0.1.
-LOSS_TOLERANCE = 0.01
-
-
-def config(name: str) -> ModelConfig:
-    return dataclasses.replace(CONFIGS[name], dropout=0.0)  # no dropout: the runs are comparable
-
-
-def micro_batches(cfg: ModelConfig, ps: ParallelState) -> tuple[list[Batch], torch.Tensor]:
-    """This DP rank's 2 micro-batches of the global batch, and the global batch's token count."""
-    ids, _, labels = padded_batch(cfg, "right", LENGTHS)
-    per_rank = len(LENGTHS) // ps.dp_size
-    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
-    batches = [Batch(x, y) for x, y in zip(ids[rows].chunk(2), labels[rows].chunk(2))]
-    return batches, (labels != -100).sum().float()
 
 
 def train(name: str, ps: ParallelState, precision: str) -> tuple[list[float], NativeEngine]:
@@ -69,19 +47,6 @@ def train(name: str, ps: ParallelState, precision: str) -> tuple[list[float], Na
     return losses, engine
 
 
-def check_model_is_the_rounded_masters(engine: NativeEngine) -> None:
-    for p in engine.model.parameters():
-        master = engine.master(p)
-        if engine.masters is None:
-            assert master is p
-            continue
-        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
-        assert p.grad is None and master.grad.dtype == torch.float32
-        assert torch.equal(p.detach(), master.detach().bfloat16())
-        assert all(m.dtype == torch.float32 for m in engine.optimizer_state(p).values())
-        assert engine.optimizer_state(p)
-
-
 def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:
     fp32, _ = train(name, ps, "fp32")
     autocast, _ = train(name, ps, "bf16")
@@ -91,11 +56,13 @@ def check_losses_follow_autocast(name: str, ps: ParallelState) -> None:
     assert_close(torch.tensor(pure), torch.tensor(fp32), atol=LOSS_TOLERANCE, rtol=0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_pure_bf16_trains_like_autocast_single_process(name):
     check_losses_follow_autocast(name, ParallelState())
 
 
+@pytest.mark.exactness
 def test_pure_bf16_trains_like_autocast_at_tp2xdp2():
     run_distributed(check_tp2xdp2, 4)
 
@@ -104,6 +71,7 @@ def check_tp2xdp2() -> None:
     check_losses_follow_autocast("llama", ParallelState.from_world(2))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_micro_batch_gradients_are_summed_in_fp32(name):
     """The masters' gradient after 2 micro-batches is the fp32 sum of each one's bf16 gradient,
@@ -160,10 +128,12 @@ def check_dp_sync_sums_master_gradients() -> None:
         assert not torch.equal(engine.master(p).grad, masters.master(q).grad)
 
 
+@pytest.mark.exactness
 def test_dp_sync_sums_the_master_gradients_at_tp1xdp2():
     run_distributed(check_dp_sync_sums_master_gradients, 2)
 
 
+@pytest.mark.unit
 def test_deepspeed_refuses_pure_bf16_before_launch():
     train_cfg = TrainConfig(engine="deepspeed", precision="pure_bf16", global_batch_size=16,
                             micro_batch_size=4)
@@ -171,11 +141,12 @@ def test_deepspeed_refuses_pure_bf16_before_launch():
         check_deepspeed(train_cfg, ModelConfig(), ParallelConfig(tp=2), 4)
 
 
+@pytest.mark.exactness
 def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     """Through megalite.train: the checkpoint holds the fp32 master weights (not the bf16
     model), a run resumed from it continues with the uninterrupted run's losses, and sampling
     (bf16 KV cache) works at the end."""
-    from tests.test_train import common, losses, train_run
+    from tests.support.runs import common, losses, train_run
     run = common(cache, tmp_path / "a", "packed") + ["train.precision=pure_bf16", "train.max_steps=6",
                                                       "train.checkpoint_every=3"]
     train_run(1, run)
@@ -193,13 +164,14 @@ def test_trainer_saves_the_fp32_masters_and_resumes_exactly(tmp_path, cache):
     assert (tmp_path / "b" / "samples.txt").read_text()
 
 
+@pytest.mark.unit
 def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     """(1 + w) in bf16 would round w = 0.003 away (steps of 2^-7 near 1): transformers and
     megalite compute the offset and the norm in fp32, then cast."""
-    from megalite.config import ModelConfig
+    from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
     from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norm="rmsnorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="rmsnorm", weight_offset=1.0), hidden=8), ParallelState())
     with torch.no_grad():
         norm.weight.fill_(0.003)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -207,13 +179,14 @@ def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     assert torch.equal(norm.to(torch.bfloat16)(x), expected)
 
 
+@pytest.mark.unit
 def test_a_norm_offset_scales_a_layernorm_too():
-    """model.norm_weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
+    """model.norms.weight_offset is the norm's, whichever kind: a LayerNorm scales by offset + w
     (it ran as an RMSNorm before)."""
-    from megalite.config import ModelConfig
+    from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
     from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norm="layernorm", norm_weight_offset=1.0, hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="layernorm", weight_offset=1.0), hidden=8), ParallelState())
     with torch.no_grad():
         norm.weight.fill_(0.5)
         norm.bias.fill_(0.25)

@@ -13,7 +13,6 @@ import torch
 
 from megalite import evaluate
 from megalite import train as train_module
-from megalite.data.prepared import load_data
 from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder
 from megalite.data.tokenizer import load_tokenizer
@@ -25,9 +24,9 @@ from megalite.training.checkpoint import load_checkpoint
 from megalite.training.build import build_model
 from megalite.run_setup import with_pretrained, with_tokenizer_vocab
 from tests.support.harness import run_distributed
+from tests.support.runs import losses, run_train
+from tests.support.tokenizer_shapes import SHAPES, TEXTS
 # The shapes' module fixtures, built once per module here too.
-from tests.test_real_tokenizers import SHAPES, TEXTS, corpus, hf_tokenizers  # noqa: F401
-from tests.test_train import losses, run_train
 
 
 def eval_text(tmp_path, tokenizer) -> tuple[object, list[int]]:
@@ -73,6 +72,7 @@ def gpt2_hf(hf_tokenizers, tmp_path_factory):
     return directory, model
 
 
+@pytest.mark.unit
 def test_gpt2s_vocabulary_imports_and_evaluates_as_transformers(gpt2_hf, tmp_path, capsys):
     import transformers
     directory, hf = gpt2_hf
@@ -111,6 +111,7 @@ def first_step_loss(argv: list[str]) -> float:
 MODES = {"gpt2": "padded", "llama2": "packed", "llama3": "padded"}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_prepare_train_at_tp2_dp2_and_evaluate(hf_tokenizers, corpus, gpt2_hf, tmp_path, name, capsys):
     tokenizer = hf_tokenizers[name]

@@ -6,13 +6,18 @@ from torch.testing import assert_close
 
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
+from megalite.typed_config import replaced
 from tests.support.models import CONFIGS, sequences
 from tests.support.reference_model import reference_logits
 
+pytestmark = pytest.mark.unit
+
 VARIANTS = {
     **CONFIGS,
-    "gpt2-exact-gelu-gqa1": dataclasses.replace(CONFIGS["gpt2"], activation="gelu", n_kv_heads=1),
-    "llama-mha-tied": dataclasses.replace(CONFIGS["llama"], n_kv_heads=None, tie_embeddings=True),
+    "gpt2-exact-gelu-gqa1": replaced(replaced(CONFIGS["gpt2"], "mlp.activation", "gelu"),
+                                     "attention.n_kv_heads", 1),
+    "llama-mha-tied": dataclasses.replace(replaced(CONFIGS["llama"], "attention.n_kv_heads", None),
+                                          tie_embeddings=True),
 }
 
 

@@ -8,9 +8,10 @@ from megalite.run_config import load_config
 from megalite.training.checkpoint import load_checkpoint
 from tests.support.harness import run_distributed
 from tests.support.models import padded_batch
-from tests.test_train import STEPS, common, losses, train_run
+from tests.support.resume import SAVED_AT, resume_and_compare
+from tests.support.runs import STEPS, common, losses, train_run
 
-SAVED_AT = 5
+pytestmark = pytest.mark.exactness
 
 
 def check_logits_at(tp: int, checkpoint_dir: str, config_path: str):
@@ -59,13 +60,3 @@ def test_a_resume_with_more_steps_keeps_the_decay_unless_asked(tmp_path, cache, 
     assert all(stretched[s] > original[s] for s in range(SAVED_AT + 1, STEPS + 1))
 
 
-def resume_and_compare(cache, original, checkpoint, resumed, world: int, tp: int,
-                       extra: tuple[str, ...] = ()) -> None:
-    """Train from `checkpoint` at TP=tp (and `extra` settings) on `world` processes: the
-    original run's next losses."""
-    train_run(world, common(cache, resumed, "padded") + [
-        f"parallel.tp={tp}", "train.micro_batch_size=2", f"train.resume={checkpoint}", *extra])
-    expected, got = losses(original), losses(resumed)
-    assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
-    for step in got:
-        assert abs(got[step] - expected[step]) <= 1e-5, (tp, step, got[step], expected[step])

@@ -1,63 +1,22 @@
 """Checkpoints survive a kill: a resumed run continues the uninterrupted run exactly."""
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megalite.training.checkpoint_dirs import latest_checkpoint
-from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
+from tests.support.checkpoints import WeightsOnly, fill_disk_of_rank_0, save_checkpoint
 from tests.support.harness import run_distributed
-from tests.test_loop import fill_disk_of_rank_0
-from tests.test_train import STEPS, common, losses, train_run
+from tests.support.launch import ROOT, one_thread, run, torchrun
+from tests.support.resume import args, assert_continues_exactly, resumed_step, snapshot_restart, uninterrupted
+from tests.support.runs import STEPS
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def args(cache, run_dir, *extra) -> list[str]:
-    return ["-m", "megalite.train"] + common(cache, run_dir, "packed") + [
-        "model.dropout=0.1", "train.checkpoint_every=3", "train.micro_batch_size=4",
-        "train.eval_every=2", *extra]
-
-
-def assert_continues_exactly(resumed: Path, whole: Path, after: int) -> None:
-    """Every record after step `after` (loss, lr, grad norm, tokens, validation) and the final
-    weights are those of the uninterrupted run, bit for bit."""
-    for key in ("loss", "lr", "grad_norm", "tokens", "val_loss"):
-        expected, got = losses(whole, key), losses(resumed, key)
-        assert sorted(got) == sorted(expected), key
-        for step in (s for s in expected if s > after):
-            assert got[step] == expected[step], (key, step, got[step], expected[step])
-    final = f"checkpoints/step_{STEPS:08d}"
-    a, b = read_whole_state(whole / final), read_whole_state(resumed / final)
-    assert all(torch.equal(a[name], b[name]) for name in a)
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-
-
-def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, **kwargs)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
-def kill_every_process_of(run_dir: Path) -> None:
-    """SIGKILL every process whose command line names run_dir: torchrun starts its workers in
-    sessions of their own, so killing the agent's process group would leave them running."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and str(run_dir).encode() in (proc / "cmdline").read_bytes():
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -66,38 +25,6 @@ def whole_tp2(tmp_path_factory, cache):
     whole = tmp_path_factory.mktemp("whole") / "run"
     uninterrupted(2, args(cache, whole, "parallel.tp=2"))
     return whole
-
-
-def uninterrupted(world: int, cmd_args: list[str]) -> None:
-    """A reference run on forked ranks (tests/support/harness.py), not a launch of its own: one thread
-    per rank, as torchrun's workers and one_thread() subprocesses have."""
-    assert cmd_args[:2] == ["-m", "megalite.train"]
-    train_run(world, cmd_args[2:])
-
-
-def one_thread() -> dict[str, str]:
-    """The environment of a single-process run compared bit for bit with an uninterrupted()
-    one: the thread count can change the order of a sum."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def kill_then_resume(cache, whole: Path, killed: Path, *layout: str) -> None:
-    """Run on 2 processes, SIGKILL every process once a checkpoint exists, resume: the
-    uninterrupted run `whole`'s records and weights, bit for bit."""
-    proc = subprocess.Popen(torchrun(2) + args(cache, killed, *layout), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 240
-    while latest_checkpoint(killed) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    kill_every_process_of(killed)  # agent and workers, as when a node dies
-    proc.wait(timeout=60)
-    resumed_from = int(latest_checkpoint(killed).name.split("_")[1])
-    assert resumed_from < STEPS, "the run finished before it could be killed"
-
-    done = run(torchrun(2) + args(cache, killed, *layout, "train.resume=auto"))
-    assert f"step_{resumed_from:08d} at step {resumed_from}" in done.stdout
-    assert_continues_exactly(killed, whole, resumed_from)
 
 
 def test_usr1_to_torchrun_stops_every_rank_with_a_checkpoint_and_resumes_exactly(tmp_path, cache,
@@ -137,36 +64,6 @@ def test_a_hung_rank_restarts_from_the_in_memory_snapshot_bit_for_bit(tmp_path, 
     assert re.search(r"megalite: error: rank 0: no step finished in 3 s after step \d+ "
                      r"\(train\.watchdog_s\): rank 1 \(pid \d+ on .*\) hung; killed", out), out[-3000:]
     assert_continues_exactly(tmp_path / "killed", whole_tp2, resumed_step(out))
-
-
-def snapshot_restart(cache, run_dir: Path, shm: Path, world: int, layout: list[str], fault: str,
-                     victim: int) -> str:
-    """Train on `world` processes under torchrun --max-restarts 1 with snapshots every 2 steps
-    and no disk checkpoint before the end; `fault` (SIGKILL or SIGSTOP) rank `victim` once the
-    step-4 snapshot is whole; the output, after checking that the run restarted once from a
-    snapshot and finished."""
-    import psutil
-    cmd = (torchrun(world) + ["--max-restarts", "1"]
-           + args(cache, run_dir, *layout, "train.checkpoint_every=0", "train.snapshot_every=2",
-                  f"train.snapshot_dir={shm}", "train.watchdog_s=3"))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while len(list(shm.glob("step_00000004.rank_*"))) < world and proc.poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    workers = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children()}
-    workers[victim].send_signal(getattr(signal, fault))
-    out = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, out[-3000:]
-    assert latest_checkpoint(run_dir).name == f"step_{STEPS:08d}"  # the only one on disk
-    assert not shm.exists()  # cleared, the directory too, once the run ended
-    return out
-
-
-def resumed_step(out: str) -> int:
-    resumed = re.findall(r"resumed from the in-memory snapshot of step (\d+)", out)
-    assert len(resumed) == 1 and 4 <= int(resumed[0]) < STEPS, out[-3000:]
-    return int(resumed[0])
 
 
 def test_a_killed_rank_is_named_by_the_survivor_with_the_step(tmp_path, cache):

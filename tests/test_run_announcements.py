@@ -6,14 +6,14 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from megalite.config import ModelConfig
+from megalite.config import Dense, ModelConfig
 from megalite.fp8.convert import convert_to_fp8, describe_fp8
 from megalite.model.mlp import MLP
 from megalite.run_config import Fp8Config, TrainConfig
 from megalite.training.optim import describe_schedule
 from megalite.typed_config import ConfigError
-from tests.test_layers import SINGLE
-from tests.test_train import common, run_train
+from tests.support.layers import SINGLE
+from tests.support.runs import common, run_train
 
 SMALL = "fp8 tensorwise: 0 of 10 block layers in FP8; in high precision: 10 too small to gain " \
         "(train.fp8.layers=auto, torchao's size filter; train.fp8.layers=all converts them)"
@@ -32,13 +32,15 @@ def small_run(tmp_path_factory, cache):
     return run_dir, out.getvalue().splitlines()
 
 
+@pytest.mark.e2e
 def test_fp8_auto_says_it_converted_nothing_on_a_small_model_and_what_to_change(small_run):
     _, lines = small_run
     assert [line for line in lines if line.startswith("fp8 ")] == [SMALL]
 
 
+@pytest.mark.unit
 def test_fp8_names_the_layers_converted_and_why_the_others_stay():
-    cfg = ModelConfig(hidden=64, n_heads=4, ffn_hidden=128)
+    cfg = ModelConfig(hidden=64, n_heads=4, mlp=Dense(ffn_hidden=128))
     auto = Fp8Config(recipe="rowwise")
     mlp = MLP(cfg, SINGLE)
     assert describe_fp8(mlp, auto, convert_to_fp8(mlp, auto, SINGLE), SINGLE) == (
@@ -50,6 +52,7 @@ def test_fp8_names_the_layers_converted_and_why_the_others_stay():
         "fp8 rowwise: 1 of 2 block layers in FP8 (up); in high precision: 1 in train.fp8.exclude")
 
 
+@pytest.mark.e2e
 def test_a_muon_run_says_muon_s_matrices_and_rate_beside_adamw_s(small_run):
     _, lines = small_run
     # The tiny model's blocks: q, kv, out, up and down weights in each of 2.
@@ -59,6 +62,7 @@ def test_a_muon_run_says_muon_s_matrices_and_rate_beside_adamw_s(small_run):
         "bar shows adamw's"]
 
 
+@pytest.mark.e2e
 def test_a_warmup_the_run_never_leaves_is_said_with_both_values_and_the_fix(small_run):
     _, lines = small_run
     assert [line for line in lines if line.startswith("lr: ")] == [
@@ -66,6 +70,7 @@ def test_a_warmup_the_run_never_leaves_is_said_with_both_values_and_the_fix(smal
         "so the run ends in warmup at lr 0.000667, with no decay: lower train.warmup_steps below 2"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, said", [
     (dict(warmup_steps=15, max_steps=10),
      "warmup to 0.001 over 15 steps; train.warmup_steps=15 is not below train.max_steps=10, so "
@@ -88,6 +93,7 @@ def test_the_schedule_says_where_the_warmup_ends(settings, said):
     assert describe_schedule(TrainConfig(lr=1e-3, min_lr=1e-4, **settings)) == said
 
 
+@pytest.mark.e2e
 def test_no_prompts_print_no_samples_header_nor_write_samples_txt(small_run):
     run_dir, lines = small_run
     assert not [line for line in lines if line.startswith("samples")]
@@ -95,6 +101,7 @@ def test_no_prompts_print_no_samples_header_nor_write_samples_txt(small_run):
     assert (run_dir / "checkpoints" / "step_00000002").is_dir()  # the run did end
 
 
+@pytest.mark.e2e
 def test_a_tp_that_does_not_split_the_vocabulary_quotes_the_tokenizer_s(tmp_path, cache, monkeypatch):
     """tp=3 splits 6 heads and an MLP of 384, not the tokenizer's 512 tokens (the tiny preset
     says 1000, padded to 1024: not the run's)."""

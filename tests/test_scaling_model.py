@@ -14,8 +14,10 @@ from bench.scaling_model import (Layout, bubble_fraction, cp_bytes_per_layer_per
                                           efficiency_from_single_device, executed_flops_per_step,
                                           model_flops_per_step, p2p_bytes_per_step, predict,
                                           tp_bytes_per_layer_per_microbatch)
-from megalite.config import ModelConfig
+from megalite.config import Experts, ModelConfig
 from megalite.typed_config import ConfigError
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "bench" / "scaling.yaml"
@@ -238,7 +240,7 @@ def test_the_expert_parallel_terms_are_their_bytes_over_the_link(scaling, ep, li
     twice with backward; an EP group of 8 consecutive ranks stays in an 8-GPU node, one of 16
     does not. The DP all-reduce sums each GPU's 64/ep experts over 64/ep replicas."""
     model = ModelConfig(vocab_size=50304, max_seq_len=4096, n_layers=16, hidden=2048, n_heads=16,
-                        n_experts=64, moe_top_k=8, moe_ffn_hidden=1024)
+                        mlp=Experts(experts=64, top_k=8, expert_ffn_hidden=1024))
     layout = Layout(model, 4096, global_batch=256, micro_batch=1, tp=1, gpus=64, ep=ep)
     assert layout.dp == 64 and layout.micro_batches == 4
     per_layer = 4 * 8 * 4096 * 2048 * 2 * (ep - 1) / ep

@@ -11,6 +11,8 @@ from megalite.run_config import DataConfig, TrainConfig
 from megalite.training.metrics import flops_per_token, matmul_params
 from megalite.training.optim import lr_at
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_then_cosine_to_min_lr():
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, max_steps=14)
@@ -49,12 +51,13 @@ def test_flops_per_token_count_latent_attention_and_the_experts_a_token_uses():
     """DeepSeek-V3 (671B, 37B active): MLA's down- and up-projections, 3 dense layers, 58 MoE
     layers of 8 routed + 1 shared expert of 2048 and the router; scores of 192 dims, values of
     128, over 128 heads."""
-    from megalite.config import ModelConfig
-    cfg = ModelConfig(vocab_size=129280, n_layers=61, hidden=7168, n_heads=128, attention="mla",
-                      position="rotary", norm="rmsnorm", activation="swiglu", bias=False,
-                      q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, ffn_hidden=18432, n_experts=256, moe_top_k=8,
-                      moe_ffn_hidden=2048, n_shared_experts=1, moe_dense_layers=(0, 1, 2),
+    from megalite.config import Experts, Latent, ModelConfig, Norms, Rotary
+    cfg = ModelConfig(vocab_size=129280, n_layers=61, hidden=7168, n_heads=128,
+                      attention=Latent(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                       qk_rope_head_dim=64, v_head_dim=128),
+                      positions=Rotary(), norms=Norms(kind="rmsnorm"), bias=False,
+                      mlp=Experts(activation="swiglu", ffn_hidden=18432, experts=256, top_k=8,
+                                  expert_ffn_hidden=2048, shared_experts=1, dense_layers=(0, 1, 2)),
                       tie_embeddings=False)
     attention = (7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
                  + 128 * 128 * 7168)

@@ -1,15 +1,13 @@
-"""Sequence parallelism (parallel.sequence_parallel): the same model as without it, with less
-activation memory.
+"""Sequence parallelism (parallel.sequence_parallel): the same model as without it (its
+collectives, counted: tests/test_tools_comm.py; its smaller activations, measured:
+tests/test_tools_activation_memory.py).
 
 - exact: at TP=2, TP=4 and TP=2 x DP=2, SP on gives SP off's logits, loss and every gradient,
   and the single-process model's, in fp32 to 1e-5, for both test configs, on right-, left-padded
   and packed batches, with a length that does not divide by TP (padded inside the model);
-- the collectives: all-reduces become all-gather / reduce-scatter pairs, plus one small
-  all-reduce per replicated parameter in backward;
 - dropout: each rank drops its own shard with its own mask, replicated parameters stay
   identical across TP ranks over training steps, recomputation replays the masks exactly;
 - generation (KV cache: SP off; no cache: SP on) equals TP=1; DeepSpeed ZeRO-2 trains the same;
-- less activation memory per layer, measured, close to the paper's ratio;
 - a max_seq_len that TP does not divide is refused before any collective.
 """
 import dataclasses
@@ -22,18 +20,15 @@ from torch.testing import assert_close
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.layout_rules import check_layout
 from megalite.model import GPT
-from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import TrainConfig
 from megalite.training.engine import NativeEngine
 from megalite.typed_config import ConfigError
+from tests.support.generation import check_cache_and_batching
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, gather_full, padded_batch
-from tests.test_collectives import count_collectives
-from tests.test_dropout_rng import same_on_all_ranks
-from tests.test_generate import check_cache_and_batching
+from tests.support.models import CONFIGS, gather_full, padded_batch, same_on_all_ranks
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -90,35 +85,12 @@ def check_sequence_parallel_is_exact(config_name: str, tp: int, seed: int = 3):
 
 # Both configs at TP=2; TP=4 on the Llama config (GQA with fewer KV heads than ranks), DP on
 # the GPT-2 one (learned positions, biases): each path covered once, in CI time.
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name,tp,world", [("gpt2", 2, 2), ("llama", 2, 2), ("llama", 4, 4),
                                                   ("gpt2", 2, 4)],
                          ids=["tp2-gpt2", "tp2-llama", "tp4-llama", "tp2xdp2-gpt2"])
 def test_sequence_parallel_equals_tensor_parallel_and_one_process(config_name, tp, world):
     run_distributed(check_sequence_parallel_is_exact, world, config_name, tp)
-
-
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
-def test_all_reduces_become_reduce_scatter_and_all_gather_pairs(config_name):
-    cfg = CONFIGS[config_name]
-    layers, tp = cfg.n_layers, 2
-    calls = run_distributed(count_collectives, tp, config_name, tp, True)[0]
-    # Replicated parameters used on the shard: norm weights (and biases), row-parallel biases,
-    # the position table; each sums its gradient over TP with one all-reduce in backward.
-    per_layer = 2 * (2 if cfg.bias else 1) + (2 if cfg.bias else 0)
-    once = (2 if cfg.bias else 1) + (1 if cfg.position == "learned" else 0)
-    assert calls == {
-        # attention and MLP: g gathers their input, g-bar reduce-scatters their output; the
-        # head's g; the embedding's g-bar; the loss's three all-reduces are unchanged.
-        ("forward", "all_gather", tp): 2 * layers + 1,
-        ("forward", "reduce_scatter", tp): 2 * layers + 1,
-        ("forward", "all_reduce", tp): 3,
-        # g: each block's stored shard gathered again, then its gradient reduce-scattered (the
-        # fused head + loss keeps no shard to gather again: it keeps its gathered input, or in
-        # training nothing); g-bar's backward all-gathers.
-        ("backward", "all_gather", tp): 2 * 2 * layers + 1,
-        ("backward", "reduce_scatter", tp): 2 * layers + 1,
-        ("backward", "all_reduce", tp): per_layer * layers + once,
-    }
 
 
 def check_dropout_on_shards():
@@ -141,6 +113,7 @@ def check_dropout_on_shards():
             assert same_on_all_ranks(p.grad, ps.tp_group), name
 
 
+@pytest.mark.exactness
 def test_each_rank_drops_its_shard_with_its_own_mask():
     run_distributed(check_dropout_on_shards, 2)
 
@@ -176,11 +149,13 @@ def check_recompute_replays_sequence_parallel_dropout(config_name: str):
             assert same_on_all_ranks(p.detach(), ps.tp_group), name
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_recomputation_replays_sequence_parallel_dropout_and_training_runs(config_name):
     run_distributed(check_recompute_replays_sequence_parallel_dropout, 2, config_name)
 
 
+@pytest.mark.exactness
 def test_generation_with_sequence_parallel_equals_tp1():
     single = check_cache_and_batching(1)
     assert run_distributed(check_cache_and_batching, 2, 2, True) == [single, single]
@@ -204,42 +179,10 @@ def check_bf16_autocast(config_name: str):
         assert_close(a, b, atol=0.05, rtol=0.1)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_bf16_autocast(config_name):
     run_distributed(check_bf16_autocast, 2, config_name)
-
-
-SHAPE = dict(seq=64, batch=2, hidden=32, heads=4)
-
-
-def measure_activation_bytes(tp: int) -> dict:
-    cfg = ModelConfig(vocab_size=128, max_seq_len=SHAPE["seq"], n_layers=2, hidden=SHAPE["hidden"],
-                      n_heads=SHAPE["heads"])
-    ids = torch.randint(0, 128, (SHAPE["batch"], SHAPE["seq"]), generator=torch.Generator().manual_seed(0))
-    per_layer = {}
-    for sp in (False, True):
-        model = GPT(cfg, ParallelState.from_world(tp, sequence_parallel=sp), seed=0).train()
-        per_layer[sp] = saved_bytes_per_block(model, ids, labels=ids)
-    return per_layer
-
-
-def test_sequence_parallel_stores_fewer_activations_per_layer():
-    measured = run_distributed(measure_activation_bytes, 2, 2)[0]
-    off, on = measured[False], measured[True]
-    assert all(b > 0 for b in off) and all(a < b for a, b in zip(on, off)), measured
-    # dropout 0 and causal SDPA (scores not stored): the paper's ratio with a fused attention,
-    # (34 / t) / (10 + 24 / t), but for its two dropout masks.
-    expected = (formula_bytes_per_layer(**SHAPE, tp=2, sequence_parallel=True, attention_scores=False)
-                / formula_bytes_per_layer(**SHAPE, tp=2, attention_scores=False))
-    assert abs(on[0] / off[0] - expected) < 0.05, (measured, expected)
-
-
-def test_formulas_agree_without_parallelism():
-    one = formula_bytes_per_layer(1024, 4, 768, 12)
-    assert one == 1024 * 4 * 768 * (34 + 5 * 12 * 1024 / 768)
-    assert formula_bytes_per_layer(1024, 4, 768, 12, tp=1, sequence_parallel=True) == one
-    assert (formula_bytes_per_layer(1024, 4, 768, 12, tp=8, sequence_parallel=True)
-            == pytest.approx(one / 8))
 
 
 def check_deepspeed_zero2_with_sequence_parallel():
@@ -269,11 +212,13 @@ def check_deepspeed_zero2_with_sequence_parallel():
         assert_close(b.detach(), a.detach(), **TOL, msg=name)
 
 
+@pytest.mark.exactness
 @pytest.mark.deepspeed
 def test_deepspeed_zero2_with_sequence_parallel_trains_like_native():
     run_distributed(check_deepspeed_zero2_with_sequence_parallel, 4, torchrun_env=True)
 
 
+@pytest.mark.e2e
 def test_max_seq_len_not_divisible_by_tp_is_refused_before_any_collective(monkeypatch):
     cfg = ModelConfig(n_heads=4, hidden=32, max_seq_len=30)
     message = (r"parallel\.sequence_parallel=true splits every sequence into parallel\.tp=4 "

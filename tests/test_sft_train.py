@@ -32,9 +32,10 @@ from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_epochs, with_pretrained
 from megalite.typed_config import ConfigError
 from megalite.train import sample_sets
+from tests.support.chat import QWEN
+from tests.support.data import write_records
 from tests.support.harness import run_distributed
-from tests.test_chat import QWEN
-from tests.test_train import STEPS, assert_same_training, losses, train_run
+from tests.support.runs import STEPS, assert_same_training, losses, one_process_runs, train_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,11 +81,6 @@ def as_messages(record: dict) -> list[dict]:
             {"role": "assistant", "content": record["completion"]}]
 
 
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
@@ -110,8 +106,8 @@ def sft(tmp_path_factory):
         tok.save(str(directory / "tokenizer.json"))
         (directory / "tokenizer_config.json").write_text(json.dumps(
             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN}))
-    return SimpleNamespace(root=root, dirs=dirs, train=write_jsonl(root / "train.jsonl", train),
-                           held=write_jsonl(root / "held.jsonl", held), held_records=held)
+    return SimpleNamespace(root=root, dirs=dirs, train=write_records(root / "train.jsonl", train),
+                           held=write_records(root / "held.jsonl", held), held_records=held)
 
 
 def settings(sft, model: str, mode: str, run_dir) -> list[str]:
@@ -126,16 +122,15 @@ def settings(sft, model: str, mode: str, run_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, sft):
-    runs = {}
+    runs = one_process_runs(tmp_path_factory)
 
     def run(model: str, mode: str):
-        if (model, mode) not in runs:
-            runs[model, mode] = tmp_path_factory.mktemp(f"single-{model}-{mode}")
-            train_run(1, settings(sft, model, mode, runs[model, mode]))
-        return runs[model, mode]
+        return runs((model, mode), lambda run_dir: settings(sft, model, mode, run_dir),
+                    f"single-{model}-{mode}")
     return run
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fine_tuning_trains_like_one_process(tmp_path, sft, single, layout, mode):
@@ -221,6 +216,7 @@ def first_batch_pieces(sft, mode: str, run_dir, rendered) -> list[list[tuple]]:
     return rows
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_the_loss_is_the_mean_over_the_assistant_tokens(sft, single, mode):
     run_dir = single("dense", mode)
@@ -240,6 +236,7 @@ def test_the_loss_is_the_mean_over_the_assistant_tokens(sft, single, mode):
         assert abs(masked_loss(hf, [joined(row) for row in rows]) - expected) > 10 * tol
 
 
+@pytest.mark.exactness
 def test_the_exported_model_evaluates_and_generates_as_transformers(tmp_path, sft, single, capsys):
     """megalite export writes the chat template with the tokenizer; transformers' masked loss
     on the held-out conversations is `megalite eval --chat`'s, in one process, at TP2 and at DP2
@@ -292,6 +289,7 @@ def eval_at(argv: list[str]) -> dict:
     return json.loads(printed.getvalue() or "{}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft, mode):
     """data.drop_longer: the conversations of more than SEQ + 1 tokens (as transformers renders
@@ -313,6 +311,7 @@ def test_conversations_longer_than_a_row_are_left_out_and_counted(tmp_path, sft,
         prepare_for_run(with_pretrained(load_config(None, argv + ["data.seq_len=8"]), given_keys(None, argv)).data)
 
 
+@pytest.mark.unit
 def test_epochs_set_the_steps(sft, tmp_path):
     cfg = load_config(None, settings(sft, "dense", "padded", tmp_path) + ["train.epochs=2.5"])
     assert with_epochs(cfg, 40).train.max_steps == 13  # ceil(2.5 x 40 / 8)
@@ -324,9 +323,10 @@ def test_epochs_set_the_steps(sft, tmp_path):
         with_epochs(load_config(None, ["train.epochs=-1"]), 40)
 
 
+@pytest.mark.e2e
 def test_a_bad_conversation_is_named(tmp_path, sft, single):
     ckpt = single("dense", "padded") / "checkpoints" / f"step_{STEPS:08d}"
-    bad = write_jsonl(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
+    bad = write_records(tmp_path / "bad.jsonl", [sft.held_records[0], {"text": "not a conversation"}])
     with pytest.raises(ConfigError, match=r"--chat '.*bad\.jsonl' line 2: the record has neither "
                                           r"'messages' nor 'prompt' and 'completion'"):
         evaluate_main(["--ckpt", str(ckpt), "--chat", str(bad)])
@@ -334,6 +334,7 @@ def test_a_bad_conversation_is_named(tmp_path, sft, single):
         generate_main(["--ckpt", str(ckpt), "--chat", "hello"])
 
 
+@pytest.mark.e2e
 def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
     """Prepared data whose tokenizer is not the pretrained model's: the error names the
     setting that brought the model's tokenizer, train.init_from, not data.tokenizer."""
@@ -344,7 +345,7 @@ def test_data_of_another_tokenizer_names_train_init_from(tmp_path, sft):
     other.train_from_iterator(WORDS * 3, trainers.BpeTrainer(vocab_size=280, special_tokens=["<|endoftext|>"],
                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     other.save(str(tmp_path / "other.json"))
-    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": " ".join(WORDS)}] * 8)
+    docs = write_records(tmp_path / "docs.jsonl", [{"text": " ".join(WORDS)}] * 8)
     prepare_directory([docs], tmp_path / "prepared", PrepareSettings(
         tokenizer=str(tmp_path / "other.json"), progress=False))
     with pytest.raises(ConfigError, match=r"different tokenizers: .*'train\.init_from' \(.*dense/"

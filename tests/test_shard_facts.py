@@ -62,6 +62,7 @@ def write_shards(folder: Path, count: int, top: int, seed: int = 0) -> tuple[lis
     return prefixes, written
 
 
+@pytest.mark.unit
 def test_an_id_beyond_the_tokenizers_vocabulary_is_refused_naming_the_shard(tmp_path):
     tok = tokenizer(tmp_path)
     vocab = load_tokenizer(tok).vocab_size
@@ -79,8 +80,9 @@ def test_an_id_beyond_the_tokenizers_vocabulary_is_refused_naming_the_shard(tmp_
         prepare_for_run(cfg)
 
 
+@pytest.mark.e2e
 def test_every_rank_exits_with_the_id_error_under_torchrun(tmp_path):
-    from tests.test_train_inputs import small_args
+    from tests.support.runs import small_args
     tok = tokenizer(tmp_path)
     prefix = tmp_path / "bad_text_document"
     writer = ShardWriter(prefix, np.uint16)
@@ -98,6 +100,7 @@ def test_every_rank_exits_with_the_id_error_under_torchrun(tmp_path):
     assert time.monotonic() - start < 90
 
 
+@pytest.mark.unit
 def test_facts_equal_an_independent_count_and_are_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_facts, "SCAN_TOKENS", 7)  # many chunks: their seams are counted too
     monkeypatch.setattr(shard_facts, "SCAN_DOCS", 5)
@@ -120,6 +123,7 @@ def test_facts_equal_an_independent_count_and_are_read_from_the_cache(tmp_path, 
         facts_of([IndexedShard(prefixes[0])], tmp_path / "cache", max_id=True)
 
 
+@pytest.mark.unit
 def test_a_cache_built_by_one_layout_is_read_by_another(tmp_path, monkeypatch):
     """The facts are keyed by the shard's files alone: written by the ranks of a 4-rank run,
     read by every rank of a 2-rank run and by one process, none of which scans."""
@@ -139,6 +143,7 @@ def test_a_cache_built_by_one_layout_is_read_by_another(tmp_path, monkeypatch):
             [(int(t.max()), int((n > 9).sum())) for t, n in written]
 
 
+@pytest.mark.unit
 def test_padded_runs_count_truncated_documents_from_the_cache(tmp_path, capsys):
     tok = tokenizer(tmp_path)
     prefixes, written = write_shards(tmp_path / "data", 3, load_tokenizer(tok).vocab_size)
@@ -169,6 +174,7 @@ def _rank(rank: int, shards: list[Path], cache: Path, ready, results) -> None:
     results.put((rank, scanned, [(f.max_id, f.longer_than[10]) for f in got]))
 
 
+@pytest.mark.e2e
 def test_two_ranks_share_the_scans_and_both_get_every_shards_facts(tmp_path):
     prefixes, written = write_shards(tmp_path / "data", 20, 1000)
     ctx = mp.get_context("fork")
@@ -196,6 +202,7 @@ def _dies_scanning(shard: Path, cache: Path, scanning) -> None:
     facts_of([IndexedShard(shard)], cache, max_id=True)
 
 
+@pytest.mark.e2e
 def test_a_rank_dying_mid_scan_leaves_no_one_waiting(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(locks, "WAIT_NOTE_S", 0.1)
     (prefix,), [(tokens, _)] = write_shards(tmp_path / "data", 1, 1000)
@@ -210,6 +217,7 @@ def test_a_rank_dying_mid_scan_leaves_no_one_waiting(tmp_path, monkeypatch, caps
     assert f"waits for another process scanning shard {bin_path(prefix)}" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_a_large_raw_corpus_is_refused_with_the_command_that_prepares_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prepared, "RAW_IN_RUN_BYTES", 1000)
     raw = tmp_path / "c.jsonl"

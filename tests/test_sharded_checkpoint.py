@@ -17,10 +17,9 @@ from safetensors.torch import save_file
 
 from megalite.training.checkpoint import load_checkpoint
 from megalite.typed_config import ConfigError
-from tests.support.checkpoints import read_whole_state, save_checkpoint, WeightsOnly
-from tests.test_reshard import SAVED_AT, resume_and_compare
-from tests.test_resume import args, kill_then_resume, uninterrupted
-from tests.test_train import common, train_run
+from tests.support.checkpoints import WeightsOnly, read_whole_state, save_checkpoint
+from tests.support.resume import SAVED_AT, args, kill_then_resume, resume_and_compare, uninterrupted
+from tests.support.runs import common, train_run
 
 # Eight layers: four stages of two model chunks each.
 MODEL = ("model.n_layers=8",)
@@ -38,6 +37,7 @@ def tp2pp2_zero1(tmp_path_factory, cache):
     return run_dir
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_tp2xpp2_zero1_checkpoint_continues_at_another_layout(tmp_path, cache, tp2pp2_zero1,
                                                                 layout):
@@ -46,6 +46,7 @@ def test_a_tp2xpp2_zero1_checkpoint_continues_at_another_layout(tmp_path, cache,
     resume_and_compare(cache, tp2pp2_zero1, checkpoint, tmp_path / layout, 4, tp, (*extra, *MODEL))
 
 
+@pytest.mark.e2e
 def test_replicas_share_the_writing(tp2dp2_padded):
     """At TP2 x DP2 each of the 4 ranks wrote its file, none more than 1.25 times the median:
     the DP replicas (and TP ranks, for the tensors they both hold) split what they hold."""
@@ -54,6 +55,7 @@ def test_replicas_share_the_writing(tp2dp2_padded):
     assert len(sizes) == 4 and max(sizes) <= 1.25 * statistics.median(sizes), sizes
 
 
+@pytest.mark.e2e
 def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, cache):
     """DP2 with zero_stage=1 (each rank holds half the rows of Adam's state), dropout on."""
     layout = ("parallel.tp=1", "train.zero_stage=1")
@@ -61,6 +63,7 @@ def test_a_run_killed_with_the_distributed_optimizer_resumes_exactly(tmp_path, c
     kill_then_resume(cache, tmp_path / "whole", tmp_path / "killed", *layout)
 
 
+@pytest.mark.unit
 def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
     """Named key and shapes, before DCP (which would wrap the error in its own exception)."""
     from megalite.model import GPT
@@ -73,6 +76,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error(tmp_path):
         load_checkpoint(path, GPT(wider, ps, init=False), ps)
 
 
+@pytest.mark.exactness
 def test_a_checkpoint_of_whole_tensors_still_resumes(tmp_path, cache, tp2pp2_zero1):
     """The format before sharding: the same weights and moments, rewritten as whole tensors,
     resume as the sharded checkpoint does."""

@@ -11,6 +11,8 @@ from megalite.data.blend import assign
 from megalite.data.docs import HELD_OUT_RUNS, ArrayShard, TokenStore, held_out, held_out_ranges
 from megalite.data.shuffle import key_of, permute
 
+pytestmark = pytest.mark.unit
+
 BINS, CHI2_LIMIT = 16, 400  # a 16 x 16 grid: ~225-255 degrees of freedom, so ~6 sigma
 
 

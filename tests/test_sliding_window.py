@@ -11,8 +11,10 @@ import torch
 from megalite.model.layout import cached_layout, context_layout, sequence_layout
 from megalite.parallel.context import zigzag_index
 from megalite.parallel.state import ParallelState
+from tests.support.attention import flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
 from tests.support.models import CONFIGS
-from tests.test_doc_attention import flex_equals_dense, flex_on_cpu, packed_batch, reference_mask
+
+pytestmark = pytest.mark.unit
 
 WINDOW = 4
 
@@ -55,8 +57,10 @@ def test_a_window_longer_than_the_keys_keeps_the_layout():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_flex_block_mask_of_a_window_equals_the_dense_mask(packed):
-    cfg = dataclasses.replace(CONFIGS["llama"], hidden=64, max_seq_len=32, sliding_window=WINDOW,
-                              sliding_window_pattern=2, qk_norm=True, query_pre_attn_scalar=20.0)
+    llama = CONFIGS["llama"]
+    attention = dataclasses.replace(llama.attention, sliding_window=WINDOW, sliding_window_pattern=2,
+                                    qk_norm=True, query_pre_attn_scalar=20.0)
+    cfg = dataclasses.replace(llama, hidden=64, max_seq_len=32, attention=attention)
     ids, mask, docs, labels = packed_batch(cfg.vocab_size, 13)
     batch = (ids, None, docs if packed else None, labels)
     with flex_on_cpu():  # the window's block mask holds the rule

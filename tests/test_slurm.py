@@ -19,7 +19,7 @@ from megalite.launch.slurm import write_sweep as write_sweep_files
 from megalite.launch.sweep import load_sweep
 from megalite.typed_config import ConfigError
 from tests.support import slurm_cluster
-from tests.test_train import common, losses, train_run
+from tests.support.runs import common, losses, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_slurm = pytest.mark.skipif(not slurm_cluster.available(),
@@ -48,6 +48,7 @@ def write_sweep(tmp: Path, grid: dict, overrides=(), cache=None, **slurm) -> Pat
     return sweep
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("grid,slurm,message", [
     ({"train.lrr": [1e-3]}, {}, r"unknown config key 'train\.lrr'; did you mean 'train\.lr'"),
     ({"parallel.tp": [2]}, {"procs_per_node": 3}, r"parallel\.tp=2 must divide the world size 3"),
@@ -68,6 +69,7 @@ def test_bad_sweeps_fail_before_anything_is_written(tmp_path, grid, slurm, messa
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 def test_a_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
     """srun is given --cpus-per-task itself: since Slurm 22.05 it does not inherit #SBATCH's."""
     sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 3e-3]}, cpus_per_task=6, max_restarts=2)
@@ -79,6 +81,7 @@ def test_a_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.unit
 def test_a_sweep_over_pipeline_layouts_resolves(tmp_path):
     """parallel.pp and its schedule are sweep keys like any other, checked per point."""
     grid = {"parallel.pp": [1, 2], "parallel.pp_schedule": ["gpipe", "1f1b"]}
@@ -88,6 +91,7 @@ def test_a_sweep_over_pipeline_layouts_resolves(tmp_path):
         (1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "1f1b")]
 
 
+@pytest.mark.unit
 def test_a_sweep_over_context_parallel_layouts_resolves(tmp_path):
     grid = {"parallel.cp": [1, 2], "parallel.cp_comm": ["all_gather", "p2p"]}
     sweep = write_sweep(tmp_path, grid, procs_per_node=2)
@@ -96,6 +100,7 @@ def test_a_sweep_over_context_parallel_layouts_resolves(tmp_path):
         (1, "all_gather"), (1, "p2p"), (2, "all_gather"), (2, "p2p")]
 
 
+@pytest.mark.unit
 def test_missing_base_config_is_named(tmp_path):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"name": "t", "base": "nope.yaml", "grid": {"train.lr": [1]}}))
@@ -133,6 +138,7 @@ def submit(sweep: Path, env) -> str:
     return done.stdout.split()[2].rstrip(":")
 
 
+@pytest.mark.e2e
 @needs_slurm
 def test_an_array_of_two_runs_each_trains_its_own_config(tmp_path, cache):
     sweep = write_sweep(tmp_path, {"train.lr": [1e-3, 1e-2]}, cache=cache)
@@ -153,6 +159,7 @@ def test_an_array_of_two_runs_each_trains_its_own_config(tmp_path, cache):
         assert f"task {index}: {run_dir.resolve() / 'config.yaml'}" in log
 
 
+@pytest.mark.e2e
 @needs_slurm
 def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, cache):
     overrides = ["train.max_steps=40", "train.checkpoint_every=5", "model.dropout=0.1"]
@@ -184,6 +191,7 @@ def test_usr1_under_slurm_checkpoints_requeues_and_resumes_exactly(tmp_path, cac
     assert losses(run_dir) == losses(whole)
 
 
+@pytest.mark.unit
 def test_sweep_paths_are_absolute_so_the_job_finds_its_runs_from_any_directory(tmp_path, monkeypatch):
     sweep = write_sweep(tmp_path, {"train.lr": [1e-3]})
     raw = yaml.safe_load(sweep.read_text())
@@ -198,6 +206,7 @@ def test_sweep_paths_are_absolute_so_the_job_finds_its_runs_from_any_directory(t
     assert f"#SBATCH --chdir={tmp_path}" in (tmp_path / "relative/runs/t/sweep.sbatch").read_text()
 
 
+@pytest.mark.unit
 def test_a_submitted_task_gone_from_the_queue_unfinished_is_failed(tmp_path):
     from megalite.launch.slurm import run_status
     run_dir = tmp_path / "run"

@@ -5,14 +5,17 @@ a node lost with its memory restarts from its partners' copies. And a whole run:
 SIGKILLed under torchrun --max-restarts at PP2 x DP2 x EP2 restarts from the snapshot."""
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from megalite.parallel.random import TensorParallelRNG, run_rng_state
 from megalite.parallel.state import ParallelState
 from megalite.training.snapshots import Snapshots
 from tests.support.harness import run_distributed
-from tests.test_resume import (args, assert_continues_exactly, resumed_step, snapshot_restart,
-                               uninterrupted)
+from tests.support.resume import args, assert_continues_exactly, resumed_step, snapshot_restart, uninterrupted
+
+pytestmark = pytest.mark.e2e
 
 
 class Engine:

@@ -13,13 +13,14 @@ from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
 from megalite.training.build import build_engine
-from tests.harness import run_distributed
-from tests.models import CONFIGS
+from tests.support.harness import run_distributed
+from tests.support.models import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA4 = dataclasses.replace(CONFIGS["llama"], n_layers=4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cfg", [CONFIGS["gpt2"], CONFIGS["llama"], LLAMA4], ids=["gpt2", "llama", "llama4"])
 def test_the_counts_are_the_built_models(cfg):
     model = GPT(cfg, ParallelState(), seed=0)
@@ -33,6 +34,7 @@ def check_largest_rank(cfg) -> tuple[int, dict]:
     return sum(p.numel() for p in model.parameters()), ps.rank
 
 
+@pytest.mark.exactness
 def test_a_rank_of_tp2xpp2_holds_what_the_formula_says():
     """Its largest rank, within the norms the formula counts as split."""
     held = [n for n, _ in run_distributed(check_largest_rank, 4, LLAMA4)]
@@ -50,6 +52,7 @@ def check_moment_bytes(cfg) -> int:
                for k, t in state.items() if k != "step")
 
 
+@pytest.mark.exactness
 def test_the_distributed_optimizer_keeps_the_moments_the_formula_says():
     """8 bytes per parameter over the dp replicas (the rows rounding aside)."""
     cfg = CONFIGS["gpt2"]
@@ -60,6 +63,7 @@ def test_the_distributed_optimizer_keeps_the_moments_the_formula_says():
     assert max(moments) <= 8 * s.params / 4 * 1.05
 
 
+@pytest.mark.unit
 def test_the_checkpoint_bytes_are_the_benchmarks_measured_writes():
     """benchmarks/checkpoint: each TP4 rank's bytes written (the kernel's wchar) against
     12 bytes per parameter of its slice."""
@@ -70,5 +74,6 @@ def test_the_checkpoint_bytes_are_the_benchmarks_measured_writes():
         assert row["written_gb"] == pytest.approx(predicted, rel=0.05), row
 
 
+@pytest.mark.unit
 def test_the_docs_table_is_the_formulas():
     assert table() in (ROOT / "docs" / "checkpoints.md").read_text()

@@ -5,6 +5,8 @@
    not install it; .ci/run does, so CI alone would never see a test that is not marked).
 2. Every wait on another process has a bound: subprocess calls and Popen waits take a timeout,
    FileLocks too (a rank's own bound is tests/support/harness.py's, tested in test_harness.py).
+3. Every test is in exactly one tier (pyproject.toml's markers): `unit`, `exactness` or `e2e`,
+   and a unit test that starts a process fails, saying so (tests/conftest.py).
 
 Which tests can train with DeepSpeed is found from the source (ast), not by running them: a
 test does when what it reaches (its body, its fixtures, the functions and module-level values
@@ -198,12 +200,15 @@ def candidates(root: Path = TESTS) -> dict[str, set[str]]:
 
 
 # Collects the given test files with pytest itself (its parameters, ids and marks), the deepspeed
-# package hidden as it is where it was never installed (importlib finds no spec for it), and
-# writes each item's facts as JSON.
+# package hidden as it is where it was never installed (importlib finds no spec for it) unless
+# told to keep it, and writes each item's facts as JSON.
 PROBE = r"""
 import json, sys
-sys.modules["deepspeed"] = None
+if sys.argv[2] == "hide-deepspeed":
+    sys.modules["deepspeed"] = None
 import pytest
+
+TIERS = ("unit", "exactness", "e2e")
 
 def strings(value, out):
     if isinstance(value, str):
@@ -225,24 +230,28 @@ class Probe:
                          "function": item.originalname, "params": repr(params),
                          "strings": sorted(strings(list(params.values()), set())),
                          "marked": item.get_closest_marker("deepspeed") is not None,
-                         "skipped": any(m.name == "skip" for m in item.iter_markers())})
+                         "skipped": any(m.name == "skip" for m in item.iter_markers()),
+                         "tiers": sorted({m.name for m in item.iter_markers() if m.name in TIERS})})
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f)
 
 # In this one process (no pyproject addopts, so no xdist workers, and xdist not needed).
 sys.exit(pytest.main(["--collect-only", "-q", "-o", "addopts=", "-p", "no:xdist",
-                      "-p", "no:cacheprovider", *sys.argv[2:]], plugins=[Probe()]))
+                      "-p", "no:cacheprovider", *sys.argv[3:]], plugins=[Probe()]))
 """
 
 
-def collected(tmp_path, modules: list[str]) -> list[dict]:
+def collected(tmp_path, modules: list[str], hide_deepspeed: bool = True) -> list[dict]:
     out = tmp_path / "items.json"
-    done = subprocess.run([sys.executable, "-c", PROBE, str(out)] + [f"tests/{m}.py" for m in modules],
+    done = subprocess.run([sys.executable, "-c", PROBE, str(out),
+                           "hide-deepspeed" if hide_deepspeed else "keep-deepspeed"]
+                          + [f"tests/{m}.py" for m in modules],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
+@pytest.mark.e2e
 def test_every_test_that_trains_with_deepspeed_is_marked_and_skips_without_it(tmp_path):
     found = candidates()
     items = collected(tmp_path, sorted(found))
@@ -310,6 +319,7 @@ def test_module_only_named():
 """}
 
 
+@pytest.mark.unit
 def test_the_search_tells_each_way_of_training_with_deepspeed_from_a_refusal(tmp_path):
     """The search on a sample of each shape: the engine in the test's argv, in a table entry
     its parameter picks, as a parameter, in a fixture, under torchrun; and named only to be
@@ -327,6 +337,7 @@ def test_the_search_tells_each_way_of_training_with_deepspeed_from_a_refusal(tmp
     assert not case("test_refusal") and not case("test_module_only_named")
 
 
+@pytest.mark.unit
 def test_the_mark_skips_only_where_deepspeed_is_missing(monkeypatch):
     import tests.conftest as conftest
 
@@ -352,6 +363,87 @@ def test_the_mark_skips_only_where_deepspeed_is_missing(monkeypatch):
         return [any(m.name == "skip" for m in i.marks) for i in items]
     assert skipped(present=False) == [True, False]
     assert skipped(present=True) == [False, False]
+
+
+TIERS = ("unit", "exactness", "e2e")
+
+
+@pytest.mark.e2e
+def test_every_test_is_in_exactly_one_tier(tmp_path):
+    """So `-m unit`, `-m exactness` and `-m e2e` together run the suite, each test once."""
+    items = collected(tmp_path, [p.stem for p in sorted(TESTS.glob("test_*.py"))], hide_deepspeed=False)
+    assert len(items) > 900, len(items)  # the whole suite
+    wrong = [f"{i['nodeid']}: {' and '.join(i['tiers']) or 'none'}" for i in items if len(i["tiers"]) != 1]
+    assert not wrong, (f"each test needs exactly one of the marks {', '.join(TIERS)} (pyproject.toml "
+                       f"says what each holds):\n" + "\n".join(wrong))
+
+
+# Unit tests that each start a process one way, and a test that may: run with tests/conftest.py.
+TIER_SAMPLE = """
+import multiprocessing, subprocess, sys
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing
+
+@pytest.mark.unit  # the tier under test
+def test_popen():
+    subprocess.run([sys.executable, "-c", "pass"], timeout=60)
+
+@pytest.mark.unit  # the tier under test
+def test_multiprocessing():
+    multiprocessing.get_context("spawn").Process(target=print).start()
+
+@pytest.mark.unit  # the tier under test
+def test_torch_multiprocessing():
+    torch.multiprocessing.get_context("spawn").Process(target=print).start()
+
+@pytest.mark.unit  # the tier under test
+def test_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+
+@pytest.mark.unit  # the tier under test
+def test_caught():
+    try:
+        subprocess.check_output(["true"], timeout=60)
+    except Exception:
+        pass
+
+@pytest.fixture
+def started():
+    return subprocess.run(["true"], timeout=60).returncode
+
+@pytest.mark.unit  # the tier under test
+def test_in_a_fixture(started):
+    pass
+
+@pytest.mark.unit  # the tier under test
+def test_in_process():
+    assert sum(range(4)) == 6
+
+@pytest.mark.e2e  # the tier under test
+def test_e2e_may():
+    assert subprocess.run(["true"], timeout=60).returncode == 0
+"""
+
+
+@pytest.mark.e2e
+def test_a_unit_test_that_starts_a_process_fails_naming_itself(tmp_path):
+    (tmp_path / "test_tiers_sample.py").write_text(TIER_SAMPLE)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-o", "addopts=",
+                           "-p", "no:cacheprovider", "-p", "no:xdist", "-rA", "-q",
+                           str(tmp_path / "test_tiers_sample.py")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    outcome = {name: result for result, name in re.findall(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", out,
+                                                             flags=re.M)}
+    assert outcome == {"test_popen": "FAILED", "test_multiprocessing": "FAILED",
+                       "test_torch_multiprocessing": "FAILED", "test_process_group": "FAILED",
+                       "test_caught": "FAILED", "test_in_a_fixture": "ERROR", "test_in_process": "PASSED",
+                       "test_e2e_may": "PASSED"}, out[-4000:]
+    for name, what in [("test_popen", "started a subprocess"), ("test_multiprocessing", "started a process"),
+                       ("test_process_group", "started a process group")]:
+        assert re.search(rf"test_tiers_sample\.py::{name} {what} .*: a unit test starts no process: "
+                         rf"mark it exactness or e2e", out), (name, out[-4000:])
 
 
 # A call of one of these without timeout= waits as long as the child runs.
@@ -389,12 +481,14 @@ def unbounded_waits(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.unit
 def test_every_wait_on_another_process_has_a_timeout():
     found = [w for path in sorted([*TESTS.glob("*.py"), *(TESTS / "support").glob("*.py")])
              for w in unbounded_waits(path)]
     assert not found, "waits without a timeout:\n" + "\n".join(found)
 
 
+@pytest.mark.unit
 def test_the_wait_rule_sees_each_kind_of_unbounded_wait(tmp_path):
     """The rule above can fail: each kind of wait it looks for, written without a bound."""
     source = tmp_path / "test_waits.py"

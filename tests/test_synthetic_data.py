@@ -7,8 +7,8 @@ import pytest
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
-from tests.test_prepare_data import tokenizer
-from tests.test_train import assert_same_training, common, run_train, train_run
+from tests.support.data import tokenizer
+from tests.support.runs import assert_same_training, common, run_train, train_run
 
 DOCS = 300
 
@@ -23,6 +23,7 @@ def every_document(data) -> list[np.ndarray]:
     return [doc for docs in sets for doc in docs.documents(np.arange(len(docs)), 10**9)]
 
 
+@pytest.mark.unit
 def test_the_documents_are_random_ids_ended_by_eos_and_the_same_at_every_start(cache):
     data, again = prepare_for_run(synthetic(cache)), prepare_for_run(synthetic(cache))
     (train,), (val,) = data.train, data.val
@@ -41,12 +42,14 @@ def test_the_documents_are_random_ids_ended_by_eos_and_the_same_at_every_start(c
     assert data.meta["cache_key"] != prepare_for_run(synthetic(cache, seq_len=64)).meta["cache_key"]
 
 
+@pytest.mark.unit
 def test_padded_mode_counts_the_documents_it_truncates(cache):
     data = prepare_for_run(synthetic(cache, mode="padded"))
     lengths = np.array([len(doc) for doc in every_document(data)])
     assert data.meta["truncated"] == int((lengths > 33).sum()) > 0
 
 
+@pytest.mark.unit
 def test_too_few_or_too_many_documents_are_refused_naming_the_setting(cache):
     with pytest.raises(ConfigError, match=r"data\.synthetic_documents=1 must be >= 2"):
         prepare_for_run(synthetic(cache, synthetic_documents=1))
@@ -56,6 +59,7 @@ def test_too_few_or_too_many_documents_are_refused_naming_the_setting(cache):
         prepare_for_run(synthetic(cache, synthetic_documents=10**9))
 
 
+@pytest.mark.unit
 def test_blends_and_validation_take_synthetic_data_like_any_source(cache):
     blend = prepare_for_run(synthetic(cache, blend=[[0.5, "synthetic"], [0.5, "embedded"]]))
     assert [(s.name, s.weight) for s in blend.train] == [("synthetic", 0.5), ("embedded", 0.5)]
@@ -64,6 +68,7 @@ def test_blends_and_validation_take_synthetic_data_like_any_source(cache):
     assert [(s.name, len(s.docs)) for s in held.val] == [("synthetic", DOCS)]
 
 
+@pytest.mark.exactness
 def test_tp2_dp2_on_synthetic_data_trains_like_one_process(tmp_path, cache):
     single, layout = tmp_path / "single", tmp_path / "tp2dp2"
     data = ["data.path=synthetic", f"data.synthetic_documents={DOCS}"]
@@ -73,6 +78,7 @@ def test_tp2_dp2_on_synthetic_data_trains_like_one_process(tmp_path, cache):
     assert_same_training(single, layout, learns=False)
 
 
+@pytest.mark.unit
 def test_a_given_tokenizer_sets_the_ids_and_eos(tmp_path, cache):
     data = prepare_for_run(synthetic(cache, tokenizer=str(tokenizer(tmp_path))))
     assert data.tokenizer.vocab_size == 400
@@ -81,6 +87,7 @@ def test_a_given_tokenizer_sets_the_ids_and_eos(tmp_path, cache):
     assert max(int(doc.max()) for doc in docs) < 400
 
 
+@pytest.mark.e2e
 def test_a_global_batch_over_the_documents_names_the_setting(tmp_path, cache):
     with pytest.raises(ConfigError, match=r"train\.global_batch_size=8 exceeds the 3 training samples "
                                           r"of data path synthetic .*\(data\.synthetic_documents\)"):

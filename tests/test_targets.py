@@ -11,6 +11,8 @@ from megalite.data.indexed import IndexedShard, ShardWriter, targets_path
 from megalite.parallel.vocab import IGNORE_INDEX
 from megalite.typed_config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 # Three conversations: token ids 100+ are prompt (not targets), 200+ answers (targets), 1 eos.
 DOCS = [([100, 101, 200, 201, 1], [0, 0, 1, 1, 1]),
         ([102, 202, 1], [0, 1, 1]),

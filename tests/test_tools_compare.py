@@ -27,6 +27,7 @@ def bench_compare(*argv) -> int:
     return dispatch("python -m bench", COMMANDS, ["compare", *map(str, argv)])
 
 
+@pytest.mark.unit
 def test_equal_runs_pass_assert_equal_and_print_the_table(tmp_path, capsys):
     a = run_dir(tmp_path / "a", [4.0, 3.5, 3.25], evals=[(3, 3.4)])
     b = run_dir(tmp_path / "b", [4.0, 3.5, 3.25], evals=[(3, 3.4)])
@@ -38,6 +39,7 @@ def test_equal_runs_pass_assert_equal_and_print_the_table(tmp_path, capsys):
     assert by_step(a)[3] == {"step": 3, "loss": 3.25, "lr": 1e-3, "grad_norm": 3.25, "val_loss": 3.4}
 
 
+@pytest.mark.unit
 def test_assert_equal_exits_1_naming_the_first_differing_step(tmp_path, capsys):
     a = run_dir(tmp_path / "a", [4.0, 3.5, 3.25, 3.0], grad_norms=[1.0, 0.9, 0.8, 0.7])
     b = run_dir(tmp_path / "b", [4.0, 3.5, 3.26, 3.1], grad_norms=[1.0, 0.91, 0.8, 0.7])
@@ -53,6 +55,7 @@ def test_assert_equal_exits_1_naming_the_first_differing_step(tmp_path, capsys):
     assert bench_compare(a, b, "--assert-equal", "--atol", "0.05") == 1
 
 
+@pytest.mark.unit
 def test_a_step_or_value_in_one_run_only_differs(tmp_path, capsys):
     a = run_dir(tmp_path / "a", [4.0, 3.5, 3.25], evals=[(2, 3.6)])
     b = run_dir(tmp_path / "b", [4.0, 3.5], evals=[(2, 3.6)])
@@ -64,17 +67,20 @@ def test_a_step_or_value_in_one_run_only_differs(tmp_path, capsys):
     assert first is None  # the one evaluation agrees
 
 
+@pytest.mark.unit
 def test_nan_equals_nan_and_differs_from_a_number():
     assert not differ(float("nan"), float("nan")) and differ(1.0, float("nan")) and differ(float("nan"), 1.0)
     assert not differ(None, None) and differ(None, 1.0) and not differ(2.0, 2.0)
 
 
+@pytest.mark.unit
 def test_a_path_without_metrics_is_named(tmp_path, capsys):
     run_dir(tmp_path / "a", [1.0])
     assert bench_compare(tmp_path / "a", tmp_path / "nothing") == 2
     assert "nothing: no metrics.jsonl there" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("metric", ["loss", "tokens_per_s"])
 def test_compare_lists_only_steps_with_a_metric(tmp_path, metric):
     a = run_dir(tmp_path / "a", [1.0, 2.0], evals=[(5, 1.5)])
@@ -82,6 +88,7 @@ def test_compare_lists_only_steps_with_a_metric(tmp_path, metric):
     assert [step for step, _ in rows] == ([1, 2] if metric == "loss" else []) and first is None
 
 
+@pytest.mark.e2e
 def test_a_commit_is_extracted_and_its_own_megalite_imported(tmp_path):
     sha = extract_commit("HEAD", tmp_path / "code")
     code = tmp_path / "code"
@@ -95,6 +102,7 @@ def test_a_commit_is_extracted_and_its_own_megalite_imported(tmp_path):
         megalite_of(elsewhere, env)
 
 
+@pytest.mark.e2e
 def test_against_runs_the_sweep_at_both_and_writes_head_over_base(tmp_path, monkeypatch):
     ran = []
 

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
              "megalite torchrun": [sys.executable, "-m", "megalite", "torchrun"]}

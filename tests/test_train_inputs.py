@@ -9,31 +9,24 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megalite.config import Experts, Latent, ModelConfig, Rotary
 from megalite.data.batches import BatchOrder, Samples
+from megalite.flat_keys import MOVED
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig
 from megalite.train import main
-from megalite.typed_config import ConfigError
-from tests.test_train import STEPS, assert_same_training, common, train_run
+from megalite.typed_config import ConfigError, from_dict, leaves
+from tests.support.data import write_jsonl
+from tests.support.runs import STEPS, assert_same_training, common, small_args, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def small_args(tmp_path, data_path, *extra) -> list[str]:
-    return common(str(tmp_path / "cache"), tmp_path / "run", "padded") + [
-        f"data.path={data_path}", "data.val_fraction=0.0", "train.max_steps=2",
-        "train.global_batch_size=2", "train.micro_batch_size=2", *extra]
-
-
-def write_jsonl(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 PROSE = ("Tensor parallelism splits each weight matrix across devices, so that every device "
          "holds a slice and computes part of each layer. ")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra,message", [
     (["data.path=/no/such/corpus.txt"], r"data path '/no/such/corpus\.txt' does not exist"),
     (["train.global_batch_size=3"], r"train\.global_batch_size=3 is not a multiple of train\.micro_batch_size=2 x DP=1"),
@@ -48,6 +41,7 @@ def test_bad_config_is_one_clear_error(tmp_path, extra, message):
         main(small_args(tmp_path, corpus) + extra)
 
 
+@pytest.mark.e2e
 def test_a_tokenizer_vocabulary_tp_cannot_split_is_refused_before_any_collective(tmp_path, monkeypatch):
     """The layout passes with the config's vocabulary and fails with the tokenizer's, which is
     known once the data is prepared: still before the process group exists."""
@@ -59,6 +53,7 @@ def test_a_tokenizer_vocabulary_tp_cannot_split_is_refused_before_any_collective
     assert not dist.is_initialized()
 
 
+@pytest.mark.e2e
 def test_signal_handlers_are_restored_after_a_run(tmp_path):
     import signal
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
@@ -67,6 +62,7 @@ def test_signal_handlers_are_restored_after_a_run(tmp_path):
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
 
 
+@pytest.mark.e2e
 def test_empty_corpus_is_an_error(tmp_path):
     corpus = write_jsonl(tmp_path / "empty.jsonl", ["", "   ", "\n"])
     with pytest.raises(ConfigError, match=r"hold no document to train a BPE on \(3 records, 3 empty, "
@@ -74,6 +70,7 @@ def test_empty_corpus_is_an_error(tmp_path):
         main(small_args(tmp_path, corpus))
 
 
+@pytest.mark.e2e
 def test_malformed_jsonl_under_strict_names_the_line(tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
@@ -82,6 +79,7 @@ def test_malformed_jsonl_under_strict_names_the_line(tmp_path):
         main(small_args(tmp_path, corpus, "data.strict=true"))
 
 
+@pytest.mark.e2e
 def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -96,6 +94,7 @@ def test_empty_long_and_undecodable_documents_are_handled_and_counted(tmp_path, 
     assert "3 documents longer than data.seq_len were truncated" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra,message", [
     (["train.resume=never"], r"run\.dir '.*' already holds checkpoints \(latest step_00000002\): train\.resume=never would overwrite them"),
     (["train.global_batch_size=4", "train.max_steps=4"], r"cannot resume from '.*step_00000002': train\.global_batch_size: 2 -> 4\. Resume with the saved values, or a new run\.dir \(run\.dir '.*run' holds this checkpoint\)"),
@@ -115,6 +114,7 @@ def test_a_refused_launch_loses_nothing_already_saved(tmp_path, extra, message):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 
 
+@pytest.mark.e2e
 def test_a_resume_compares_the_datas_content_not_its_files_times(tmp_path):
     """A copy of the corpus (new times: a clone, another node's disk) resumes; other text under
     the same path is refused (before, the files' times were the data's identity)."""
@@ -128,16 +128,31 @@ def test_a_resume_compares_the_datas_content_not_its_files_times(tmp_path):
         main(small_args(tmp_path, corpus, "train.max_steps=4"))
 
 
+def flat_model(model: dict) -> dict:
+    """A model of meta.json as megalite wrote it before the config had sections: every key of
+    flat_keys.MOVED at the top (those of variants the model does not use at their defaults)."""
+    cfg = from_dict(ModelConfig, model, "model.")
+    every = ModelConfig(attention=Latent(), positions=Rotary(), mlp=Experts())  # the others' keys
+    values = {key: value for c in (every, cfg) for key, value, _ in leaves(c)}
+    flat = {key: value for key, value in model.items() if not isinstance(value, dict)}
+    flat.update({old: values[new] for old, new in MOVED.items() if new in values})
+    return json.loads(json.dumps({**flat, "n_experts": cfg.n_experts}))
+
+
+@pytest.mark.e2e
 def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys):
-    """Written before rope scaling, decay_steps and eval_tokens existed (with eval_batches) and
-    before the keyed sample order: the missing keys mean their defaults, the retired one is
-    dropped with a note, the schedule is the one the run started with (decay to min_lr at its
-    max_steps), and the resume says the sample order changed (only then)."""
+    """Written before the model config had sections (flat keys), before rope scaling,
+    decay_steps and eval_tokens existed (with eval_batches) and before the keyed sample order:
+    the flat keys are read as the sections they mean (the config's with a note), the missing
+    keys mean their defaults, the retired one is dropped with a note, the schedule is the one
+    the run started with (decay to min_lr at its max_steps), and the resume says the sample
+    order changed (only then)."""
     import yaml
     corpus = write_jsonl(tmp_path / "c.jsonl", [PROSE * 3] * 40)
     assert main(small_args(tmp_path, corpus, "train.max_steps=4")) == 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000004"
     meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["config"]["model"] = flat_model(meta["config"]["model"])
     for section, keys in (("model", [k for k in meta["config"]["model"] if k.startswith("rope_")
                                      and k != "rope_theta"]), ("train", ["decay_steps", "eval_tokens"])):
         for key in keys:
@@ -146,10 +161,11 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys
     assert meta.pop("sample_order") == 2
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     old_config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    old_config["train"] = meta["config"]["train"]
+    old_config["model"], old_config["train"] = meta["config"]["model"], meta["config"]["train"]
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old_config))
-    with pytest.warns(UserWarning, match="train.eval_batches is retired"):
+    with pytest.warns(UserWarning, match="train.eval_batches is retired") as notes:
         assert main(["--config", str(tmp_path / "old.yaml"), "train.max_steps=6"]) == 0
+    assert any("model keys of before the config had sections, translated" in str(n.message) for n in notes)
     lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
            if "lr" in r}
     assert sorted(lrs) == [1, 2, 3, 4, 5, 6] and lrs[5] == lrs[6] == 1e-4  # common()'s min_lr
@@ -158,6 +174,7 @@ def test_a_checkpoint_and_config_of_the_previous_version_resume(tmp_path, capsys
     assert "sample order" not in capsys.readouterr().out  # step 6 was saved by this version
 
 
+@pytest.mark.unit
 def test_one_bad_byte_marks_only_its_own_document(tmp_path):
     from megalite.prep.sources import parse, read_chunks
     path = tmp_path / "three.txt"
@@ -170,6 +187,7 @@ def test_one_bad_byte_marks_only_its_own_document(tmp_path):
     assert texts == ["first document", "caf\ufffd second", "third document"] and sum(counts) == 1
 
 
+@pytest.mark.e2e
 def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
     start = time.monotonic()
     done = subprocess.run(
@@ -183,6 +201,7 @@ def test_every_rank_exits_with_the_error_under_torchrun(tmp_path):
     assert time.monotonic() - start < 90
 
 
+@pytest.mark.exactness
 def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path):
     """One-sentence and thirty-sentence documents: in padded mode the DP ranks of a step hold
     very different numbers of real tokens; the global-token loss makes that irrelevant."""
@@ -204,6 +223,7 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
     assert_same_training(tmp_path / "one", tmp_path / "dp2")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_run_configs_load_and_fit_their_layout(config):
     from megalite.run_config import load_config
@@ -213,6 +233,7 @@ def test_shipped_run_configs_load_and_fit_their_layout(config):
     validate(cfg, cfg.parallel.tp * min(dp, 2))
 
 
+@pytest.mark.e2e
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
@@ -222,6 +243,7 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
         main(small_args(tmp_path, corpus, "run.wandb=true"))
 
 
+@pytest.mark.unit
 def test_a_row_of_no_tokens_is_refused_before_any_data_is_read():
     from megalite.run_config import load_config
     from megalite.run_setup import validate

@@ -10,6 +10,8 @@ from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.support.models import CONFIGS, padded_batch
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("config_name", sorted(CONFIGS))
 def test_padded_columns_get_no_mass_and_do_not_change_the_loss(config_name):

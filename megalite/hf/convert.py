@@ -207,6 +207,12 @@ def pretrained_config(path: Path) -> ModelConfig:
         return cfg
 
 
+def pretrained_model(path: str) -> dict:
+    """The model mapping of a megalite checkpoint or a Hugging Face directory (run_config.load_config's
+    base under train.init_from)."""
+    return json.loads(json.dumps(dataclasses.asdict(pretrained_config(Path(path)))))
+
+
 def load_pretrained(path: Path, model, pstate) -> None:
     """Weights of a megalite checkpoint or a Hugging Face directory into this rank's slices."""
     from megalite.training.checkpoint import load_checkpoint, load_full_weights

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from megalite.hf.convert import pretrained_model
 from megalite.run_config import Config, given_keys, load_config
 from megalite.plan import plan_config
 from megalite.typed_config import ConfigError, from_dict
@@ -89,9 +90,16 @@ def expand(name: str, grid: dict, points: list) -> list[dict]:
 
 
 def short_name(point: dict) -> str:
-    """A point's settings as a directory name: a mapping's or a list's punctuation dropped."""
-    return "-".join(k.split(".")[-1] + re.sub(r"[^\w.=+-]", "", str(v))
+    """A point's settings as a directory name: a mapping's or a list's punctuation dropped; a
+    section's kind by the section (model.attention.kind=mla: attentionmla)."""
+    return "-".join(setting_name(k) + re.sub(r"[^\w.=+-]", "", str(v))
                     for k, v in point.items()) or "base"
+
+
+def setting_name(key: str) -> str:
+    """A setting's short name: its last part, or for a kind its section's."""
+    parts = key.split(".")
+    return parts[-2] if parts[-1] == "kind" and len(parts) > 1 else parts[-1]
 
 
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
@@ -120,8 +128,8 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         try:
             # As the job will resolve it: under train.init_from the checkpoint's architecture,
             # written out whole in the point's config.yaml (plan.plan_config).
-            config = plan_config(load_config(sweep.base, overrides), given_keys(sweep.base, overrides),
-                                 world)  # its packages and data: the nodes' business
+            config = plan_config(load_config(sweep.base, overrides, pretrained_model),
+                                 given_keys(sweep.base, overrides), world)  # packages, data: the nodes'
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
                               f"{sweep.slurm.procs} processes: {err}") from None

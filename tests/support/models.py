@@ -12,9 +12,10 @@ PAD_ID = 5  # deliberately not 0; also a real token id, so only the mask may say
 CONFIGS = {
     "gpt2": load_model_config("tiny", vocab_size=100, max_seq_len=32, hidden=32),
     # GQA with n_kv_heads=2 < tp=4: ranks keep copies of the KV head their queries share.
-    "llama": load_model_config("tiny", vocab_size=100, max_seq_len=32, hidden=32, n_kv_heads=2,
-                               activation="swiglu", norm="rmsnorm", position="rotary",
-                               bias=False, tie_embeddings=False, ffn_hidden=48),
+    "llama": load_model_config("tiny", vocab_size=100, max_seq_len=32, hidden=32,
+                               attention={"n_kv_heads": 2}, positions={"kind": "rotary"},
+                               mlp={"activation": "swiglu", "ffn_hidden": 48},
+                               norms={"kind": "rmsnorm"}, bias=False, tie_embeddings=False),
 }
 
 LENGTHS = (12, 7, 3, 10)
@@ -57,3 +58,8 @@ def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState)
     parts = all_gather(local.unsqueeze(0), 0, pstate.tp_group)
     copies = pstate.tp_size // shard.count
     return torch.cat(list(parts[::copies]), dim=shard.dim)
+
+
+def same_on_all_ranks(x: torch.Tensor, group) -> bool:
+    copies = all_gather(x.unsqueeze(0), 0, group)
+    return all(torch.equal(c, copies[0]) for c in copies)

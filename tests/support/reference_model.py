@@ -22,16 +22,16 @@ def reference_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
         return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
 
     def norm(x, name):
-        if cfg.norm == "rmsnorm":
-            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * w[f"{name}.weight"]
+        if cfg.norms.kind == "rmsnorm":
+            return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.norms.eps) * w[f"{name}.weight"]
         centred = x - x.mean(-1, keepdim=True)
-        y = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + cfg.norm_eps)
+        y = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + cfg.norms.eps)
         y = y * w[f"{name}.weight"]
         return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
 
     def rotate(x):  # x: [seq, d]; pairs (i, i + d/2) rotated by pos * theta^(-2i/d)
         half = d // 2
-        freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float32) * 2 / d)
+        freq = cfg.positions.theta ** (-torch.arange(half, dtype=torch.float32) * 2 / d)
         angle = torch.arange(seq, dtype=torch.float32)[:, None] * freq[None, :]
         a, b = x[:, :half], x[:, half:]
         return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], -1)
@@ -40,7 +40,7 @@ def reference_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
         return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
     x = w["embed.weight"][ids[0]]
-    if cfg.position == "learned":
+    if cfg.positions.kind == "learned":
         x = x + w["positions.weight"][:seq]
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     for layer in range(cfg.n_layers):
@@ -52,15 +52,15 @@ def reference_logits(model: GPT, ids: torch.Tensor) -> torch.Tensor:
         for head in range(heads):
             group = head // (heads // kv_heads)
             qh, kh, vh = q[:, head], kv[:, group, 0], kv[:, group, 1]
-            if cfg.position == "rotary":
+            if cfg.positions.kind == "rotary":
                 qh, kh = rotate(qh), rotate(kh)
             scores = (qh @ kh.T / math.sqrt(d)).masked_fill(~causal, float("-inf"))
             outputs.append(torch.softmax(scores, -1) @ vh)
         x = x + linear(torch.cat(outputs, -1), f"{p}.attn.out_proj")
         h = norm(x, f"{p}.mlp_norm")
-        if cfg.activation == "swiglu":
+        if cfg.mlp.activation == "swiglu":
             up = torch.nn.functional.silu(linear(h, f"{p}.mlp.gate")) * linear(h, f"{p}.mlp.up")
-        elif cfg.activation == "gelu_tanh":
+        elif cfg.mlp.activation == "gelu_tanh":
             up = gelu_tanh(linear(h, f"{p}.mlp.up"))
         else:
             up = 0.5 * linear(h, f"{p}.mlp.up") * (1 + torch.erf(linear(h, f"{p}.mlp.up") / math.sqrt(2)))

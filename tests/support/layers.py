@@ -1,0 +1,19 @@
+"""Layer-level helpers: the single-process state, seeded random tensors, and a parallel
+layer built with the seeded init."""
+import torch
+
+from megalite.parallel.init import init_parameters_
+from megalite.parallel.state import ParallelState
+
+
+SINGLE = ParallelState()
+
+
+def randn(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def build(cls, ps, *args, **kwargs):
+    layer = cls(*args, ps, **kwargs)
+    init_parameters_(layer, seed=7)
+    return layer
