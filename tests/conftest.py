@@ -28,7 +28,7 @@ def pytest_configure(config):
 
 
 def deepspeed_missing() -> bool:
-    """As megalite's check_deepspeed decides it: no module spec to import."""
+    """As megalite's deepspeed_problems decides it: no module spec to import."""
     return importlib.util.find_spec("deepspeed") is None
 
 

@@ -16,7 +16,7 @@ from megalite.fp8.convert import convert_to_fp8
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import Fp8Config, load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.build import build_model
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed

@@ -5,7 +5,7 @@ import pytest
 import torch.distributed as dist
 
 from megalite.config import Experts, Latent, ModelConfig, ParallelConfig, Rotary, load_model_config
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import load_config

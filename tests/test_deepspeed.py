@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megalite.config import GroupedQuery, ModelConfig, ParallelConfig
 from megalite.run_config import TrainConfig
-from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.plan import raise_problems
+from megalite.training.deepspeed_engine import deepspeed_problems
 from megalite.typed_config import ConfigError
 from tests.support.checkpoints import read_whole_state
 from tests.support.harness import run_distributed
@@ -96,7 +97,7 @@ TP2 = ParallelConfig(tp=2)
 def test_bad_deepspeed_configs_are_refused_before_any_collective(model, train, parallel, world, message):
     cfg = TrainConfig(engine="deepspeed", global_batch_size=16, micro_batch_size=4, **train)
     with pytest.raises(ConfigError, match=message):
-        check_deepspeed(cfg, model, parallel, world)
+        raise_problems(deepspeed_problems(cfg, model, parallel, world))
 
 
 @pytest.mark.exactness

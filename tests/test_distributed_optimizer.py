@@ -7,7 +7,7 @@ across stages), PP2xDP2 interleaved (2 virtual stages), CP2xDP2 and DP4 with 3 a
 micro-batches and rows that do not split evenly; and under pure_bf16 (bf16 tolerance, below).
 Each rank's Adam moments and fp32 masters are 1/dp of the replicated engine's, to a row per
 tensor. Moments read from one engine (`held_rows`, `master`, `optimizer_state`) and loaded into a fresh
-one (`load_optimizer_state`) give the same next step, bitwise. zero_stage=2 is refused before the run (run_setup.validate).
+one (`load_optimizer_state`) give the same next step, bitwise. zero_stage=2 is refused before the run (plan.validate).
 """
 import dataclasses
 
@@ -22,7 +22,7 @@ from megalite.model import GPT
 from megalite.parallel.sharding import row_range
 from megalite.parallel.state import ParallelState
 from megalite.run_config import MuonConfig, TrainConfig, load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.build import build_engine
 from megalite.training.engine import NativeEngine, autocast_for, train_step

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 
 pytestmark = pytest.mark.unit
 

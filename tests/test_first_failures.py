@@ -12,7 +12,7 @@ from megalite.cli import USAGE, main as cli_main
 from megalite.data.batches import Mixture, Samples
 from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.evaluation import eval_plan
 from megalite.typed_config import ConfigError
 

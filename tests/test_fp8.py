@@ -139,9 +139,10 @@ def test_a_slice_held_by_several_ranks_is_refused():
     (["parallel.cp=2", "parallel.ep=3", "model.mlp.kind=moe", "model.mlp.experts=6"], "parallel.ep=3 and parallel.cp=2"),
 ])
 def test_layouts_whose_scales_could_not_be_one_process_are_refused(settings, named):
-    from megalite.fp8.convert import check_fp8_layout
+    from megalite.fp8.convert import fp8_problems
+    from megalite.plan import raise_problems
     from megalite.run_config import load_config
     cfg = load_config(None, ["model=tiny", "data.seq_len=64", "train.fp8.recipe=tensorwise", *settings])
     with pytest.raises(ConfigError, match=named):
-        check_fp8_layout(cfg)
-    check_fp8_layout(load_config(None, ["model=tiny", *settings]))  # without FP8: fine
+        raise_problems(fp8_problems(cfg))
+    assert fp8_problems(load_config(None, ["model=tiny", *settings])) == []  # without FP8: fine

@@ -12,7 +12,7 @@ from torch import nn
 
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.grads import DataParallelGradSync, bucket_params
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed

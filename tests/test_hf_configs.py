@@ -9,7 +9,7 @@ import pytest
 from megalite.config import ModelConfig, ParallelConfig, load_model_config
 from megalite.hf import deepseek_v3, gemma3, mistral, qwen2, qwen3, qwen3_moe
 from megalite.hf.convert import ARCHITECTURES, exportable_as
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.typed_config import ConfigError, from_dict, merged
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from megalite.config import (LinearScaling, Llama3Scaling, ModelConfig, ParallelConfig, Rotary,
                              Unscaled, load_model_config)
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import llama
 from megalite.hf.convert import (checkpoint_model_config, export_hf, import_hf, load_pretrained,

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch.testing import assert_close
 
 from megalite.config import ParallelConfig
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.model.moe import MoE

@@ -13,7 +13,8 @@ from megalite.config import Experts, GroupedQuery, ModelConfig, Norms, Rotary
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import MuonConfig, TrainConfig, load_config
-from megalite.run_setup import check_same_optimizer, validate
+from megalite.plan import validate
+from megalite.run_setup import check_same_optimizer
 from megalite.training.engine import NativeEngine
 from megalite.training.optimizers.build import takes_muon
 from megalite.training.optimizers.muon import Muon

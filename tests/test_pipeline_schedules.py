@@ -13,7 +13,7 @@ from megalite.pipeline.schedules import (Action, Exchange, dependencies, message
                                          plan, schedule)
 from megalite.pipeline.stages import chunks_of
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed
 

@@ -9,7 +9,7 @@ import torch
 
 from megalite.parallel.state import ParallelState
 from megalite.run_config import load_config
-from megalite.run_setup import validate
+from megalite.plan import validate
 from megalite.training.metrics import peak_memory_bytes
 from megalite.typed_config import ConfigError
 from tests.support.harness import run_distributed

@@ -20,7 +20,8 @@ from megalite.data.batches import Batch
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
-from megalite.training.deepspeed_engine import check_deepspeed
+from megalite.plan import raise_problems
+from megalite.training.deepspeed_engine import deepspeed_problems
 from megalite.training.engine import NativeEngine, autocast_for, train_step
 from megalite.training.mixed_precision import MasterWeights
 from megalite.typed_config import ConfigError
@@ -138,7 +139,7 @@ def test_deepspeed_refuses_pure_bf16_before_launch():
     train_cfg = TrainConfig(engine="deepspeed", precision="pure_bf16", global_batch_size=16,
                             micro_batch_size=4)
     with pytest.raises(ConfigError, match="train.precision=pure_bf16 needs train.engine=native"):
-        check_deepspeed(train_cfg, ModelConfig(), ParallelConfig(tp=2), 4)
+        raise_problems(deepspeed_problems(train_cfg, ModelConfig(), ParallelConfig(tp=2), 4))
 
 
 @pytest.mark.exactness

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalite import evaluate
-from megalite import train as train_module
+from megalite import plan
 from megalite.prep import command as prepare
 from megalite.data.batches import BatchOrder
 from megalite.data.tokenizer import load_tokenizer
@@ -96,7 +96,7 @@ def first_step_loss(argv: list[str]) -> float:
     cfg = with_pretrained(load_config(None, argv + ["parallel.tp=1"]), given_keys(None, argv))
     data = prepare.prepare_for_run(cfg.data)
     cfg = with_tokenizer_vocab(cfg, data)
-    samples = train_module.sample_sets(data.train, cfg, data)
+    samples = plan.sample_sets(data.train, cfg, data)
     order = BatchOrder(samples.sizes, samples.weights, cfg.train.global_batch_size, cfg.run.seed)
     batch = samples.collate(order.global_batch_picks(0))
     model = build_model(cfg, ParallelState(), init=not cfg.train.init_from)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from megalite.config import ModelConfig, ParallelConfig
-from megalite.layout_rules import check_layout
+from megalite.plan import check_layout
 from megalite.model import GPT
 from megalite.parallel.mappings import all_gather
 from megalite.parallel.sharding import shard_of

@@ -31,7 +31,7 @@ from megalite.hf.convert import main_export
 from megalite.run_config import given_keys, load_config
 from megalite.run_setup import with_epochs, with_pretrained
 from megalite.typed_config import ConfigError
-from megalite.train import sample_sets
+from megalite.plan import sample_sets
 from tests.support.chat import QWEN
 from tests.support.data import write_records
 from tests.support.harness import run_distributed

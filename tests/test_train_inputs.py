@@ -227,7 +227,7 @@ def test_dp_ranks_with_very_different_pad_counts_train_like_one_process(tmp_path
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_run_configs_load_and_fit_their_layout(config):
     from megalite.run_config import load_config
-    from megalite.run_setup import validate
+    from megalite.plan import validate
     cfg = load_config(ROOT / "configs" / config)
     dp = cfg.train.global_batch_size // cfg.train.micro_batch_size
     validate(cfg, cfg.parallel.tp * min(dp, 2))
@@ -246,6 +246,6 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
 @pytest.mark.unit
 def test_a_row_of_no_tokens_is_refused_before_any_data_is_read():
     from megalite.run_config import load_config
-    from megalite.run_setup import validate
+    from megalite.plan import validate
     with pytest.raises(ConfigError, match=r"data\.seq_len=0 must be >= 1"):
         validate(load_config(ROOT / "configs" / "demo.yaml", ["data.seq_len=0", "parallel.tp=1"]), 1)
