@@ -84,6 +84,7 @@ def test_optional_fields_accept_null_and_ints_become_floats():
     assert cfg.attention.n_kv_heads is None and isinstance(cfg.dropout, float)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("keys,message", [
     ({"attention.kv_lora_rank": 16}, r"model\.attention\.kv_lora_rank is a key of model\.attention\.kind=mla, and "
                                         r"model\.attention\.kind=gqa: set model\.attention\.kind=mla, or leave it out$"),
@@ -104,10 +105,11 @@ def test_a_key_of_a_variant_not_chosen_is_refused_naming_the_kind_that_has_it(ke
         load_model_config("tiny", **nested(keys))
 
 
+@pytest.mark.unit
 def test_flat_keys_of_before_are_translated_with_a_note_naming_the_new_keys():
     with pytest.warns(UserWarning, match=r"model keys of before the config had sections") as notes:
-        flat = load_config(None, ["model=tiny", "model.mlp.kind=moe", "model.mlp.experts=4", "model.positions.kind=rotary",
-                                  "model.mlp.top_k=1", "model.norms.eps=1e-6"]).model
+        flat = load_config(None, ["model=tiny", "model.n_experts=4", "model.position=rotary",
+                                  "model.moe_top_k=1", "model.norm_eps=1e-6"]).model
     note = "\n".join(str(n.message) for n in notes)
     for old, new in (("n_experts", "mlp.experts"), ("position", "positions.kind"),
                      ("moe_top_k", "mlp.top_k"), ("norm_eps", "norms.eps")):
@@ -120,6 +122,7 @@ def test_flat_keys_of_before_are_translated_with_a_note_naming_the_new_keys():
     assert flat.mlp.activation == "gelu_tanh"  # tiny's, kept
 
 
+@pytest.mark.unit
 def test_a_preset_sections_kind_overridden_keeps_the_keys_both_variants_have():
     """llama-1b's MLP is dense SwiGLU of 8192; as a mixture of experts it keeps both (the keys
     Experts has too) and takes Experts' defaults for the rest. Its GQA's n_kv_heads=8, a key

@@ -283,6 +283,7 @@ def test_bad_rope_scaling_values_are_config_errors(scaling, message):
         check_layout(cfg, ParallelConfig(), 1)
 
 
+@pytest.mark.unit
 def test_rope_scaling_of_learned_positions_is_refused_by_the_loader():
     # A scaling is model.positions.kind=rotary's own: learned positions have none to write
     # (before the sections, check_layout refused it as scaling nothing).
