@@ -94,7 +94,7 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
 
 def raise_problems(problems: list[str]) -> None:
     if len(problems) == 1:
-        raise ConfigError(f"invalid config: {problems[0]}")
+        raise ConfigError(problems[0])
     if problems:
         raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 

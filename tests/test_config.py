@@ -6,8 +6,7 @@ import torch.distributed as dist
 
 from megalite.config import Experts, Latent, ModelConfig, ParallelConfig, Rotary, load_model_config
 from megalite.plan import check_layout
-from megalite.model import GPT
-from megalite.parallel.state import ParallelState, init_parallel
+from megalite.parallel.state import init_parallel
 from megalite.run_config import load_config
 from megalite.typed_config import ConfigError, replaced
 
@@ -68,9 +67,11 @@ def test_wrong_types_name_the_key_and_value(key, value, message):
 
 
 @pytest.mark.unit
-def test_model_refuses_a_layout_it_cannot_split_exactly():
+def test_the_plan_refuses_a_layout_the_model_cannot_split_exactly():
+    # The plan's check (every entry point's, before any process group), no longer the
+    # model constructor's as well: one place for the rule.
     with pytest.raises(ConfigError, match=r"parallel\.tp=4 must divide the model.s ffn_hidden \(50\)"):
-        GPT(replaced(BASE, "mlp.ffn_hidden", 50), ParallelState(tp_size=4))
+        check_layout(replaced(BASE, "mlp.ffn_hidden", 50), ParallelConfig(tp=4), 4)
 
 
 @pytest.mark.unit
@@ -147,8 +148,8 @@ def test_missing_preset_lists_the_available_ones():
     (dict(hidden=60), 1, 1, r"model\.hidden=60 is not divisible by model\.n_heads=8: choose n_heads among \[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60\]"),
     ({"attention.n_kv_heads": 3}, 1, 1, r"model\.n_heads=8 is not divisible by model\.attention\.n_kv_heads=3: choose n_kv_heads among \[1, 2, 4, 8\]"),
     (dict(hidden=40, n_heads=8, positions=Rotary()), 1, 1, r"rotary positions need an even head dim, got 5"),
-    ({}, 2, 3, r"^invalid config: parallel\.tp=2 must divide the world size 3: use parallel\.tp among \[1\] \(the divisors of the world size 3 that split the model\) or launch a multiple of 2 processes$"),
-    ({}, 16, 16, r"^invalid config: parallel\.tp=16 must divide the model's heads \(8\): use parallel\.tp among \[1, 2, 4, 8\] \(the divisors of the world size 16 that split the model\)$"),
+    ({}, 2, 3, r"^parallel\.tp=2 must divide the world size 3: use parallel\.tp among \[1\] \(the divisors of the world size 3 that split the model\) or launch a multiple of 2 processes$"),
+    ({}, 16, 16, r"^parallel\.tp=16 must divide the model's heads \(8\): use parallel\.tp among \[1, 2, 4, 8\] \(the divisors of the world size 16 that split the model\)$"),
     ({"attention.n_kv_heads": 2}, 8, 8, None),  # kv=2 < tp=8 divides it: valid, copies of KV heads
     ({"n_heads": 12, "attention.n_kv_heads": 6, "hidden": 48}, 4, 4, r"parallel\.tp=4 must divide the model's KV heads \(6\): use parallel\.tp among \[1, 2\] \(the divisors of the world size 4 that split the model\)$"),
     ({"n_heads": 12, "attention.n_kv_heads": 2, "hidden": 48}, 4, 4, None),

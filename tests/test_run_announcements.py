@@ -110,6 +110,6 @@ def test_a_tp_that_does_not_split_the_vocabulary_quotes_the_tokenizer_s(tmp_path
         run_train(common(cache, tmp_path / "run", "packed") + [
             "parallel.tp=3", "model.hidden=96", "model.n_heads=6", "train.micro_batch_size=8"])
     assert str(err.value) == (
-        "invalid config: parallel.tp=3 must divide the model's padded vocab (512): use "
+        "parallel.tp=3 must divide the model's padded vocab (512): use "
         "parallel.tp among [1] (the divisors of the world size 3 that split the model), or a "
         "model.vocab_pad_multiple that is a multiple of 3")

@@ -32,7 +32,7 @@ PROSE = ("Tensor parallelism splits each weight matrix across devices, so that e
     (["train.global_batch_size=3"], r"train\.global_batch_size=3 is not a multiple of train\.micro_batch_size=2 x DP=1"),
     (["train.global_batch_size=4096", "train.micro_batch_size=8"], r"train\.global_batch_size=4096 exceeds the \d+ training samples"),
     (["data.seq_len=4096"], r"data\.seq_len=4096 exceeds model\.max_seq_len=160"),
-    (["parallel.tp=3"], r"^invalid config: parallel\.tp=3 must divide the world size 1 and the model's heads \(4\), KV heads \(4\) and ffn_hidden \(128\): use parallel\.tp among \[1\] \(the divisors of the world size 1 that split the model\)$"),
+    (["parallel.tp=3"], r"^parallel\.tp=3 must divide the world size 1 and the model's heads \(4\), KV heads \(4\) and ffn_hidden \(128\): use parallel\.tp among \[1\] \(the divisors of the world size 1 that split the model\)$"),
     (["train.max_step=3"], r"unknown config key 'train\.max_step'; did you mean 'train\.max_steps'"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, extra, message):
