@@ -31,11 +31,6 @@ MOVED = {
 }
 
 
-def is_flat(model: dict) -> bool:
-    """Whether a raw model mapping holds keys of before the sections."""
-    return any(k in MOVED and not isinstance(v, dict) for k, v in model.items())
-
-
 def nest(model: dict, note: bool = True) -> dict:
     """`model` (a raw mapping) with its flat keys moved into their sections. A flat key at its
     default whose section's variant lacks it (an old checkpoint's `moe_top_k` of a dense model)

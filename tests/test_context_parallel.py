@@ -144,9 +144,11 @@ def test_context_parallel_flex_rule_equals_dense():
 @pytest.mark.unit
 def test_context_parallel_refuses_dropout_and_short_rows():
     from megalite.typed_config import ConfigError
+    from megalite.config import ParallelConfig
+    from megalite.plan import check_layout
     cfg = dataclasses.replace(CONFIGS["gpt2"], dropout=0.1)
-    with pytest.raises(ConfigError, match="model.dropout=0.1"):
-        GPT(cfg, ParallelState(cp_size=2), seed=0)
+    with pytest.raises(ConfigError, match="model.dropout=0.1"):  # the plan's check, every entry point's
+        check_layout(cfg, ParallelConfig(cp=2), 2)
     model = GPT(CONFIGS["gpt2"], ParallelState(cp_size=2), seed=0)
     with pytest.raises(ValueError, match="does not cut into 4 equal chunks"):
         model(torch.zeros(1, 10, dtype=torch.long))  # before any collective

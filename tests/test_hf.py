@@ -12,9 +12,11 @@ transformers = pytest.importorskip("transformers")
 from megalite.data.raw_files import EMBEDDED
 from megalite.prep.sources import documents  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer, train_bpe  # noqa: E402
+from megalite.config import ParallelConfig  # noqa: E402
 from megalite.hf.convert import checkpoint_model_config, export_hf, import_hf  # noqa: E402
 from megalite.model import GPT  # noqa: E402
 from megalite.parallel.state import ParallelState  # noqa: E402
+from megalite.plan import check_layout  # noqa: E402
 from megalite.training.checkpoint import load_checkpoint  # noqa: E402
 from megalite.typed_config import ConfigError, replaced  # noqa: E402
 from tests.support.checkpoints import WeightsOnly, read_whole_state, save_checkpoint  # noqa: E402
@@ -111,7 +113,7 @@ def test_tp_that_does_not_divide_the_heads_of_an_imported_model_is_refused(tmp_p
     random_hf_model("gpt2", tmp_path / "hf", tokenizer_file)
     cfg = import_hf(tmp_path / "hf", tmp_path / "ckpt")
     with pytest.raises(ConfigError, match=r"parallel\.tp=3 must divide the model.s heads \(4\)"):
-        GPT(cfg, ParallelState(tp_size=3))
+        check_layout(cfg, ParallelConfig(tp=3), 3)  # the plan's check: generate's, eval's, a run's
 
 
 @pytest.mark.unit

@@ -2,7 +2,8 @@
 each time the ranks restart from the newest in-memory snapshot, losing at most
 train.snapshot_every steps, and the run ends as the uninterrupted one (one node's, 4 forked
 ranks), bit for bit: every record and the final weights. So two nodes also train as one.
-(scripts/bench_recovery.py measures the same on the demo's model, with the disk's path beside.)"""
+(benchmarks/recovery/ has the same measured on the demo's model, with the disk's path beside,
+by a one-off script since removed: its README names the commit.)"""
 import random
 import re
 import time
