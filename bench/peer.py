@@ -36,7 +36,7 @@ from bench.profile import profile_steps
 from bench.timing import time_steps
 from bench.provenance import git_commit
 from megalite.command_args import command_parser
-from megalite.config import load_model_config
+from megalite.run_config import load_model_config
 from megalite.data.batches import Batch
 from megalite.hf.convert import exportable_as
 from megalite.model import GPT

@@ -37,6 +37,8 @@ def _predict_layout(args, hw: Hardware, checks) -> str:
     if missing:
         raise ConfigError(f"--hardware {hw.name} predicts one layout: also give "
                           f"{' '.join(missing)}")
+    if not args.experts and (args.top_k != 2 or args.moe_ffn is not None):
+        raise ConfigError("--top-k and --moe-ffn size a mixture of experts: give --experts too")
     model = ModelConfig(vocab_size=args.vocab, max_seq_len=args.seq_len, n_layers=args.layers,
                         hidden=args.hidden, n_heads=args.heads,
                         attention=GroupedQuery(n_kv_heads=args.kv_heads), tie_embeddings=not args.untied,

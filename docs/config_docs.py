@@ -160,7 +160,8 @@ def init_from_note() -> list[str]:
 def architectures() -> list[str]:
     """Per Hugging Face architecture (hf/convert.ARCHITECTURES): the model settings its recipe
     fixes and those it carries, from the recipe itself; the presets it holds."""
-    from megalite.config import PRESET_DIR, load_model_config
+    from megalite.config import PRESET_DIR
+    from megalite.run_config import load_model_config
     from megalite.hf.convert import ARCHITECTURES, exportable_as
     from megalite.hf.expressible import SHARED
     presets = {}

@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from megalite.typed_config import ConfigError, from_dict
+from megalite.typed_config import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: installed with it
 
@@ -295,7 +295,7 @@ class ModelConfig:
 
     def problems(self) -> list[str]:
         """Every way this model's settings are invalid (its sections' rules included), one line
-        each; layout_rules.check_layout adds the layout's."""
+        each; layout_rules.layout_problems adds the layout's."""
         sizes = {"vocab_size": self.vocab_size, "vocab_pad_multiple": self.vocab_pad_multiple,
                  "max_seq_len": self.max_seq_len, "n_layers": self.n_layers, "hidden": self.hidden,
                  "n_heads": self.n_heads, "mlp.ffn_hidden": self.ffn}
@@ -450,13 +450,3 @@ def read_preset(name: str) -> dict:
         presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
         raise ConfigError(f"model config '{name}' not found (presets: {presets})")
     return yaml.safe_load(path.read_text()) or {}
-
-
-def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
-    """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
-    path = Path(name_or_path)
-    is_file = path.suffix in (".yaml", ".yml") or path.is_file()  # a preset: qwen3-0.6b
-    if is_file and not path.is_file():
-        raise ConfigError(f"model config file '{path}' not found")
-    data = (yaml.safe_load(path.read_text()) or {}) if is_file else read_preset(str(name_or_path))
-    return from_dict(ModelConfig, {**data, **overrides}, "model.")

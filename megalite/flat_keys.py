@@ -32,9 +32,9 @@ MOVED = {
 
 
 def nest(model: dict, note: bool = True) -> dict:
-    """`model` (a raw mapping) with its flat keys moved into their sections. A flat key at its
-    default whose section's variant lacks it (an old checkpoint's `moe_top_k` of a dense model)
-    is dropped; one given at another value stays, for the variant's own error to name."""
+    """`model` (a raw mapping) with its flat keys moved into their sections. note False: a
+    checkpoint's whole mapping, whose keys of variants it does not use are dropped (its model
+    ignored them: `moe_top_k` of a dense model); note True: a config's, translated with a note."""
     flat = {k: v for k, v in model.items() if k in MOVED and not isinstance(v, dict)}
     if not flat:
         return model
@@ -51,7 +51,11 @@ def nest(model: dict, note: bool = True) -> dict:
     written = []
     for key, value in sorted(flat.items(), key=order):
         path = MOVED.get(key, key).split(".")
-        if path[-1] in _fields_at(out, path[:-1], kinds) or _plain(value) != _plain(_default_at(path)):
+        fields, fixed = _fields_at(out, path[:-1], kinds)
+        # Of a variant not chosen: a checkpoint's (the old model ignored it) is dropped, and a
+        # config's at its default where the config itself chose the variant; else it stays,
+        # for the preset's or the checkpoint's section to take, or the loader to refuse.
+        if path[-1] in fields or not fixed or (note and _plain(value) != _plain(_default_at(path))):
             mapping = out
             for name in path[:-1]:
                 mapping = mapping.setdefault(name, {})
@@ -65,10 +69,11 @@ def nest(model: dict, note: bool = True) -> dict:
     return out
 
 
-def _fields_at(model: dict, path: list[str], kinds: dict) -> set[str]:
+def _fields_at(model: dict, path: list[str], kinds: dict) -> tuple[set[str], bool]:
     """The fields of the section at `path`'s chosen variant (none where the variants chosen
-    above have no such section)."""
-    cls, mapping = ModelConfig, model
+    above have no such section), and whether the mapping chose every variant on the way (or
+    left one to its default: a preset or a checkpoint may choose it)."""
+    cls, mapping, fixed = ModelConfig, model, True
     for depth, name in enumerate(path):
         mapping = mapping.get(name, {}) if isinstance(mapping, dict) else {}
         hints = typing.get_type_hints(cls) if cls is not None else {}
@@ -76,9 +81,11 @@ def _fields_at(model: dict, path: list[str], kinds: dict) -> set[str]:
             cls = None
             continue
         default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-        kind = mapping.get("kind", kinds.get(".".join(path[:depth + 1] + ["kind"]), default.kind))
-        cls = (variants(hints[name]) or {default.kind: hints[name]}).get(kind)
-    return set() if cls is None else {f.name for f in dataclasses.fields(cls)}
+        given = mapping.get("kind", kinds.get(".".join(path[:depth + 1] + ["kind"])))
+        fixed = fixed and (given is not None or not variants(hints[name]))
+        kind = default.kind if given is None else given
+        cls = variants(hints[name]).get(kind) if variants(hints[name]) else hints[name]
+    return set() if cls is None else {f.name for f in dataclasses.fields(cls)}, fixed
 
 
 def _default_at(path: list[str], cls=ModelConfig):

@@ -295,3 +295,13 @@ def _resolve_preset(model) -> dict:
         return model
     model = dict(model)
     return merged(read_preset(model.pop("preset")), model, ModelConfig)
+
+
+def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
+    """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
+    path = Path(name_or_path)
+    is_file = path.suffix in (".yaml", ".yml") or path.is_file()  # a preset: qwen3-0.6b
+    if is_file and not path.is_file():
+        raise ConfigError(f"model config file '{path}' not found")
+    data = (yaml.safe_load(path.read_text()) or {}) if is_file else read_preset(str(name_or_path))
+    return from_dict(ModelConfig, merged(nest(data), overrides, ModelConfig), "model.")

@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from megalite.config import Experts, Latent, ModelConfig, ParallelConfig, Rotary, load_model_config
+from megalite.config import Experts, Latent, ModelConfig, ParallelConfig, Rotary
+from megalite.run_config import load_model_config
 from megalite.plan import check_layout
 from megalite.parallel.state import init_parallel
 from megalite.run_config import load_config
@@ -197,3 +198,37 @@ def test_without_torchrun_init_parallel_is_a_plain_single_process(monkeypatch):
     ps = init_parallel(ParallelConfig(tp=1))
     assert (ps.tp_size, ps.dp_size, ps.tp_group, ps.dp_group) == (1, 1, None, None)
     assert not dist.is_initialized()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("override,read", [
+    ("model.rope_theta=10000.0", lambda m: m.positions.theta == 10000.0),  # llama-1b's is 5e5
+    ("model.rope_local_theta=null", lambda m: m.positions.local_theta is None),
+])
+def test_a_flat_key_at_its_default_is_the_presets_section_key(override, read):
+    """A config's flat key whose section the config does not choose goes on the preset's
+    section, even at its default: it is the setting given, not nothing."""
+    preset = "gemma3-1b" if "local" in override else "llama-1b"
+    with pytest.warns(UserWarning, match="translated"):
+        assert read(load_config(None, [f"model.preset={preset}", override]).model)
+
+
+@pytest.mark.unit
+def test_a_checkpoints_settings_its_model_ignored_are_dropped():
+    """b4372df ignored rope_theta with learned positions and rope_factor without scaling: a
+    checkpoint holding them reads as the model it trained (not refused)."""
+    from megalite.flat_keys import nest
+    from megalite.typed_config import from_dict
+    old = {"position": "learned", "rope_theta": 5e5, "rope_scaling": "none", "rope_factor": 8.0,
+           "n_experts": 0, "moe_top_k": 4, "attention": "gqa", "kv_lora_rank": 64}
+    assert from_dict(ModelConfig, nest(old, note=False), "model.") == ModelConfig()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides", [["parallel.tp=2"], ["train.micro_batch_size=0"]])
+def test_deepspeed_with_a_layout_that_does_not_divide_is_refused_not_a_traceback(overrides):
+    from megalite.plan import validate
+    cfg = load_config(None, ["model=tiny", "train.engine=deepspeed", "train.global_batch_size=4",
+                             "train.micro_batch_size=2", *overrides])
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2 must divide|train\.micro_batch_size=0"):
+        validate(cfg, 1, installed=False)

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from megalite.config import ModelConfig, ParallelConfig, load_model_config
+from megalite.config import ModelConfig, ParallelConfig
+from megalite.run_config import load_model_config
 from megalite.hf import deepseek_v3, gemma3, mistral, qwen2, qwen3, qwen3_moe
 from megalite.hf.convert import ARCHITECTURES, exportable_as
 from megalite.plan import check_layout

@@ -9,7 +9,8 @@ import torch
 from torch.testing import assert_close
 
 from megalite.config import (LinearScaling, Llama3Scaling, ModelConfig, ParallelConfig, Rotary,
-                             Unscaled, load_model_config)
+                             Unscaled)
+from megalite.run_config import load_model_config
 from megalite.plan import check_layout
 from megalite.data.tokenizer import load_tokenizer
 from megalite.hf import llama

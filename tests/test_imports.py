@@ -149,7 +149,8 @@ def test_an_installed_copy_holds_every_file_megalite_reads(tmp_path):
                    check=True, capture_output=True, timeout=600)
     code = """
 import megalite, sys
-from megalite.config import PRESET_DIR, load_model_config
+from megalite.config import PRESET_DIR
+from megalite.run_config import load_model_config
 from megalite.data.raw_files import EMBEDDED
 from megalite.launch.slurm import TEMPLATE
 assert megalite.__file__.startswith(sys.argv[1]), megalite.__file__

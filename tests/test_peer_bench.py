@@ -63,7 +63,8 @@ def test_hf_gets_the_same_packed_rows_as_megalite(preset):
     import transformers
 
     from bench.peer import hf_inputs, rows_of
-    from megalite.config import Dense, GroupedQuery, Norms, Rotary, load_model_config
+    from megalite.config import Dense, GroupedQuery, Norms, Rotary
+    from megalite.run_config import load_model_config
     from megalite.hf import layout
     from megalite.hf.convert import exportable_as
     from megalite.model import GPT
@@ -96,7 +97,7 @@ def test_hf_rebuilds_its_inputs_for_new_rows_only(monkeypatch):
     import torch
 
     from bench import peer
-    from megalite.config import load_model_config
+    from megalite.run_config import load_model_config
     cfg = load_model_config("tiny", vocab_size=300, max_seq_len=64)
     built = []
     real = peer.hf_inputs

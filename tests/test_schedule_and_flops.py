@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from megalite.config import load_model_config
+from megalite.run_config import load_model_config
 from megalite.data.batches import Samples
 from megalite.prep.command import prepare_for_run
 from megalite.run_config import DataConfig, TrainConfig

@@ -8,7 +8,8 @@ import torch
 
 from bench.state_size import (GB, layer_params, model_params, rank_params, state_bytes,
                                        table)
-from megalite.config import ParallelConfig, load_model_config
+from megalite.config import ParallelConfig
+from megalite.run_config import load_model_config
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig

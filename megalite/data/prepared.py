@@ -76,6 +76,9 @@ class RawBuild:
     path: str
     target: Path
 
+    def name(self) -> str:
+        return f"data path '{self.path}' prepared into {self.target}"
+
 
 @dataclass
 class MissingFacts:
@@ -83,6 +86,10 @@ class MissingFacts:
     shards: list
     max_id: bool
     longer_than: int | None
+
+    def name(self) -> str:
+        return (f"the facts of {len(self.shards)} shards ({bin_path(self.shards[0].prefix)}, ...; "
+                f"largest id: {self.max_id}, longer than: {self.longer_than})")
 
 
 class NotPrepared(Exception):
@@ -104,14 +111,25 @@ class _Store:
 def data_for_run(cfg: DataConfig, tokenizer_from: str = "data.tokenizer") -> PreparedData:
     """The run's data, its missing parts prepared first by `megalite prepare-data` in a process
     of its own (the preparation's error is this call's): a training rank only reads."""
-    try:
-        return load_data(cfg, tokenizer_from=tokenizer_from)
-    except NotPrepared:
-        pass
-    command = [sys.executable, "-m", "megalite", "prepare-data", "--for-run",
+    for attempt in range(3):  # another node's preparation may race ours (prep/facts.py)
+        try:
+            return load_data(cfg, tokenizer_from=tokenizer_from)
+        except NotPrepared as need:
+            missing = need.missing
+        _prepare(cfg, tokenizer_from)
+    raise ConfigError(f"data: {missing[0].name()} is still not prepared after 3 preparations: is "
+                      f"something rewriting it while the run starts?")
+
+
+def _prepare(cfg: DataConfig, tokenizer_from: str) -> None:
+    """`megalite prepare-data --for-run` of the megalite this rank runs (-P: not one the current
+    directory holds), its error line raised as this rank's."""
+    command = [sys.executable, "-P", "-m", "megalite", "prepare-data", "--for-run",
                json.dumps({"data": to_dict(cfg), "tokenizer_from": tokenizer_from})]
     # Not the rank's launcher files: the preparation's error is the rank's to report.
     env = {k: v for k, v in os.environ.items() if k not in ("MEGALITE_ERROR_DIR", "TORCHELASTIC_ERROR_FILE")}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env) as proc:
         error = None
         for line in proc.stderr:
@@ -122,7 +140,6 @@ def data_for_run(cfg: DataConfig, tokenizer_from: str = "data.tokenizer") -> Pre
     if proc.returncode:
         raise ConfigError(error or f"data: `megalite prepare-data` preparing data path "
                                    f"'{cfg.path}' exited with status {proc.returncode}")
-    return load_data(cfg, tokenizer_from=tokenizer_from)
 
 
 def load_data(cfg: DataConfig, in_run: bool = True,

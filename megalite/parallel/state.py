@@ -104,7 +104,7 @@ class ParallelState:
                    device: torch.device | None = None, sequence_parallel: bool = False,
                    pipeline: ParallelConfig | None = None) -> "ParallelState":
         """Build the TP, DP and (pipeline's pp > 1) PP and (cp > 1) CP groups of an initialised
-        torch.distributed world, on a layout layout_rules.check_layout has passed.
+        torch.distributed world, on a layout the plan has checked (plan.py).
 
         Every rank creates every group, in the same order, as new_group requires.
         """
@@ -192,7 +192,7 @@ def _new_groups(members: list[list[int]], rank: int, timeout: timedelta):
 
 def init_parallel(parallel: ParallelConfig) -> ParallelState:
     """Initialise torch.distributed from torchrun's environment and build the layout, which the
-    entry point has checked (layout_rules.check_layout) on every rank before this first collective.
+    entry point has checked (plan.py) on every rank before this first collective.
 
     Without torchrun (no WORLD_SIZE in the environment) this is a plain single process,
     TP=1 x DP=1, with no process group at all.

@@ -25,16 +25,17 @@ from megalite.typed_config import ConfigError, from_dict
 def prepare_for_run(cfg: DataConfig, in_run: bool = True,
                     tokenizer_from: str = "data.tokenizer") -> PreparedData:
     """`cfg`'s data, every part it lacks prepared (in_run False: raw data of any size)."""
-    done: set[str] = set()
+    tries: dict[str, int] = {}
     while True:
         try:
             return load_data(cfg, in_run=in_run, tokenizer_from=tokenizer_from)
         except NotPrepared as need:
             for part in need.missing:
-                what = repr(part)
-                if what in done:  # prepared, yet still missing: never loop
-                    raise RuntimeError(f"data: {what} is still missing after its preparation")
-                done.add(what)
+                what = part.name()
+                tries[what] = tries.get(what, 0) + 1
+                if tries[what] > 3:  # prepared, yet still missing (rewritten meanwhile?): never loop
+                    raise ConfigError(f"data: {what} is still not prepared after 3 preparations: is "
+                                      f"something rewriting it while the run starts?")
                 if isinstance(part, RawBuild):
                     build_raw(part, cfg)
                 elif isinstance(part, MissingFacts):

@@ -3,7 +3,8 @@
 Every rank's preparation walks the shards from its own offset (RANK of WORLD_SIZE, as torchrun
 sets them), so the ranks of a node share the passes; a shard another process of this node is
 scanning is waited for (a node-local lock: locks.py), then read. Preparations on other nodes
-may scan the same shard: each writes the same facts atomically.
+may scan the same shard: each writes its facts under a name of its own and renames it into place,
+keeping those it finds there (a lost update is made again by the next preparation).
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def write_missing_facts(shards: list, cache_dir: str, max_id: bool, longer_than:
             if facts.holds(max_id, longer_than):
                 continue
             facts = computed(shard, facts, max_id, longer_than)
+            # Another node's preparation may have written other facts meanwhile: kept too.
+            now = read_facts(path)
+            facts.max_id = facts.max_id if facts.max_id is not None else now.max_id
+            facts.longer_than = {**now.longer_than, **facts.longer_than}
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps({"shard": str(bin_path(shard.prefix)), "max_id": facts.max_id,
                                            "longer_than": {str(k): v for k, v in facts.longer_than.items()}}))

@@ -1,10 +1,11 @@
 """Raw files given as a run's data path, prepared once into data.cache_dir/<key>/ (the key:
 data/prepared.raw_target) by prepare-data's streaming code.
 
-One preparation per node builds (saying so on stderr); the others of the node wait on a
-node-local lock and then find it built, or meet the same error themselves. Preparations on other
-nodes sharing the cache build into their own partial directory (a killed build resumes there);
-the first whole one is renamed into place, and a later one that finds it there is dropped.
+The preparations of a node take turns on a lock in its temporary directory: one builds (saying so
+on stderr), the others then find it built, or meet the same error themselves. The lock only saves
+work: each build writes a partial directory of its own (a temporary directory may be a job's, not
+the node's, and other nodes share the cache), and the first whole one is renamed into place; a
+later one that finds it there is dropped. A killed build's partial directory is left behind.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 from megalite.data.prepared import RawBuild
 from megalite.prep.locks import lock_waiting, node_lock
@@ -39,7 +42,8 @@ def build_raw(need: RawBuild, cfg: DataConfig) -> None:
         size = sum(f.stat().st_size for f in need.files)
         print(f"data: rank {rank} prepares data path '{need.path}' ({len(need.files)} files, "
               f"{size / 1e6:,.1f} MB) into {target}; the other ranks wait", file=sys.stderr, flush=True)
-        partial = target.parent / f".{target.name}.partial-{socket.gethostname()}"
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{socket.gethostname()}-",
+                                        dir=target.parent))
         meta = prepare_directory(need.files, partial, settings_of(cfg), lock=node_lock(partial))
         if meta["documents"] == 0:
             shutil.rmtree(partial, ignore_errors=True)

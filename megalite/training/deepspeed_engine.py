@@ -130,7 +130,8 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
                  f"the schedule is train.lr/warmup_steps, precision is train.precision, the stage "
                  f"is train.zero_stage; no offload): remove it"
                  for key in REFUSED if _lookup(train.deepspeed, key) is not None]
-    if not problems:
+    whole = tp >= 1 and pp >= 1 and world and world % (tp * pp) == 0 and train.micro_batch_size >= 1
+    if not problems and whole:  # (a layout or batch that does not divide: the plan says so)
         try:
             deepspeed_config(train, world // (tp * pp))
         except ConfigError as err:

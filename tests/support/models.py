@@ -1,7 +1,8 @@
 """Small model configs and padded batches shared by the model tests."""
 import torch
 
-from megalite.config import ModelConfig, load_model_config
+from megalite.config import ModelConfig
+from megalite.run_config import load_model_config
 from megalite.parallel.context import gather_sequence
 from megalite.parallel.mappings import all_gather, group_size
 from megalite.parallel.sharding import Shard
