@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
+import uuid
 import struct
 import threading
 from collections import OrderedDict
@@ -114,9 +114,10 @@ class ShardWriter:
 def write_atomic(path: Path, data: str | bytes) -> None:
     """`data` written under a temporary name, fsynced, then renamed `path`: a reader (or a
     killed run, or a lost machine) never sees half a file."""
-    # A temporary name of its own: writers on several nodes may write the same file at once.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with open(fd, "wb" if isinstance(data, bytes) else "w") as f:
+    # A temporary name of its own (writers on several nodes may write the same file at once),
+    # made with the umask's mode as any file (mkstemp's would be 0600).
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "xb" if isinstance(data, bytes) else "x") as f:
         f.write(data)
         _close_synced(f)
     os.replace(tmp, path)

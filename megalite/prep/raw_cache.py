@@ -13,8 +13,7 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
-from pathlib import Path
+import uuid
 
 from megalite.data.prepared import RawBuild
 from megalite.prep.locks import lock_waiting, node_lock
@@ -42,8 +41,8 @@ def build_raw(need: RawBuild, cfg: DataConfig) -> None:
         size = sum(f.stat().st_size for f in need.files)
         print(f"data: rank {rank} prepares data path '{need.path}' ({len(need.files)} files, "
               f"{size / 1e6:,.1f} MB) into {target}; the other ranks wait", file=sys.stderr, flush=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{socket.gethostname()}-",
-                                        dir=target.parent))
+        # (not mkdtemp: its mode would be 0700 whatever the umask, and the cache is shared)
+        partial = target.parent / f".{target.name}.partial-{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
         meta = prepare_directory(need.files, partial, settings_of(cfg), lock=node_lock(partial))
         if meta["documents"] == 0:
             shutil.rmtree(partial, ignore_errors=True)
