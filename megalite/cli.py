@@ -8,6 +8,7 @@ import sys
 import time
 
 from megalite.command_args import PARSERS
+from megalite.failures import ERROR_PREFIX
 
 # name: (module, function, what it does in one line)
 COMMANDS = {
@@ -126,7 +127,7 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
         report_error(str(err), status=1)
         return 1
     except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
-        line = f"megalite: error: rank {os.environ.get('RANK', '0')}: {err}"
+        line = f"{ERROR_PREFIX}rank {os.environ.get('RANK', '0')}: {err}"
         # torchrun restarts the ranks without a report (and so without the launcher's line).
         if not leave_for_launcher(line, 1) or restarts_left():
             print(line, file=sys.stderr, flush=True)
@@ -144,7 +145,7 @@ def report_error(message: str, status: int = USAGE) -> None:
     prints the first. Under torchrun it also goes to the rank's TORCHELASTIC_ERROR_FILE, so
     torchrun's failure report names it; rank 0 prints it, and any other rank only if it is
     still running QUIET_RANK_GRACE_S later (rank 0 did not stop on it)."""
-    line = f"megalite: error: {message}"
+    line = f"{ERROR_PREFIX}{message}"
     rank = os.environ.get("RANK", "0")
     if leave_for_launcher(line, status):
         return

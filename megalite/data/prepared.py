@@ -39,10 +39,10 @@ from megalite.data.raw_files import EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.shard_facts import known_facts, stat_key
 from megalite.data.shuffle import key_of
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
+from megalite.failures import ERROR_PREFIX
 from megalite.run_config import DataConfig, to_dict
 from megalite.typed_config import ConfigError
 
-ERROR_PREFIX = "megalite: error: "  # how a command prints a ConfigError (cli.py)
 SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
 SYNTHETIC = 0x5E  # the key of data.path=synthetic's hash
 SYNTHETIC_MAX_BYTES = 2**31  # its tokens, held by every rank

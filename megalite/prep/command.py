@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 from megalite.command_args import command_parser
-from megalite.data.prepared import (ERROR_PREFIX, MissingFacts, NotPrepared, PreparedData, RawBuild,
+from megalite.data.prepared import (MissingFacts, NotPrepared, PreparedData, RawBuild,
                                     check_eos_token, load_data)
 from megalite.data.raw_files import expand_inputs
 from megalite.data.record_counts import skipped_records
+from megalite.failures import ERROR_PREFIX
 from megalite.prep.facts import write_missing_facts
 from megalite.prep.raw_cache import build_raw
 from megalite.prep.shards import PrepareSettings, prepare_directory
