@@ -10,6 +10,7 @@ from megalite.plan import check_layout
 from megalite.parallel.state import init_parallel
 from megalite.run_config import load_config
 from megalite.typed_config import ConfigError, replaced
+from tests.support.models import with_changes
 
 BASE = ModelConfig(vocab_size=1000, hidden=64, n_heads=8, n_layers=2, max_seq_len=64)
 
@@ -24,13 +25,6 @@ def nested(keys: dict) -> dict:
             inner = inner.setdefault(section, {})
         inner[name] = value
     return out
-
-
-def with_changes(cfg: ModelConfig, changes: dict) -> ModelConfig:
-    """`cfg` with each dotted key of `changes` replaced."""
-    for key, value in changes.items():
-        cfg = replaced(cfg, key, value)
-    return cfg
 
 
 @pytest.mark.unit

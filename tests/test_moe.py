@@ -31,15 +31,8 @@ from megalite.training.engine import NativeEngine
 from megalite.training.grads import sum_embedding_copies
 from megalite.typed_config import ConfigError, replaced
 from tests.support.harness import run_distributed
-from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch
+from tests.support.models import CONFIGS, full_sequence, gather_full, padded_batch, with_changes
 from tests.support.moe import MOE, moe_layers, moe_layers_by_name
-
-
-def with_changes(cfg, changes: dict):
-    """`cfg` with each dotted key of `changes` replaced."""
-    for key, value in changes.items():
-        cfg = replaced(cfg, key, value)
-    return cfg
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 LENGTHS = (12, 7, 3, 10, 8, 12, 5, 1)

@@ -2,6 +2,7 @@
 import torch
 
 from megalite.config import ModelConfig
+from megalite.typed_config import replaced
 from megalite.run_config import load_model_config
 from megalite.parallel.context import gather_sequence
 from megalite.parallel.mappings import all_gather, group_size
@@ -64,3 +65,10 @@ def gather_full(local: torch.Tensor, shard: Shard | None, pstate: ParallelState)
 def same_on_all_ranks(x: torch.Tensor, group) -> bool:
     copies = all_gather(x.unsqueeze(0), 0, group)
     return all(torch.equal(c, copies[0]) for c in copies)
+
+
+def with_changes(cfg: ModelConfig, changes: dict) -> ModelConfig:
+    """`cfg` with each dotted key of `changes` replaced (typed_config.replaced)."""
+    for key, value in changes.items():
+        cfg = replaced(cfg, key, value)
+    return cfg
