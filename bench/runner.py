@@ -201,24 +201,33 @@ def stop_session(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 
 def _reason(log_text: str) -> str:
     """Why a point failed, from its torchrun log: megalite's own error if a rank printed one,
-    else the rank torchrun names as the root cause, its exit code (a crash leaves only a
-    signal) and the exception it raised (the others' are mostly 'connection closed by peer')."""
+    else a failed rank, its exit code (a crash leaves only a signal) and the exception it
+    raised. Torchrun's root cause comes first unless it only lost its peer ('connection closed
+    by peer': it names whichever rank's failure torchrun saw first, often a bystander's)."""
     lines = [line.strip() for line in log_text.splitlines() if line.strip()]
     for line in lines:
         if "megalite: error" in line:
             return line
-    cause = lines[next((i for i, line in enumerate(lines) if line.startswith("Root Cause")),
-                       len(lines)):]
-    rank = next((line.split(":", 1)[1].split()[0] for line in cause if line.startswith("rank ")),
-                None)
-    exit_code = next((" ".join(line.split(":", 1)[1].split()) for line in cause
-                      if line.startswith("exitcode ")), None)
-    if rank is None or exit_code is None:
+    root = next((i for i, line in enumerate(lines) if line.startswith("Root Cause")), len(lines))
+    failed = {}  # rank -> exit code, the root cause's first
+    for i in [*range(root, len(lines)), *range(root)]:
+        if lines[i].startswith("rank ") and i + 1 < len(lines) and lines[i + 1].startswith("exitcode "):
+            rank = lines[i].split(":", 1)[1].split()[0]
+            failed.setdefault(rank, " ".join(lines[i + 1].split(":", 1)[1].split()))
+    if not failed:
         errors = [line for line in lines if "Error" in line]
         return (errors or lines or ["no output"])[-1]
-    raised = [line.split(":", 1)[1].strip() for line in lines if line.startswith(f"[rank{rank}]:")
-              and _EXCEPTION.match(line.split(":", 1)[1].strip())]
-    return f"rank {rank} exited with {exit_code}" + (f": {raised[-1]}" if raised else "")
+    reasons = []
+    for rank, exit_code in failed.items():
+        raised = [line.split(":", 1)[1].strip() for line in lines if line.startswith(f"[rank{rank}]:")
+                  and _EXCEPTION.match(line.split(":", 1)[1].strip())]
+        reasons.append((bool(raised) and _PEER_LOST.search(raised[-1]) is not None,
+                        f"rank {rank} exited with {exit_code}" + (f": {raised[-1]}" if raised else "")))
+    return next((reason for lost, reason in reasons if not lost), reasons[0][1])
+
+
+# A rank that failed only because another rank died (gloo's and NCCL's words for it).
+_PEER_LOST = re.compile(r"closed by peer|Connection reset|Broken pipe|remote process exited", re.I)
 
 
 # The last line of a Python traceback: "SomeError: message" or "pkg.mod.SomeError: message".

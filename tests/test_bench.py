@@ -380,6 +380,19 @@ def test_a_crashed_point_is_reported_by_its_rank_and_cause(tmp_path, how):
     assert reason.endswith("RuntimeError: rank 1 gave up") if how == "raises" else "SIGSEGV" in reason
 
 
+def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause():
+    # torchrun's root cause is the first failure it observed: sometimes the bystander's.
+    log = "\n".join([
+        "[rank1]: RuntimeError: rank 1 gave up",
+        "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1",
+        "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 11)",
+        "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 10)"])
+    assert _reason(log) == "rank 1 exited with 1 (pid: 11): RuntimeError: rank 1 gave up"
+    # With nothing better, the root cause stands.
+    assert _reason(log.replace("rank 1 gave up", "Broken pipe")).startswith("rank 0 exited with 1 (pid: 10)")
+
+
 # scaling.yaml holds the scaling model's inputs, not a sweep.
 @pytest.mark.parametrize("sweep", sorted(p for p in (CONFIGS / "bench").glob("*.yaml")
                                          if p.name != "scaling.yaml"), ids=lambda p: p.name)
