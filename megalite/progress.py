@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable, TextIO
 
 
@@ -38,11 +38,16 @@ class Progress:
             if time.monotonic() - self.last_line >= self.every_s or position >= self.total:
                 self._flush()
 
+    @contextmanager
     def aside(self):
         """A context in which other output goes to lines of its own, not into the bar's."""
-        if self.bar is None:
-            return nullcontext()
-        return _bar_cleared(self.bar)
+        if self.bar is not None:
+            self.bar.clear()
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -54,11 +59,3 @@ class Progress:
         print(self.pending, file=self.file, flush=True)
         self.pending, self.last_line = None, time.monotonic()
 
-
-@contextmanager
-def _bar_cleared(bar):
-    bar.clear()
-    try:
-        yield
-    finally:
-        bar.refresh()

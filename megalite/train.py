@@ -48,17 +48,13 @@ from megalite.plan import Plan, plan_run, sample_sets
 from megalite.run_setup import run_identity
 
 
-def parse_args(argv: list[str]) -> tuple[Config, frozenset[str]]:
-    args = train_parser().parse_args(argv)
-    return (load_config(args.config, args.overrides, pretrained_model),
-            given_keys(args.config, args.overrides))
-
-
 def main(argv: list[str] | None = None) -> int:
-    cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
+    args = train_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.config, args.overrides, pretrained_model)
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
-    plan = plan_run(cfg, given, int(os.environ.get("WORLD_SIZE", "1")), launched="WORLD_SIZE" in os.environ)
+    plan = plan_run(cfg, given_keys(args.config, args.overrides), int(os.environ.get("WORLD_SIZE", "1")),
+                    launched="WORLD_SIZE" in os.environ)
     with StopRequest() as stop:
         pstate = init_parallel(plan.cfg.parallel)
         try:
@@ -82,42 +78,42 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
     cfg, data, train_set, resume_from = plan.cfg, plan.data, plan.train_set, plan.resume_from
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
-    start, tokens_seen, source_tokens = resume(resume_from, model, ps, cfg, len(data.train))
+    saved = resume(resume_from, model, ps, cfg)
     if resume_from is None and t.init_from:
         load_pretrained(Path(t.init_from), model, ps)
     # After the weights: DeepSpeed copies them into its fp32 partitions.
     engine = build_engine(model, t, ps, cfg.parallel)
     if resume_from is not None and t.load_optimizer:
         engine.load_optimizer_state(read_optimizer_state(resume_from, model, engine.held_rows,
-                                                         engine.state_names), start)
+                                                         engine.state_names), saved["step"])
     snapshots = None
     if t.snapshot_every:
         snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,
                               {**run_identity(cfg, data), "layout": layout_of(ps)})
         if t.resume != "auto":  # from the step named: the later snapshots are not this run's
-            snapshots.drop_after(start)
-        elif (restored := snapshots.restore_newest(start, model, engine)) is not None:
-            start, tokens_seen, source_tokens = (restored["step"], restored["tokens"],
-                                                 restored["tokens_per_source"])
+            snapshots.drop_after(saved["step"])
+        else:  # a snapshot newer than the checkpoint: its step and counters
+            saved = snapshots.restore_newest(saved["step"], model, engine) or saved
+    start = saved["step"]
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
         return
-    metrics = open_run(cfg, ps, data, start, model)
     val_set = sample_sets(data.val, cfg, data).nonempty()
-    if ps.is_main:
-        print(eval_plan(cfg, val_set), flush=True)
+    metrics = open_run(cfg, ps, data, start, model, val_set)
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
     autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
-    bar = progress_bar(ps, start, t.max_steps)
+    # Rank 0's: a bar on a terminal, a line per logged step in a log file.
+    bar = Progress(t.max_steps, lambda step: f"step {step}/{t.max_steps}", enabled=ps.is_main,
+                   initial=start, desc="train")
     # Nothing in a dense model's step waits for the device but the logging steps' .item() (an
     # MoE layer waits for its token counts, which size its all-to-alls): the token counts
     # stay on the device and the stop agreement lags a step, so the host queues step N+1
     # while the device still runs step N. Step N+1's batches are collated (and pinned) in a
     # thread meanwhile, and checkpoints are written to disk in another.
-    counted = TokenCount(tokens_seen, source_tokens, ps.device)
+    counted = TokenCount(saved, len(data.train), ps.device)
     logged_at = start
 
     def host_batches(step: int) -> list[Batch]:
@@ -135,8 +131,14 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
             writer.save(run_dir, step, model, engine, run_rng_state(model.rng), meta, t.keep_checkpoints,
                         tokenizer=data.tokenizer)
 
+        def finish() -> None:
+            writer.finish()  # complete on every rank: the next start resumes from it
+            if snapshots is not None:  # the checkpoint holds it all
+                snapshots.clear()
+
         for step, batches in steps:
-            peers.step = step + 1
+            done = step + 1
+            peers.step = done
             lr = lr_at(step, t)
             engine.set_lr(lr)
             batches = [b.to(ps.device) for b in batches]
@@ -144,50 +146,48 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
             n_tokens = counted.add(all_reduce_over(sum(b.target_count_per_source(len(data.train))
                                                        for b in batches), ps.dp_group))
             model.train()
-            with profiler.step(step + 1):
+            with profiler.step(done):
                 loss, grad_norm = train_step(engine, batches, n_tokens, autocast,
                                              cfg.parallel.pp_schedule)
 
-            done = step + 1
-            logged = done % t.log_every == 0 or done == t.max_steps
+            last = done == t.max_steps
+            logged = done % t.log_every == 0 or last
             if logged:
                 loss_value = all_reduce_loss(loss, ps).item()  # waits for the device
                 # Throughput since the last log: the real tokens trained on (padding excluded),
                 # all ranks together; MFU divides it by the peak of all devices.
                 tokens_per_s = counted.rate()
+                mfu = tokens_per_s * flops / (ps.world_size * peak) if peak else None
+                memory = peak_memory_bytes(ps) / 2**30
                 record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens": int(counted.total.item()), **tokens_by_source(data, counted.per_source),
-                          "tokens_per_s": tokens_per_s,
-                          "mfu": tokens_per_s * flops / (ps.world_size * peak) if peak else None,
-                          "peak_memory_gib": peak_memory_bytes(ps) / 2**30,
+                          "tokens": int(counted.total.item()), **counted.by_source(data),
+                          "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_memory_gib": memory,
                           "time": time.time(), **moe_metrics(model, ps, done - logged_at)}
                 logged_at = done
                 if metrics:
                     metrics.write(record)
-                update_bar(bar, record)
-            evaluated = t.eval_every and done % t.eval_every == 0 and done != t.max_steps
+                bar.show(done, f"loss {loss_value:.4f}, lr {lr:.2e}, tok/s {tokens_per_s:,.0f}, "
+                               f"mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'}, mem {memory:.2f} GiB")
+            evaluated = t.eval_every and done % t.eval_every == 0 and not last
             if evaluated:
                 with bar.aside():  # the validation line on a line of its own
                     evaluate(cfg, model, val_set, ps, done, metrics, autocast)
-            saved = t.checkpoint_every and done % t.checkpoint_every == 0 and done != t.max_steps
-            if saved:
+            checkpointed = t.checkpoint_every and done % t.checkpoint_every == 0 and not last
+            if checkpointed:
                 save(done)
-            snapped = snapshots is not None and done % t.snapshot_every == 0 and done != t.max_steps
-            if snapped:
+            if snapshots is not None and done % t.snapshot_every == 0 and not last:
                 cost = snapshots.save(done, model, engine, run_rng_state(model.rng), counted.counters())
                 if ps.is_main and done == t.snapshot_every * (start // t.snapshot_every + 1):
                     with bar.aside():  # the first of this start: what each costs
                         print(cost, flush=True)
-            if logged or evaluated or saved:  # a new interval; evaluating or saving is not training
+            if logged or evaluated or checkpointed:  # a new interval; evaluating or saving is not training
                 counted.restart()
             if watchdog is not None:
                 watchdog.beat(done)
-            if done != t.max_steps and stop.agreed(ps):
-                if not saved:
+            if not last and stop.agreed(ps):
+                if not checkpointed:
                     save(done)
-                writer.finish()  # the requeued run resumes from it: complete on every rank
-                if snapshots is not None:
-                    snapshots.clear()
+                finish()  # the requeued run resumes from it
                 if ps.is_main:
                     bar.close()
                     print(mark_preempted(run_dir, done, stop.signal_name or "another rank's signal"),
@@ -198,23 +198,21 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
         if watchdog is not None:  # the last save, evaluation and samples may take longer
             watchdog.disarm()
         save(t.max_steps)
-        # Written while the model is evaluated and sampled; complete on every rank before the end.
+        # Written while the model is evaluated and sampled.
         evaluate(cfg, model, val_set, ps, t.max_steps, metrics, autocast)
         samples(cfg, model, data, ps, run_dir)
-        writer.finish()
-        if snapshots is not None:  # the final checkpoint holds it all
-            snapshots.clear()
+        finish()
     if ps.is_main:
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
 
 
-def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int,
-             model) -> MetricsLog | None:
+def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int, model,
+             val_set) -> MetricsLog | None:
     """Rank 0 readies run.dir for the steps after `start`: its config.yaml, no preemption
-    marker, the data, the lr schedule and (Muon) the optimizers announced, and the metrics log
-    (and wandb run) the steps append to; None on the other ranks."""
+    marker, the data, the lr schedule, (Muon) the optimizers and the evaluation announced, and
+    the metrics log (and wandb run) the steps append to; None on the other ranks."""
     if not ps.is_main:
         return None
     run_dir = Path(cfg.run.dir)
@@ -230,6 +228,7 @@ def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int,
     if (optimizers := describe_optimizers(model, cfg.train, ps)) is not None:
         print(optimizers, flush=True)
     wandb_run = start_wandb(cfg.run.wandb_project, run_dir, to_dict(cfg)) if cfg.run.wandb else None
+    print(eval_plan(cfg, val_set), flush=True)
     return MetricsLog(run_dir / "metrics.jsonl", start if start else None, wandb_run)
 
 
@@ -237,9 +236,11 @@ class TokenCount:
     """The real target tokens trained on, on the device (read on logging steps only): in all,
     per blend source, and since the current interval began (tokens/s)."""
 
-    def __init__(self, seen: int, per_source: list, device: torch.device):
-        self.total = torch.tensor(float(seen), dtype=torch.float64, device=device)
-        self.per_source = torch.tensor(per_source, dtype=torch.float64, device=device)
+    def __init__(self, saved: dict, n_sources: int, device: torch.device):
+        """saved: a checkpoint's or snapshot's counters (none at a fresh start)."""
+        self.total = torch.tensor(float(saved.get("tokens", 0)), dtype=torch.float64, device=device)
+        self.per_source = torch.tensor(saved.get("tokens_per_source", [0.0] * n_sources),
+                                       dtype=torch.float64, device=device)
         self.restart()
 
     def add(self, per_source: torch.Tensor) -> torch.Tensor:
@@ -254,6 +255,12 @@ class TokenCount:
         """What a checkpoint or snapshot keeps of it (waits for the device)."""
         return {"tokens": int(self.total.item()), "tokens_per_source": self.per_source.tolist()}
 
+    def by_source(self, data: PreparedData) -> dict:
+        """A blend's tokens so far from each source (metrics.jsonl), by the path given."""
+        if len(data.train) == 1:
+            return {}
+        return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, self.per_source.tolist())}}
+
     def restart(self) -> None:
         self.since, self.interval = time.perf_counter(), torch.zeros_like(self.total)
 
@@ -266,29 +273,17 @@ class Preempted(Exception):
     """Raised on every rank after the checkpoint of an agreed early stop."""
 
 
-def tokens_by_source(data: PreparedData, per_source: torch.Tensor) -> dict:
-    """A blend's tokens so far from each source (metrics.jsonl), by the path given."""
-    if len(data.train) == 1:
-        return {}
-    return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, per_source.tolist())}}
-
-
-def resume(path: Path | None, model, ps: ParallelState, cfg: Config,
-           n_sources: int) -> tuple[int, int, list]:
-    """(step, tokens seen, tokens seen per source) to start from: zeros, or the checkpoint's,
-    its weights and RNG state loaded (the optimizer's are loaded once the engine exists)."""
+def resume(path: Path | None, model, ps: ParallelState, cfg: Config) -> dict:
+    """The step (and token counters) to start from: {"step": 0}, or the checkpoint's meta, its
+    weights and RNG state loaded (the optimizer's are loaded once the engine exists)."""
     if path is None:
-        return 0, 0, [0.0] * n_sources
+        return {"step": 0}
     meta, rng = load_checkpoint(path, model, ps)
     if rng is not None:
         restore_run_rng(model.rng, rng)
-    if ps.is_main:
-        announce_resume(path, meta, layout_of(ps), cfg)
-    return meta["step"], meta["tokens"], meta.get("tokens_per_source", [0.0] * n_sources)
-
-
-def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
-    saved = meta.get("layout", {})
+    if not ps.is_main:
+        return meta
+    saved, layout = meta.get("layout", {}), layout_of(ps)
     lines = [f"resumed from {path} at step {meta['step']}"]
     if saved != layout:
         def shown(l: dict) -> str:
@@ -302,6 +297,7 @@ def announce_resume(path: Path, meta: dict, layout: dict, cfg: Config) -> None:
                      "draws it by shuffle.py's keyed permutation, so the steps from here read "
                      "other samples than that version would have")
     print("\n".join(lines), flush=True)
+    return meta
 
 
 def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: Path) -> None:
@@ -355,19 +351,6 @@ def report_data(data: PreparedData) -> None:
         notes.append(f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
                      f"left out (data.drop_longer)")
     print("data: " + "; ".join(notes), flush=True)
-
-
-def progress_bar(ps: ParallelState, start: int, total: int) -> Progress:
-    """Rank 0's: a bar on a terminal, a line per logged step in a log file."""
-    return Progress(total, lambda step: f"step {step}/{total}", enabled=ps.is_main,
-                    initial=start, desc="train")
-
-
-def update_bar(bar: Progress, record: dict) -> None:
-    mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "-"
-    bar.show(record["step"], f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                             f"tok/s {record['tokens_per_s']:,.0f}, mfu {mfu}, "
-                             f"mem {record['peak_memory_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

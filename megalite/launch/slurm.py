@@ -29,9 +29,7 @@ def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path)
     s = sweep.slurm
     optional = [f"#SBATCH --{key}={value}" for key, value in
                 (("partition", s.partition), ("account", s.account), ("qos", s.qos),
-                 ("constraint", s.constraint)) if value]
-    if s.gpus_per_node:
-        optional.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+                 ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node)) if value]
     optional += [f"#SBATCH {line}" for line in s.extra_sbatch]
     return Template(TEMPLATE.read_text()).substitute(
         name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
@@ -93,26 +91,29 @@ def task_states(sweep_dir: Path) -> dict[int, str] | None:
     if not job_file.is_file():
         return None
     job = job_file.read_text().strip()
-    states = {}
     if shutil.which("sacct"):
         out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "--format=JobID,State"],
                              capture_output=True, text=True)
-        for line in out.stdout.splitlines() if out.returncode == 0 else []:
-            job_id, state = line.split("|")[:2]
-            if "_" in job_id and job_id.split("_")[1].isdigit():
-                states[int(job_id.split("_")[1])] = state.split()[0]
-    if states:
-        return states
+        if out.returncode == 0 and (states := array_tasks(out.stdout)):
+            return states
     if not shutil.which("squeue"):
         return None
     out = subprocess.run(["squeue", "-j", job, "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True)
     if out.returncode != 0:
         # A finished job is "invalid" to squeue once slurmctld forgets it: the queue answered.
         return {} if "Invalid job id" in out.stderr else None
-    for line in out.stdout.splitlines():
-        job_id, state = line.split("|")
-        if "_" in job_id:
-            states[int(job_id.split("_")[1])] = state
+    return array_tasks(out.stdout)
+
+
+def array_tasks(listing: str) -> dict[int, str]:
+    """{task: state} from sacct's or squeue's JOBID|STATE lines ("CANCELLED by 42": CANCELLED);
+    the job's own line (no _TASK) is left out."""
+    states = {}
+    for line in listing.splitlines():
+        job_id, state = line.split("|")[:2]
+        task = job_id.partition("_")[2]
+        if task.isdigit():
+            states[int(task)] = state.split()[0]
     return states
 
 
@@ -139,9 +140,8 @@ def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> 
         state = "unknown"  # Slurm did not answer
     else:
         state = "not submitted"
-    return {"state": state, "step": steps[-1]["step"] if steps else None,
-            "loss": steps[-1]["loss"] if steps else None,
-            "tokens_per_s": steps[-1]["tokens_per_s"] if steps else None}
+    last = steps[-1] if steps else {}
+    return {"state": state, **{key: last.get(key) for key in ("step", "loss", "tokens_per_s")}}
 
 
 def main_status(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from megalite.cli import ERROR_DIR, STOPPED
+from megalite.failures import ERROR_PREFIX
 from megalite.parallel.state import UNSHARED_STORE
 from megalite.training.preemption import PREEMPTED
 
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
             if any(Path(errors).glob(f"{STOPPED}*")):
                 return PREEMPTED
             if quiet.killed:
-                print("megalite: error: the ranks did not stop with their checkpoint in torchrun's "
+                print(f"{ERROR_PREFIX}the ranks did not stop with their checkpoint in torchrun's "
                       "--shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) and "
                       "were killed: raise it; train.resume=auto resumes from the last checkpoint",
                       file=sys.stderr, flush=True)
