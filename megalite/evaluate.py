@@ -57,14 +57,12 @@ def windows_loss(model: GPT, ids: list[int], pad_id: int,
     predict nothing, loss and count 0)."""
     ps, length = model.pstate, model.cfg.max_seq_len
     chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
-    starts = window_starts(len(ids), length)
-    rows = [np.asarray(ids[start:start + length]) for start in starts]
-    wanted = [None if targets is None else targets[start:start + length] for start in starts]
     total = torch.zeros(2, dtype=torch.float64, device=ps.device)
-    for first in range(0, len(rows), WINDOWS_PER_PASS):
-        batches = [collate("padded", [row], pad_id, chunks, [want]).to(ps.device)
-                   for row, want in zip(rows[first:first + WINDOWS_PER_PASS],
-                                        wanted[first:first + WINDOWS_PER_PASS])]
+    per_pass = WINDOWS_PER_PASS * length
+    for first in range(0, len(ids), per_pass):  # windows of `length`, the last one shorter
+        batches = [collate("padded", [np.asarray(ids[start:start + length])], pad_id, chunks,
+                           [None if targets is None else targets[start:start + length]]).to(ps.device)
+                   for start in range(first, min(first + per_pass, len(ids)), length)]
         total += loss_sum(model, batches, nullcontext())
     return total
 
@@ -82,12 +80,6 @@ def conversation_pieces(path: Path, template: ChatTemplate, tokenizer: Tokenizer
             raise ConfigError(f"--chat '{path}' line {n}: {err}: give conversations as "
                               f"{{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} or "
                               f"{{\"prompt\": ..., \"completion\": ...}}") from None
-
-
-def window_starts(n_ids: int, length: int) -> range:
-    """Where each window of a piece of n_ids tokens starts: windows of `length`, the last one
-    shorter."""
-    return range(0, n_ids, length)
 
 
 def check_windows_split(max_seq_len: int, parallel: ParallelConfig) -> None:
@@ -121,7 +113,7 @@ def main(argv: list[str]) -> int:
         length, spare = model.cfg.max_seq_len, 0
         if ps.ep_size > 1:  # kept: the windows are counted before the first forward
             pieces = list(pieces)
-            mine = sum(len(window_starts(len(ids), length)) for ids, _ in pieces)
+            mine = sum(-(-len(ids) // length) for ids, _ in pieces)  # windows
             most = torch.tensor(mine, device=ps.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.ep_group)
             spare = int(most) - mine

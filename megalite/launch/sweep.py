@@ -69,7 +69,6 @@ class SweepFile:
 @dataclass
 class Run:
     index: int
-    short_name: str
     overrides: list[str]
     config: Config
 
@@ -92,14 +91,8 @@ def expand(name: str, grid: dict, points: list) -> list[dict]:
 def short_name(point: dict) -> str:
     """A point's settings as a directory name: a mapping's or a list's punctuation dropped; a
     section's kind by the section (model.attention.kind=mla: attentionmla)."""
-    return "-".join(setting_name(k) + re.sub(r"[^\w.=+-]", "", str(v))
+    return "-".join(k.removesuffix(".kind").rsplit(".", 1)[-1] + re.sub(r"[^\w.=+-]", "", str(v))
                     for k, v in point.items()) or "base"
-
-
-def setting_name(key: str) -> str:
-    """A setting's short name: its last part, or for a kind its section's."""
-    parts = key.split(".")
-    return parts[-2] if parts[-1] == "kind" and len(parts) > 1 else parts[-1]
 
 
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
@@ -133,5 +126,5 @@ def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
         except ConfigError as err:
             raise ConfigError(f"sweep point {index} ({short}) on {sweep.slurm.nodes} node(s) x "
                               f"{sweep.slurm.procs} processes: {err}") from None
-        runs.append(Run(index, short, overrides, config))
+        runs.append(Run(index, overrides, config))
     return sweep, runs
