@@ -183,7 +183,7 @@ class Mixture:
         return batch
 
 
-# Checkpoints record it: a resume across a change of the order says so (train.announce_resume).
+# Checkpoints record it: a resume across a change of the order says so (train.resume).
 SAMPLE_ORDER = 2  # 2: shuffle.py's keyed permutation
 
 
