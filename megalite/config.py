@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, failing
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: installed with it
 
@@ -33,14 +33,13 @@ class GroupedQuery:
 
     def problems(self, model: ModelConfig) -> list[str]:
         window, pattern, scalar = self.sliding_window, self.sliding_window_pattern, self.query_pre_attn_scalar
-        checks = [
+        return failing(
             (self.n_kv_heads is None or self.n_kv_heads >= 1,
              f"model.attention.n_kv_heads={self.n_kv_heads} must be >= 1"),
             (self.head_dim is None or self.head_dim >= 1,
              f"model.attention.head_dim={self.head_dim} must be >= 1 (or null: hidden / n_heads)"),
             (scalar is None or scalar > 0, f"model.attention.query_pre_attn_scalar={scalar} must be > 0"),
-        ]
-        return [m for ok, m in checks if not ok] + _window_problems(window, pattern)
+        ) + _window_problems(window, pattern)
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Latent:
         sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
                  "v_head_dim": self.v_head_dim}
         problems = [f"model.attention.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
-        checks = [
+        return problems + failing(
             (self.qk_nope_head_dim >= 0, f"model.attention.qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0"),
             (self.q_lora_rank is None or self.q_lora_rank >= 1,
              f"model.attention.q_lora_rank={self.q_lora_rank} must be >= 1, or null (a plain query projection)"),
@@ -72,8 +71,7 @@ class Latent:
             (model.rotary is None or model.rotary.local_theta is None,
              f"model.attention.kind=mla turns every layer at model.positions.theta: "
              f"model.positions.local_theta={model.rotary and model.rotary.local_theta} would do nothing; leave it out"),
-        ]
-        return problems + [m for ok, m in checks if not ok] + _window_problems(self.sliding_window,
+        ) + _window_problems(self.sliding_window,
                                                                                self.sliding_window_pattern)
 
 
@@ -111,15 +109,14 @@ class Llama3Scaling:
 
     def problems(self, model: ModelConfig) -> list[str]:
         low, high = self.low_freq_factor, self.high_freq_factor
-        checks = [
+        return failing(
             (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
             (low > 0, f"model.positions.scaling.low_freq_factor={low} must be > 0"),
             (high > low, f"model.positions.scaling.high_freq_factor={high} must be > "
                          f"low_freq_factor={low} (Llama 3.1: 4 and 1)"),
             (self.original_max_seq_len >= 1,
              f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
-        ]
-        return [m for ok, m in checks if not ok]
+        )
 
 
 @dataclass(frozen=True)
@@ -142,15 +139,14 @@ class YarnScaling:
     mscale_all_dim: float = 0.0
 
     def problems(self, model: ModelConfig) -> list[str]:
-        checks = [
+        return failing(
             (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
             (self.beta_fast > self.beta_slow > 0,
              f"model.positions.scaling.beta_fast={self.beta_fast} must be > beta_slow={self.beta_slow} "
              f"> 0 (YaRN: 32 and 1)"),
             (self.original_max_seq_len >= 1,
              f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
-        ]
-        return [m for ok, m in checks if not ok]
+        )
 
 
 @dataclass(frozen=True)
@@ -165,15 +161,14 @@ class Rotary:
     scaling: Union[Unscaled, LinearScaling, Llama3Scaling, YarnScaling] = Unscaled()
 
     def problems(self, model: ModelConfig) -> list[str]:
-        checks = [
+        return failing(
             (self.theta > 0, f"model.positions.theta={self.theta} must be > 0"),
             (self.local_theta is None or self.local_theta > 0,
              f"model.positions.local_theta={self.local_theta} must be > 0"),
             (self.local_theta is None or model.attention.sliding_window is not None,
              f"model.positions.local_theta={self.local_theta} is the sliding-window layers' rotary "
              f"base: it needs model.attention.sliding_window"),
-        ]
-        return [m for ok, m in checks if not ok] + getattr(self.scaling, "problems", lambda _: [])(model)
+        ) + getattr(self.scaling, "problems", lambda _: [])(model)
 
 
 Activation = Literal["gelu", "gelu_tanh", "swiglu", "geglu_tanh"]
@@ -224,7 +219,7 @@ class Experts:
 
     def problems(self, model: ModelConfig) -> list[str]:
         e, cf = self.experts, self.capacity_factor
-        checks = [
+        return failing(
             (e >= 1, f"model.mlp.experts={e} must be >= 1 (a dense model: model.mlp.kind=dense)"),
             (1 <= self.top_k <= e, f"model.mlp.top_k={self.top_k} must be in [1, model.mlp.experts={e}]"),
             (self.every >= 1, f"model.mlp.every={self.every} must be >= 1"),
@@ -246,8 +241,7 @@ class Experts:
             (cf is None or cf > 0, f"model.mlp.capacity_factor={cf} must be > 0 (or null: dropless)"),
             (min(self.aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate) >= 0,
              "model.mlp.aux_loss_coeff, z_loss_coeff and bias_update_rate must be >= 0"),
-        ]
-        return [m for ok, m in checks if not ok]
+        )
 
 
 @dataclass(frozen=True)
@@ -300,13 +294,12 @@ class ModelConfig:
                  "max_seq_len": self.max_seq_len, "n_layers": self.n_layers, "hidden": self.hidden,
                  "n_heads": self.n_heads, "mlp.ffn_hidden": self.ffn}
         problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
-        checks = [
+        problems += failing(
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
             (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
             (self.final_logit_softcap is None or self.final_logit_softcap > 0,
              f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or null: none)"),
-        ]
-        problems += [m for ok, m in checks if not ok]
+        )
         for section in (self.attention, self.positions, self.mlp, self.norms):
             problems += getattr(section, "problems", lambda _: [])(self)
         return problems
@@ -389,15 +382,14 @@ class ModelConfig:
 
 
 def _window_problems(window: int | None, pattern: int) -> list[str]:
-    checks = [
+    return failing(
         (window is None or window >= 1,
          f"model.attention.sliding_window={window} must be >= 1 (or null: the whole context)"),
         (pattern >= 1, f"model.attention.sliding_window_pattern={pattern} must be >= 1"),
         (pattern == 1 or window is not None,
          f"model.attention.sliding_window_pattern={pattern} spaces the global layers among sliding "
          f"ones: it needs model.attention.sliding_window"),
-    ]
-    return [m for ok, m in checks if not ok]
+    )
 
 
 # The model settings that are training's, not the architecture's: under train.init_from the

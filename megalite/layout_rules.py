@@ -3,6 +3,7 @@ before any collective runs: one ConfigError naming each value and its fix."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig, ParallelConfig
+from megalite.typed_config import failing
 
 
 def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
@@ -81,7 +82,7 @@ def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfi
 
 
 def _model_split_problems(model: ModelConfig) -> list[str]:
-    checks = [
+    return failing(
         (model.mla or model.attention.head_dim is not None or model.hidden % model.n_heads == 0,
          f"model.hidden={model.hidden} is not divisible by model.n_heads={model.n_heads}: "
          f"choose n_heads among {_divisors(model.hidden)}, or set model.attention.head_dim"),
@@ -92,8 +93,7 @@ def _model_split_problems(model: ModelConfig) -> list[str]:
          f"rotary positions need an even head dim, got {model.rotary_dim}: change "
          f"model.attention.head_dim (or model.hidden or model.n_heads; MLA: "
          f"model.attention.qk_rope_head_dim)"),
-    ]
-    return [message for ok, message in checks if not ok]
+    )
 
 
 def _tp_problem(model: ModelConfig | None, tp: int, world_size: int, cp_pp: int,

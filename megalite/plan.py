@@ -26,7 +26,7 @@ from megalite.run_setup import (check_run_dir, find_resume, with_epochs, with_pr
                                 with_schedule, with_tokenizer_vocab)
 from megalite.training.build import inductor_options
 from megalite.training.deepspeed_engine import deepspeed_problems
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, failing
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def run_problems(cfg: Config, world: int, dp: int, installed: bool) -> list[str]
     chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
     sp = " x parallel.tp (sequence parallel)" if parallel.sequence_parallel else ""
     batches = t.micro_batch_size >= 1 and t.global_batch_size >= 1
-    rules = [
+    return failing(
         (parallel.dp_bucket_mb > 0, f"parallel.dp_bucket_mb={parallel.dp_bucket_mb} must be > 0: it is the "
                                     f"size of a DP gradient bucket in MiB; use e.g. 25 (PyTorch DDP's default)"),
         (not (t.engine == "native" and t.zero_stage == 2),
@@ -135,8 +135,7 @@ def run_problems(cfg: Config, world: int, dp: int, installed: bool) -> list[str]
         (not (installed and t.fp8.recipe != "none") or importlib.util.find_spec("torchao") is not None,
          f"train.fp8.recipe={t.fp8.recipe} needs the torchao package: pip install 'torchao>=0.18', "
          f"or set train.fp8.recipe=none"),
-    ]
-    return [message for ok, message in rules if not ok]
+    )
 
 
 def train_problems(t: TrainConfig, installed: bool = True) -> list[str]:

@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A config that cannot describe a valid run; the message names the value and the fix."""
 
 
+def failing(*checks: tuple[bool, str]) -> list[str]:
+    """The messages of the (ok, message) checks that fail: a rule set's problems, one a line."""
+    return [message for ok, message in checks if not ok]
+
+
 def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
