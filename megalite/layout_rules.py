@@ -36,26 +36,20 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
         # would have to be drawn whole and indexed for every layer to stay the same model.
         problems.append(f"parallel.cp={cp} with model.dropout={model.dropout}: context parallelism "
                         f"trains without dropout (as pretraining does); set model.dropout=0")
-    splittable = model  # a model whose sizes are valid: what tp must divide
-    if model is not None:
-        bad_values = model.problems()
-        problems += bad_values
-        if bad_values:
-            splittable = None
-        else:
-            problems += _model_split_problems(model)
+    bad_values = [] if model is None else model.problems()
+    splittable = None if bad_values else model  # a model whose sizes are valid: what tp must divide
+    problems += bad_values + ([] if splittable is None else _model_split_problems(model))
     if tp >= 1 and pp >= 1 and cp >= 1:
         problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1,
                                 vocab)
-    if splittable is not None and tp >= 1:
-        if sequence_parallel and model.max_seq_len % tp:
-            # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
-            # length must still have positions.
-            m = model.max_seq_len
-            problems.append(f"parallel.sequence_parallel=true splits every sequence into "
-                            f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
-                            f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
-                            f"parallel.sequence_parallel=false")
+    if splittable is not None and tp >= 1 and sequence_parallel and model.max_seq_len % tp:
+        # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
+        # length must still have positions.
+        m = model.max_seq_len
+        problems.append(f"parallel.sequence_parallel=true splits every sequence into "
+                        f"parallel.tp={tp} shards, so model.max_seq_len={m} must be a "
+                        f"multiple of {tp}: use max_seq_len={m + tp - m % tp}, or "
+                        f"parallel.sequence_parallel=false")
     return problems + _expert_parallel_problems(splittable, parallel, world_size, world_misfit)
 
 

@@ -291,10 +291,8 @@ def _resolve_preset(model) -> dict:
     if not isinstance(model, dict):
         return model
     model = nest(model)
-    if "preset" not in model:
-        return model
-    model = dict(model)
-    return merged(read_preset(model.pop("preset")), model, ModelConfig)
+    rest = {k: v for k, v in model.items() if k != "preset"}
+    return merged(read_preset(model["preset"]), rest, ModelConfig) if "preset" in model else model
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:

@@ -21,6 +21,9 @@ class ConfigError(ValueError):
     """A config that cannot describe a valid run; the message names the value and the fix."""
 
 
+PLAIN = {bool: "true or false", int: "an integer", str: "a string"}  # what coerce names them
+
+
 def failing(*checks: tuple[bool, str]) -> list[str]:
     """The messages of the (ok, message) checks that fail: a rule set's problems, one a line."""
     return [message for ok, message in checks if not ok]
@@ -106,13 +109,10 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a {'mapping' if annotation is dict else 'list'}, "
                               f"got {value!r}")
         return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation in PLAIN:
+        # bool is an int to isinstance: true is not an integer here
+        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {PLAIN[annotation]}, got {value!r}")
         return value
     if annotation is float:
         if isinstance(value, str):
@@ -124,10 +124,6 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
     raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
 
 
