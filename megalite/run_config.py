@@ -227,7 +227,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), pretrained=N
 def given_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[str]:
     """The dotted keys the file, its model preset and the overrides set, whatever their value
     (what train.init_from must not replace in silence)."""
-    return frozenset(_flat_keys(_raw_config(path, overrides)))
+    return frozenset(flat(_raw_config(path, overrides)))
 
 
 def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
@@ -246,14 +246,17 @@ def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
     return raw
 
 
-def _flat_keys(tree, prefix: str = ""):
+def flat(tree, prefix: str = "") -> dict:
+    """{dotted key: value} of a mapping's settings; an empty mapping is a value of its own."""
+    out = {}
     for key, value in tree.items() if isinstance(tree, dict) else ():
         # A mapping-valued key that is a setting of its own (train.compile_options) still
         # yields its sub-keys: a prefix match on the section is what callers ask.
         if isinstance(value, dict) and value:
-            yield from _flat_keys(value, f"{prefix}{key}.")
+            out.update(flat(value, f"{prefix}{key}."))
         else:
-            yield f"{prefix}{key}"
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 # Keys of earlier versions, which a run's config.yaml may hold (a Slurm task re-reads its own on

@@ -18,7 +18,7 @@ from megalite.config import TRAINING_SETTINGS, ModelConfig
 from megalite.flat_keys import nest
 from megalite.data.prepared import PreparedData
 from megalite.hf.convert import check_tokenizer_matches, pretrained_config
-from megalite.run_config import Config, TrainConfig, to_dict
+from megalite.run_config import Config, TrainConfig, flat, to_dict
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.typed_config import ConfigError, from_dict, leaves, replaced
 
@@ -136,8 +136,8 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     # A key the checkpoint's version did not have had its default's meaning then; its model
     # may be of before the sections (flat_keys.py).
     model = to_dict(from_dict(ModelConfig, nest(saved["config"]["model"], note=False), "model."))
-    now = _flat(to_dict(cfg))
-    before = {**_flat(to_dict(Config())), **_flat({**saved["config"], "model": {}}), **_flat(model, "model.")}
+    now = flat(to_dict(cfg))
+    before = {**flat(to_dict(Config())), **flat({**saved["config"], "model": {}}), **flat(model, "model.")}
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
                if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
     check_same_optimizer(cfg.train, saved["config"].get("train", {}), path)
@@ -158,8 +158,8 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
 
 def run_identity(cfg: Config, data: PreparedData) -> dict:
     """What fixes the meaning of a step (RESUME_KEYS) and the data: equal for the same run."""
-    flat = _flat(to_dict(cfg))
-    return {"config": {k: flat[k] for k in sorted(flat)
+    settings = flat(to_dict(cfg))
+    return {"config": {k: settings[k] for k in sorted(settings)
                        if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS},
             "data": data.meta["content"]}
 
@@ -173,12 +173,3 @@ def check_same_optimizer(t: TrainConfig, saved_train: dict, path: Path) -> None:
                           f"train.optimizer={saved}, or set train.load_optimizer=false to load the "
                           f"weights alone ({t.optimizer} then starts from fresh state)")
 
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
