@@ -294,15 +294,13 @@ class ModelConfig:
                  "max_seq_len": self.max_seq_len, "n_layers": self.n_layers, "hidden": self.hidden,
                  "n_heads": self.n_heads, "mlp.ffn_hidden": self.ffn}
         problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
-        problems += failing(
+        return problems + failing(
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
             (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
             (self.final_logit_softcap is None or self.final_logit_softcap > 0,
              f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or null: none)"),
-        )
-        for section in (self.attention, self.positions, self.mlp, self.norms):
-            problems += getattr(section, "problems", lambda _: [])(self)
-        return problems
+        ) + [line for section in (self.attention, self.positions, self.mlp, self.norms)
+             for line in getattr(section, "problems", lambda _: [])(self)]
 
     @property
     def mla(self) -> bool:

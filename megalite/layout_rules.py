@@ -14,9 +14,8 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
     rules (its sections') included. The plan (plan.py) gathers them with the other rules,
     before any collective, on every rank."""
     tp, pp, cp, sequence_parallel = parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel
-    problems = [] if tp >= 1 else [f"parallel.tp={tp} must be >= 1"]
-    if cp < 1:
-        problems.append(f"parallel.cp={cp} must be >= 1")
+    problems = failing((tp >= 1, f"parallel.tp={tp} must be >= 1"),
+                       (cp >= 1, f"parallel.cp={cp} must be >= 1"))
     world_misfit = tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp)
     if world_misfit and (cp > 1 or pp > 1):
         split = {"tp": tp, "cp": cp, "pp": pp}
@@ -159,14 +158,12 @@ def pipeline_problems(n_layers: int | None, parallel: ParallelConfig,
     if schedule == "interleaved" and pp > 1 and virtual < 2:
         problems.append("parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2 "
                         "model chunks per rank: set it, or use pp_schedule=1f1b")
-    if n_layers is None:
-        pass
-    elif explicit is not None:
+    if n_layers is not None and explicit is not None:
         if len(explicit) != stages or any(n < 1 for n in explicit) or sum(explicit) != n_layers:
             problems.append(f"parallel.pp_layers={list(explicit)} must give each of the "
                             f"pp x virtual_stages = {stages} stages >= 1 layer, "
                             f"{n_layers} (model.n_layers) in all")
-    elif n_layers % stages:
+    elif n_layers is not None and n_layers % stages:
         problems.append(f"model.n_layers={n_layers} does not split evenly into pp x "
                         f"virtual_stages = {stages} stages: give parallel.pp_layers (layers per "
                         f"stage, e.g. {_uneven_example(n_layers, stages)}; megalite generate: "
