@@ -5,8 +5,8 @@ valid key, and every value is checked against its annotated type, so a typo in a
 fails at load time instead of silently falling back to a default.
 
 A section may be one of several variants (`attention: GroupedQuery | Latent`): dataclasses each
-with a `kind` literal, the mapping's `kind` choosing (absent: the field default's). A variant has
-only its own keys, so a key of a variant not chosen is refused naming the one that has it.
+with a `kind` literal, the mapping's `kind` choosing (absent: the first, the field's default). A
+variant has only its own keys, so a key of a variant not chosen is refused naming the one that has it.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def from_dict(cls: type, data: Any, where: str = ""):
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{where}{key}'{hint} "
                               f"(valid keys: {', '.join(sorted(fields))})")
-    return cls(**{key: coerce(hints[key], _with_kind(value, fields[key]), f"{where}{key}")
+    return cls(**{key: coerce(hints[key], value, f"{where}{key}")
                   for key, value in data.items()})
 
 
@@ -52,17 +52,10 @@ def variants(annotation: Any) -> dict[str, type]:
     return {typing.get_args(typing.get_type_hints(o)["kind"])[0]: o for o in options}
 
 
-def _with_kind(value: Any, field: dataclasses.Field) -> Any:
-    """A variant section's mapping without `kind`: the field default's kind."""
-    if isinstance(value, dict) and "kind" not in value and dataclasses.is_dataclass(field.default) \
-            and hasattr(field.default, "kind"):
-        return {"kind": field.default.kind, **value}
-    return value
-
-
 def _variant(choices: dict[str, type], value: Any, key: str):
     if not isinstance(value, dict):
         raise ConfigError(f"{key}: expected a mapping with a kind ({', '.join(choices)}), got {value!r}")
+    # Absent: the first variant, which is every variant section's default (config.py).
     kind = value.get("kind", next(iter(choices)))
     if kind not in choices:
         raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")

@@ -226,3 +226,14 @@ def test_deepspeed_with_a_layout_that_does_not_divide_is_refused_not_a_traceback
                              "train.micro_batch_size=2", *overrides])
     with pytest.raises(ConfigError, match=r"parallel\.tp=2 must divide|train\.micro_batch_size=0"):
         validate(cfg, 1, installed=False)
+
+
+def test_every_variant_sections_default_is_its_first_variant():
+    # typed_config reads a section's mapping without `kind` as its first variant
+    import typing
+
+    from megalite.typed_config import variants
+    for cls in (ModelConfig, Rotary):
+        for f in dataclasses.fields(cls):
+            choices = variants(typing.get_type_hints(cls)[f.name])
+            assert not choices or next(iter(choices)) == f.default.kind, f.name
