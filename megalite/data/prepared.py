@@ -229,8 +229,12 @@ def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
               "train_tokens": sum(s.docs.n_tokens for s in train),
               "val_documents": sum(len(s.docs) for s in val),
               "val_tokens": sum(s.docs.n_tokens for s in val)}
-    for key in SKIPPED_KEYS:
-        counts[key] = sum(m.get(key, 0) for m in metas)
+    return {**counts, **_skipped(metas)}
+
+
+def _skipped(metas: list[dict]) -> dict:
+    """The records skipped, summed over prepared directories' metas (Megatron data's: {})."""
+    counts = {key: sum(m.get(key, 0) for m in metas) for key in SKIPPED_KEYS}
     counts["reasons"] = sum_reasons(m.get("reasons", {}) for m in metas)
     return counts
 
@@ -318,13 +322,12 @@ def _prepared(directories: list[Path]) -> _Store:
         # A file without documents has its counts, but no shard (Megatron cannot map one).
         shards += [IndexedShard(d / s["name"]) for s in meta["shards"] if s["documents"]]
         metas.append(meta)
-        h.update(digest(d / "meta.json").encode())
+        with open(d / "meta.json", "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").hexdigest().encode())
     if len({m["tokenizer"]["sha256"] for m in metas}) > 1:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
-    counts = {k: sum(m[k] for m in metas) for k in SKIPPED_KEYS}
-    counts["reasons"] = sum_reasons(m.get("reasons", {}) for m in metas)
-    return _Store(TokenStore(shards), directories[0], h.hexdigest(), counts)
+    return _Store(TokenStore(shards), directories[0], h.hexdigest(), _skipped(metas))
 
 
 def _megatron(prefixes: list[Path]) -> _Store:
@@ -374,14 +377,6 @@ def _prepare_command(path: str, cfg: DataConfig, out: Path) -> str:
     if given is None:
         args += ["--bpe-vocab-size", str(cfg.bpe_vocab_size), "--bpe-sample-mb", f"{cfg.bpe_sample_mb:g}"]
     return shlex.join(args)
-
-
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _Store:
