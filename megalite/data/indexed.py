@@ -227,23 +227,20 @@ class _Maps:
 
     def __init__(self, shard: IndexedShard):
         self._maps = [_map(idx_path(shard.prefix), 34 + 12 * shard.n_seq + 8 * (shard.n_docs + 1))]
-        if shard.n_tokens:
-            self._maps.append(_map(bin_path(shard.prefix), shard.n_tokens * shard.dtype.itemsize))
-            self.tokens = np.frombuffer(self._maps[1], shard.dtype)
-        else:
-            self.tokens = np.zeros(0, shard.dtype)
-        self.targets = None
-        if shard.has_targets:
-            self.targets = (np.frombuffer(self._add_map(targets_path(shard.prefix), shard.n_tokens), np.uint8)
-                            if shard.n_tokens else np.zeros(0, np.uint8))
+        self.tokens = self._array(bin_path(shard.prefix), shard.n_tokens, shard.dtype)
+        self.targets = self._array(targets_path(shard.prefix), shard.n_tokens, np.dtype(np.uint8)) \
+            if shard.has_targets else None
         n_seq, index = shard.n_seq, self._maps[0]
         self.pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
         self.doc_index = np.frombuffer(index, np.int64, shard.n_docs + 1, 34 + 12 * n_seq)
         self.end = shard.n_tokens * shard.dtype.itemsize
 
-    def _add_map(self, path: Path, size: int) -> mmap.mmap:
-        self._maps.append(_map(path, size))
-        return self._maps[-1]
+    def _array(self, path: Path, n: int, dtype: np.dtype) -> np.ndarray:
+        """`n` items of `dtype` mapped from `path` (an empty file cannot be mapped: none)."""
+        if not n:
+            return np.zeros(0, dtype)
+        self._maps.append(_map(path, n * dtype.itemsize))
+        return np.frombuffer(self._maps[-1], dtype)
 
     def start_bytes(self, docs: np.ndarray) -> np.ndarray:
         """Each document's first byte: its first sequence's, or the end of the data for an
