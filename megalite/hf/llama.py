@@ -112,17 +112,14 @@ def sliding_to_hf(cfg: ModelConfig) -> dict:
 
 # Hugging Face's rope_type -> model.positions.scaling.kind
 SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
-# The rope parameters each scaling reads: megalite's name (model.positions.scaling.*) -> Hugging Face's.
-ROPE_KEYS = {"none": {},
-             "linear": {"factor": "factor"},
-             "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor",
-                        "high_freq_factor": "high_freq_factor",
-                        "original_max_seq_len": "original_max_position_embeddings"},
-             "yarn": {"factor": "factor", "original_max_seq_len": "original_max_position_embeddings"}}
-# Keys a scaling may leave out (their default is megalite's): megalite's name -> Hugging Face's.
-ROPE_OPTIONAL = {"yarn": {"beta_fast": "beta_fast", "beta_slow": "beta_slow",
-                          "attention_factor": "attention_factor", "mscale": "mscale",
-                          "mscale_all_dim": "mscale_all_dim"}}
+# The rope parameters each scaling reads (model.positions.scaling.*), under Hugging Face's name
+# where HF_ROPE renames one.
+ROPE_KEYS = {"none": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+             "yarn": ("factor", "original_max_seq_len")}
+HF_ROPE = {"original_max_seq_len": "original_max_position_embeddings"}
+# Keys a scaling may leave out (their default is megalite's).
+ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")}
 
 
 def rope_from_hf(hf: dict, problems: list[str] | None = None,
@@ -150,22 +147,22 @@ def rope_from_hf(hf: dict, problems: list[str] | None = None,
         given.setdefault("factor", hf["max_position_embeddings"] / given["original_max_position_embeddings"])
         if rope.get("truncate", True) is False:
             problems.append("yarn with truncate=false (megalite rounds the ramp's ends out)")
-    for ours, theirs in ROPE_KEYS[kind].items():
+    for ours in ROPE_KEYS[kind]:
+        theirs = HF_ROPE.get(ours, ours)
         if theirs in given:
             scaling[ours] = int(given[theirs]) if ours == "original_max_seq_len" else float(given[theirs])
         else:
             problems.append(f"rope scaling {rope_type!r} without {theirs!r}")
-    scaling.update({ours: float(given[theirs])
-                    for ours, theirs in ROPE_OPTIONAL.get(kind, {}).items() if theirs in given})
+    scaling.update({ours: float(given[ours]) for ours in ROPE_OPTIONAL.get(kind, ()) if ours in given})
     return out, problems
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
     """transformers 5's rope_parameters, and rope_theta and rope_scaling for older readers."""
     ours, theta = cfg.positions.scaling, cfg.positions.theta
-    keys = {**ROPE_KEYS[ours.kind], **ROPE_OPTIONAL.get(ours.kind, {})}
+    keys = ROPE_KEYS[ours.kind] + ROPE_OPTIONAL.get(ours.kind, ())
     scaling = {"rope_type": next(t for t, kind in SCALINGS.items() if kind == ours.kind),
-               **{theirs: getattr(ours, mine) for mine, theirs in keys.items()
+               **{HF_ROPE.get(mine, mine): getattr(ours, mine) for mine in keys
                   if getattr(ours, mine) is not None}}
     return {"rope_theta": theta, "rope_parameters": {**scaling, "rope_theta": theta},
             "rope_scaling": scaling if keys else None}

@@ -6,7 +6,6 @@ from __future__ import annotations
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS
-from megalite.hf.layout import Recipe
 
 NAME = "MistralForCausalLM"
 NEEDS, FREE = LLAMA_NEEDS, DECODER | {"attention.sliding_window"}
@@ -21,5 +20,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return llama.decoder_from_hf(hf, "Mistral", attention=llama.one_window(hf))
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    return llama.recipe(cfg)
+recipe = llama.recipe  # Llama's tensors and names

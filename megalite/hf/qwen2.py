@@ -5,7 +5,6 @@ from __future__ import annotations
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS
-from megalite.hf.layout import Recipe
 
 NAME = "Qwen2ForCausalLM"
 SLIDING = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
@@ -24,5 +23,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return llama.decoder_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    return llama.recipe(cfg)
+recipe = llama.recipe  # Llama's tensors and names

@@ -6,7 +6,6 @@ from __future__ import annotations
 from megalite.config import ModelConfig
 from megalite.hf import llama, qwen2
 from megalite.hf.expressible import DECODER, LLAMA_NEEDS
-from megalite.hf.layout import Recipe
 
 NAME = "Qwen3ForCausalLM"
 NEEDS, FREE = {**LLAMA_NEEDS, "attention.qk_norm": True}, DECODER | qwen2.SLIDING
@@ -22,5 +21,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return llama.decoder_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    return llama.recipe(cfg)
+recipe = llama.recipe  # Llama's tensors and names
