@@ -17,13 +17,10 @@ NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rms
 FREE = (DECODER - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
                                          "attention.sliding_window_pattern", "positions.local_theta",
                                          "final_logit_softcap"}
-LAYER = {"attn_norm.weight": "input_layernorm.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
-         "attn.out_proj.weight": "self_attn.o_proj.weight",
+# Llama's names, the norm before the MLP renamed, and the norms after attention and MLP
+LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
          "attn_post_norm.weight": "post_attention_layernorm.weight",
-         "mlp_norm.weight": "pre_feedforward_layernorm.weight",
-         "mlp_post_norm.weight": "post_feedforward_layernorm.weight",
-         "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
-         "mlp.down.weight": "mlp.down_proj.weight"}
+         "mlp_post_norm.weight": "post_feedforward_layernorm.weight"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
