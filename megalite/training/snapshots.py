@@ -22,6 +22,7 @@ Not yet: DeepSpeed's engine.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -77,16 +78,11 @@ class Snapshots:
 
     def held(self) -> list[tuple[int, int]]:
         """(step, rank) of the files here: this node's ranks' and the copies it keeps."""
-        found = []
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:  # removed by a rank of this node at the end (clear)
             return []
-        for name in names:
-            m = FILE.match(name)
-            if m:
-                found.append((int(m[1]), int(m[2])))
-        return sorted(found)
+        return sorted((int(m[1]), int(m[2])) for m in map(FILE.match, names) if m)
 
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
@@ -135,22 +131,18 @@ class Snapshots:
               source: int | None) -> bytes | None:
         """Send `data` (if any) to rank `to` while receiving from `source` (if asked), over
         this object's own gloo group: a length, then the bytes."""
-        ops = []
-        size = torch.zeros(1, dtype=torch.int64)
-        if data is not None:
-            ops.append(dist.isend(torch.tensor([len(data)]), to, group=self._group))
-        if receive:
-            ops.append(dist.irecv(size, source, group=self._group))
-        for op in ops:
-            op.wait()
-        ops, buffer = [], torch.empty(int(size), dtype=torch.uint8)
-        if data is not None:
-            ops.append(dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), to,
-                                  group=self._group))
-        if receive:
-            ops.append(dist.irecv(buffer, source, group=self._group))
-        for op in ops:
-            op.wait()
+        def exchange(sent: torch.Tensor | None, into: torch.Tensor) -> torch.Tensor:
+            ops = [] if sent is None else [dist.isend(sent, to, group=self._group)]
+            if receive:
+                ops.append(dist.irecv(into, source, group=self._group))
+            for op in ops:
+                op.wait()
+            return into
+
+        size = exchange(None if data is None else torch.tensor([len(data)]),
+                        torch.zeros(1, dtype=torch.int64))
+        buffer = exchange(None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                          torch.empty(int(size), dtype=torch.uint8))
         return buffer.numpy().tobytes() if receive else None
 
     def _matches(self, path: Path) -> bool:
@@ -225,21 +217,17 @@ class Snapshots:
         with safe_open(self.path(newest), "pt") as f:
             counters = json.loads(f.metadata()["counters"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        part = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("model/")}
-        model.load_state_dict(part, strict=True)
+        model.load_state_dict(_under(tensors, "model/"), strict=True)
         pairs = []
         for name, p in model.named_parameters():
             master = engine.master(p)
             if master is not p:
                 master.data.copy_(tensors[f"master/{name}"])
-            prefix = f"optimizer/{name}/"
-            state = {k[len(prefix):]: v.to(master.device) for k, v in tensors.items()
-                     if k.startswith(prefix)}
+            state = {k: v.to(master.device) for k, v in _under(tensors, f"optimizer/{name}/").items()}
             if state:
                 pairs.append((p, state))
         engine.load_optimizer_state(pairs, newest)
-        restore_run_rng(model.rng, {k.split("/", 1)[1]: v for k, v in tensors.items()
-                                    if k.startswith("rng/")})
+        restore_run_rng(model.rng, _under(tensors, "rng/"))
         if self.pstate.is_main:
             print(f"resumed from the in-memory snapshot of step {newest} ({self.root})", flush=True)
         return {"step": newest, **counters}
@@ -253,7 +241,10 @@ class Snapshots:
         for step, rank in self.held():
             self.path(step, rank).unlink(missing_ok=True)
         self._pool.shutdown()
-        try:
+        with contextlib.suppress(OSError):
             self.root.rmdir()  # once every rank's files are gone
-        except OSError:
-            pass
+
+
+def _under(tensors: dict, prefix: str) -> dict:
+    """The tensors named `prefix`..., by the rest of their names."""
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}

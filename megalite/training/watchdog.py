@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from megalite.failures import ERROR_PREFIX
 from megalite.training.peers import process_state
 
 WATCHDOG_EXIT = 1
@@ -37,11 +38,10 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.disarm()
-
-    def disarm(self) -> None:
+    def disarm(self, *exc) -> None:
         self._done.set()
+
+    __exit__ = disarm
 
     def beat(self, step: int) -> None:
         """Step `step` is finished (or a long evaluation or save after it)."""
@@ -55,13 +55,15 @@ class Watchdog:
             if self.step is not None and time.monotonic() - self.last > self.limit:
                 self._stop()
 
+    def _noted(self, rank: int) -> int:
+        """The step `rank` noted last; -1 before its first (or a torn note)."""
+        try:
+            return int((self.beats / str(rank)).read_text())
+        except (OSError, ValueError):
+            return -1
+
     def _stop(self) -> None:
-        steps = {}
-        for rank in range(len(self.table)):
-            try:
-                steps[rank] = int((self.beats / str(rank)).read_text())
-            except (OSError, ValueError):
-                steps[rank] = -1
+        steps = {rank: self._noted(rank) for rank in range(len(self.table))}
         behind = min(steps.values())
         # Behind the others, or stopped (here, where the process can be seen): the hung ones.
         hung = [r for r, s in steps.items() if (s == behind and s < max(steps.values())) or
@@ -76,7 +78,7 @@ class Watchdog:
                          f"{steps[r]})" for r in hung) + " hung" if hung else
                "no rank is behind or stopped here: a collective hangs")
         done = "killed, " if here else ""
-        print(f"megalite: error: rank {self.rank}: no step finished in {self.limit:g} s after step "
+        print(f"{ERROR_PREFIX}rank {self.rank}: no step finished in {self.limit:g} s after step "
               f"{self.step} (train.watchdog_s): {who}; {done}this rank stops so that the launcher "
               f"restarts the ranks (from the newest snapshot or checkpoint)", file=sys.stderr,
               flush=True)
