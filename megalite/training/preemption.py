@@ -36,7 +36,6 @@ class StopRequest:
         self.saved = False  # the stop's checkpoint is whole and the launcher told (the_stop_is_saved)
         self.signals = signals
         self.previous = {}
-        self._flag: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
 
     def __enter__(self) -> "StopRequest":
@@ -67,24 +66,19 @@ class StopRequest:
         host buffer behind the step just queued, and the next call waits for that copy only
         (an event), not for the step queued after it: the host stays a step ahead.
         """
-        cuda = pstate.device.type == "cuda"
-        if self._flag is None:
-            self._flag = torch.zeros(1, device=pstate.device)
-        # fill_ is a kernel: unlike a copy from the host, it does not wait for the device.
-        flag = self._flag.clone().fill_(float(self.requested))
+        # A fill kernel: unlike a copy from the host, it does not wait for the device.
+        flag = torch.full((1,), float(self.requested), device=pstate.device)
         if pstate.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        host, done = flag, None
-        if cuda:
-            host = torch.empty(1, pin_memory=True).copy_(flag, non_blocking=True)
+        done = None
+        if pstate.device.type == "cuda":
+            flag = torch.empty(1, pin_memory=True).copy_(flag, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        previous, self._pending = self._pending, (host, done)
-        if previous is None:
-            return False
-        if previous[1] is not None:
+        previous, self._pending = self._pending, (flag, done)
+        if previous is not None and previous[1] is not None:
             previous[1].synchronize()
-        return bool(previous[0][0])
+        return previous is not None and bool(previous[0][0])
 
 
 def stop_now() -> None:
