@@ -53,8 +53,8 @@ def _agree(error: BaseException | None, pstate: ParallelState, what: str, where:
     says the same thing."""
     told = [_described(error, where) if error is not None else ""]
     if dist.is_initialized() and pstate.world_size > 1:
-        told = [None] * pstate.world_size
-        dist.all_gather_object(told, _described(error, where) if error is not None else "")
+        mine, told = told[0], [None] * pstate.world_size
+        dist.all_gather_object(told, mine)
     failed = [(rank, said) for rank, said in enumerate(told) if said]
     if failed:
         rank, said = failed[0]
@@ -306,9 +306,7 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             if shape != full_shape(p):
                 raise ConfigError(f"'{source}': {name} has shape {tuple(shape)}, the model "
                                   f"expects {tuple(full_shape(p))}")
-            if not sliced:
-                p.copy_(local_slice(full, p))
-                continue
+            # A tensor's and a safetensors slice's indexing alike: only the slice is read.
             index = [slice(None)] * len(shape)
             shard = split_of(p)
             if shard is not None:

@@ -133,9 +133,8 @@ class DataParallelGradSync:
         for params_of_bucket in bucket_params(params, bucket_mb * MIB):
             self.groups.append(replica_group(params_of_bucket[0], pstate))
             self.buckets.append(make_bucket(params_of_bucket))
-        for bucket in self.buckets:
-            for index, p in enumerate(bucket.params):
-                self.slot_of[id(p)] = (bucket, index)
+            for index, p in enumerate(params_of_bucket):
+                self.slot_of[id(p)] = (self.buckets[-1], index)
                 if hooks:
                     p.register_post_accumulate_grad_hook(self.grad_ready)
 
