@@ -37,7 +37,6 @@ class MLP(nn.Module):
         """ffn: the hidden width (default cfg.ffn; MoE's shared experts set their own)."""
         super().__init__()
         self.activation = cfg.mlp.activation
-        self.tp_group = pstate.tp_group
         ffn = cfg.ffn if ffn is None else ffn
 
         def column() -> ColumnParallelLinear:

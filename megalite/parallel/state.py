@@ -109,8 +109,8 @@ class ParallelState:
         Every rank creates every group, in the same order, as new_group requires.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
-        pp = 1 if pipeline is None else pipeline.pp
-        cp = 1 if pipeline is None else pipeline.cp
+        pipeline = pipeline or ParallelConfig()  # its defaults: one stage, no CP, no EP
+        pp, cp, ep = pipeline.pp, pipeline.cp, pipeline.ep
         dp = world // (tp * cp * pp)
         tp_rank, cp_rank = rank % tp, rank // tp % cp
         pp_rank, dp_rank = rank // (tp * cp) % pp, rank // (tp * cp * pp)
@@ -135,7 +135,6 @@ class ParallelState:
                                for d in range(dp) for s in range(pp) for t in range(tp)])
             cp_dp_group = groups([[at(d, s, c, t) for d in range(dp) for c in range(cp)]
                                   for s in range(pp) for t in range(tp)])
-        ep = 1 if pipeline is None else pipeline.ep
         ep_group = expert_dp_group = None
         if ep > 1:
             def grad_rank(g: int, s: int, t: int) -> int:
@@ -152,10 +151,9 @@ class ParallelState:
                    tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device,
                    sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
                    pp_group=pp_group, embedding_group=embedding_group,
-                   virtual_stages=1 if pipeline is None else pipeline.virtual_stages,
-                   pp_layers=None if pipeline is None else pipeline.pp_layers,
+                   virtual_stages=pipeline.virtual_stages, pp_layers=pipeline.pp_layers,
                    cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, cp_dp_group=cp_dp_group,
-                   cp_comm="all_gather" if pipeline is None else pipeline.cp_comm,
+                   cp_comm=pipeline.cp_comm,
                    ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
                    expert_dp_group=expert_dp_group)
 
