@@ -228,6 +228,7 @@ def test_deepspeed_with_a_layout_that_does_not_divide_is_refused_not_a_traceback
         validate(cfg, 1, installed=False)
 
 
+@pytest.mark.unit
 def test_every_variant_sections_default_is_its_first_variant():
     # typed_config reads a section's mapping without `kind` as its first variant
     import typing
