@@ -76,46 +76,29 @@ class Samples:
     def __len__(self) -> int:
         return self.count
 
-    def rows(self, indices) -> list:
+    def rows(self, indices, targets: bool = False) -> list | None:
         """padded: each document's first seq_len + 1 tokens (every stored document ends with
         eos, so even a one-token document has a target). packed: (tokens, documents) of
-        stream[k T : k T + T + 1] for each sample k."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if self.mode == "padded":
-            return self.docs.documents(indices, self.seq_len + 1)
-        tokens, docs = self.docs.window(indices * self.seq_len, self.seq_len + 1)
-        return list(zip(tokens, docs))
-
-    def row_targets(self, indices) -> list[np.ndarray] | None:
-        """Whether each token of rows(indices) is a target; None where every token is (data
-        without a targets side file: documents, not conversations)."""
-        if not self.docs.store.has_targets:
+        stream[k T : k T + T + 1] for each sample k. targets: whether each token of those rows
+        is a target instead; None where every token is (data without a targets side file:
+        documents, not conversations)."""
+        if targets and not self.docs.store.has_targets:
             return None
         indices = np.asarray(indices, dtype=np.int64)
         if self.mode == "padded":
-            return self.docs.documents(indices, self.seq_len + 1, targets=True)
-        return list(self.docs.window_targets(indices * self.seq_len, self.seq_len + 1))
+            return self.docs.documents(indices, self.seq_len + 1, targets)
+        found = self.docs.window(indices * self.seq_len, self.seq_len + 1, targets)
+        return list(found) if targets else list(zip(*found))
 
     def collate(self, indices) -> Batch:
         return collate(self.mode, self.rows(indices), self.pad_id, self.width_multiple,
-                       self.row_targets(indices))
+                       self.rows(indices, targets=True))
 
 
 def collate(mode: str, rows: list, pad_id: int, width_multiple: int = 1,
             targets: list | None = None) -> Batch:
     """targets: per row, whether each token is a target (None for a row, or for all: every
     token is); a token that is not gets label -100, as padding does."""
-    batch = _collate(mode, rows, pad_id, width_multiple)
-    if targets is not None:
-        for row, target in enumerate(targets):
-            if target is not None:
-                n = min(len(target) - 1, batch.labels.shape[1])
-                keep = torch.from_numpy(np.asarray(target[1:n + 1], dtype=bool))
-                batch.labels[row, :n] = batch.labels[row, :n].masked_fill(~keep, IGNORE_INDEX)
-    return batch
-
-
-def _collate(mode: str, rows: list, pad_id: int, width_multiple: int) -> Batch:
     if mode == "padded":
         # At least one column: a batch of one-token (or empty: Megatron keeps them) documents
         # has no targets, but still a shape. More padding at the end is exact: causal
@@ -129,11 +112,18 @@ def _collate(mode: str, rows: list, pad_id: int, width_multiple: int) -> Batch:
             tokens = torch.from_numpy(tokens.astype(np.int64))
             n = max(len(tokens) - 1, 0)
             ids[row, :n], labels[row, :n], mask[row, :n] = tokens[:n], tokens[1:], 1
-        return Batch(ids, labels, attention_mask=mask)
-    tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
-    docs = torch.from_numpy(np.stack([d for _, d in rows]))
-    labels = tokens[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)
-    return Batch(tokens[:, :-1], labels, doc_ids=docs[:, :-1])
+        batch = Batch(ids, labels, attention_mask=mask)
+    else:
+        tokens = torch.from_numpy(np.stack([t for t, _ in rows]).astype(np.int64))
+        docs = torch.from_numpy(np.stack([d for _, d in rows]))
+        labels = tokens[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE_INDEX)
+        batch = Batch(tokens[:, :-1], labels, doc_ids=docs[:, :-1])
+    for row, target in enumerate(targets or []):
+        if target is not None:
+            n = min(len(target) - 1, batch.labels.shape[1])
+            keep = torch.from_numpy(np.asarray(target[1:n + 1], dtype=bool))
+            batch.labels[row, :n] = batch.labels[row, :n].masked_fill(~keep, IGNORE_INDEX)
+    return batch
 
 
 class Mixture:
@@ -171,10 +161,10 @@ class Mixture:
         targets: list = [None] * len(picks)
         for s in np.unique(picks[:, 0]):
             where = np.flatnonzero(picks[:, 0] == s)
-            part = self.parts[s]
-            part_targets = part.row_targets(picks[where, 1])
-            for j, (i, row) in enumerate(zip(where, part.rows(picks[where, 1]))):
-                rows[i] = row
+            part_rows = self.parts[s].rows(picks[where, 1])
+            part_targets = self.parts[s].rows(picks[where, 1], targets=True)
+            for j, i in enumerate(where):
+                rows[i] = part_rows[j]
                 targets[i] = None if part_targets is None else part_targets[j]
         first = self.parts[0]
         batch = collate(first.mode, rows, first.pad_id, first.width_multiple,

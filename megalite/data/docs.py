@@ -76,12 +76,8 @@ class TokenStore:
     def read(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token id, global document) at each global token position."""
         positions = np.asarray(positions, dtype=np.int64)
-        flat = positions.ravel()
-        shard = np.searchsorted(self.token_base, flat, side="right") - 1
-        tokens = np.empty(flat.shape, dtype=np.int64)
-        docs = np.empty(flat.shape, dtype=np.int64)
-        for s, here in _by_shard(shard):
-            local = flat[here] - self.token_base[s]
+        tokens, docs = np.empty((2, positions.size), dtype=np.int64)
+        for s, here, local in self._by_shard(positions):
             tokens[here] = self.shards[s].tokens[local]
             docs[here] = self.doc_base[s] + self.shards[s].doc_of(local)
         return tokens.reshape(positions.shape), docs.reshape(positions.shape)
@@ -90,14 +86,18 @@ class TokenStore:
         """Whether the token at each global position is a target (True where its shard has no
         targets side file)."""
         positions = np.asarray(positions, dtype=np.int64)
-        flat = positions.ravel()
-        shard = np.searchsorted(self.token_base, flat, side="right") - 1
-        out = np.ones(flat.shape, dtype=bool)
-        for s, here in _by_shard(shard):
+        out = np.ones(positions.size, dtype=bool)
+        for s, here, local in self._by_shard(positions):
             targets = self.shards[s].targets
             if targets is not None:
-                out[here] = targets[flat[here] - self.token_base[s]] != 0
+                out[here] = targets[local] != 0
         return out.reshape(positions.shape)
+
+    def _by_shard(self, positions: np.ndarray):
+        """(shard, the indices of the flattened positions in it, their positions in it)."""
+        flat = positions.ravel()
+        for s, here in _by_shard(np.searchsorted(self.token_base, flat, side="right") - 1):
+            yield s, here, flat[here] - self.token_base[s]
 
 
 def _by_shard(shard: np.ndarray):
@@ -163,19 +163,14 @@ class DocSet:
         rows = self.store.read_targets(window) if targets else self.store.read(window)[0]
         return [row[: e - s] for row, s, e in zip(rows, starts, ends)]
 
-    def window(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def window(self, starts: np.ndarray, length: int, targets: bool = False):
         """Rows of `length` tokens of this set's stream from each start: (tokens, document),
-        documents numbered by the store, so a change of number is a document boundary."""
-        return self.store.read(self._stream(starts, length))
-
-    def window_targets(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """Whether each token of `window(starts, length)` is a target."""
-        return self.store.read_targets(self._stream(starts, length))
-
-    def _stream(self, starts: np.ndarray, length: int) -> np.ndarray:
+        documents numbered by the store, so a change of number is a document boundary
+        (targets: whether each token is a target, instead)."""
         stream = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(length)
         k = np.searchsorted(self.token_base, stream, side="right") - 1
-        return self.tok_first[k] + stream - self.token_base[k]
+        positions = self.tok_first[k] + stream - self.token_base[k]
+        return self.store.read_targets(positions) if targets else self.store.read(positions)
 
 
 # Held-out runs at most: the split's state stays a few KB at any corpus size, and a thousand
