@@ -25,16 +25,12 @@ class ArrayShard:
     offsets: np.ndarray
     targets: np.ndarray | None = None  # per token, as IndexedShard.targets
 
+    def __post_init__(self):
+        self.n_tokens, self.dtype = int(self.offsets[-1]), self.tokens.dtype
+        self.has_targets = self.targets is not None
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.offsets[-1])
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.tokens.dtype
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         return self.offsets[np.asarray(docs, dtype=np.int64)]
@@ -52,8 +48,7 @@ class TokenStore:
         self.doc_base = np.concatenate([[0], np.cumsum([len(s) for s in shards])]).astype(np.int64)
         self.token_base = np.concatenate([[0], np.cumsum([s.n_tokens for s in shards])]).astype(np.int64)
         # Whether any shard says which tokens are targets (conversations); without, all are.
-        self.has_targets = any(s.targets is not None if isinstance(s, ArrayShard) else s.has_targets
-                               for s in shards)
+        self.has_targets = any(s.has_targets for s in shards)
 
     @property
     def n_docs(self) -> int:

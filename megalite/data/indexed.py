@@ -74,41 +74,39 @@ class ShardWriter:
     def __init__(self, prefix: Path, dtype: np.dtype, targets: bool = False):
         """targets: also a side file of which tokens are targets (targets_path)."""
         self.prefix, self.dtype = prefix, np.dtype(dtype)
-        self._tmp_bin = prefix.with_name(f".{prefix.name}.bin.tmp")
-        self._bin = open(self._tmp_bin, "wb")
-        self._tmp_targets = prefix.with_name(f".{prefix.name}.targets.tmp") if targets else None
-        self._targets = open(self._tmp_targets, "wb") if targets else None
+        # (temporary name, name) of the .bin, then of the targets side file where one is kept
+        names = [bin_path(prefix)] + ([targets_path(prefix)] if targets else [])
+        self._names = [(name.with_name(f".{name.name}.tmp"), name) for name in names]
+        self._files = [open(tmp, "wb") for tmp, _ in self._names]
         self._lengths: list[np.ndarray] = []
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray | None = None) -> None:
         """Documents laid end to end in `tokens`, document i being `lengths[i]` long; with a
         targets side file, `targets[j]` says whether tokens[j] is a target."""
-        if (targets is None) != (self._targets is None) or (targets is not None and len(targets) != len(tokens)):
+        if (targets is None) != (len(self._files) == 1) or (targets is not None and len(targets) != len(tokens)):
             raise ValueError("targets must be given for every token exactly when the writer keeps them")
-        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._files[0].write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         if targets is not None:
-            self._targets.write(np.ascontiguousarray(targets, dtype=np.uint8).tobytes())
+            self._files[1].write(np.ascontiguousarray(targets, dtype=np.uint8).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
         if not sum(len(block) for block in self._lengths):
             self.abandon()
             return
-        _close_synced(self._bin)
+        for f in self._files:
+            _close_synced(f)
         tmp_idx = self.prefix.with_name(f".{self.prefix.name}.idx.tmp")
         write_index(tmp_idx, self.dtype, self._lengths)
-        if self._targets is not None:  # before the .idx, whose presence marks the shard whole
-            _close_synced(self._targets)
-            os.replace(self._tmp_targets, targets_path(self.prefix))
-        os.replace(self._tmp_bin, bin_path(self.prefix))
+        # The targets before the .bin, and both before the .idx, whose presence marks the shard whole.
+        for tmp, name in reversed(self._names):
+            os.replace(tmp, name)
         os.replace(tmp_idx, idx_path(self.prefix))
 
     def abandon(self) -> None:
-        self._bin.close()
-        self._tmp_bin.unlink(missing_ok=True)
-        if self._targets is not None:
-            self._targets.close()
-            self._tmp_targets.unlink(missing_ok=True)
+        for f, (tmp, _) in zip(self._files, self._names):
+            f.close()
+            tmp.unlink(missing_ok=True)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -294,12 +292,10 @@ class _OpenShards:
         """The shard's maps, opened if they are not."""
         with self.lock:
             found = self.open.pop(shard, None)
-            if found is None:
-                while len(self.open) >= self.limit:
-                    self.open.popitem(last=False)  # unmapped and closed with its last user
-                found = _Maps(shard)
-            self.open[shard] = found
-            return found
+            while found is None and len(self.open) >= self.limit:
+                self.open.popitem(last=False)  # unmapped and closed with its last user
+            self.open[shard] = found or _Maps(shard)
+            return self.open[shard]
 
 
 # Each open shard holds 2 descriptors and 2 maps (3 with targets): 64 keeps a rank far below the usual

@@ -155,7 +155,9 @@ def load_data(cfg: DataConfig, in_run: bool = True,
         raise ConfigError(f"data.val_path '{cfg.val_path}' is also training data: validation "
                           f"would score documents the model trains on; give other data, or leave "
                           f"val_path empty to hold out data.val_fraction of each source")
-    given = _given_tokenizer(cfg)
+    # data.tokenizer (a clear error if it is missing or unusable); None for bpe
+    check_eos_token(None if cfg.tokenizer == "bpe" else cfg.tokenizer, cfg.eos_token)
+    given = None if cfg.tokenizer == "bpe" else load_tokenizer(Path(cfg.tokenizer), cfg.eos_token)
     stores = [_resolve(path, cfg, given, in_run) for _, path in entries]
     val_store = _resolve(cfg.val_path, cfg, given, in_run) if cfg.val_path else None
     every = stores + ([val_store] if val_store else [])
@@ -239,13 +241,6 @@ def _skipped(metas: list[dict]) -> dict:
     return counts
 
 
-def _given_tokenizer(cfg: DataConfig) -> TokenizerInfo | None:
-    """data.tokenizer (a clear error if it is missing or unusable); None for bpe."""
-    given = None if cfg.tokenizer == "bpe" else cfg.tokenizer
-    check_eos_token(given, cfg.eos_token)
-    return None if given is None else load_tokenizer(Path(given), cfg.eos_token)
-
-
 def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> None:
     """Megatron data does not name its tokenizer: an id the given one lacks would train without
     a word. Each shard's largest id is scanned once and cached. Prepared directories need no
@@ -308,11 +303,15 @@ def _resolve(path: str, cfg: DataConfig, given: TokenizerInfo | None, in_run: bo
             raise ConfigError(f"data path '{path}' matches prepared data and other things "
                               f"({', '.join((others or [str(prefixes[0])])[:5])}; an unfinished "
                               f"prepare-data leaves no meta.json): point it at one kind of data")
-        return _prepared(prepared) if prepared else _megatron(prefixes)
+        if prepared:
+            return _prepared(prepared)
+        return _Store(TokenStore([IndexedShard(p) for p in prefixes]), None,
+                      stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
     return _raw(expand_inputs([path]), cfg, given, in_run, path)
 
 
-def _prepared(directories: list[Path]) -> _Store:
+def _prepared(directories: list[Path], key: str | None = None) -> _Store:
+    """Prepared directories' shards; key: the store's (default: a hash of their meta.json)."""
     shards, metas, h = [], [], hashlib.sha256()
     for d in directories:
         meta = json.loads((d / "meta.json").read_text())
@@ -327,12 +326,7 @@ def _prepared(directories: list[Path]) -> _Store:
     if len({m["tokenizer"]["sha256"] for m in metas}) > 1:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
-    return _Store(TokenStore(shards), directories[0], h.hexdigest(), _skipped(metas))
-
-
-def _megatron(prefixes: list[Path]) -> _Store:
-    return _Store(TokenStore([IndexedShard(p) for p in prefixes]), None,
-                  stat_key([f for p in prefixes for f in (idx_path(p), bin_path(p))]), {})
+    return _Store(TokenStore(shards), directories[0], key or h.hexdigest(), _skipped(metas))
 
 
 def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run: bool,
@@ -348,9 +342,7 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
                               f"train with data.path={target.resolve()} (or this data.path again: the "
                               f"run finds it prepared there)")
         raise NotPrepared([RawBuild(files, path, target)])
-    store = _prepared([target])
-    store.key = key
-    return store
+    return _prepared([target], key)
 
 
 def raw_target(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> tuple[Path, str]:
