@@ -188,12 +188,11 @@ def generation_prompt(template: ChatTemplate, tokenizer: TokenizerInfo,
 def load_chat_template(tokenizer: TokenizerInfo, given: str | None) -> ChatTemplate:
     """The template given (data.chat_template: the template itself, or a .jinja file), else the
     tokenizer's own."""
-    if given:
-        path = Path(given)
-        source = path.read_text() if given.endswith(".jinja") and path.is_file() else given
-        return ChatTemplate(source, tokenizer.names)
-    if tokenizer.chat_template is not None:
-        return ChatTemplate(tokenizer.chat_template, tokenizer.names)
-    raise ConfigError(f"no chat template: the tokenizer's directory ({tokenizer.file.parent}) has "
-                      f"neither chat_template.jinja nor a chat_template in tokenizer_config.json; "
-                      f"give one with data.chat_template (the template, or a .jinja file)")
+    source = given or tokenizer.chat_template
+    if source is None:
+        raise ConfigError(f"no chat template: the tokenizer's directory ({tokenizer.file.parent}) has "
+                          f"neither chat_template.jinja nor a chat_template in tokenizer_config.json; "
+                          f"give one with data.chat_template (the template, or a .jinja file)")
+    if given and given.endswith(".jinja") and Path(given).is_file():
+        source = Path(given).read_text()
+    return ChatTemplate(source, tokenizer.names)

@@ -167,8 +167,7 @@ def load_data(cfg: DataConfig, in_run: bool = True,
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
     _check_ids([s for s in every if s.tokenizer is None], info, cfg)
     total = sum(w for w, _ in entries)
-    train, val = [], []
-    dropped = [0]
+    train, val, dropped = [], [], [0]
     for (weight, path), s in zip(entries, stores):
         docs, held = held_out(s.store, cfg.val_fraction if val_store is None else 0)
         train.append(Source(path, weight / total, _within_rows(docs, cfg, path, dropped)))
@@ -176,12 +175,14 @@ def load_data(cfg: DataConfig, in_run: bool = True,
     if val_store is not None:
         val = [Source(cfg.val_path, 1.0, _within_rows(DocSet.whole(val_store.store), cfg,
                                                       cfg.val_path, dropped))]
+    # Padded mode: the training sources' documents longer than a sample (seq_len + 1 tokens),
+    # their held-out documents included (counted per shard and cached: no pass over documents).
+    truncated = 0 if cfg.mode != "padded" or cfg.drop_longer else \
+        sum(f.longer_than[cfg.seq_len + 1] for _, f in _facts(stores, cfg, longer_than=cfg.seq_len + 1))
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
-    return PreparedData(info, train, val,
-                        {"cache_key": key, "content": content_digest(info, train, val),
-                         **summary(train, val, [s.meta for s in every]),
-                         "truncated": 0 if cfg.drop_longer else _truncated(stores, cfg),
-                         "dropped": dropped[0]})
+    return PreparedData(info, train, val, {"cache_key": key, **summary(info, train, val),
+                                           **_skipped([s.meta for s in every]),
+                                           "truncated": truncated, "dropped": dropped[0]})
 
 
 def _within_rows(docs: DocSet, cfg: DataConfig, path: str, dropped: list[int]) -> DocSet:
@@ -217,21 +218,16 @@ def blend_entries(cfg: DataConfig) -> list[tuple[float, str]]:
     return entries
 
 
-def content_digest(info: TokenizerInfo, train: list[Source], val: list[Source]) -> str:
-    """What a resume compares: the tokenizer and each source's weight, documents and tokens.
-    Not the cache key, which holds the files' times and changes with every copy or clone."""
-    def part(sources):
-        return ",".join(f"{s.weight:.9g}:{len(s.docs)}:{s.docs.n_tokens}" for s in sources)
-    parts = [info.digest, part(train), part(val)]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def summary(train: list[Source], val: list[Source], metas: list[dict]) -> dict:
-    counts = {"train_documents": sum(len(s.docs) for s in train),
-              "train_tokens": sum(s.docs.n_tokens for s in train),
-              "val_documents": sum(len(s.docs) for s in val),
-              "val_tokens": sum(s.docs.n_tokens for s in val)}
-    return {**counts, **_skipped(metas)}
+def summary(info: TokenizerInfo, train: list[Source], val: list[Source]) -> dict:
+    """The content digest, what a resume compares: the tokenizer and each source's weight,
+    documents and tokens (not the cache key, which holds the files' times and changes with
+    every copy or clone); then the documents and tokens of each split."""
+    sizes, parts = {}, [info.digest]
+    for split, sources in (("train", train), ("val", val)):
+        parts.append(",".join(f"{s.weight:.9g}:{len(s.docs)}:{s.docs.n_tokens}" for s in sources))
+        sizes[f"{split}_documents"] = sum(len(s.docs) for s in sources)
+        sizes[f"{split}_tokens"] = sum(s.docs.n_tokens for s in sources)
+    return {"content": hashlib.sha256("|".join(parts).encode()).hexdigest()[:16], **sizes}
 
 
 def _skipped(metas: list[dict]) -> dict:
@@ -245,8 +241,7 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
     """Megatron data does not name its tokenizer: an id the given one lacks would train without
     a word. Each shard's largest id is scanned once and cached. Prepared directories need no
     scan: they carry the tokenizer they were made with."""
-    shards = [shard for s in megatron for shard in s.store.shards]
-    for shard, facts in zip(shards, _facts(shards, cfg, max_id=True)):
+    for shard, facts in _facts(megatron, cfg, max_id=True):
         if facts.max_id >= info.vocab_size:
             raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
                               f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
@@ -254,21 +249,14 @@ def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> 
                               f"data.tokenizer=the tokenizer the data was made with")
 
 
-def _truncated(stores: list[_Store], cfg: DataConfig) -> int:
-    """Padded mode: the training sources' documents longer than a sample (seq_len + 1 tokens),
-    their held-out documents included (counted per shard and cached: no pass over documents)."""
-    if cfg.mode != "padded":
-        return 0
-    limit = cfg.seq_len + 1
+def _facts(stores: list[_Store], cfg: DataConfig, max_id: bool = False,
+           longer_than: int | None = None) -> list[tuple]:
+    """(shard, its Facts) for each shard of the stores; NotPrepared where the cache lacks some."""
     shards = [shard for s in stores for shard in s.store.shards]
-    return sum(f.longer_than[limit] for f in _facts(shards, cfg, longer_than=limit))
-
-
-def _facts(shards: list, cfg: DataConfig, max_id: bool = False, longer_than: int | None = None) -> list:
     found, missing = known_facts(shards, cfg.cache_dir, max_id, longer_than)
     if missing:
         raise NotPrepared([MissingFacts(missing, max_id, longer_than)])
-    return found
+    return list(zip(shards, found))
 
 
 def check_eos_token(tokenizer: str | None, eos_token: str | None) -> None:
@@ -314,15 +302,15 @@ def _prepared(directories: list[Path], key: str | None = None) -> _Store:
     """Prepared directories' shards; key: the store's (default: a hash of their meta.json)."""
     shards, metas, h = [], [], hashlib.sha256()
     for d in directories:
-        meta = json.loads((d / "meta.json").read_text())
+        text = (d / "meta.json").read_bytes()
+        meta = json.loads(text)
         if meta.get("format") != FORMAT:
             raise ConfigError(f"'{d}/meta.json' is not megalite prepared data (format "
                               f"{meta.get('format')!r}): prepare it with megalite prepare-data")
         # A file without documents has its counts, but no shard (Megatron cannot map one).
         shards += [IndexedShard(d / s["name"]) for s in meta["shards"] if s["documents"]]
         metas.append(meta)
-        with open(d / "meta.json", "rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").hexdigest().encode())
+        h.update(hashlib.sha256(text).hexdigest().encode())
     if len({m["tokenizer"]["sha256"] for m in metas}) > 1:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")

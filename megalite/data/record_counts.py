@@ -49,11 +49,8 @@ COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name not in (
 
 def sum_reasons(many) -> dict:
     """Counts of bad records per reason, summed (in the order first met)."""
-    total: dict = {}
-    for reasons in many:
-        for reason, n in reasons.items():
-            total[reason] = total.get(reason, 0) + n
-    return total
+    # Counter's + keeps the order first met (and drops counts under 1: a reason has 1 or more).
+    return dict(sum(map(Counter, many), Counter()))
 
 
 def reason_of(why: str) -> str:

@@ -63,15 +63,10 @@ def read_facts(path: Path) -> Facts:
 def known_facts(shards: list, cache_dir: str | Path, max_id: bool = False,
                 longer_than: int | None = None) -> tuple[list[Facts], list]:
     """(each shard's Facts, the shards whose facts asked for are not in the cache yet)."""
-    found, missing = [], []
-    for shard in shards:
-        if isinstance(shard, ArrayShard):  # in memory: no file to key a cache by
-            found.append(computed(shard, Facts(), max_id, longer_than))
-            continue
-        found.append(read_facts(facts_file(shard, cache_dir)))
-        if not found[-1].holds(max_id, longer_than):
-            missing.append(shard)
-    return found, missing
+    # Documents in memory have no file to key a cache by: their facts are computed here.
+    found = [computed(shard, Facts(), max_id, longer_than) if isinstance(shard, ArrayShard)
+             else read_facts(facts_file(shard, cache_dir)) for shard in shards]
+    return found, [shard for shard, facts in zip(shards, found) if not facts.holds(max_id, longer_than)]
 
 
 def largest_id(shard) -> int:

@@ -127,8 +127,7 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
     beside = file.parent if file.name == "tokenizer.json" else None
     source_files = {name: json.loads((beside / name).read_text()) for name in FILES[:2]
                     if beside is not None and (beside / name).is_file()}
-    declared = {**source_files.get("tokenizer_config.json", {}),
-                **source_files.get("special_tokens_map.json", {})}
+    declared = {key: name for content in source_files.values() for key, name in content.items()}
     if eos_token is not None:
         declared["eos_token"] = eos_token
     # Names are looked up among the added tokens, where a tokenizer declares its special ones
