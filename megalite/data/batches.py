@@ -162,13 +162,11 @@ class Mixture:
         for s in np.unique(picks[:, 0]):
             where = np.flatnonzero(picks[:, 0] == s)
             part_rows = self.parts[s].rows(picks[where, 1])
-            part_targets = self.parts[s].rows(picks[where, 1], targets=True)
-            for j, i in enumerate(where):
-                rows[i] = part_rows[j]
-                targets[i] = None if part_targets is None else part_targets[j]
+            part_targets = self.parts[s].rows(picks[where, 1], targets=True) or [None] * len(where)
+            for i, row, target in zip(where, part_rows, part_targets):
+                rows[i], targets[i] = row, target
         first = self.parts[0]
-        batch = collate(first.mode, rows, first.pad_id, first.width_multiple,
-                        targets if any(t is not None for t in targets) else None)
+        batch = collate(first.mode, rows, first.pad_id, first.width_multiple, targets)
         batch.source = torch.from_numpy(picks[:, 0].copy())
         return batch
 

@@ -81,10 +81,9 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = False
                ) -> tuple[str, list[tuple[int, int]]]:
         """The text, and the [start, end) character spans of its {% generation %} blocks."""
-        for message in messages:
-            for value in message.values():
-                if isinstance(value, str) and (OPEN in value or CLOSE in value):
-                    raise ChatError("a message holds U+E000 or U+E001, which rendering reserves")
+        if any(isinstance(value, str) and (OPEN in value or CLOSE in value)
+               for message in messages for value in message.values()):
+            raise ChatError("a message holds U+E000 or U+E001, which rendering reserves")
         try:
             marked = _compile(self.source).render(messages=messages,
                                                   add_generation_prompt=add_generation_prompt,
@@ -94,17 +93,14 @@ class ChatTemplate:
         except Exception as err:  # jinja2's errors: a template that fails on this conversation
             raise ChatError(f"the chat template failed on the conversation: "
                             f"{type(err).__name__}: {err}") from err
-        text, spans, start = [], [], None
-        at = 0
-        for char in marked:
-            if char == OPEN:
-                start = at
-            elif char == CLOSE:
-                spans.append((start, at))
+        spans, start = [], None
+        # A mark's place in the text: its place in `marked`, less the n marks before it.
+        for n, mark in enumerate(re.finditer(f"[{OPEN}{CLOSE}]", marked)):
+            if mark.group() == OPEN:
+                start = mark.start() - n
             else:
-                text.append(char)
-                at += 1
-        return "".join(text), spans
+                spans.append((start, mark.start() - n))
+        return marked.replace(OPEN, "").replace(CLOSE, ""), spans
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The text of the conversation and the spans of what the assistant says."""

@@ -133,8 +133,7 @@ def write_index(path: Path, dtype: np.dtype, blocks: list[np.ndarray]) -> None:
     documents needs no array of them all at once, beyond the lengths themselves."""
     n, itemsize = sum(len(b) for b in blocks), np.dtype(dtype).itemsize
     f = open(path, "wb")
-    f.write(HEADER + struct.pack("<Q", VERSION) + struct.pack("<B", TOKEN_DTYPES[np.dtype(dtype)]))
-    f.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+    f.write(HEADER + struct.pack("<QBQQ", VERSION, TOKEN_DTYPES[np.dtype(dtype)], n, n + 1))
     for block in blocks:
         f.write(np.asarray(block, dtype=np.int32).tobytes())
     start = 0  # byte offset of the block's first document
@@ -162,12 +161,11 @@ class IndexedShard:
             if len(head) < 34 or head[:9] != HEADER:
                 raise ConfigError(f"'{idx_path(self.prefix)}' is not a Megatron indexed dataset "
                                   f"index (no MMIDIDX header): give the prefix of a .bin/.idx pair")
-            version, code = struct.unpack("<Q", head[9:17])[0], head[17]
+            version, code, n_seq, n_doc_index = struct.unpack("<QBQQ", head[9:34])
             if version != VERSION or DTYPE_CODES.get(code) not in (np.uint16, np.int32, np.int64, np.uint8):
                 raise ConfigError(f"'{idx_path(self.prefix)}': version {version}, dtype code {code} "
                                   f"is not an integer token index megalite reads (version 1, integer ids)")
             self.dtype = np.dtype(DTYPE_CODES[code])
-            n_seq, n_doc_index = struct.unpack("<QQ", head[18:34])
             if index_size != 34 + 12 * n_seq + 8 * n_doc_index or n_doc_index < 1:
                 raise ConfigError(f"'{idx_path(self.prefix)}' is {index_size} bytes, not the "
                                   f"{34 + 12 * n_seq + 8 * n_doc_index} its header gives: the index "
@@ -204,18 +202,25 @@ class IndexedShard:
         return _LRU.get(self).targets
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
-        """The first token of each document in `docs`; `len(self)` gives the end of the data."""
+        """The first token of each document in `docs`: its first sequence's, or the end of the
+        data for `len(self)` and for an empty document after the last sequence."""
         docs = np.asarray(docs, dtype=np.int64)
-        inside = docs < self.n_docs
+        inside = np.flatnonzero(docs < self.n_docs)
         out = np.full(docs.shape, self.n_tokens, dtype=np.int64)
-        if inside.any():
-            out[inside] = _LRU.get(self).start_bytes(docs[inside]) // self.dtype.itemsize
+        if len(inside):
+            maps = _LRU.get(self)
+            first = maps.doc_index[docs.ravel()[inside]]
+            has_seq = first < self.n_seq
+            out.ravel()[inside[has_seq]] = maps.pointers[first[has_seq]] // self.dtype.itemsize
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:
-        """The document each token position lies in (an empty document holds none: the search
-        lands on the last document starting at or before the position, the one holding it)."""
-        return _LRU.get(self).doc_of_bytes(np.asarray(positions, dtype=np.int64) * self.dtype.itemsize)
+        """The document each token position lies in: the sequence holding its byte, then the
+        last document whose first sequence is at or before that one (an empty document holds
+        none: the search lands on the last document starting at or before the position)."""
+        maps = _LRU.get(self)
+        seq = _search_right(maps.pointers, np.asarray(positions, dtype=np.int64) * self.dtype.itemsize) - 1
+        return _search_right(maps.doc_index, seq) - 1
 
 
 class _Maps:
@@ -231,7 +236,6 @@ class _Maps:
         n_seq, index = shard.n_seq, self._maps[0]
         self.pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
         self.doc_index = np.frombuffer(index, np.int64, shard.n_docs + 1, 34 + 12 * n_seq)
-        self.end = shard.n_tokens * shard.dtype.itemsize
 
     def _array(self, path: Path, n: int, dtype: np.dtype) -> np.ndarray:
         """`n` items of `dtype` mapped from `path` (an empty file cannot be mapped: none)."""
@@ -239,20 +243,6 @@ class _Maps:
             return np.zeros(0, dtype)
         self._maps.append(_map(path, n * dtype.itemsize))
         return np.frombuffer(self._maps[-1], dtype)
-
-    def start_bytes(self, docs: np.ndarray) -> np.ndarray:
-        """Each document's first byte: its first sequence's, or the end of the data for an
-        empty document after the last sequence."""
-        first = self.doc_index[docs]
-        inside = first < len(self.pointers)
-        return np.where(inside, self.pointers[np.where(inside, first, 0)] if len(self.pointers) else 0,
-                        self.end)
-
-    def doc_of_bytes(self, byte: np.ndarray) -> np.ndarray:
-        """The document holding each byte: the sequence holding it, then the last document
-        whose first sequence is at or before that one (empty documents hold none)."""
-        seq = _search_right(self.pointers, byte) - 1
-        return _search_right(self.doc_index, seq) - 1
 
 
 def _search_right(a: np.ndarray, keys: np.ndarray) -> np.ndarray:
