@@ -229,20 +229,13 @@ class _Maps:
     document index 0, 1, 2, ...; sentence-split data is read by the same two searches."""
 
     def __init__(self, shard: IndexedShard):
-        self._maps = [_map(idx_path(shard.prefix), 34 + 12 * shard.n_seq + 8 * (shard.n_docs + 1))]
-        self.tokens = self._array(bin_path(shard.prefix), shard.n_tokens, shard.dtype)
-        self.targets = self._array(targets_path(shard.prefix), shard.n_tokens, np.dtype(np.uint8)) \
-            if shard.has_targets else None
-        n_seq, index = shard.n_seq, self._maps[0]
+        n_seq, byte = shard.n_seq, np.dtype(np.uint8)
+        # Each array keeps its map open (numpy holds its buffer) until the last view is dropped.
+        index = _map(idx_path(shard.prefix), 34 + 12 * n_seq + 8 * (shard.n_docs + 1), byte)
+        self.tokens = _map(bin_path(shard.prefix), shard.n_tokens, shard.dtype)
+        self.targets = _map(targets_path(shard.prefix), shard.n_tokens, byte) if shard.has_targets else None
         self.pointers = np.frombuffer(index, np.int64, n_seq, 34 + 4 * n_seq)
         self.doc_index = np.frombuffer(index, np.int64, shard.n_docs + 1, 34 + 12 * n_seq)
-
-    def _array(self, path: Path, n: int, dtype: np.dtype) -> np.ndarray:
-        """`n` items of `dtype` mapped from `path` (an empty file cannot be mapped: none)."""
-        if not n:
-            return np.zeros(0, dtype)
-        self._maps.append(_map(path, n * dtype.itemsize))
-        return np.frombuffer(self._maps[-1], dtype)
 
 
 def _search_right(a: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -261,13 +254,17 @@ def _search_right(a: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return lo
 
 
-def _map(path: Path, size: int) -> mmap.mmap:
+def _map(path: Path, n: int, dtype: np.dtype) -> np.ndarray:
+    """`n` items of `dtype` mapped from `path` (an empty file cannot be mapped: none)."""
+    if not n:
+        return np.zeros(0, dtype)
+    size = n * dtype.itemsize
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size != size:
             raise ConfigError(f"'{path}' changed size since it was opened (now "
                               f"{os.fstat(f.fileno()).st_size} bytes, {size} before): the data "
                               f"was rewritten during the run; run again on data left in place")
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ), dtype)
 
 
 class _OpenShards:
