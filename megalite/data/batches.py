@@ -157,8 +157,7 @@ class Mixture:
 
     def collate(self, picks: np.ndarray) -> Batch:
         picks = np.asarray(picks, dtype=np.int64).reshape(-1, 2)
-        rows: list = [None] * len(picks)
-        targets: list = [None] * len(picks)
+        rows, targets = [None] * len(picks), [None] * len(picks)
         for s in np.unique(picks[:, 0]):
             where = np.flatnonzero(picks[:, 0] == s)
             part_rows = self.parts[s].rows(picks[where, 1])

@@ -129,9 +129,10 @@ class DocSet:
         """The documents of at most `limit` tokens, in order (their ranges: a pass over every
         document's length, a table as long as the set)."""
         kept = self._global_docs(np.flatnonzero(self.lengths(np.arange(len(self))) <= limit))
-        cuts = np.flatnonzero(np.diff(kept) != 1) + 1
-        first = kept[np.concatenate([[0], cuts])] if len(kept) else kept
-        end = kept[np.concatenate([cuts - 1, [len(kept) - 1]])] + 1 if len(kept) else kept
+        # Runs of consecutive documents: one starts (ends) where the step from the previous
+        # (to the next) is not 1; -2 and kept[-1] + 2 make the ends of `kept` such steps.
+        first = kept[np.diff(kept, prepend=-2) != 1]
+        end = kept[np.diff(kept, append=kept[-1:] + 2) != 1] + 1
         return DocSet(self.store, first, end)
 
     def _global_docs(self, docs: np.ndarray) -> np.ndarray:
