@@ -160,9 +160,8 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
 
 
 def _own_chat_template(beside: Path | None, source_files: dict) -> str | None:
-    jinja = beside / "chat_template.jinja" if beside is not None else None
-    if jinja is not None and jinja.is_file():
-        return jinja.read_text()
+    if beside is not None and (beside / "chat_template.jinja").is_file():
+        return (beside / "chat_template.jinja").read_text()
     source = source_files.get("tokenizer_config.json", {}).get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
