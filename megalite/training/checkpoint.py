@@ -37,7 +37,7 @@ from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
-from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
+from megalite.training.sharded_state import (Piece, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
@@ -263,13 +263,13 @@ class CheckpointTensors:
 
     def __init__(self, path: Path, part: str = "model"):
         self.path, self.part = Path(path), part
-        self.dcp = None if _whole_tensors(self.path) else WholeReader(self.path)
+        self.dcp = None if _whole_tensors(self.path) else read_metadata(self.path)
         if self.dcp is None:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
             prefix = f"{part}/"
-            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.stored.items()
+            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.state_dict_metadata.items()
                            if k.startswith(prefix)}
 
     def _open(self):
@@ -286,7 +286,10 @@ class CheckpointTensors:
             with self._open() as f:
                 return f.get_tensor(name)
         key = f"{self.part}/{name}"
-        return self.dcp.read([key])[key]
+        md = self.dcp.state_dict_metadata[key]
+        whole = Piece(key, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
+        load_pieces([whole], self.path, self.dcp, one_process=True)  # no process group's
+        return whole.tensor
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:

@@ -28,6 +28,7 @@ ZeRO's norm counts it once).
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import torch
 
@@ -54,41 +55,21 @@ REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_opt
            "zero_optimization.cpu_offload")
 
 
-class ModelParallelUnit:
+def model_parallel_unit(ps: ParallelState) -> SimpleNamespace:
     """megalite's layout under the names DeepSpeed asks Megatron's `mpu` for: tensor-parallel is
     the TP group; model-parallel is all model parallelism of a DP replica (TP x PP), which
     DeepSpeed sums gradient norms over."""
-
-    def __init__(self, pstate: ParallelState):
-        self.ps = pstate
-        self.model_group = pstate.block_group(pstate.tp_size * pstate.pp_size)
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.ps.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.ps.tp_size
-
-    def get_tensor_model_parallel_group(self):
-        return self.ps.tp_group
-
-    def get_model_parallel_rank(self) -> int:
-        return self.ps.pp_rank * self.ps.tp_size + self.ps.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.ps.pp_size * self.ps.tp_size
-
-    def get_model_parallel_group(self):
-        return self.model_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.ps.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.ps.dp_size
-
-    def get_data_parallel_group(self):
-        return self.ps.dp_group
+    model_group = ps.block_group(ps.tp_size * ps.pp_size)
+    return SimpleNamespace(
+        get_tensor_model_parallel_rank=lambda: ps.tp_rank,
+        get_tensor_model_parallel_world_size=lambda: ps.tp_size,
+        get_tensor_model_parallel_group=lambda: ps.tp_group,
+        get_model_parallel_rank=lambda: ps.pp_rank * ps.tp_size + ps.tp_rank,
+        get_model_parallel_world_size=lambda: ps.pp_size * ps.tp_size,
+        get_model_parallel_group=lambda: model_group,
+        get_data_parallel_rank=lambda: ps.dp_rank,
+        get_data_parallel_world_size=lambda: ps.dp_size,
+        get_data_parallel_group=lambda: ps.dp_group)
 
 
 def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
@@ -170,7 +151,7 @@ class DeepSpeedEngine(EngineBase):
         deepspeed.init_distributed(dist_backend="nccl" if pstate.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=adamw(list(model.parameters()), cfg, pstate.device),
-            mpu=ModelParallelUnit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
+            mpu=model_parallel_unit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0

@@ -63,18 +63,15 @@ def state_key(name: str, state: str) -> str:
     return f"optimizer/{name}.{state}"
 
 
-def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
-    """Where row `first_row` of p's local tensor (its TP slice) sits in the global tensor."""
+def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
+    """`rows`, which are rows `first_row`... of p's local tensor (its TP slice), placed in the
+    global tensor."""
     offsets = [0] * p.dim()
     shard = split_of(p)
     if shard is not None:
         offsets[shard.dim] = shard.bounds(full_shape(p)[shard.dim])[0]
     offsets[0] += first_row
-    return tuple(offsets)
-
-
-def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
-    return Piece(key, rows, full_shape(p), slice_offsets(p, first_row))
+    return Piece(key, rows, full_shape(p), tuple(offsets))
 
 
 def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Iterator[Piece]:
@@ -245,20 +242,3 @@ class _KnownMetadata(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         return self.known
-
-
-class WholeReader:
-    """Tensors of a DCP checkpoint read whole, as asked, in this one process (tools, tests; a
-    process group, if any, is not used); its metadata, which grows with the blocks of every
-    rank, is read once."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.metadata = read_metadata(path)
-        self.stored = self.metadata.state_dict_metadata
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
-                  for k, md in ((k, self.stored[k]) for k in keys)]
-        load_pieces(wanted, self.path, self.metadata, one_process=True)
-        return {p.key: p.tensor for p in wanted}
