@@ -57,15 +57,15 @@ def peak_memory_bytes(ps: ParallelState) -> float:
         torch.cuda.reset_peak_memory_stats(ps.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return max_over_ranks(peak, ps)
+    return reduce_over_ranks(peak, ps)
 
 
-def max_over_ranks(value: float, ps: ParallelState) -> float:
-    """The largest of every rank's value (a collective over all ranks, when there are several):
-    the slowest rank sets a step's time, the fullest device its memory."""
+def reduce_over_ranks(value: float, ps: ParallelState, op=dist.ReduceOp.MAX) -> float:
+    """The largest (or by `op`, say MIN) of every rank's value (a collective over all ranks, when
+    there are several): the slowest rank sets a step's time, the fullest device its memory."""
     x = torch.tensor([float(value)], dtype=torch.float64, device=ps.device)
     if dist.is_initialized() and ps.world_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=op)
     return x.item()
 
 
