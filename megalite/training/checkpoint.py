@@ -235,8 +235,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     this rank's RNG state, or None when the checkpoint was written with another layout).
     `read_optimizer_state` reads the optimizer state."""
     path = Path(path)
-    wrong = not_a_checkpoint(path)
-    if wrong:
+    if wrong := not_a_checkpoint(path):
         raise ConfigError(wrong)
     meta = json.loads((path / "meta.json").read_text())
     if _whole_tensors(path):
@@ -246,9 +245,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
         with torch.no_grad():
             load_pieces(weight_pieces(model), path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
-    same_layout = meta.get("layout") == layout_of(pstate)
     rng = None
-    if same_layout and rng_file.is_file():
+    if meta.get("layout") == layout_of(pstate) and rng_file.is_file():
         with safe_open(str(rng_file), framework="pt") as f:
             rng = {k: f.get_tensor(k) for k in f.keys()}
     return meta, rng

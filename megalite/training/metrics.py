@@ -121,13 +121,11 @@ def plot_losses(metrics: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = read_records(metrics)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
+    for key, style, label in (("loss", "-", "train loss"), ("val_loss", "o-", "validation loss")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.legend()

@@ -36,9 +36,8 @@ class MatrixLayout:
     interleaved: tuple[int, int] | None = None
     stacked: bool = False
 
+    # Stacked experts' layouts hold no rows and no TP slice: `whole` and `mine` leave them as they are.
     def whole(self, t: torch.Tensor) -> torch.Tensor:
-        if self.stacked:
-            return t
         if self.rows is not None:
             group, _, size = self.replicas
             t = _gather(t, group, size, [row_range(self.local_rows, k, size) for k in range(size)])
@@ -52,8 +51,6 @@ class MatrixLayout:
         return t
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
-        if self.stacked:
-            return full
         if self.tp is not None:
             full = self.tp.take(full)
         if self.rows is not None:
