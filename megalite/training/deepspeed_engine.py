@@ -40,7 +40,7 @@ from megalite.training.engine import EngineBase
 from megalite.training.grads import clip_grad_norm_, sum_embedding_copies
 from megalite.training.optimizers.build import adamw
 from megalite.training.optimizers.chained import ADAMW_STATE, load_state, state_by_name
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, failing
 
 # Set by megalite from train.*; a passthrough value for one of them must agree.
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -79,23 +79,22 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
     if train.engine != "deepspeed":
         return []
     tp, pp, n_kv = parallel.tp, parallel.pp, model.kv_heads
-    rules = [
+    problems = failing(
         (parallel.cp == 1, f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
                            f"group would not hold the context-parallel ranks, whose gradients must be "
                            f"summed too; use train.engine=native (or parallel.cp=1)"),
         (train.optimizer == "adamw",
-         f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands "
-         f"DeepSpeed AdamW only (ZeRO partitions state by flat element ranges, and "
-         f"{train.optimizer} needs whole matrices); use train.engine=native for "
-         f"{train.optimizer} (train.zero_stage 0 or 1), or train.optimizer=adamw"),
+         f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands DeepSpeed AdamW "
+         f"only (ZeRO partitions state by flat element ranges, and {train.optimizer} needs whole matrices); "
+         f"use train.engine=native for {train.optimizer} (train.zero_stage 0 or 1), or "
+         f"train.optimizer=adamw"),
         (train.precision != "pure_bf16", "train.precision=pure_bf16 needs train.engine=native (megalite's "
                                          "fp32 masters live in its own engine): set train.engine=native, or "
                                          "use train.precision=bf16 with train.engine=deepspeed"),
         (pp == 1 or train.zero_stage != 0,
-         f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
-         f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
-         f"clipping would count the other stages' replicated weights wrongly): "
-         f"use train.engine=native, or train.zero_stage=1"),
+         f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data parallelism, which "
+         f"train.engine=native does (DeepSpeed's stage-0 clipping would count the other stages' "
+         f"replicated weights wrongly): use train.engine=native, or train.zero_stage=1"),
         (not installed or importlib.util.find_spec("deepspeed") is not None,
          "train.engine=deepspeed needs the deepspeed package: pip install "
          "--no-build-isolation 'megalite[deepspeed]' (after torch), or set train.engine=native"),
@@ -105,8 +104,7 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
                      f"each KV head would sit on {tp // max(n_kv, 1)} TP ranks and DeepSpeed's gradient "
                      f"norm would count it {tp // max(n_kv, 1)} times; use parallel.tp <= {n_kv} or "
                      f"train.engine=native"),
-    ]
-    problems = [message for ok, message in rules if not ok]
+    )
     problems += [f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW from train.*, "
                  f"the schedule is train.lr/warmup_steps, precision is train.precision, the stage "
                  f"is train.zero_stage; no offload): remove it"
