@@ -123,20 +123,18 @@ class DataParallelGradSync:
                  make_bucket: Callable[[list], Bucket] = Bucket):
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
-        self.buckets: list[Bucket] = []
-        self.groups: list = []  # each bucket's replica group
-        self.slot_of: dict[int, tuple[Bucket, int]] = {}
         self.started = 0
         self.pending: list = []
         params = [p for p in model.parameters()
                   if p.requires_grad and group_size(replica_group(p, pstate)) > 1]
-        for params_of_bucket in bucket_params(params, bucket_mb * MIB):
-            self.groups.append(replica_group(params_of_bucket[0], pstate))
-            self.buckets.append(make_bucket(params_of_bucket))
-            for index, p in enumerate(params_of_bucket):
-                self.slot_of[id(p)] = (self.buckets[-1], index)
-                if hooks:
-                    p.register_post_accumulate_grad_hook(self.grad_ready)
+        grouped = bucket_params(params, bucket_mb * MIB)
+        self.buckets = [make_bucket(bucket) for bucket in grouped]
+        self.groups = [replica_group(bucket[0], pstate) for bucket in grouped]  # each one's replicas
+        self.slot_of = {id(p): (bucket, index) for bucket in self.buckets
+                        for index, p in enumerate(bucket.params)}
+        if hooks:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """p.grad holds this micro-batch's gradient: make it p's slot, and on the last

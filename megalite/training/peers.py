@@ -35,8 +35,9 @@ class Peers:
         after a peer died (under `megalite torchrun` they left their line in the launcher's
         directory first): a late survivor names the rank that died first, not the survivors
         that stopped before it."""
+        # Ended: no process, or a zombie (Z, X) not yet reaped.
         return [rank for rank, (host, pid) in enumerate(self.table)
-                if host == self.host and not _alive(pid) and not left_a_line(rank)]
+                if host == self.host and process_state(pid) in (None, "Z", "X") and not left_a_line(rank)]
 
     def lost(self, err: BaseException) -> PeerLost | None:
         """A PeerLost for `err`, a failed collective, where a peer has died; None if none has
@@ -65,11 +66,6 @@ SETTLE_S = 1.0
 
 THEN = (": this rank stops too; the newest in-memory snapshot or checkpoint resumes the run "
         "(train.resume=auto)")
-
-
-def _alive(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state not in "ZX"
 
 
 def process_state(pid: int) -> str | None:
