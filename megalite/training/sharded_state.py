@@ -151,6 +151,11 @@ def blocks(piece: Piece) -> Iterator[Piece]:
                                   offsets=(piece.offsets[0] + start, *piece.offsets[1:]))
 
 
+def _chunk(p: Piece) -> ChunkStorageMetadata:
+    """Where p's tensor sits in its global tensor, as DCP records it."""
+    return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
+
+
 class _SavePieces(DefaultSavePlanner):
     """DCP's default planner (global plan, deduplication, metadata, validation that the chunks
     cover every tensor), with this rank's items taken from its pieces instead of a state dict."""
@@ -159,15 +164,10 @@ class _SavePieces(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {(p.key, p.offsets): p for p in pieces}
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.is_coordinator = {}, is_coordinator
-
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(
-                               chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets),
-                                                          sizes=p.tensor.shape),
-                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               chunk=_chunk(p), properties=TensorProperties.create_from_tensor(p.tensor),
                                size=p.shape))
                  for p in self.pieces.values()]
         self.plan = SavePlan(items)
@@ -184,15 +184,11 @@ class _LoadPieces(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {p.key: p for p in pieces}
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
-
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         requests = []
         for p in self.pieces.values():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
-            requests += create_read_items_for_chunk_list(p.key, stored[p.key], [chunk])
+            requests += create_read_items_for_chunk_list(p.key, stored[p.key], [_chunk(p)])
         self.plan = LoadPlan(requests)
         return self.plan
 
