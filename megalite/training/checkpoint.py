@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
@@ -55,11 +55,10 @@ def _agree(error: BaseException | None, pstate: ParallelState, what: str, where:
     if dist.is_initialized() and pstate.world_size > 1:
         mine, told = told[0], [None] * pstate.world_size
         dist.all_gather_object(told, mine)
-    failed = [(rank, said) for rank, said in enumerate(told) if said]
-    if failed:
-        rank, said = failed[0]
-        raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "
-                              f"checkpoints are intact") from error
+    for rank, said in enumerate(told):
+        if said:  # the first rank that failed
+            raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "
+                                  f"checkpoints are intact") from error
 
 
 def _described(error: BaseException, where: Path) -> str:
@@ -245,11 +244,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
         with torch.no_grad():
             load_pieces(weight_pieces(model), path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
-    rng = None
-    if meta.get("layout") == layout_of(pstate) and rng_file.is_file():
-        with safe_open(str(rng_file), framework="pt") as f:
-            rng = {k: f.get_tensor(k) for k in f.keys()}
-    return meta, rng
+    same_layout = meta.get("layout") == layout_of(pstate)
+    return meta, (load_file(rng_file) if same_layout and rng_file.is_file() else None)
 
 
 class CheckpointTensors:
