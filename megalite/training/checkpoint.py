@@ -41,6 +41,7 @@ from megalite.training.sharded_state import (Piece, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
+from megalite.training.metrics import gather_over_ranks
 from megalite.typed_config import ConfigError
 
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
@@ -51,10 +52,7 @@ def _agree(error: BaseException | None, pstate: ParallelState, what: str, where:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
     whose disk is full does not leave the others waiting for it until the timeout, and each
     says the same thing."""
-    told = [_described(error, where) if error is not None else ""]
-    if dist.is_initialized() and pstate.world_size > 1:
-        mine, told = told[0], [None] * pstate.world_size
-        dist.all_gather_object(told, mine)
+    told = gather_over_ranks(_described(error, where) if error is not None else "", pstate)
     for rank, said in enumerate(told):
         if said:  # the first rank that failed
             raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "

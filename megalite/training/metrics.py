@@ -69,6 +69,16 @@ def reduce_over_ranks(value: float, ps: ParallelState, op=dist.ReduceOp.MAX) -> 
     return x.item()
 
 
+def gather_over_ranks(value, ps: ParallelState) -> list:
+    """Every rank's `value` (any picklable object), by rank: a collective over all ranks, when
+    there are several."""
+    if not (dist.is_initialized() and ps.world_size > 1):
+        return [value]
+    everyone = [None] * ps.world_size
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None (CPU, or a GPU not in the table): MFU left blank."""
     if device.type != "cuda":

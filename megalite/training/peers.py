@@ -12,11 +12,10 @@ import socket
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megalite.parallel.state import ParallelState
 from megalite.cli import forget_left, left_a_line
 from megalite.failures import PeerLost
+from megalite.training.metrics import gather_over_ranks
 
 
 class Peers:
@@ -24,10 +23,7 @@ class Peers:
         """A collective over the world: every rank's (host, pid)."""
         forget_left(pstate.rank)  # before the exchange: no peer looks before it is done
         self.host = socket.gethostname()
-        self.table: list[tuple[str, int]] = [(self.host, os.getpid())]
-        if pstate.world_size > 1:
-            self.table = [None] * pstate.world_size
-            dist.all_gather_object(self.table, (self.host, os.getpid()))
+        self.table: list[tuple[str, int]] = gather_over_ranks((self.host, os.getpid()), pstate)
         self.step: int | None = None  # the step being trained (set by the loop), None: before
 
     def gone(self) -> list[int]:

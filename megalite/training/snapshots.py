@@ -39,7 +39,7 @@ from safetensors.torch import save
 
 from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
-from megalite.training.metrics import reduce_over_ranks
+from megalite.training.metrics import gather_over_ranks, reduce_over_ranks
 
 FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
@@ -87,12 +87,8 @@ class Snapshots:
 
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
-        mine = [(s, r) for s, r in self.held() if self._matches(self.path(s, r))]
-        if self.pstate.world_size == 1:
-            return [mine]
-        everyone = [None] * self.pstate.world_size
-        dist.all_gather_object(everyone, mine)
-        return everyone
+        return gather_over_ranks([(s, r) for s, r in self.held() if self._matches(self.path(s, r))],
+                                 self.pstate)
 
     def newest_complete(self, holders: list[list[tuple[int, int]]] | None = None) -> int | None:
         """The newest step of which every rank's file is whole on some node (a collective
@@ -108,13 +104,12 @@ class Snapshots:
         it, by `holders` (what _holders gathered; a collective)."""
         if not self.replicated:
             return
-        me = self.pstate.rank
         sender = {r: next(q for q in range(len(holders)) if (step, r) in holders[q])
                   for r in range(len(holders)) if (step, r) not in holders[r]}
         for r, q in sender.items():  # one at a time: each pair of ranks has one transfer
-            if me == q:
+            if self.pstate.rank == q:
                 self._swap(self.path(step, r).read_bytes(), to=r, source=None)
-            elif me == r:
+            elif self.pstate.rank == r:
                 self._publish(self.path(step), self._swap(None, to=None, source=q))
 
     def drop_after(self, step: int) -> None:
