@@ -162,9 +162,8 @@ def moe_metrics(model, pstate: ParallelState, steps: int) -> dict:
             parts += torch.stack([moe.aux_loss.double(), moe.dropped.double()])
             moe.reset_statistics()
     # load: whole micro-batches' counts, once per DP rank; parts: each rank's own tokens' share.
-    for tensor, groups in ((load, [pstate.dp_group, pstate.pp_group]),
-                           (parts, [pstate.grad_group, pstate.pp_group,
-                                    pstate.tp_group if pstate.sequence_parallel else None])):
-        all_reduce_over(tensor, *groups)
+    all_reduce_over(load, pstate.dp_group, pstate.pp_group)
+    all_reduce_over(parts, pstate.grad_group, pstate.pp_group,
+                    pstate.tp_group if pstate.sequence_parallel else None)
     return {"moe_aux_loss": parts[0].item() / steps, "moe_dropped": int(parts[1].item()),
             "moe_load": load.tolist()}

@@ -78,9 +78,7 @@ class MatrixLayout:
 
 def _gather(t: torch.Tensor, group, size: int, spans: list[tuple[int, int]]) -> torch.Tensor:
     """The members' blocks of dim 0, block k being rows spans[k] of the result: one
-    all-gather of blocks padded to the longest."""
-    if size == 1:
-        return t
+    all-gather of blocks padded to the longest (size > 1: a layout gathers only over several)."""
     longest = max(stop - start for start, stop in spans)
     padded = t.new_zeros(longest, *t.shape[1:])
     padded[:t.shape[0]] = t
