@@ -94,9 +94,8 @@ class Snapshots:
         """The newest step of which every rank's file is whole on some node (a collective
         unless given `holders`, what _holders gathered); None: no such step."""
         files = {f for held in (self._holders() if holders is None else holders) for f in held}
-        steps = {s for s, _ in files}
-        complete = [s for s in steps if all((s, r) in files for r in range(self.pstate.world_size))]
-        return max(complete) if complete else None
+        ranks = range(self.pstate.world_size)
+        return max((s for s, _ in files if all((s, r) in files for r in ranks)), default=None)
 
     def fetch(self, step: int, holders: list[list[tuple[int, int]]]) -> None:
         """Each rank whose node lacks its file of `step` (the node lost its memory, or it
