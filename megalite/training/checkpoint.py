@@ -289,8 +289,7 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
     `tensors`: a dict of full tensors, or anything with `keys()` and `get_slice(name)` as an open
     safetensors file has (or hf/layout.MegaliteView): then only this rank's slice is read."""
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(tensors.keys()))
-    if missing:
+    if missing := sorted(set(params) - set(tensors.keys())):
         raise ConfigError(f"'{source}' lacks parameters {missing[:4]}: it was written for "
                           f"another model config")
     sliced = hasattr(tensors, "get_slice")

@@ -92,14 +92,13 @@ class Bucket:
 
     def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
         """Start the all-reduce; the returned call waits for it and leaves the sums in p.grad."""
-        buffer = self.buffer
-        payload = buffer if reduce_dtype is None else buffer.to(reduce_dtype)
+        payload = self.buffer if reduce_dtype is None else self.buffer.to(reduce_dtype)
         work = dist.all_reduce(payload, group=group, async_op=True)
 
         def finish() -> None:
             work.wait()
-            if payload is not buffer:
-                buffer.copy_(payload)
+            if payload is not self.buffer:
+                self.buffer.copy_(payload)
         return finish
 
 

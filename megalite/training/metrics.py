@@ -133,8 +133,7 @@ def plot_losses(metrics: Path, out: Path) -> None:
     records = read_records(metrics)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, style, label in (("loss", "-", "train loss"), ("val_loss", "o-", "validation loss")):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
+        if points := [(r["step"], r[key]) for r in records if key in r]:
             ax.plot(*zip(*points), style, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
