@@ -198,20 +198,18 @@ class CheckpointWriter:
 def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: TokenizerInfo | None) -> None:
     """meta.json last, everything fsynced, then the rename; older checkpoints pruned only once
     the new one is in place."""
-    root = final.parent
     if tokenizer is not None:
         save_tokenizer(tokenizer, tmp)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    _fsync(tmp / "meta.json")
-    _fsync(tmp / "rng")
-    _fsync(tmp)
+    for written in (tmp / "meta.json", tmp / "rng", tmp):
+        _fsync(written)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(root)
+    _fsync(final.parent)
     # The newest `keep` by step; the run refuses to start below a later checkpoint
     # (run_setup.find_resume), so the one just written is among them.
-    for old in _step_dirs(root)[:-keep]:
+    for old in _step_dirs(final.parent)[:-keep]:
         shutil.rmtree(old)
 
 
