@@ -253,7 +253,7 @@ class CheckpointTensors:
 
     def __init__(self, path: Path, part: str = "model"):
         self.path, self.part = Path(path), part
-        self.dcp = None if _whole_tensors(self.path) else read_metadata(self.path)
+        self.dcp = None if _whole_tensors(self.path) else read_metadata(self.path)  # its DCP metadata
         if self.dcp is None:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
