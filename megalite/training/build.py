@@ -8,7 +8,7 @@ from megalite.fp8.convert import convert_to_fp8, describe_fp8
 from megalite.model import GPT
 from megalite.parallel.random import seed_replicated_dropout
 from megalite.parallel.state import ParallelState
-from megalite.run_config import Config, TrainConfig
+from megalite.run_config import Config, TrainConfig, flat
 from megalite.training.deepspeed_engine import DeepSpeedEngine
 from megalite.training.distributed_optimizer import DistributedOptimizer
 from megalite.training.engine import NativeEngine
@@ -39,15 +39,10 @@ def compile_settings(t: TrainConfig) -> dict:
     return {} if t.compile_mode == "default" else {"mode": t.compile_mode}
 
 
-def inductor_options(options: dict, prefix: str = "") -> dict:
+def inductor_options(options: dict) -> dict:
     """Nested mappings as inductor's dotted names: {triton: {cudagraphs: true}} is
-    {"triton.cudagraphs": true}."""
-    flat = {}
-    for key, value in options.items():
-        name = f"{prefix}{key}"
-        nested = isinstance(value, dict)
-        flat.update(inductor_options(value, f"{name}.") if nested else {name: value})
-    return flat
+    {"triton.cudagraphs": true}. An empty mapping sets nothing."""
+    return {name: value for name, value in flat(options).items() if value != {}}
 
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, pstate: ParallelState,

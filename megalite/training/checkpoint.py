@@ -31,16 +31,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
-from megalite.training.sharded_state import (Piece, WholeReader, blocks, check_state_names,
+from megalite.training.sharded_state import (Piece, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
+from megalite.training.metrics import gather_over_ranks
 from megalite.typed_config import ConfigError
 
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
@@ -51,15 +52,11 @@ def _agree(error: BaseException | None, pstate: ParallelState, what: str, where:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
     whose disk is full does not leave the others waiting for it until the timeout, and each
     says the same thing."""
-    told = [_described(error, where) if error is not None else ""]
-    if dist.is_initialized() and pstate.world_size > 1:
-        mine, told = told[0], [None] * pstate.world_size
-        dist.all_gather_object(told, mine)
-    failed = [(rank, said) for rank, said in enumerate(told) if said]
-    if failed:
-        rank, said = failed[0]
-        raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "
-                              f"checkpoints are intact") from error
+    told = gather_over_ranks(_described(error, where) if error is not None else "", pstate)
+    for rank, said in enumerate(told):
+        if said:  # the first rank that failed
+            raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "
+                                  f"checkpoints are intact") from error
 
 
 def _described(error: BaseException, where: Path) -> str:
@@ -201,20 +198,18 @@ class CheckpointWriter:
 def _publish(tmp: Path, final: Path, meta: dict, keep: int, tokenizer: TokenizerInfo | None) -> None:
     """meta.json last, everything fsynced, then the rename; older checkpoints pruned only once
     the new one is in place."""
-    root = final.parent
     if tokenizer is not None:
         save_tokenizer(tokenizer, tmp)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    _fsync(tmp / "meta.json")
-    _fsync(tmp / "rng")
-    _fsync(tmp)
+    for written in (tmp / "meta.json", tmp / "rng", tmp):
+        _fsync(written)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(root)
+    _fsync(final.parent)
     # The newest `keep` by step; the run refuses to start below a later checkpoint
     # (run_setup.find_resume), so the one just written is among them.
-    for old in _step_dirs(root)[:-keep]:
+    for old in _step_dirs(final.parent)[:-keep]:
         shutil.rmtree(old)
 
 
@@ -235,8 +230,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     this rank's RNG state, or None when the checkpoint was written with another layout).
     `read_optimizer_state` reads the optimizer state."""
     path = Path(path)
-    wrong = not_a_checkpoint(path)
-    if wrong:
+    if wrong := not_a_checkpoint(path):
         raise ConfigError(wrong)
     meta = json.loads((path / "meta.json").read_text())
     if _whole_tensors(path):
@@ -247,11 +241,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
             load_pieces(weight_pieces(model), path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == layout_of(pstate)
-    rng = None
-    if same_layout and rng_file.is_file():
-        with safe_open(str(rng_file), framework="pt") as f:
-            rng = {k: f.get_tensor(k) for k in f.keys()}
-    return meta, rng
+    return meta, (load_file(rng_file) if same_layout and rng_file.is_file() else None)
 
 
 class CheckpointTensors:
@@ -263,13 +253,13 @@ class CheckpointTensors:
 
     def __init__(self, path: Path, part: str = "model"):
         self.path, self.part = Path(path), part
-        self.dcp = None if _whole_tensors(self.path) else WholeReader(self.path)
+        self.dcp = None if _whole_tensors(self.path) else read_metadata(self.path)  # its DCP metadata
         if self.dcp is None:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
             prefix = f"{part}/"
-            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.stored.items()
+            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.state_dict_metadata.items()
                            if k.startswith(prefix)}
 
     def _open(self):
@@ -286,7 +276,10 @@ class CheckpointTensors:
             with self._open() as f:
                 return f.get_tensor(name)
         key = f"{self.part}/{name}"
-        return self.dcp.read([key])[key]
+        md = self.dcp.state_dict_metadata[key]
+        whole = Piece(key, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
+        load_pieces([whole], self.path, self.dcp, one_process=True)  # no process group's
+        return whole.tensor
 
 
 def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
@@ -294,8 +287,7 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
     `tensors`: a dict of full tensors, or anything with `keys()` and `get_slice(name)` as an open
     safetensors file has (or hf/layout.MegaliteView): then only this rank's slice is read."""
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(tensors.keys()))
-    if missing:
+    if missing := sorted(set(params) - set(tensors.keys())):
         raise ConfigError(f"'{source}' lacks parameters {missing[:4]}: it was written for "
                           f"another model config")
     sliced = hasattr(tensors, "get_slice")

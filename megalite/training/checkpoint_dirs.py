@@ -21,8 +21,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _newest_complete(root: Path) -> Path | None:
-    done = [p for p in _step_dirs(root) if (p / "meta.json").is_file()]
-    return done[-1] if done else None
+    return max((p for p in _step_dirs(root) if (p / "meta.json").is_file()), default=None)
 
 
 def not_a_checkpoint(path: Path) -> str | None:

@@ -28,6 +28,7 @@ ZeRO's norm counts it once).
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import torch
 
@@ -39,7 +40,7 @@ from megalite.training.engine import EngineBase
 from megalite.training.grads import clip_grad_norm_, sum_embedding_copies
 from megalite.training.optimizers.build import adamw
 from megalite.training.optimizers.chained import ADAMW_STATE, load_state, state_by_name
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, failing
 
 # Set by megalite from train.*; a passthrough value for one of them must agree.
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -54,41 +55,21 @@ REFUSED = ("optimizer", "scheduler", "fp16", "bf16", "torch_autocast", "zero_opt
            "zero_optimization.cpu_offload")
 
 
-class ModelParallelUnit:
+def model_parallel_unit(ps: ParallelState) -> SimpleNamespace:
     """megalite's layout under the names DeepSpeed asks Megatron's `mpu` for: tensor-parallel is
     the TP group; model-parallel is all model parallelism of a DP replica (TP x PP), which
     DeepSpeed sums gradient norms over."""
-
-    def __init__(self, pstate: ParallelState):
-        self.ps = pstate
-        self.model_group = pstate.block_group(pstate.tp_size * pstate.pp_size)
-
-    def get_tensor_model_parallel_rank(self) -> int:
-        return self.ps.tp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.ps.tp_size
-
-    def get_tensor_model_parallel_group(self):
-        return self.ps.tp_group
-
-    def get_model_parallel_rank(self) -> int:
-        return self.ps.pp_rank * self.ps.tp_size + self.ps.tp_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return self.ps.pp_size * self.ps.tp_size
-
-    def get_model_parallel_group(self):
-        return self.model_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self.ps.dp_rank
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.ps.dp_size
-
-    def get_data_parallel_group(self):
-        return self.ps.dp_group
+    model_group = ps.block_group(ps.tp_size * ps.pp_size)
+    return SimpleNamespace(
+        get_tensor_model_parallel_rank=lambda: ps.tp_rank,
+        get_tensor_model_parallel_world_size=lambda: ps.tp_size,
+        get_tensor_model_parallel_group=lambda: ps.tp_group,
+        get_model_parallel_rank=lambda: ps.pp_rank * ps.tp_size + ps.tp_rank,
+        get_model_parallel_world_size=lambda: ps.pp_size * ps.tp_size,
+        get_model_parallel_group=lambda: model_group,
+        get_data_parallel_rank=lambda: ps.dp_rank,
+        get_data_parallel_world_size=lambda: ps.dp_size,
+        get_data_parallel_group=lambda: ps.dp_group)
 
 
 def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: ParallelConfig,
@@ -98,23 +79,22 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
     if train.engine != "deepspeed":
         return []
     tp, pp, n_kv = parallel.tp, parallel.pp, model.kv_heads
-    rules = [
+    problems = failing(
         (parallel.cp == 1, f"train.engine=deepspeed with parallel.cp={parallel.cp}: DeepSpeed's data-parallel "
                            f"group would not hold the context-parallel ranks, whose gradients must be "
                            f"summed too; use train.engine=native (or parallel.cp=1)"),
         (train.optimizer == "adamw",
-         f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands "
-         f"DeepSpeed AdamW only (ZeRO partitions state by flat element ranges, and "
-         f"{train.optimizer} needs whole matrices); use train.engine=native for "
-         f"{train.optimizer} (train.zero_stage 0 or 1), or train.optimizer=adamw"),
+         f"train.optimizer={train.optimizer} with train.engine=deepspeed: megalite hands DeepSpeed AdamW "
+         f"only (ZeRO partitions state by flat element ranges, and {train.optimizer} needs whole matrices); "
+         f"use train.engine=native for {train.optimizer} (train.zero_stage 0 or 1), or "
+         f"train.optimizer=adamw"),
         (train.precision != "pure_bf16", "train.precision=pure_bf16 needs train.engine=native (megalite's "
                                          "fp32 masters live in its own engine): set train.engine=native, or "
                                          "use train.precision=bf16 with train.engine=deepspeed"),
         (pp == 1 or train.zero_stage != 0,
-         f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data "
-         f"parallelism, which train.engine=native does (DeepSpeed's stage-0 "
-         f"clipping would count the other stages' replicated weights wrongly): "
-         f"use train.engine=native, or train.zero_stage=1"),
+         f"train.zero_stage=0 with parallel.pp={pp}: stage 0 is plain data parallelism, which "
+         f"train.engine=native does (DeepSpeed's stage-0 clipping would count the other stages' "
+         f"replicated weights wrongly): use train.engine=native, or train.zero_stage=1"),
         (not installed or importlib.util.find_spec("deepspeed") is not None,
          "train.engine=deepspeed needs the deepspeed package: pip install "
          "--no-build-isolation 'megalite[deepspeed]' (after torch), or set train.engine=native"),
@@ -124,8 +104,7 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
                      f"each KV head would sit on {tp // max(n_kv, 1)} TP ranks and DeepSpeed's gradient "
                      f"norm would count it {tp // max(n_kv, 1)} times; use parallel.tp <= {n_kv} or "
                      f"train.engine=native"),
-    ]
-    problems = [message for ok, message in rules if not ok]
+    )
     problems += [f"train.deepspeed.{key} is set by megalite (the optimizer is AdamW from train.*, "
                  f"the schedule is train.lr/warmup_steps, precision is train.precision, the stage "
                  f"is train.zero_stage; no offload): remove it"
@@ -170,7 +149,7 @@ class DeepSpeedEngine(EngineBase):
         deepspeed.init_distributed(dist_backend="nccl" if pstate.device.type == "cuda" else "gloo")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=adamw(list(model.parameters()), cfg, pstate.device),
-            mpu=ModelParallelUnit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
+            mpu=model_parallel_unit(pstate), config=deepspeed_config(cfg, pstate.dp_size))
         self.model, self.pstate = model, pstate
         self.module = self.engine  # its forward clears ZeRO's per-backward bookkeeping
         self.zero = cfg.zero_stage > 0

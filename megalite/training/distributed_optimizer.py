@@ -61,16 +61,11 @@ class ShardedBucket:
                  rank: int, size: int):
         self.params, self.rank, self.size = params, rank, size
         self.shards = [shards[id(p)] for p in params]  # whose .grad takes this rank's sums
-        self.ready: set[int] = set()
         # counts[k][i]: elements of params[i] that rank k holds
         self.counts = [[_held_elements(p, k, size) for p in params] for k in range(size)]
         self.region = max(sum(c) for c in self.counts)
         self.pieces = [[*c, self.region - sum(c)] for c in self.counts]  # a region's split
         self.sums: list[torch.Tensor | None] = [None] * len(params)  # bf16 parameters' fp32 sums
-
-    @property
-    def full(self) -> bool:
-        return len(self.ready) == len(self.params)
 
     def adopt(self, index: int) -> None:
         """A bf16 parameter's gradient is added into its fp32 sum and freed (an fp32 one

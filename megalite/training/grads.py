@@ -66,11 +66,11 @@ def replica_rank(p: torch.Tensor, pstate: ParallelState) -> tuple[int, int]:
 
 
 class Bucket:
-    """Parameters whose gradients one all-reduce sums: a flat buffer, a param-shaped view of it
-    per parameter, and which of them backward has finished on the last micro-batch.
+    """Parameters whose gradients one all-reduce sums: a flat buffer and a param-shaped view of
+    it per parameter.
 
     The interface DataParallelGradSync drives (the distributed optimizer's buckets share it):
-    `params`, `ready`, `full`, `adopt(index)` after each micro-batch's gradient of a parameter,
+    `params`, `adopt(index)` after each micro-batch's gradient of a parameter,
     and `start(group, reduce_dtype)`, which returns the call that finishes the reduction."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
@@ -79,7 +79,6 @@ class Bucket:
                                   device=params[0].device)
         parts = self.buffer.split([p.numel() for p in params])
         self.slots = [part.view_as(p) for part, p in zip(parts, params)]
-        self.ready: set[int] = set()
 
     def adopt(self, index: int) -> None:
         """Make the gradient of params[index] its slot (zeros if it has none): accumulation then
@@ -91,20 +90,15 @@ class Bucket:
             slot.copy_(p.grad)
         p.grad = slot
 
-    @property
-    def full(self) -> bool:
-        return len(self.ready) == len(self.params)
-
     def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
         """Start the all-reduce; the returned call waits for it and leaves the sums in p.grad."""
-        buffer = self.buffer
-        payload = buffer if reduce_dtype is None else buffer.to(reduce_dtype)
+        payload = self.buffer if reduce_dtype is None else self.buffer.to(reduce_dtype)
         work = dist.all_reduce(payload, group=group, async_op=True)
 
         def finish() -> None:
             work.wait()
-            if payload is not buffer:
-                buffer.copy_(payload)
+            if payload is not self.buffer:
+                self.buffer.copy_(payload)
         return finish
 
 
@@ -123,33 +117,30 @@ class DataParallelGradSync:
                  make_bucket: Callable[[list], Bucket] = Bucket):
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
         self.active = False
-        self.buckets: list[Bucket] = []
-        self.groups: list = []  # each bucket's replica group
-        self.slot_of: dict[int, tuple[Bucket, int]] = {}
-        self.started = 0
-        self.pending: list = []
         params = [p for p in model.parameters()
                   if p.requires_grad and group_size(replica_group(p, pstate)) > 1]
-        for params_of_bucket in bucket_params(params, bucket_mb * MIB):
-            self.groups.append(replica_group(params_of_bucket[0], pstate))
-            self.buckets.append(make_bucket(params_of_bucket))
-            for index, p in enumerate(params_of_bucket):
-                self.slot_of[id(p)] = (self.buckets[-1], index)
-                if hooks:
-                    p.register_post_accumulate_grad_hook(self.grad_ready)
+        grouped = bucket_params(params, bucket_mb * MIB)
+        self.buckets = [make_bucket(bucket) for bucket in grouped]
+        self.groups = [replica_group(bucket[0], pstate) for bucket in grouped]  # each one's replicas
+        self.slot_of = {id(p): (b, index) for b, bucket in enumerate(self.buckets)
+                        for index, p in enumerate(bucket.params)}
+        self._reset()
+        if hooks:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self.grad_ready)
 
     def grad_ready(self, p: torch.Tensor) -> None:
         """p.grad holds this micro-batch's gradient: make it p's slot, and on the last
         micro-batch start the buckets that are now full."""
         if id(p) not in self.slot_of:  # DP=1: nothing to reduce
             return
-        bucket, index = self.slot_of[id(p)]
-        bucket.adopt(index)
+        b, index = self.slot_of[id(p)]
+        self.buckets[b].adopt(index)
         if self.active:
-            bucket.ready.add(index)
+            self.waiting[b].discard(index)
             # In bucket order, not in the order they fill: every rank must issue the same
             # all-reduces in the same order.
-            while self.started < len(self.buckets) and self.buckets[self.started].full:
+            while self.started < len(self.buckets) and not self.waiting[self.started]:
                 self._start(self.buckets[self.started])
 
     def _start(self, bucket: Bucket) -> None:
@@ -179,10 +170,12 @@ class DataParallelGradSync:
             self._start(bucket)
         for finish in self.pending:
             finish()
-        for bucket in self.buckets:
-            bucket.ready.clear()
-        self.pending.clear()
-        self.started = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """No bucket started: each waits for all its parameters' last gradients."""
+        self.started, self.pending = 0, []
+        self.waiting = [set(range(len(bucket.params))) for bucket in self.buckets]
 
 
 def _sum_of_squares(grads: list, weights: list[float], device) -> torch.Tensor:

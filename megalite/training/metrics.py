@@ -57,16 +57,26 @@ def peak_memory_bytes(ps: ParallelState) -> float:
         torch.cuda.reset_peak_memory_stats(ps.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return max_over_ranks(peak, ps)
+    return reduce_over_ranks(peak, ps)
 
 
-def max_over_ranks(value: float, ps: ParallelState) -> float:
-    """The largest of every rank's value (a collective over all ranks, when there are several):
-    the slowest rank sets a step's time, the fullest device its memory."""
+def reduce_over_ranks(value: float, ps: ParallelState, op=dist.ReduceOp.MAX) -> float:
+    """The largest (or by `op`, say MIN) of every rank's value (a collective over all ranks, when
+    there are several): the slowest rank sets a step's time, the fullest device its memory."""
     x = torch.tensor([float(value)], dtype=torch.float64, device=ps.device)
     if dist.is_initialized() and ps.world_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=op)
     return x.item()
+
+
+def gather_over_ranks(value, ps: ParallelState) -> list:
+    """Every rank's `value` (any picklable object), by rank: a collective over all ranks, when
+    there are several."""
+    if not (dist.is_initialized() and ps.world_size > 1):
+        return [value]
+    everyone = [None] * ps.world_size
+    dist.all_gather_object(everyone, value)
+    return everyone
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -121,13 +131,10 @@ def plot_losses(metrics: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = read_records(metrics)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
+    for key, style, label in (("loss", "-", "train loss"), ("val_loss", "o-", "validation loss")):
+        if points := [(r["step"], r[key]) for r in records if key in r]:
+            ax.plot(*zip(*points), style, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.legend()
@@ -154,9 +161,8 @@ def moe_metrics(model, pstate: ParallelState, steps: int) -> dict:
             parts += torch.stack([moe.aux_loss.double(), moe.dropped.double()])
             moe.reset_statistics()
     # load: whole micro-batches' counts, once per DP rank; parts: each rank's own tokens' share.
-    for tensor, groups in ((load, [pstate.dp_group, pstate.pp_group]),
-                           (parts, [pstate.grad_group, pstate.pp_group,
-                                    pstate.tp_group if pstate.sequence_parallel else None])):
-        all_reduce_over(tensor, *groups)
+    all_reduce_over(load, pstate.dp_group, pstate.pp_group)
+    all_reduce_over(parts, pstate.grad_group, pstate.pp_group,
+                    pstate.tp_group if pstate.sequence_parallel else None)
     return {"moe_aux_loss": parts[0].item() / steps, "moe_dropped": int(parts[1].item()),
             "moe_load": load.tolist()}

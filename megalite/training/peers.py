@@ -12,11 +12,10 @@ import socket
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megalite.parallel.state import ParallelState
 from megalite.cli import forget_left, left_a_line
 from megalite.failures import PeerLost
+from megalite.training.metrics import gather_over_ranks
 
 
 class Peers:
@@ -24,10 +23,7 @@ class Peers:
         """A collective over the world: every rank's (host, pid)."""
         forget_left(pstate.rank)  # before the exchange: no peer looks before it is done
         self.host = socket.gethostname()
-        self.table: list[tuple[str, int]] = [(self.host, os.getpid())]
-        if pstate.world_size > 1:
-            self.table = [None] * pstate.world_size
-            dist.all_gather_object(self.table, (self.host, os.getpid()))
+        self.table: list[tuple[str, int]] = gather_over_ranks((self.host, os.getpid()), pstate)
         self.step: int | None = None  # the step being trained (set by the loop), None: before
 
     def gone(self) -> list[int]:
@@ -35,8 +31,9 @@ class Peers:
         after a peer died (under `megalite torchrun` they left their line in the launcher's
         directory first): a late survivor names the rank that died first, not the survivors
         that stopped before it."""
+        # Ended: no process, or a zombie (Z, X) not yet reaped.
         return [rank for rank, (host, pid) in enumerate(self.table)
-                if host == self.host and not _alive(pid) and not left_a_line(rank)]
+                if host == self.host and process_state(pid) in (None, "Z", "X") and not left_a_line(rank)]
 
     def lost(self, err: BaseException) -> PeerLost | None:
         """A PeerLost for `err`, a failed collective, where a peer has died; None if none has
@@ -65,11 +62,6 @@ SETTLE_S = 1.0
 
 THEN = (": this rank stops too; the newest in-memory snapshot or checkpoint resumes the run "
         "(train.resume=auto)")
-
-
-def _alive(pid: int) -> bool:
-    state = process_state(pid)
-    return state is not None and state not in "ZX"
 
 
 def process_state(pid: int) -> str | None:

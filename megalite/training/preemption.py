@@ -51,10 +51,9 @@ class StopRequest:
             os._exit(PREEMPTED)  # nothing left to stop: the checkpoint is whole
         if self.signal_name == "SIGINT":
             stop_now()
-        if signum == signal.SIGINT:
-            if os.environ.get("RANK", "0") == "0":
-                print("\nmegalite: Ctrl-C: stopping after this step with a checkpoint "
-                      "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
+        if signum == signal.SIGINT and os.environ.get("RANK", "0") == "0":
+            print("\nmegalite: Ctrl-C: stopping after this step with a checkpoint "
+                  "(Ctrl-C again to stop at once, unsaved)", file=sys.stderr, flush=True)
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 

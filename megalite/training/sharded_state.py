@@ -63,18 +63,15 @@ def state_key(name: str, state: str) -> str:
     return f"optimizer/{name}.{state}"
 
 
-def slice_offsets(p: torch.Tensor, first_row: int = 0) -> tuple[int, ...]:
-    """Where row `first_row` of p's local tensor (its TP slice) sits in the global tensor."""
+def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
+    """`rows`, which are rows `first_row`... of p's local tensor (its TP slice), placed in the
+    global tensor."""
     offsets = [0] * p.dim()
     shard = split_of(p)
     if shard is not None:
         offsets[shard.dim] = shard.bounds(full_shape(p)[shard.dim])[0]
     offsets[0] += first_row
-    return tuple(offsets)
-
-
-def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
-    return Piece(key, rows, full_shape(p), slice_offsets(p, first_row))
+    return Piece(key, rows, full_shape(p), tuple(offsets))
 
 
 def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Iterator[Piece]:
@@ -94,8 +91,7 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         start, stop = start + first, start + last
         if start == stop:
             continue
-        if not held[0] <= start <= stop <= held[1]:
-            raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
+        # Within `held`: an engine holds all the rows, or (ZeRO-1) row_range's of its replica.
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.detach().narrow(0, start - held[0], stop - start)
@@ -154,6 +150,11 @@ def blocks(piece: Piece) -> Iterator[Piece]:
                                   offsets=(piece.offsets[0] + start, *piece.offsets[1:]))
 
 
+def _chunk(p: Piece) -> ChunkStorageMetadata:
+    """Where p's tensor sits in its global tensor, as DCP records it."""
+    return ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
+
+
 class _SavePieces(DefaultSavePlanner):
     """DCP's default planner (global plan, deduplication, metadata, validation that the chunks
     cover every tensor), with this rank's items taken from its pieces instead of a state dict."""
@@ -162,15 +163,10 @@ class _SavePieces(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {(p.key, p.offsets): p for p in pieces}
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.is_coordinator = {}, is_coordinator
-
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(
-                               chunk=ChunkStorageMetadata(offsets=torch.Size(p.offsets),
-                                                          sizes=p.tensor.shape),
-                               properties=TensorProperties.create_from_tensor(p.tensor),
+                               chunk=_chunk(p), properties=TensorProperties.create_from_tensor(p.tensor),
                                size=p.shape))
                  for p in self.pieces.values()]
         self.plan = SavePlan(items)
@@ -187,15 +183,11 @@ class _LoadPieces(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {p.key: p for p in pieces}
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
-
     def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         requests = []
         for p in self.pieces.values():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.tensor.shape)
-            requests += create_read_items_for_chunk_list(p.key, stored[p.key], [chunk])
+            requests += create_read_items_for_chunk_list(p.key, stored[p.key], [_chunk(p)])
         self.plan = LoadPlan(requests)
         return self.plan
 
@@ -245,20 +237,3 @@ class _KnownMetadata(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         return self.known
-
-
-class WholeReader:
-    """Tensors of a DCP checkpoint read whole, as asked, in this one process (tools, tests; a
-    process group, if any, is not used); its metadata, which grows with the blocks of every
-    rank, is read once."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.metadata = read_metadata(path)
-        self.stored = self.metadata.state_dict_metadata
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        wanted = [Piece(k, torch.empty(md.size, dtype=md.properties.dtype), md.size, (0,) * len(md.size))
-                  for k, md in ((k, self.stored[k]) for k in keys)]
-        load_pieces(wanted, self.path, self.metadata, one_process=True)
-        return {p.key: p.tensor for p in wanted}

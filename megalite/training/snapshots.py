@@ -39,6 +39,7 @@ from safetensors.torch import save
 
 from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
+from megalite.training.metrics import gather_over_ranks, reduce_over_ranks
 
 FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
@@ -62,7 +63,7 @@ class Snapshots:
         self.identity = json.loads(json.dumps(identity))  # as a file's header gives it back
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot")
         self._pending: tuple[Future, int] | None = None
-        self._written = self._complete = 0
+        self._written = 0
         root.mkdir(parents=True, exist_ok=True)
         # The same local rank of the next node keeps a copy of this rank's files: one node
         # lost loses none of them.
@@ -86,20 +87,15 @@ class Snapshots:
 
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
-        mine = [(s, r) for s, r in self.held() if self._matches(self.path(s, r))]
-        if self.pstate.world_size == 1:
-            return [mine]
-        everyone = [None] * self.pstate.world_size
-        dist.all_gather_object(everyone, mine)
-        return everyone
+        return gather_over_ranks([(s, r) for s, r in self.held() if self._matches(self.path(s, r))],
+                                 self.pstate)
 
     def newest_complete(self, holders: list[list[tuple[int, int]]] | None = None) -> int | None:
         """The newest step of which every rank's file is whole on some node (a collective
         unless given `holders`, what _holders gathered); None: no such step."""
         files = {f for held in (self._holders() if holders is None else holders) for f in held}
-        steps = {s for s, _ in files}
-        complete = [s for s in steps if all((s, r) in files for r in range(self.pstate.world_size))]
-        return max(complete) if complete else None
+        ranks = range(self.pstate.world_size)
+        return max((s for s, _ in files if all((s, r) in files for r in ranks)), default=None)
 
     def fetch(self, step: int, holders: list[list[tuple[int, int]]]) -> None:
         """Each rank whose node lacks its file of `step` (the node lost its memory, or it
@@ -107,14 +103,13 @@ class Snapshots:
         it, by `holders` (what _holders gathered; a collective)."""
         if not self.replicated:
             return
-        me = self.pstate.rank
         sender = {r: next(q for q in range(len(holders)) if (step, r) in holders[q])
                   for r in range(len(holders)) if (step, r) not in holders[r]}
         for r, q in sender.items():  # one at a time: each pair of ranks has one transfer
-            if me == q:
-                self._swap(self.path(step, r).read_bytes(), False, to=r, source=None)
-            elif me == r:
-                self._publish(self.path(step), self._swap(None, True, to=None, source=q))
+            if self.pstate.rank == q:
+                self._swap(self.path(step, r).read_bytes(), to=r, source=None)
+            elif self.pstate.rank == r:
+                self._publish(self.path(step), self._swap(None, to=None, source=q))
 
     def drop_after(self, step: int) -> None:
         """At a start: this node's files of steps after `step`, the one the run starts from (a
@@ -127,13 +122,12 @@ class Snapshots:
         if self.pstate.world_size > 1:
             dist.barrier(group=self._group)
 
-    def _swap(self, data: bytes | None, receive: bool, to: int | None,
-              source: int | None) -> bytes | None:
+    def _swap(self, data: bytes | None, to: int | None, source: int | None) -> bytes | None:
         """Send `data` (if any) to rank `to` while receiving from `source` (if asked), over
         this object's own gloo group: a length, then the bytes."""
         def exchange(sent: torch.Tensor | None, into: torch.Tensor) -> torch.Tensor:
             ops = [] if sent is None else [dist.isend(sent, to, group=self._group)]
-            if receive:
+            if source is not None:
                 ops.append(dist.irecv(into, source, group=self._group))
             for op in ops:
                 op.wait()
@@ -143,7 +137,7 @@ class Snapshots:
                         torch.zeros(1, dtype=torch.int64))
         buffer = exchange(None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8),
                           torch.empty(int(size), dtype=torch.uint8))
-        return buffer.numpy().tobytes() if receive else None
+        return buffer.numpy().tobytes() if source is not None else None
 
     def _matches(self, path: Path) -> bool:
         try:
@@ -158,12 +152,9 @@ class Snapshots:
         cost, in a line. A collective: the ranks first agree on the newest complete snapshot,
         and each drops its older files."""
         self.finish()
-        written = torch.tensor(float(self._written), dtype=torch.float64, device=self.pstate.device)
-        if self.pstate.world_size > 1:
-            dist.all_reduce(written, op=dist.ReduceOp.MIN)
-        self._complete = int(written.item())
+        complete = reduce_over_ranks(self._written, self.pstate, dist.ReduceOp.MIN)
         for old, rank in self.held():  # this node's ranks share the directory: any may drop any
-            if old < self._complete:
+            if old < complete:
                 self.path(old, rank).unlink(missing_ok=True)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
@@ -186,7 +177,7 @@ class Snapshots:
         self._publish(self.path(step), data)
         if self.replicated:  # every rank sends its own and receives its source's
             self._publish(self.path(step, self.source),
-                          self._swap(data, True, to=self.partner, source=self.source))
+                          self._swap(data, to=self.partner, source=self.source))
 
     @staticmethod
     def _publish(final: Path, data: bytes) -> None:

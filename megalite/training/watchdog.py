@@ -9,6 +9,7 @@ launcher restarts the ranks, from the in-memory snapshot (snapshots.py) or the d
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -70,10 +71,8 @@ class Watchdog:
                 (self.table[r][0] == self.host and process_state(self.table[r][1]) == "T")]
         here = [r for r in hung if self.table[r][0] == self.host and r != self.rank]
         for r in here:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.table[r][1], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         who = (", ".join(f"rank {r} (pid {self.table[r][1]} on {self.table[r][0]}, after step "
                          f"{steps[r]})" for r in hung) + " hung" if hung else
                "no rank is behind or stopped here: a collective hangs")

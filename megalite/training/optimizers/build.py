@@ -43,11 +43,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, pstate,
     optimizers = [adamw(rest, cfg, pstate.device)] if rest else []
     if to_muon:
         m = cfg.muon
-        optimizers.append(Muon(
-            [master(p) for p in to_muon], {id(master(p)): layout(p) for p in to_muon},
-            lr=m.lr, momentum=m.momentum, nesterov=m.nesterov, weight_decay=m.weight_decay,
-            ns_steps=m.ns_steps, ns_coefficients=m.ns_coefficients, eps=m.eps,
-            adjust_lr=m.adjust_lr, ns_dtype=m.ns_dtype))
+        optimizers.append(Muon([master(p) for p in to_muon], {id(master(p)): layout(p) for p in to_muon}, m))
         # The schedule scales Muon's rate as it scales train.lr (engine.set_lr).
         for group in optimizers[-1].param_groups:
             group["lr_ratio"] = m.lr / cfg.lr

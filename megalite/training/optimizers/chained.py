@@ -17,11 +17,6 @@ def state_names(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else optimizer.state_names
 
 
-def counts_steps(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether its per-parameter state holds the step count (AdamW's bias correction)."""
-    return isinstance(optimizer, torch.optim.AdamW)
-
-
 def state_by_name(optimizer, t: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Stepped tensor t's state `names` in `optimizer` (none before its first step)."""
     state = optimizer.state.get(t, {})
@@ -77,4 +72,5 @@ class ChainedOptimizer:
         for t, tensors in pairs:
             mine[id(self.owner[id(t)])][id(t)] = tensors
         for o in self.optimizers:
-            load_state(o, mine[id(o)], step, counts_steps(o))
+            # AdamW's state holds the step count (its bias correction).
+            load_state(o, mine[id(o)], step, counted=isinstance(o, torch.optim.AdamW))

@@ -36,9 +36,8 @@ class MatrixLayout:
     interleaved: tuple[int, int] | None = None
     stacked: bool = False
 
+    # Stacked experts' layouts hold no rows and no TP slice: `whole` and `mine` leave them as they are.
     def whole(self, t: torch.Tensor) -> torch.Tensor:
-        if self.stacked:
-            return t
         if self.rows is not None:
             group, _, size = self.replicas
             t = _gather(t, group, size, [row_range(self.local_rows, k, size) for k in range(size)])
@@ -52,8 +51,6 @@ class MatrixLayout:
         return t
 
     def mine(self, full: torch.Tensor) -> torch.Tensor:
-        if self.stacked:
-            return full
         if self.tp is not None:
             full = self.tp.take(full)
         if self.rows is not None:
@@ -81,9 +78,7 @@ class MatrixLayout:
 
 def _gather(t: torch.Tensor, group, size: int, spans: list[tuple[int, int]]) -> torch.Tensor:
     """The members' blocks of dim 0, block k being rows spans[k] of the result: one
-    all-gather of blocks padded to the longest."""
-    if size == 1:
-        return t
+    all-gather of blocks padded to the longest (size > 1: a layout gathers only over several)."""
     longest = max(stop - start for start, stop in spans)
     padded = t.new_zeros(longest, *t.shape[1:])
     padded[:t.shape[0]] = t

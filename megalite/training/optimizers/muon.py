@@ -8,6 +8,7 @@ Given the same gradients, a rank's rows of the update are those of one process's
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -49,14 +50,10 @@ class Muon(torch.optim.Optimizer):
 
     state_names = ("momentum_buffer",)
 
-    def __init__(self, params, layouts: dict[int, MatrixLayout], lr: float, momentum: float,
-                 nesterov: bool, weight_decay: float, ns_steps: int,
-                 ns_coefficients: tuple[float, float, float], eps: float, adjust_lr: str,
-                 ns_dtype: str):
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), eps=eps,
-                        adjust_lr=adjust_lr, ns_dtype=ns_dtype)
-        super().__init__(params, defaults)
+    def __init__(self, params, layouts: dict[int, MatrixLayout], settings):
+        """settings: train.muon (run_config.MuonConfig), every field a parameter group's default."""
+        super().__init__(params, {**dataclasses.asdict(settings),
+                                  "ns_coefficients": tuple(settings.ns_coefficients)})
         self.layouts = layouts
 
     @torch.no_grad()
