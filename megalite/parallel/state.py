@@ -10,6 +10,7 @@ regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -112,38 +113,35 @@ class ParallelState:
         pipeline = pipeline or ParallelConfig()  # its defaults: one stage, no CP, no EP
         pp, cp, ep = pipeline.pp, pipeline.cp, pipeline.ep
         dp = world // (tp * cp * pp)
-        tp_rank, cp_rank = rank % tp, rank // tp % cp
-        pp_rank, dp_rank = rank // (tp * cp) % pp, rank // (tp * cp * pp)
+        # grid[d, s, c, t]: the global rank of DP rank d, stage s, CP rank c and TP rank t.
+        grid = torch.arange(world).view(dp, pp, cp, tp)
+        dp_rank, pp_rank, cp_rank, tp_rank = (int(i) for i in torch.unravel_index(
+            torch.tensor(rank), grid.shape))
 
-        def groups(members: list[list[int]]):
-            return _new_groups(members, rank, timeout)
+        def groups(ranks: torch.Tensor, size: int):
+            """One group per `size` ranks of `ranks` (its last dims, flattened), in order."""
+            return _new_groups(ranks.reshape(-1, size).tolist(), rank, timeout)
 
-        def at(d: int, s: int, c: int, t: int) -> int:
-            return ((d * pp + s) * cp + c) * tp + t
+        def over(*dims: int):
+            """The groups of the ranks that differ only in `dims` (the first dim major)."""
+            rest = [d for d in range(4) if d not in dims]
+            return groups(grid.permute(*rest, *dims), math.prod(grid.shape[d] for d in dims))
 
-        tp_group = groups([list(range(b * tp, (b + 1) * tp)) for b in range(dp * pp * cp)])
-        dp_group = groups([[at(d, s, c, t) for d in range(dp)]
-                           for s in range(pp) for c in range(cp) for t in range(tp)])
+        tp_group, dp_group = over(3), over(0)
         pp_group = embedding_group = cp_group = cp_dp_group = None
         if pp > 1:
-            pipes = [[at(d, s, c, t) for s in range(pp)]
-                     for d in range(dp) for c in range(cp) for t in range(tp)]
-            pp_group = groups(pipes)
-            embedding_group = groups([[pipe[0], pipe[-1]] for pipe in pipes])
+            pp_group = over(1)
+            embedding_group = groups(grid.permute(0, 2, 3, 1)[..., [0, -1]], 2)
         if cp > 1:
-            cp_group = groups([[at(d, s, c, t) for c in range(cp)]
-                               for d in range(dp) for s in range(pp) for t in range(tp)])
-            cp_dp_group = groups([[at(d, s, c, t) for d in range(dp) for c in range(cp)]
-                                  for s in range(pp) for t in range(tp)])
+            cp_group, cp_dp_group = over(2), over(0, 2)
         ep_group = expert_dp_group = None
         if ep > 1:
-            def grad_rank(g: int, s: int, t: int) -> int:
-                return at(g // cp, s, g % cp, t)
-            ep_group = groups([[grad_rank(g, s, t) for g in range(b * ep, (b + 1) * ep)]
-                               for s in range(pp) for t in range(tp) for b in range(dp * cp // ep)])
+            # [stage, TP rank, block, EP rank]: the grad_group ranks (DP-major, CP-minor) in
+            # blocks of ep.
+            blocks = grid.permute(1, 3, 0, 2).reshape(pp, tp, -1, ep)
+            ep_group = groups(blocks, ep)
             if dp * cp > ep:
-                expert_dp_group = groups([[grad_rank(g, s, t) for g in range(e, dp * cp, ep)]
-                                            for s in range(pp) for t in range(tp) for e in range(ep)])
+                expert_dp_group = groups(blocks.transpose(2, 3), dp * cp // ep)
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
