@@ -30,6 +30,7 @@ import torch
 
 from megalite.compiled import fused
 from megalite.parallel.mappings import group_size
+from megalite.parallel.matmul import matmul_dtype
 from megalite.parallel.vocab import SoftmaxStats, label_columns, softmax_grad_, softmax_stats_
 
 
@@ -102,11 +103,6 @@ def loss_and_grad_(product: torch.Tensor, labels: torch.Tensor, weights: torch.T
     return stats.loss, product.copy_(grad)
 
 
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 def _add_chunk_grads(grad_z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      grad_x: torch.Tensor, grad_w: torch.Tensor) -> None:
     """dX = dZ E_r into grad_x (the chunk's rows), dE_r += dZ^T X into the fp32 grad_w."""
@@ -124,7 +120,7 @@ class _HeadLossSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, weights, shard: HeadShard):
-        dtype = _matmul_dtype(x)
+        dtype = matmul_dtype(x)
         w = weight.to(dtype)
         losses = torch.empty(x.shape[0], device=x.device)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -156,7 +152,7 @@ class _HeadTokenLosses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, shard: HeadShard):
-        dtype = _matmul_dtype(x)
+        dtype = matmul_dtype(x)
         w = weight.to(dtype)
         n = x.shape[0]
         z_max, sum_exp, losses = (torch.empty(n, device=x.device) for _ in range(3))

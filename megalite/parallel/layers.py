@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megalite.parallel.init import Init, set_init
-from megalite.parallel.matmul import HIGH, Splits, shared_matmul, token_groups
+from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul, token_groups
 from megalite.parallel.mappings import (SEQ_DIM, all_gather,
                                         copy_to_tensor_parallel_region,
                                         gather_from_tensor_parallel_region, group_size,
@@ -56,11 +56,13 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     """
     layouts = [(w.shape[0], i) for (w, _), i in zip(layers, interleaved or [None] * len(layers))]
     gathered = sequence_parallel and group_size(group) > 1
+    weights, biases = zip(*layers)
     if len(layers) > 1 and matmul is HIGH:
         x = x if gathered else copy_to_tensor_parallel_region(x, group)
-        weights, biases = zip(*layers)
         return list(LinearParts.apply(x, group if gathered else None, layouts, *weights, *biases))
-    weight, bias = _fused(layers)
+    # The layers' weights (and biases) as one matrix: [A_1 A_2 ..].
+    weight = weights[0] if len(layers) == 1 else torch.cat(weights)
+    bias = biases[0] if len(layers) == 1 or biases[0] is None else torch.cat(biases)
     splits = splits or Splits(outer=group)
     if gathered:
         y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
@@ -81,14 +83,6 @@ def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
                                    interleaved=[interleaved_of(layer.weight) for layer in layers])
 
 
-def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights (and biases) as one matrix: [A_1 A_2 ..]."""
-    weights, biases = zip(*layers)
-    if len(layers) == 1:
-        return weights[0], biases[0]
-    return torch.cat(weights), None if biases[0] is None else torch.cat(biases)
-
-
 class _GatheredLinear(torch.autograd.Function):
     """Y = g(X_r) A + b with g the all-gather of the sequence shards X_r.
 
@@ -101,11 +95,9 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x, group, weight, bias, matmul, splits):
         ctx.group, ctx.input_dtype, ctx.has_bias = group, x.dtype, bias is not None
         ctx.matmul, ctx.splits = matmul, splits
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # The matmul reads X in the autocast dtype anyway: casting the shard first halves
-            # what is gathered and stored, and gives the same values.
-            x = x.to(torch.get_autocast_dtype(device))
+        # The matmul reads X in the autocast dtype anyway: casting the shard first halves
+        # what is gathered and stored, and gives the same values.
+        x = x.to(matmul_dtype(x))
         ctx.save_for_backward(x, weight)
         return matmul.forward(all_gather(x, SEQ_DIM, group), weight, bias, splits)
 
