@@ -148,7 +148,9 @@ class _HeadLossSum(torch.autograd.Function):
 
 
 class _HeadTokenLosses(torch.autograd.Function):
-    """Per-token losses; backward recomputes each chunk's logits."""
+    """Per-token losses [n] (0 where ignored) of tokens x [n, hidden] (already through f), head
+    rows weight [V/t, hidden], labels [n] (-100: ignored), differentiable with any weights:
+    backward recomputes each chunk's logits (head_token_losses(x, weight, labels, shard))."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, shard: HeadShard):
@@ -193,7 +195,4 @@ def head_loss_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     return _HeadLossSum.apply(x, weight, labels, weights, shard)
 
 
-def head_token_losses(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                      shard: HeadShard) -> torch.Tensor:
-    """Per-token losses [n] (0 where ignored), differentiable with any weights."""
-    return _HeadTokenLosses.apply(x, weight, labels, shard)
+head_token_losses = _HeadTokenLosses.apply

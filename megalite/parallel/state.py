@@ -170,9 +170,8 @@ class ParallelState:
         if size == self.tp_size:
             return self.tp_group
         if size not in self._blocks:
-            self._blocks[size] = _new_groups([list(range(first, first + size))
-                                              for first in range(0, self.world_size, size)],
-                                             self.rank, self.timeout)
+            blocks = torch.arange(self.world_size).view(-1, size).tolist()
+            self._blocks[size] = _new_groups(blocks, self.rank, self.timeout)
         return self._blocks[size]
 
 
