@@ -28,7 +28,7 @@ from megalite.parallel.mappings import (SEQ_DIM, all_gather,
                                         scatter_to_tensor_parallel_region,
                                         sum_grad_over_shards)
 from megalite.parallel.linear_parts import LinearParts, cut
-from megalite.parallel.sharding import interleaved_of, mark_sharded
+from megalite.parallel.sharding import full_shape, interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
 
 
@@ -148,7 +148,6 @@ class ColumnParallelLinear(nn.Module):
         self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
-        self.shards = shards
         self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),
                                Init(std=init_std))
         mark_sharded(self.weight, 0, index, shards)
@@ -173,7 +172,7 @@ class ColumnParallelLinear(nn.Module):
 
     @property
     def logical_shape(self) -> tuple[int, int]:
-        return self.weight.shape[0] * self.shards, self.weight.shape[1]
+        return tuple(full_shape(self.weight))
 
 
 class RowParallelLinear(nn.Module):
@@ -193,7 +192,6 @@ class RowParallelLinear(nn.Module):
         self.weight = set_init(nn.Parameter(torch.empty(out_features, local, device=pstate.device)),
                                Init(std=init_std))
         mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
-        self.tp_size = pstate.tp_size
         self.bias = None
         if bias:
             # Replicated and added after the reduce: added before it, it would count t times.
@@ -210,4 +208,4 @@ class RowParallelLinear(nn.Module):
 
     @property
     def logical_shape(self) -> tuple[int, int]:
-        return self.weight.shape[0], self.weight.shape[1] * self.tp_size
+        return tuple(full_shape(self.weight))
