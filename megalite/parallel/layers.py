@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul, token_groups
 from megalite.parallel.mappings import (SEQ_DIM, all_gather,
                                         copy_to_tensor_parallel_region,
@@ -148,12 +148,11 @@ class ColumnParallelLinear(nn.Module):
         self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
-        self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(local, in_features, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 0, index, shards)
         self.bias = None
         if bias:
-            self.bias = set_init(nn.Parameter(torch.empty(local, device=pstate.device)), Init())
+            self.bias = new_param(local, device=pstate.device)
             mark_sharded(self.bias, 0, index, shards)
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,13 +188,12 @@ class RowParallelLinear(nn.Module):
         self.matmul = HIGH
         self.splits = Splits(token_groups(pstate), inner=pstate.tp_group)
         local = in_features // pstate.tp_size
-        self.weight = set_init(nn.Parameter(torch.empty(out_features, local, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(out_features, local, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
         self.bias = None
         if bias:
             # Replicated and added after the reduce: added before it, it would count t times.
-            self.bias = set_init(nn.Parameter(torch.empty(out_features, device=pstate.device)), Init())
+            self.bias = new_param(out_features, device=pstate.device)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if not self.input_is_parallel:
