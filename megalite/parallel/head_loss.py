@@ -122,22 +122,15 @@ class _HeadLossSum(torch.autograd.Function):
     def forward(ctx, x, weight, labels, weights, shard: HeadShard):
         dtype = matmul_dtype(x)
         w = weight.to(dtype)
-        losses = torch.empty(x.shape[0], device=x.device)
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(x) if needs_grad else None
-        grad_w = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
+        losses, grad_x = torch.empty(x.shape[0], device=x.device), torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, device=weight.device)
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(dtype)
-            if needs_grad:
-                losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
-                                                           weights[rows])
-                _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
-                del grad_z
-            else:
-                losses[rows] = softmax_stats_(shard.logits(xc, w), labels[rows],
-                                              shard.vocab_start, shard.group).loss
-        if needs_grad:
-            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+            losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
+                                                       weights[rows])
+            _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
+            del grad_z
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(losses)
         return (losses * weights).sum(), losses
 
@@ -187,12 +180,17 @@ class _HeadTokenLosses(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype), None, None
 
 
+head_token_losses = _HeadTokenLosses.apply
+
+
 def head_loss_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor, shard: HeadShard) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_t weights_t loss_t, per-token losses) for tokens x [n, hidden] (already through f),
     head rows weight [V/t, hidden], labels [n] (-100: ignored); weights [n] or a scalar."""
     weights = torch.as_tensor(weights, device=x.device, dtype=torch.float32).expand(x.shape[0])
-    return _HeadLossSum.apply(x, weight, labels, weights, shard)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _HeadLossSum.apply(x, weight, labels, weights, shard)
+    # Nothing to differentiate: the losses alone, without the gradients' matmuls.
+    losses = head_token_losses(x, weight, labels, shard)
+    return (losses * weights).sum(), losses
 
-
-head_token_losses = _HeadTokenLosses.apply
