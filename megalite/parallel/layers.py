@@ -115,7 +115,14 @@ class _GatheredLinear(torch.autograd.Function):
                 grad.sum(0) if ctx.has_bias else None, None, None)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        """The whole weight's shape, of which this rank holds a slice."""
+        return tuple(full_shape(self.weight))
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A split by output columns; the input passes through f (or, sequence
     parallel, the SP paper's g: column_parallel_linears).
 
@@ -169,12 +176,7 @@ class ColumnParallelLinear(nn.Module):
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
         return self.matmul.linear(x, self.weight, None, self.splits)
 
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        return tuple(full_shape(self.weight))
-
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Z = X B + b with B split by input rows; partial products summed by g, then b added once.
 
     Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
@@ -203,7 +205,3 @@ class RowParallelLinear(nn.Module):
         if self.bias is None:
             return z
         return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)
-
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        return tuple(full_shape(self.weight))
