@@ -91,9 +91,13 @@ def expand(name: str, grid: dict, points: list) -> list[dict]:
 def short_name(point: dict) -> str:
     """A point's settings as a directory name: a mapping's or a list's punctuation dropped; a
     section's kind by the section (model.attention.kind=mla: attentionmla)."""
-    # A setting's short name: its key's last part, or for a kind its section's.
-    return "-".join(k.removesuffix(".kind").rsplit(".", 1)[-1] + re.sub(r"[^\w.=+-]", "", str(v))
+    return "-".join(setting_name(k) + re.sub(r"[^\w.=+-]", "", str(v))
                     for k, v in point.items()) or "base"
+
+
+def setting_name(key: str) -> str:
+    """A setting's short name: its last part, or for a kind its section's."""
+    return key.removesuffix(".kind").rsplit(".", 1)[-1]
 
 
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
