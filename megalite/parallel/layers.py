@@ -21,12 +21,10 @@ from torch import nn
 
 from megalite.parallel.init import new_param
 from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul, token_groups
-from megalite.parallel.mappings import (SEQ_DIM, all_gather,
-                                        copy_to_tensor_parallel_region,
-                                        gather_from_tensor_parallel_region, group_size,
-                                        reduce_partial_sums, reduce_scatter,
-                                        scatter_to_tensor_parallel_region,
-                                        sum_grad_over_shards)
+from megalite.parallel.mappings import (
+    SEQ_DIM, all_gather, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+    group_size, reduce_partial_sums, reduce_scatter, scatter_to_tensor_parallel_region,
+    sum_grad_over_shards)
 from megalite.parallel.linear_parts import LinearParts, cut
 from megalite.parallel.sharding import full_shape, interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
