@@ -46,15 +46,16 @@ class ParallelState:
     cp_group: dist.ProcessGroup | None = None
     # The CP x DP ranks of this TP rank and stage, over which gradients are summed (the DP
     # group when cp = 1).
-    cp_dp_group: dist.ProcessGroup | None = None
+    grad_group: dist.ProcessGroup | None = None
     cp_comm: str = "all_gather"
     # Expert parallelism: blocks of ep consecutive ranks of grad_group each hold a share of
     # every MoE layer's experts (ep_group, tokens all-to-all); the ranks holding the same share
-    # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them).
+    # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them, and
+    # grad_group when ep = 1).
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
-    expert_dp_group: dist.ProcessGroup | None = None  # when ep > 1
+    expert_grad_group: dist.ProcessGroup | None = None
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -66,10 +67,6 @@ class ParallelState:
         return self.dp_size * self.pp_size * self.cp_size * self.tp_size
 
     @property
-    def grad_group(self) -> dist.ProcessGroup | None:
-        return self.dp_group if self.cp_size == 1 else self.cp_dp_group
-
-    @property
     def grad_size(self) -> int:
         return self.dp_size * self.cp_size
 
@@ -77,10 +74,6 @@ class ParallelState:
     def grad_rank(self) -> int:
         """This rank's index in `grad_group` (DP-major, CP-minor, as the group lists its ranks)."""
         return self.dp_rank * self.cp_size + self.cp_rank
-
-    @property
-    def expert_grad_group(self) -> dist.ProcessGroup | None:
-        return self.grad_group if self.ep_size == 1 else self.expert_dp_group
 
     @property
     def token_group(self) -> dist.ProcessGroup | None:
@@ -128,20 +121,20 @@ class ParallelState:
             return groups(grid.permute(*rest, *dims), math.prod(grid.shape[d] for d in dims))
 
         tp_group, dp_group = over(3), over(0)
-        pp_group = embedding_group = cp_group = cp_dp_group = None
+        pp_group = embedding_group = cp_group = None
+        grad_group = dp_group
         if pp > 1:
             pp_group = over(1)
             embedding_group = groups(grid.permute(0, 2, 3, 1)[..., [0, -1]], 2)
         if cp > 1:
-            cp_group, cp_dp_group = over(2), over(0, 2)
-        ep_group = expert_dp_group = None
+            cp_group, grad_group = over(2), over(0, 2)
+        ep_group, expert_grad_group = None, grad_group
         if ep > 1:
             # [stage, TP rank, block, EP rank]: the grad_group ranks (DP-major, CP-minor) in
             # blocks of ep.
             blocks = grid.permute(1, 3, 0, 2).reshape(pp, tp, -1, ep)
             ep_group = groups(blocks, ep)
-            if dp * cp > ep:
-                expert_dp_group = groups(blocks.transpose(2, 3), dp * cp // ep)
+            expert_grad_group = groups(blocks.transpose(2, 3), dp * cp // ep) if dp * cp > ep else None
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -150,10 +143,10 @@ class ParallelState:
                    sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
                    pp_group=pp_group, embedding_group=embedding_group,
                    virtual_stages=pipeline.virtual_stages, pp_layers=pipeline.pp_layers,
-                   cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, cp_dp_group=cp_dp_group,
+                   cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, grad_group=grad_group,
                    cp_comm=pipeline.cp_comm,
                    ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
-                   expert_dp_group=expert_dp_group)
+                   expert_grad_group=expert_grad_group)
 
     def block_group(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks that contains this rank (size dividing the TP
