@@ -62,10 +62,8 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     weight = weights[0] if len(layers) == 1 else torch.cat(weights)
     bias = biases[0] if len(layers) == 1 or biases[0] is None else torch.cat(biases)
     splits = splits or Splits(outer=group)
-    if gathered:
-        y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
-    else:
-        y = matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits)
+    y = (_GatheredLinear.apply(x, group, weight, bias, matmul, splits) if gathered
+         else matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits))
     # A scaled recipe (FP8) scales the whole output gradient at once: one matmul backward.
     return list(cut(y, layouts, -1))
 

@@ -127,9 +127,8 @@ def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torc
     backward). With sequence parallelism, into this rank's sequence shard of it: the SP paper's
     g-bar (reduce-scatter forward, all-gather backward), the same bytes on the wire as the
     all-reduce it replaces (an all-reduce is a reduce-scatter then an all-gather)."""
-    if sequence_parallel:
-        return reduce_scatter_to_sequence_parallel_region(x, group)
-    return reduce_from_tensor_parallel_region(x, group)
+    return (reduce_scatter_to_sequence_parallel_region(x, group) if sequence_parallel
+            else reduce_from_tensor_parallel_region(x, group))
 
 
 def sum_grad_over_shards(param: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
