@@ -153,10 +153,7 @@ class ColumnParallelLinear(_ParallelLinear):
         local = out_features // shards
         self.weight = new_param(local, in_features, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 0, index, shards)
-        self.bias = None
-        if bias:
-            self.bias = new_param(local, device=pstate.device)
-            mark_sharded(self.bias, 0, index, shards)
+        self.bias = mark_sharded(new_param(local, device=pstate.device), 0, index, shards) if bias else None
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
@@ -188,10 +185,8 @@ class RowParallelLinear(_ParallelLinear):
         local = in_features // pstate.tp_size
         self.weight = new_param(out_features, local, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
-        self.bias = None
-        if bias:
-            # Replicated and added after the reduce: added before it, it would count t times.
-            self.bias = new_param(out_features, device=pstate.device)
+        # Replicated and added after the reduce: added before it, it would count t times.
+        self.bias = new_param(out_features, device=pstate.device) if bias else None
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if not self.input_is_parallel:
