@@ -82,9 +82,7 @@ def finished_logits(product: torch.Tensor, padded_from: int | None,
 def cap_slope(z: torch.Tensor, cap: float | None) -> torch.Tensor | None:
     """d capped / d uncapped of logits z (capped): 1 - (z / cap)^2, 0 at the padding; None
     without a cap."""
-    if cap is None:
-        return None
-    return torch.where(torch.isinf(z), 0.0, 1 - (z / cap).square())
+    return None if cap is None else torch.where(torch.isinf(z), 0.0, 1 - (z / cap).square())
 
 
 def uncapped_grad_(grad_z: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:

@@ -80,9 +80,8 @@ class ParallelState:
         """The ranks that hold parts of the same rows' tokens between the TP regions: CP's
         shares, and with sequence parallelism TP's shards (consecutive ranks: tp x cp of them)."""
         tp = self.tp_size if self.sequence_parallel else 1
-        if tp == 1:
-            return self.cp_group
-        return self.tp_group if self.cp_size == 1 else self.block_group(tp * self.cp_size)
+        # Without CP, tp x 1 consecutive ranks: block_group gives the TP group.
+        return self.cp_group if tp == 1 else self.block_group(tp * self.cp_size)
 
     def stage_rank(self, pp_rank: int) -> int:
         """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
