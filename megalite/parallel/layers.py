@@ -103,10 +103,9 @@ class _GatheredLinear(torch.autograd.Function):
         full = all_gather(x, SEQ_DIM, ctx.group)
         # The input gradient in the matmul's dtype, reduced in X's (fp32 under autocast), as
         # autograd and f do without sequence parallelism.
-        matmul, splits = ctx.matmul, ctx.splits
-        grad_full = matmul.grad_input(grad, weight, splits).to(ctx.input_dtype)
+        grad_full = ctx.matmul.grad_input(grad, weight, ctx.splits).to(ctx.input_dtype)
         grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), splits)
+        grad_weight = ctx.matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), ctx.splits)
         return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, grad_weight,
                 grad.sum(0) if ctx.has_bias else None, None, None)
 

@@ -38,9 +38,8 @@ class Ring:
 
     def pass_on(self, tensor: torch.Tensor, tag: int):
         """Send `tensor` to the next rank, receive the previous rank's (a handle to wait on)."""
-        received, = self.comm.exchange([Message(self.next, tag, tensor=tensor)],
-                                       [Message(self.prev, tag, shape=tensor.shape, dtype=tensor.dtype)])
-        return received
+        return self.comm.exchange([Message(self.next, tag, tensor=tensor)],
+                                  [Message(self.prev, tag, shape=tensor.shape, dtype=tensor.dtype)])[0]
 
 
 def _block(ring: Ring, step: int, local: int) -> tuple[int, slice, slice]:
