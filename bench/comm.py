@@ -61,12 +61,15 @@ class CommLog:
     # ParallelState's groups by the names the records use: cp_dp sums the gradients over the CP
     # and DP ranks, embedding ties the first and last pipeline stage, ep carries MoE's tokens,
     # expert_dp the gradients of the ranks holding the same experts.
-    GROUPS = ("tp", "dp", "pp", "cp", "cp_dp", "embedding", "ep", "expert_dp")
+    # ("dp" before "cp_dp": without CP the gradients' group is the DP group.)
+    GROUPS = {"tp": "tp_group", "dp": "dp_group", "pp": "pp_group", "cp": "cp_group",
+              "cp_dp": "grad_group", "embedding": "embedding_group", "ep": "ep_group",
+              "expert_dp": "expert_grad_group"}
 
     def group_name(self, group) -> str:
         if group is None or group is dist.group.WORLD:
             return "world"
-        return next((name for name in self.GROUPS if group is getattr(self.ps, f"{name}_group")),
+        return next((name for name, attr in self.GROUPS.items() if group is getattr(self.ps, attr)),
                     f"tp-sub{dist.get_world_size(group)}")  # GQA's KV-head copies
 
     def __enter__(self) -> "CommLog":

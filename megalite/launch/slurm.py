@@ -128,9 +128,8 @@ def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     steps = [r for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
     latest = latest_checkpoint(run_dir)
-    finished = latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}"
-    if finished:
-        state = "done"
+    if latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}":
+        state = "done"  # finished
     elif slurm_state is not None:
         state = SLURM_STATES.get(slurm_state, slurm_state.lower())
         state = "failed" if state == "done" else state  # Slurm says completed, the run did not
@@ -150,10 +149,9 @@ def main_status(argv: list[str]) -> int:
     if not (sweep_dir / "configs.txt").is_file():
         raise ConfigError(f"'{sweep_dir}' is not a sweep directory (no configs.txt)")
     slurm = task_states(sweep_dir)
-    rows = []
-    for index, line in enumerate((sweep_dir / "configs.txt").read_text().splitlines()):
-        status = run_status(Path(line).parent, (slurm or {}).get(index), slurm is not None)
-        rows.append({"index": index, "run": Path(line).parent.name, **status})
+    runs = [Path(line).parent for line in (sweep_dir / "configs.txt").read_text().splitlines()]
+    rows = [{"index": i, "run": run.name, **run_status(run, (slurm or {}).get(i), slurm is not None)}
+            for i, run in enumerate(runs)]
     if args.json:
         print(json.dumps(rows))
         return 0

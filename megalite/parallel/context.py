@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.parallel.mappings import all_gather, group_size, primitive, reduce_scatter
+from megalite.parallel.mappings import all_gather, along, group_size, primitive, reduce_scatter
 
 KV_SEQ_DIM = 2  # keys and values are [batch, heads, seq, head_dim]
 
@@ -60,17 +60,13 @@ def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return gathered.index_select(dim, torch.argsort(order))
 
 
-def _gather_kv(x: torch.Tensor, group) -> torch.Tensor:
-    return gather_sequence(x, KV_SEQ_DIM, group)
-
-
 def _scatter_kv_grads(grad: torch.Tensor, group) -> torch.Tensor:
-    """The adjoint of _gather_kv: the whole sequence's gradient in zig-zag order (rank after
+    """The adjoint of gathering K/V (gather_sequence): the whole sequence's gradient in zig-zag order (rank after
     rank), then each rank's shard summed over the ranks whose queries used it."""
     order = zigzag_order(grad.shape[KV_SEQ_DIM], group_size(group), grad.device)
     return reduce_scatter(grad.index_select(KV_SEQ_DIM, order), KV_SEQ_DIM, group)
 
 
-# name                                      forward        backward
+# name                                      forward                            backward
 gather_from_context_parallel_region = primitive(
-    "gather_from_context_parallel_region",  _gather_kv,    _scatter_kv_grads)
+    "gather_from_context_parallel_region",  along(gather_sequence, KV_SEQ_DIM), _scatter_kv_grads)

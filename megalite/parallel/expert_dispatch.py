@@ -50,6 +50,5 @@ class ExpertExchange:
     def combine(self, outputs: torch.Tensor) -> torch.Tensor:
         """The experts' outputs (expert-major) -> the outputs of this rank's copies, in the
         order they were sent."""
-        back = torch.empty_like(self.order)
-        back[self.order] = torch.arange(len(self.order), device=self.order.device)
+        back = torch.argsort(self.order)  # order's inverse permutation
         return all_to_all(outputs[back], self.group, self.sent, self.received)

@@ -30,6 +30,7 @@ import torch
 
 from megalite.compiled import fused
 from megalite.parallel.mappings import group_size
+from megalite.parallel.matmul import matmul_dtype
 from megalite.parallel.vocab import SoftmaxStats, label_columns, softmax_grad_, softmax_stats_
 
 
@@ -81,9 +82,7 @@ def finished_logits(product: torch.Tensor, padded_from: int | None,
 def cap_slope(z: torch.Tensor, cap: float | None) -> torch.Tensor | None:
     """d capped / d uncapped of logits z (capped): 1 - (z / cap)^2, 0 at the padding; None
     without a cap."""
-    if cap is None:
-        return None
-    return torch.where(torch.isinf(z), 0.0, 1 - (z / cap).square())
+    return None if cap is None else torch.where(torch.isinf(z), 0.0, 1 - (z / cap).square())
 
 
 def uncapped_grad_(grad_z: torch.Tensor, slope: torch.Tensor | None) -> torch.Tensor:
@@ -100,11 +99,6 @@ def loss_and_grad_(product: torch.Tensor, labels: torch.Tensor, weights: torch.T
     stats = softmax_stats_(z, labels, vocab_start, group)
     grad = uncapped_grad_(softmax_grad_(z, stats, weights), slope)
     return stats.loss, product.copy_(grad)
-
-
-def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _add_chunk_grads(grad_z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -124,24 +118,17 @@ class _HeadLossSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, weights, shard: HeadShard):
-        dtype = _matmul_dtype(x)
+        dtype = matmul_dtype(x)
         w = weight.to(dtype)
-        losses = torch.empty(x.shape[0], device=x.device)
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(x) if needs_grad else None
-        grad_w = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
+        losses, grad_x = torch.empty(x.shape[0], device=x.device), torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, device=weight.device)
         for rows in shard.chunks(x.shape[0]):
             xc = x[rows].to(dtype)
-            if needs_grad:
-                losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
-                                                           weights[rows])
-                _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
-                del grad_z
-            else:
-                losses[rows] = softmax_stats_(shard.logits(xc, w), labels[rows],
-                                              shard.vocab_start, shard.group).loss
-        if needs_grad:
-            ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
+            losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
+                                                       weights[rows])
+            _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
+            del grad_z
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(losses)
         return (losses * weights).sum(), losses
 
@@ -152,11 +139,13 @@ class _HeadLossSum(torch.autograd.Function):
 
 
 class _HeadTokenLosses(torch.autograd.Function):
-    """Per-token losses; backward recomputes each chunk's logits."""
+    """Per-token losses [n] (0 where ignored) of tokens x [n, hidden] (already through f), head
+    rows weight [V/t, hidden], labels [n] (-100: ignored), differentiable with any weights:
+    backward recomputes each chunk's logits (head_token_losses(x, weight, labels, shard))."""
 
     @staticmethod
     def forward(ctx, x, weight, labels, shard: HeadShard):
-        dtype = _matmul_dtype(x)
+        dtype = matmul_dtype(x)
         w = weight.to(dtype)
         n = x.shape[0]
         z_max, sum_exp, losses = (torch.empty(n, device=x.device) for _ in range(3))
@@ -189,15 +178,17 @@ class _HeadTokenLosses(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype), None, None
 
 
+head_token_losses = _HeadTokenLosses.apply
+
+
 def head_loss_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor, shard: HeadShard) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_t weights_t loss_t, per-token losses) for tokens x [n, hidden] (already through f),
     head rows weight [V/t, hidden], labels [n] (-100: ignored); weights [n] or a scalar."""
     weights = torch.as_tensor(weights, device=x.device, dtype=torch.float32).expand(x.shape[0])
-    return _HeadLossSum.apply(x, weight, labels, weights, shard)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _HeadLossSum.apply(x, weight, labels, weights, shard)
+    # Nothing to differentiate: the losses alone, without the gradients' matmuls.
+    losses = head_token_losses(x, weight, labels, shard)
+    return (losses * weights).sum(), losses
 
-
-def head_token_losses(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                      shard: HeadShard) -> torch.Tensor:
-    """Per-token losses [n] (0 where ignored), differentiable with any weights."""
-    return _HeadTokenLosses.apply(x, weight, labels, shard)

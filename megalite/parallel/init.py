@@ -29,6 +29,12 @@ def set_init(param: torch.nn.Parameter, init: Init) -> torch.nn.Parameter:
     return param
 
 
+def new_param(*shape: int, device: torch.device, std: float | None = None) -> torch.nn.Parameter:
+    """An uninitialised parameter that init_parameters_ draws from normal(0, std), or zeros
+    without a std (biases)."""
+    return set_init(torch.nn.Parameter(torch.empty(shape, device=device)), Init(std=std))
+
+
 def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tensor:
     """The full fp32 tensor that TP=1 would hold for parameter `name`, drawn on the CPU."""
     if init.std is None:

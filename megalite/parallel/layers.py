@@ -19,16 +19,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite.parallel.init import Init, set_init
-from megalite.parallel.matmul import HIGH, Splits, shared_matmul, token_groups
-from megalite.parallel.mappings import (SEQ_DIM, all_gather,
-                                        copy_to_tensor_parallel_region,
-                                        gather_from_tensor_parallel_region, group_size,
-                                        reduce_partial_sums, reduce_scatter,
-                                        scatter_to_tensor_parallel_region,
-                                        sum_grad_over_shards)
+from megalite.parallel.init import new_param
+from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul, token_groups
+from megalite.parallel.mappings import (
+    SEQ_DIM, all_gather, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
+    group_size, reduce_partial_sums, reduce_scatter, scatter_to_tensor_parallel_region,
+    sum_grad_over_shards)
 from megalite.parallel.linear_parts import LinearParts, cut
-from megalite.parallel.sharding import interleaved_of, mark_sharded
+from megalite.parallel.sharding import full_shape, interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
 
 
@@ -56,16 +54,16 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     """
     layouts = [(w.shape[0], i) for (w, _), i in zip(layers, interleaved or [None] * len(layers))]
     gathered = sequence_parallel and group_size(group) > 1
+    weights, biases = zip(*layers)
     if len(layers) > 1 and matmul is HIGH:
         x = x if gathered else copy_to_tensor_parallel_region(x, group)
-        weights, biases = zip(*layers)
         return list(LinearParts.apply(x, group if gathered else None, layouts, *weights, *biases))
-    weight, bias = _fused(layers)
+    # The layers' weights (and biases) as one matrix: [A_1 A_2 ..].
+    weight = weights[0] if len(layers) == 1 else torch.cat(weights)
+    bias = biases[0] if len(layers) == 1 or biases[0] is None else torch.cat(biases)
     splits = splits or Splits(outer=group)
-    if gathered:
-        y = _GatheredLinear.apply(x, group, weight, bias, matmul, splits)
-    else:
-        y = matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits)
+    y = (_GatheredLinear.apply(x, group, weight, bias, matmul, splits) if gathered
+         else matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits))
     # A scaled recipe (FP8) scales the whole output gradient at once: one matmul backward.
     return list(cut(y, layouts, -1))
 
@@ -81,14 +79,6 @@ def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
                                    interleaved=[interleaved_of(layer.weight) for layer in layers])
 
 
-def _fused(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights (and biases) as one matrix: [A_1 A_2 ..]."""
-    weights, biases = zip(*layers)
-    if len(layers) == 1:
-        return weights[0], biases[0]
-    return torch.cat(weights), None if biases[0] is None else torch.cat(biases)
-
-
 class _GatheredLinear(torch.autograd.Function):
     """Y = g(X_r) A + b with g the all-gather of the sequence shards X_r.
 
@@ -101,11 +91,9 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx, x, group, weight, bias, matmul, splits):
         ctx.group, ctx.input_dtype, ctx.has_bias = group, x.dtype, bias is not None
         ctx.matmul, ctx.splits = matmul, splits
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # The matmul reads X in the autocast dtype anyway: casting the shard first halves
-            # what is gathered and stored, and gives the same values.
-            x = x.to(torch.get_autocast_dtype(device))
+        # The matmul reads X in the autocast dtype anyway: casting the shard first halves
+        # what is gathered and stored, and gives the same values.
+        x = x.to(matmul_dtype(x))
         ctx.save_for_backward(x, weight)
         return matmul.forward(all_gather(x, SEQ_DIM, group), weight, bias, splits)
 
@@ -115,15 +103,21 @@ class _GatheredLinear(torch.autograd.Function):
         full = all_gather(x, SEQ_DIM, ctx.group)
         # The input gradient in the matmul's dtype, reduced in X's (fp32 under autocast), as
         # autograd and f do without sequence parallelism.
-        matmul, splits = ctx.matmul, ctx.splits
-        grad_full = matmul.grad_input(grad, weight, splits).to(ctx.input_dtype)
+        grad_full = ctx.matmul.grad_input(grad, weight, ctx.splits).to(ctx.input_dtype)
         grad = grad.reshape(-1, grad.shape[-1])
-        grad_weight = matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), splits)
+        grad_weight = ctx.matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), ctx.splits)
         return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, grad_weight,
                 grad.sum(0) if ctx.has_bias else None, None, None)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        """The whole weight's shape, of which this rank holds a slice."""
+        return tuple(full_shape(self.weight))
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A split by output columns; the input passes through f (or, sequence
     parallel, the SP paper's g: column_parallel_linears).
 
@@ -156,14 +150,9 @@ class ColumnParallelLinear(nn.Module):
         self.replica_group = pstate.block_group(copies)
         self.gather_output = gather_output
         local = out_features // shards
-        self.shards = shards
-        self.weight = set_init(nn.Parameter(torch.empty(local, in_features, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(local, in_features, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 0, index, shards)
-        self.bias = None
-        if bias:
-            self.bias = set_init(nn.Parameter(torch.empty(local, device=pstate.device)), Init())
-            mark_sharded(self.bias, 0, index, shards)
+        self.bias = mark_sharded(new_param(local, device=pstate.device), 0, index, shards) if bias else None
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
@@ -179,12 +168,7 @@ class ColumnParallelLinear(nn.Module):
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
         return self.matmul.linear(x, self.weight, None, self.splits)
 
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        return self.weight.shape[0] * self.shards, self.weight.shape[1]
-
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Z = X B + b with B split by input rows; partial products summed by g, then b added once.
 
     Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
@@ -198,14 +182,10 @@ class RowParallelLinear(nn.Module):
         self.matmul = HIGH
         self.splits = Splits(token_groups(pstate), inner=pstate.tp_group)
         local = in_features // pstate.tp_size
-        self.weight = set_init(nn.Parameter(torch.empty(out_features, local, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(out_features, local, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
-        self.tp_size = pstate.tp_size
-        self.bias = None
-        if bias:
-            # Replicated and added after the reduce: added before it, it would count t times.
-            self.bias = set_init(nn.Parameter(torch.empty(out_features, device=pstate.device)), Init())
+        # Replicated and added after the reduce: added before it, it would count t times.
+        self.bias = new_param(out_features, device=pstate.device) if bias else None
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -215,7 +195,3 @@ class RowParallelLinear(nn.Module):
         if self.bias is None:
             return z
         return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)
-
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        return self.weight.shape[0], self.weight.shape[1] * self.tp_size

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.parallel.mappings import SEQ_DIM, all_gather, reduce_scatter
+from megalite.parallel.matmul import matmul_dtype
 
 # Per layer: (its rows N_i, its interleave (parts, size) or None).
 Layouts = Sequence[tuple[int, tuple[int, int] | None]]
@@ -64,10 +65,8 @@ class LinearParts(torch.autograd.Function):
         weights, biases = weights_and_biases[:n], weights_and_biases[n:]
         ctx.group, ctx.layouts, ctx.input_dtype = group, layouts, x.dtype
         ctx.has_bias = biases[0] is not None
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # The matmul reads X in the autocast dtype anyway: the same values, half the store.
-            x = x.to(torch.get_autocast_dtype(device))
+        # The matmul reads X in the autocast dtype anyway: the same values, half the store.
+        x = x.to(matmul_dtype(x))
         ctx.save_for_backward(x, *weights)
         full = x if group is None else all_gather(x, SEQ_DIM, group)
         bias = torch.cat(biases) if ctx.has_bias else None

@@ -70,59 +70,55 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def primitive(name: str, forward, backward):
-    """An autograd function whose forward is forward(x, group) and backward backward(grad, group).
+    """An autograd function whose forward is forward(x, group, *args) and backward
+    backward(grad, group, *args), args being what the call passes after the group.
 
     A group of None or of size 1 makes it the identity, with no autograd node.
     """
 
     class Primitive(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return forward(x, group)
+        def forward(ctx, x, group, *args):
+            ctx.group, ctx.args = group, args
+            return forward(x, group, *args)
 
         @staticmethod
         def backward(ctx, grad):
-            return backward(grad, ctx.group), None
+            return backward(grad, ctx.group, *ctx.args), None, *(None for _ in ctx.args)
 
     Primitive.__name__ = Primitive.__qualname__ = name
 
-    def apply(x: torch.Tensor, group) -> torch.Tensor:
-        return x if group_size(group) == 1 else Primitive.apply(x, group)
+    def apply(x: torch.Tensor, group, *args) -> torch.Tensor:
+        return x if group_size(group) == 1 else Primitive.apply(x, group, *args)
 
     apply.__name__ = apply.__qualname__ = name
     return apply
+
+
+def along(collective, dim: int):
+    """collective(x, dim, group) along a fixed dim, as f(x, group)."""
+    return lambda x, group: collective(x, dim, group)
 
 
 def _split_last(x, group):
     return x.chunk(group_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 
 
-def _gather_last(x, group):
-    return all_gather(x, -1, group)
-
-
-def _gather_seq(x, group):
-    return all_gather(x, SEQ_DIM, group)
-
-
-def _reduce_scatter_seq(x, group):
-    return reduce_scatter(x, SEQ_DIM, group)
-
-
-# name                                     forward              backward
+# name                                     forward                  backward
 copy_to_tensor_parallel_region = primitive(
-    "copy_to_tensor_parallel_region",      _identity,           _all_reduce)
+    "copy_to_tensor_parallel_region",      _identity,               _all_reduce)
 reduce_from_tensor_parallel_region = primitive(
-    "reduce_from_tensor_parallel_region",  _all_reduce,         _identity)
+    "reduce_from_tensor_parallel_region",  _all_reduce,             _identity)
 scatter_to_tensor_parallel_region = primitive(
-    "scatter_to_tensor_parallel_region",   _split_last,         _gather_last)
+    "scatter_to_tensor_parallel_region",   _split_last,             along(all_gather, -1))
 gather_from_tensor_parallel_region = primitive(
-    "gather_from_tensor_parallel_region",  _gather_last,        _split_last)
+    "gather_from_tensor_parallel_region",  along(all_gather, -1),   _split_last)
 reduce_scatter_to_sequence_parallel_region = primitive(
-    "reduce_scatter_to_sequence_parallel_region", _reduce_scatter_seq, _gather_seq)
+    "reduce_scatter_to_sequence_parallel_region",
+    along(reduce_scatter, SEQ_DIM), along(all_gather, SEQ_DIM))
 gather_from_sequence_parallel_region = primitive(
-    "gather_from_sequence_parallel_region", _gather_seq,        _reduce_scatter_seq)
+    "gather_from_sequence_parallel_region",
+    along(all_gather, SEQ_DIM), along(reduce_scatter, SEQ_DIM))
 
 
 def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
@@ -131,9 +127,8 @@ def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torc
     backward). With sequence parallelism, into this rank's sequence shard of it: the SP paper's
     g-bar (reduce-scatter forward, all-gather backward), the same bytes on the wire as the
     all-reduce it replaces (an all-reduce is a reduce-scatter then an all-gather)."""
-    if sequence_parallel:
-        return reduce_scatter_to_sequence_parallel_region(x, group)
-    return reduce_from_tensor_parallel_region(x, group)
+    return (reduce_scatter_to_sequence_parallel_region(x, group) if sequence_parallel
+            else reduce_from_tensor_parallel_region(x, group))
 
 
 def sum_grad_over_shards(param: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
@@ -153,19 +148,12 @@ def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: 
     return out
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
-        ctx.group, ctx.splits = group, (input_splits, output_splits)
-        return _all_to_all(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, *ctx.splits), None, None, None
+def _all_to_all_back(grad: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    return _all_to_all(grad, group, input_splits, output_splits)
 
 
-def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
-    """Rows of x to the group's ranks: the first input_splits[0] to rank 0, and so on; rank r's
-    rows for this rank arrive in its order, output_splits[r] of them. Backward sends the
-    gradients back the same way (uneven splits, zero rows included)."""
-    return x if group_size(group) == 1 else _AllToAll.apply(x, group, output_splits, input_splits)
+# all_to_all(x, group, output_splits, input_splits): rows of x to the group's ranks: the first
+# input_splits[0] to rank 0, and so on; rank r's rows for this rank arrive in its order,
+# output_splits[r] of them. Backward sends the gradients back the same way (uneven splits,
+# zero rows included).
+all_to_all = primitive("all_to_all", _all_to_all, _all_to_all_back)

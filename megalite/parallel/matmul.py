@@ -29,17 +29,19 @@ class Splits:
 
     def of(self, dims: str) -> tuple:
         """The distinct groups of more than one rank that split any of `dims` ('m', 'k', 'n')."""
-        found = [*self.tokens] if "m" in dims else []
-        found += [self.inner] if "k" in dims else []
-        found += [self.outer] if "n" in dims else []
-        distinct = []
-        for g in found:
-            if group_size(g) > 1 and all(g is not d for d in distinct):
-                distinct.append(g)
-        return tuple(distinct)
+        named = {"m": self.tokens, "k": (self.inner,), "n": (self.outer,)}
+        found = [g for dim in "mkn" if dim in dims for g in named[dim]]
+        # dict.fromkeys: the first of each group, by identity (process groups have no __eq__).
+        return tuple(g for g in dict.fromkeys(found) if group_size(g) > 1)
 
 
 NO_SPLITS = Splits()
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul reads x in: autocast's when it is on, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def token_groups(pstate) -> tuple:

@@ -46,10 +46,8 @@ class TensorParallelRNG:
 
     def __init__(self, seed: int, pstate: ParallelState):
         self.device = pstate.device
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed + _TP_SEED_OFFSET + pstate.pp_rank * pstate.tp_size
-                              + pstate.tp_rank)
-        self.state = generator.get_state()
+        offset = _TP_SEED_OFFSET + pstate.pp_rank * pstate.tp_size + pstate.tp_rank
+        self.state = torch.Generator(device=self.device).manual_seed(seed + offset).get_state()
         self.replaying = False  # inside activation checkpointing's recompute
 
     @contextmanager

@@ -38,9 +38,8 @@ class Ring:
 
     def pass_on(self, tensor: torch.Tensor, tag: int):
         """Send `tensor` to the next rank, receive the previous rank's (a handle to wait on)."""
-        received, = self.comm.exchange([Message(self.next, tag, tensor=tensor)],
-                                       [Message(self.prev, tag, shape=tensor.shape, dtype=tensor.dtype)])
-        return received
+        return self.comm.exchange([Message(self.next, tag, tensor=tensor)],
+                                  [Message(self.prev, tag, shape=tensor.shape, dtype=tensor.dtype)])[0]
 
 
 def _block(ring: Ring, step: int, local: int) -> tuple[int, slice, slice]:
@@ -59,14 +58,21 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _block_scores(ring: Ring, step: int, seq: int, q, kv, mask, scale):
-    """What ring step `step` computes: its query slice, its key slice, the block's K and V
-    there in fp32, and the [b, h, nq, nk] fp32 scores, -inf where masked."""
-    src, qs, ks = _block(ring, step, q.shape[2])
-    cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
-    bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
-    scores = q[:, :, qs].float() @ _per_query_head(bk, q.shape[1]).transpose(-1, -2) * scale
-    return qs, ks, bk, bv, scores.masked_fill(~mask[:, :, qs][..., cols], float("-inf"))
+def _ring_blocks(ring: Ring, q, k, v, mask, seq: int, scale: float):
+    """What each ring step computes, this rank's own K/V block first, then the rank before's,
+    and so on, the next block in flight while the caller works on this one: the step's query
+    slice, its key slice, the block's K and V there in fp32, and the [b, h, nq, nk] fp32
+    scores, -inf where masked."""
+    kv = torch.cat((k, v), dim=1)
+    for step in range(ring.cp):
+        incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
+        src, qs, ks = _block(ring, step, q.shape[2])
+        cols = zigzag_index(seq, ring.cp, src, q.device)[ks]
+        bk, bv = (t[:, :, ks].float() for t in kv.chunk(2, dim=1))
+        scores = q[:, :, qs].float() @ _per_query_head(bk, q.shape[1]).transpose(-1, -2) * scale
+        yield qs, ks, bk, bv, scores.masked_fill(~mask[:, :, qs][..., cols], float("-inf"))
+        if incoming is not None:
+            kv = incoming.wait()
 
 
 def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -80,10 +86,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, ring: Ring, seq: int, scale: float):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.cat((k, v), dim=1)
-        for step in range(ring.cp):
-            incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
-            qs, _, _, bv, s = _block_scores(ring, step, seq, q, kv, mask, scale)
+        for qs, _, _, bv, s in _ring_blocks(ring, q, k, v, mask, seq, scale):
             block_lse = torch.logsumexp(s, dim=-1)
             merged = torch.logaddexp(lse[:, :, qs], block_lse)
             # Each query sees itself at step 0, so `merged` is finite from then on.
@@ -91,8 +94,6 @@ class RingAttention(torch.autograd.Function):
             out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged).unsqueeze(-1)
                              + p @ _per_query_head(bv, q.shape[1]))
             lse[:, :, qs] = merged
-            if incoming is not None:
-                kv = incoming.wait()
         ring.comm.finish()
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.ring, ctx.seq, ctx.scale = ring, seq, scale
@@ -109,13 +110,11 @@ class RingAttention(torch.autograd.Function):
         # K/V go round as in forward, the next block in flight during this one's work. Each
         # block's dK/dV accumulator follows it a step behind: sent on once this rank has added
         # its share, received while the next block is computed, and home after the last step.
-        kv, dkv = torch.cat((k, v), dim=1), None
-        for step in range(ring.cp):
-            incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
-            qs, ks, bk, bv, s = _block_scores(ring, step, seq, q, kv, mask, scale)
+        dkv = None
+        for qs, ks, bk, bv, s in _ring_blocks(ring, q, k, v, mask, seq, scale):
             p = torch.exp(s - lse[:, :, qs].unsqueeze(-1))
             do = dout[:, :, qs]
-            share = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            share = q.new_zeros((k.shape[0], 2 * kv_heads, *k.shape[2:]), dtype=torch.float32)
             dk, dv = share.chunk(2, dim=1)
             dv[:, :, ks] = _group_sum(p.transpose(-1, -2) @ do, kv_heads)
             dp = do @ _per_query_head(bv, heads).transpose(-1, -2)
@@ -126,8 +125,6 @@ class RingAttention(torch.autograd.Function):
             # the block is this rank's own).
             dkv = share if dkv is None else dkv.wait() + share
             dkv = ring.pass_on(dkv, GRAD_TAG)
-            if incoming is not None:
-                kv = incoming.wait()
         dk, dv = dkv.wait().chunk(2, dim=1)
         ring.comm.finish()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

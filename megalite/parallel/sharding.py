@@ -32,8 +32,9 @@ class Shard:
         return full.narrow(self.dim, start, stop - start)
 
 
-def mark_sharded(param: torch.nn.Parameter, dim: int, index: int, count: int) -> None:
+def mark_sharded(param: torch.nn.Parameter, dim: int, index: int, count: int) -> torch.nn.Parameter:
     param.tp_shard = Shard(dim, index, count)
+    return param
 
 
 def shard_of(param: torch.Tensor) -> Shard | None:

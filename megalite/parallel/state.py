@@ -10,6 +10,7 @@ regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,15 +46,16 @@ class ParallelState:
     cp_group: dist.ProcessGroup | None = None
     # The CP x DP ranks of this TP rank and stage, over which gradients are summed (the DP
     # group when cp = 1).
-    cp_dp_group: dist.ProcessGroup | None = None
+    grad_group: dist.ProcessGroup | None = None
     cp_comm: str = "all_gather"
     # Expert parallelism: blocks of ep consecutive ranks of grad_group each hold a share of
     # every MoE layer's experts (ep_group, tokens all-to-all); the ranks holding the same share
-    # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them).
+    # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them, and
+    # grad_group when ep = 1).
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
-    expert_dp_group: dist.ProcessGroup | None = None  # when ep > 1
+    expert_grad_group: dist.ProcessGroup | None = None
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -65,10 +67,6 @@ class ParallelState:
         return self.dp_size * self.pp_size * self.cp_size * self.tp_size
 
     @property
-    def grad_group(self) -> dist.ProcessGroup | None:
-        return self.dp_group if self.cp_size == 1 else self.cp_dp_group
-
-    @property
     def grad_size(self) -> int:
         return self.dp_size * self.cp_size
 
@@ -78,17 +76,12 @@ class ParallelState:
         return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
-    def expert_grad_group(self) -> dist.ProcessGroup | None:
-        return self.grad_group if self.ep_size == 1 else self.expert_dp_group
-
-    @property
     def token_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold parts of the same rows' tokens between the TP regions: CP's
         shares, and with sequence parallelism TP's shards (consecutive ranks: tp x cp of them)."""
         tp = self.tp_size if self.sequence_parallel else 1
-        if tp == 1:
-            return self.cp_group
-        return self.tp_group if self.cp_size == 1 else self.block_group(tp * self.cp_size)
+        # Without CP, tp x 1 consecutive ranks: block_group gives the TP group.
+        return self.cp_group if tp == 1 else self.block_group(tp * self.cp_size)
 
     def stage_rank(self, pp_rank: int) -> int:
         """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
@@ -112,38 +105,35 @@ class ParallelState:
         pipeline = pipeline or ParallelConfig()  # its defaults: one stage, no CP, no EP
         pp, cp, ep = pipeline.pp, pipeline.cp, pipeline.ep
         dp = world // (tp * cp * pp)
-        tp_rank, cp_rank = rank % tp, rank // tp % cp
-        pp_rank, dp_rank = rank // (tp * cp) % pp, rank // (tp * cp * pp)
+        # grid[d, s, c, t]: the global rank of DP rank d, stage s, CP rank c and TP rank t.
+        grid = torch.arange(world).view(dp, pp, cp, tp)
+        dp_rank, pp_rank, cp_rank, tp_rank = (int(i) for i in torch.unravel_index(
+            torch.tensor(rank), grid.shape))
 
-        def groups(members: list[list[int]]):
-            return _new_groups(members, rank, timeout)
+        def groups(ranks: torch.Tensor, size: int):
+            """One group per `size` ranks of `ranks` (its last dims, flattened), in order."""
+            return _new_groups(ranks.reshape(-1, size).tolist(), rank, timeout)
 
-        def at(d: int, s: int, c: int, t: int) -> int:
-            return ((d * pp + s) * cp + c) * tp + t
+        def over(*dims: int):
+            """The groups of the ranks that differ only in `dims` (the first dim major)."""
+            rest = [d for d in range(4) if d not in dims]
+            return groups(grid.permute(*rest, *dims), math.prod(grid.shape[d] for d in dims))
 
-        tp_group = groups([list(range(b * tp, (b + 1) * tp)) for b in range(dp * pp * cp)])
-        dp_group = groups([[at(d, s, c, t) for d in range(dp)]
-                           for s in range(pp) for c in range(cp) for t in range(tp)])
-        pp_group = embedding_group = cp_group = cp_dp_group = None
+        tp_group, dp_group = over(3), over(0)
+        pp_group = embedding_group = cp_group = None
+        grad_group = dp_group
         if pp > 1:
-            pipes = [[at(d, s, c, t) for s in range(pp)]
-                     for d in range(dp) for c in range(cp) for t in range(tp)]
-            pp_group = groups(pipes)
-            embedding_group = groups([[pipe[0], pipe[-1]] for pipe in pipes])
+            pp_group = over(1)
+            embedding_group = groups(grid.permute(0, 2, 3, 1)[..., [0, -1]], 2)
         if cp > 1:
-            cp_group = groups([[at(d, s, c, t) for c in range(cp)]
-                               for d in range(dp) for s in range(pp) for t in range(tp)])
-            cp_dp_group = groups([[at(d, s, c, t) for d in range(dp) for c in range(cp)]
-                                  for s in range(pp) for t in range(tp)])
-        ep_group = expert_dp_group = None
+            cp_group, grad_group = over(2), over(0, 2)
+        ep_group, expert_grad_group = None, grad_group
         if ep > 1:
-            def grad_rank(g: int, s: int, t: int) -> int:
-                return at(g // cp, s, g % cp, t)
-            ep_group = groups([[grad_rank(g, s, t) for g in range(b * ep, (b + 1) * ep)]
-                               for s in range(pp) for t in range(tp) for b in range(dp * cp // ep)])
-            if dp * cp > ep:
-                expert_dp_group = groups([[grad_rank(g, s, t) for g in range(e, dp * cp, ep)]
-                                            for s in range(pp) for t in range(tp) for e in range(ep)])
+            # [stage, TP rank, block, EP rank]: the grad_group ranks (DP-major, CP-minor) in
+            # blocks of ep.
+            blocks = grid.permute(1, 3, 0, 2).reshape(pp, tp, -1, ep)
+            ep_group = groups(blocks, ep)
+            expert_grad_group = groups(blocks.transpose(2, 3), dp * cp // ep) if dp * cp > ep else None
         if device is None:
             nccl = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -152,10 +142,10 @@ class ParallelState:
                    sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
                    pp_group=pp_group, embedding_group=embedding_group,
                    virtual_stages=pipeline.virtual_stages, pp_layers=pipeline.pp_layers,
-                   cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, cp_dp_group=cp_dp_group,
+                   cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, grad_group=grad_group,
                    cp_comm=pipeline.cp_comm,
                    ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
-                   expert_dp_group=expert_dp_group)
+                   expert_grad_group=expert_grad_group)
 
     def block_group(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks that contains this rank (size dividing the TP
@@ -172,9 +162,8 @@ class ParallelState:
         if size == self.tp_size:
             return self.tp_group
         if size not in self._blocks:
-            self._blocks[size] = _new_groups([list(range(first, first + size))
-                                              for first in range(0, self.world_size, size)],
-                                             self.rank, self.timeout)
+            blocks = torch.arange(self.world_size).view(-1, size).tolist()
+            self._blocks[size] = _new_groups(blocks, self.rank, self.timeout)
         return self._blocks[size]
 
 

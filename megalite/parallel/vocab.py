@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.compiled import fused
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.mappings import all_reduce_over, group_size, reduce_partial_sums
 from megalite.parallel.sharding import mark_sharded
 from megalite.parallel.state import ParallelState
@@ -33,8 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = pstate.tp_rank * local
         self.vocab_end = self.vocab_start + local
         self.tp_group = pstate.tp_group
-        self.weight = set_init(nn.Parameter(torch.empty(local, hidden, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(local, hidden, device=pstate.device, std=init_std)
         mark_sharded(self.weight, 0, pstate.tp_rank, pstate.tp_size)
 
     def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
