@@ -31,17 +31,14 @@ class PipelineRun:
         self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
         self.comm = PipeComm(ps)
 
-    def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
-        ids = self.batches[micro].input_ids
-        seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
-        dtype = next(self.model.parameters()).dtype
-        return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
-
     def incoming(self, a: Action) -> Message:
-        """The buffer for what `a` receives before it runs (schedules.message_in)."""
+        """The buffer for what `a` receives before it runs (schedules.message_in): a hidden state
+        or its gradient."""
         peer, tag = message_in(a, self.ps.pp_rank, self.pp, self.virtual)
-        shape, dtype = self._hidden(a.micro)
-        return Message(self.ps.stage_rank(peer), tag, shape=shape, dtype=dtype)
+        ids = self.batches[a.micro].input_ids
+        seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
+        shape = torch.Size((ids.shape[0], seq, self.model.cfg.hidden))
+        return Message(self.ps.stage_rank(peer), tag, shape=shape, dtype=next(self.model.parameters()).dtype)
 
     def outgoing(self, a: Action, tensor: torch.Tensor) -> Message:
         """`tensor`, what `a` made for a neighbour, addressed (schedules.message_out)."""
@@ -86,9 +83,7 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     run = PipelineRun(model, batches, autocast, engine.module)
     ps = model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
-    actions = [a for a in steps if isinstance(a, Action)]
-    last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind == "B"}
-    position = {a: k for k, a in enumerate(actions)}
+    last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
     inputs, outputs = {}, {}
     loss = torch.zeros((), device=n_tokens.device)
 
@@ -107,7 +102,7 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
             outputs[key] = out.hidden
             return out.hidden.detach()
         x, out = inputs.pop(key), outputs.pop(key)
-        engine.backward(out, last=position[a] == last_backward[a.chunk],
+        engine.backward(out, last=a == last_backward[a.chunk],
                         grad=None if out.dim() == 0 else received)
         return None if x is None else x.grad
 
