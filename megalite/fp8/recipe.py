@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,28 +24,22 @@ from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.matmul import Splits
 
 
-@contextmanager
-def _quiet(*names: str):
-    """Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them:
-    FP8 here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile handles."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-with _quiet("torchao", "torch.utils._pytree"):
+# Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them: FP8
+# here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile handles: quieted.
+_LOGGERS = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+_LEVELS = [logger.level for logger in _LOGGERS]
+for _logger in _LOGGERS:
+    _logger.setLevel(logging.ERROR)
+try:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.config import CastConfig, ScalingType
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
     from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig,
                                                        ScaledMMConfig, hp_tensor_and_scale_to_float8)
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+finally:
+    for _logger, _level in zip(_LOGGERS, _LEVELS):
+        _logger.setLevel(_level)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 

@@ -47,24 +47,58 @@ from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.state import ParallelState
 
 
-class Attention(nn.Module):
+class HeadsAttention(nn.Module):
+    """What both attentions (GQA here, MLA in latent_attention.py) share: this rank's heads, the
+    layer's sliding window and the attention itself (SDPA or FlexAttention, or ring attention
+    under parallel.cp_comm=p2p), into the row-parallel out_proj of the subclass."""
+
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
-        tp = pstate.tp_size
-        self.layer = layer
-        self.head_dim = cfg.head_size
+        self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
+        self.heads = cfg.n_heads // pstate.tp_size
         self.window = cfg.window_of(layer)
+        self.cp_group, self.ring = pstate.cp_group, None
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                sequence_parallel: bool) -> torch.Tensor:
+        """out_proj(softmax(q k^T x scale) v) over the layout's mask, narrowed to the window: this
+        rank's heads ([b, heads, s, d]; k and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
+        if self.window is not None:
+            layout = layout.windowed(self.window)
+        dropout, gqa = self.dropout if self.training else 0.0, k.shape[1] != q.shape[1]
+        if self.ring is not None:
+            y = ring_attention(q, k, v, layout.mask, self.ring, self.scale)
+        elif (layout.block_mask is not None and dropout == 0
+              and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
+            y = flex(q, k, v, layout.block_mask, gqa, self.scale, static=layout.packed)
+        else:
+            # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
+            # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
+            # without attention dropout, on heads of 64 or more).
+            mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
+            # A prompt attends causally; a decoded token, alone, attends every cached token.
+            causal = mask is None and q.shape[2] > 1
+            # Attention probabilities belong to this rank's heads only: dropped with the per-rank
+            # generator, so that ranks do not drop the same pattern in different heads.
+            with self.rng.fork() if dropout > 0 else nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                   dropout_p=dropout, enable_gqa=gqa, scale=self.scale)
+        batch, _, seq, _ = q.shape
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1), sequence_parallel)
+
+
+class Attention(HeadsAttention):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
+        super().__init__(cfg, pstate, rng, layer)
+        tp = pstate.tp_size
+        self.head_dim = cfg.head_size
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
         self.split_heads = tp > 1  # per-head weights (q/k norms) see only this rank's heads
-        self.heads = cfg.n_heads // tp
         self.kv_heads = max(1, cfg.kv_heads // tp)
-        self.dropout = cfg.dropout
-        self.rng = rng
-        self.tp_group = pstate.tp_group
-        self.cp_group = pstate.cp_group
-        self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
+        if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
+            self.ring = Ring(pstate.cp_group, pstate)
         std = cfg.init_std
         qkv_bias = cfg.bias or cfg.attention.qkv_bias
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
@@ -98,39 +132,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
-        if self.window is not None:
-            layout = layout.windowed(self.window)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)
-        if self.ring is not None:
-            y = ring_attention(q, k, v, layout.mask, self.ring, self.scale)
-        else:
-            if self.cp_group is not None:
-                # Context parallel: this rank's queries see the whole row's keys and values.
-                kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
-                k, v = kv.chunk(2, dim=1)
-            y = attend(q, k, v, layout, self.dropout if self.training else 0.0, self.rng,
-                       self.scale)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
-                             sequence_parallel)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-           dropout: float, rng: TensorParallelRNG, scale: float | None) -> torch.Tensor:
-    """softmax(q k^T x scale) v over the layout's mask, this rank's heads ([b, heads, s, d]; k
-    and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
-    gqa = k.shape[1] != q.shape[1]
-    if (layout.block_mask is not None and dropout == 0
-            and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
-        return flex(q, k, v, layout.block_mask, gqa, scale, static=layout.packed)
-    # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
-    # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
-    # without attention dropout, on heads of 64 or more).
-    mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
-    # A prompt attends causally; a decoded token, alone, attends every cached token.
-    causal = mask is None and q.shape[2] > 1
-    # Attention probabilities belong to this rank's heads only: dropped with the per-rank
-    # generator, so that ranks do not drop the same pattern in different heads.
-    with rng.fork() if dropout > 0 else nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              dropout_p=dropout, enable_gqa=gqa, scale=scale)
+        if self.ring is None and self.cp_group is not None:
+            # Context parallel: this rank's queries see the whole row's keys and values.
+            kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
+            k, v = kv.chunk(2, dim=1)
+        return self._attend(q, k, v, layout, sequence_parallel)

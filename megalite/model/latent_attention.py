@@ -20,10 +20,9 @@ the latent and the rotated rotary key of each token (KVCache's keys and values).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.attention import attend
+from megalite.model.attention import HeadsAttention
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
@@ -37,22 +36,18 @@ from megalite.parallel.state import ParallelState
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon, whatever the model's
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
-        super().__init__()
+        super().__init__(cfg, pstate, rng, layer)
         tp, std = pstate.tp_size, cfg.init_std
-        self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
-        self.heads = cfg.n_heads // tp
         self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
         self.rank = cfg.attention.kv_lora_rank
-        self.window = cfg.window_of(layer)
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
         # correction, squared (transformers' yarn_apply_mscale)
         yarn = cfg.positions.scaling
         mscale = (yarn_scale(yarn.factor, yarn.mscale_all_dim)
                   if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
-        self.tp_group, self.cp_group = pstate.tp_group, pstate.cp_group
         self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
         q_width = cfg.n_heads * (self.nope + self.rope)
         rank = cfg.attention.q_lora_rank
@@ -101,9 +96,4 @@ class LatentAttention(nn.Module):
         kv = kv.view(batch, -1, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
-        if self.window is not None:
-            layout = layout.windowed(self.window)
-        y = attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, self.dropout if self.training
-                   else 0.0, self.rng, self.scale)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.v_dim),
-                             sequence_parallel)
+        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, sequence_parallel)
