@@ -39,7 +39,7 @@ embedding, identical at init (drawn by name), whose gradient is summed with the 
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import torch
@@ -81,17 +81,15 @@ class Output:
     def __init__(self, make_logits: Callable[[], torch.Tensor] | None = None,
                  token_losses: torch.Tensor | None = None, loss: torch.Tensor | None = None,
                  hidden: torch.Tensor | None = None):
-        self._make_logits, self._logits = make_logits, None
+        self._make_logits = make_logits
         self.token_losses, self.loss, self.hidden = token_losses, loss, hidden
 
-    @property
+    @cached_property
     def logits(self) -> torch.Tensor:
         if self._make_logits is None:
             raise ValueError("this model chunk does not end the model: only the last pipeline "
                              "stage's output has logits")
-        if self._logits is None:
-            self._logits = self._make_logits()
-        return self._logits
+        return self._make_logits()
 
 
 ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention.kind -> the part
@@ -106,8 +104,7 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
         self.mlp_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
-        self.rng = rng
-        self.dropout = cfg.dropout
+        self.rng, self.dropout = rng, cfg.dropout
 
     def forward(self, x, inputs: RankInputs, rotary, cache: KVCache | None = None,
                 loss_scale: torch.Tensor | float | None = None):
@@ -152,14 +149,13 @@ class GPT(nn.Module):
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 pstate.virtual_stages, pstate.pp_layers)
         embeds, ends = any(c.is_first for c in self.chunks), any(c.is_last for c in self.chunks)
-        device, std = pstate.device, cfg.init_std
-        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=std)
+        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=cfg.init_std)
                       if embeds or (ends and cfg.tie_embeddings) else None)
         if self.embed is not None and not embeds:
             self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
-        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
+        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, cfg.init_std)
                           if cfg.positions.kind == "learned" and embeds else None)
-        self.rotary = Rotary(cfg, device) if cfg.positions.kind == "rotary" else None
+        self.rotary = Rotary(cfg, pstate.device) if cfg.positions.kind == "rotary" else None
         self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
                               for chunk in self.chunks for i in chunk.layers})
         self.norm = Norm(cfg, pstate) if ends else None

@@ -63,7 +63,7 @@ class RankSplit:
             raise ValueError(f"sequence length {start + seq} exceeds "
                              f"model.max_seq_len={self.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
-        sp = self.splits_sequence(cache)
+        sp = self.sequence_parallel and cache is None  # decoding appends a token or a few: no split
         whole, index = (input_ids, attention_mask), None  # HiddenTokens cut from the whole rows
         if ps.cp_size > 1:
             self._check_context_cut(seq, cache)
@@ -100,11 +100,6 @@ class RankSplit:
             real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
         return HiddenTokens(real, key)
 
-    def splits_sequence(self, cache: KVCache | None) -> bool:
-        """Sequence parallel, but not when decoding, which appends a token or a few to the
-        cache (nothing to split)."""
-        return self.sequence_parallel and cache is None
-
     def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
         """The sequence length of this rank's hidden states for rows of `seq` tokens: its
         context-parallel share, then its sequence-parallel shard (padded to shards)."""
@@ -113,7 +108,7 @@ class RankSplit:
             # refuses a length the first stage cannot cut, instead of waiting for its message.
             self._check_context_cut(seq, cache)
         seq //= self.pstate.cp_size
-        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
+        return -(-seq // self.pstate.tp_size) if self.sequence_parallel and cache is None else seq
 
     def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
         cp = self.pstate.cp_size

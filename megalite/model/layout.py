@@ -34,8 +34,11 @@ class SequenceLayout:
         `window` places before it in the row (transformers' sliding_window_overlay; within a
         document or between real tokens, places and positions differ alike). Built once per
         forward and window, shared by the layers; the layout itself where nothing falls out."""
-        if window in self._windows:
-            return self._windows[window]
+        if window not in self._windows:
+            self._windows[window] = self._narrowed(window)
+        return self._windows[window]
+
+    def _narrowed(self, window: int) -> "SequenceLayout":
         seq, device = self.positions.shape[1], self.positions.device
         queries = torch.arange(seq, device=device) if self.queries is None else self.queries
         if self.mask is not None:
@@ -47,30 +50,25 @@ class SequenceLayout:
         else:
             keys = int(queries[-1]) + 1 if seq else 0  # decoding: every cached token
         if window >= keys:
-            self._windows[window] = self
             return self
         if self.mask is not None:
             near = queries.view(-1, 1) - torch.arange(keys, device=device) < window
-            layout = SequenceLayout(self.positions, self.mask & near, queries=self.queries)
+            return SequenceLayout(self.positions, self.mask & near, queries=self.queries)
+        if self.block_mask is not None:
+            rule, batch = self.block_mask.mask_mod, self.block_mask.kv_num_blocks.shape[0]
         else:
-            if self.block_mask is not None:
-                rule, batch = self.block_mask.mask_mod, self.block_mask.kv_num_blocks.shape[0]
-            else:
-                def rule(b, h, q, k):
-                    return k <= queries[q]
-                batch = 1  # the same for every row: broadcast
+            def rule(b, h, q, k):
+                return k <= queries[q]
+            batch = 1  # the same for every row: broadcast
 
-            def near_rule(b, h, q, k):
-                return rule(b, h, q, k) & (queries[q] - k < window)
-            # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
-            if uses_flex(device) and (self.block_mask is not None or self.queries is None):
-                rule_mask = block_mask(near_rule, batch, seq, device, keys, self.packed)
-                layout = SequenceLayout(self.positions, None, rule_mask, self.queries, self.packed)
-            else:
-                layout = SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
-                                        queries=self.queries)
-        self._windows[window] = layout
-        return layout
+        def near_rule(b, h, q, k):
+            return rule(b, h, q, k) & (queries[q] - k < window)
+        # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
+        if uses_flex(device) and (self.block_mask is not None or self.queries is None):
+            rule_mask = block_mask(near_rule, batch, seq, device, keys, self.packed)
+            return SequenceLayout(self.positions, None, rule_mask, self.queries, self.packed)
+        return SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
+                              queries=self.queries)
 
 
 def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -138,6 +136,10 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
 
 
+def _causal(b, h, q, k):
+    return k <= q
+
+
 def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq: int,
                    dense: bool = False) -> SequenceLayout:
     """The layout of a context-parallel rank's queries, the row's tokens at `index`, against
@@ -149,14 +151,10 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
     if layout.mask is not None:
         return SequenceLayout(positions, layout.mask[:, :, index], queries=index)
 
-    if layout.block_mask is not None:
-        rule: MaskMod = layout.block_mask.mask_mod
+    rule: MaskMod = _causal if layout.block_mask is None else layout.block_mask.mask_mod
 
-        def rows(b, h, q, k):
-            return rule(b, h, index[q], k)
-    else:
-        def rows(b, h, q, k):
-            return k <= index[q]
+    def rows(b, h, q, k):
+        return rule(b, h, index[q], k)
     if uses_flex(device) and not dense:
         rule_mask = block_mask(rows, batch, len(index), device, seq, layout.packed)
         return SequenceLayout(positions, None, rule_mask, index, layout.packed)

@@ -53,8 +53,6 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor,
             factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.unsqueeze(-1).float() * inv_freq
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    if factor == 1.0:
-        return angles.cos(), angles.sin()
     return angles.cos() * factor, angles.sin() * factor
 
 

@@ -82,10 +82,8 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if cfg.mlp.router == "softmax" else logits.sigmoid()
         k = cfg.mlp.top_k
         picking = scores.detach() + self.expert_bias.float()
-        if cfg.mlp.groups > 1:
-            experts = group_limited(picking, cfg.mlp.groups, cfg.mlp.topk_groups, k)
-        else:
-            experts = best(picking, k)
+        experts = (group_limited(picking, cfg.mlp.groups, cfg.mlp.topk_groups, k) if cfg.mlp.groups > 1
+                   else best(picking, k))
         weights = scores.gather(1, experts)
         if cfg.mlp.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -107,8 +105,7 @@ class Router(nn.Module):
                         key: torch.Tensor) -> torch.Tensor:
         """[tokens, k] how many copies routed to the same expert come before each one in the
         micro-batch (ordered by token place, then choice rank), over the token group."""
-        group, k = self.pstate.token_group, experts.shape[1]
-        local = experts.shape[0]
+        group, (local, k) = self.pstate.token_group, experts.shape
         mine = torch.cat([experts, real.unsqueeze(1).long(), key.unsqueeze(1)], dim=1)
         every = all_gather(mine, 0, group) if group_size(group) > 1 else mine
         everyone = every[:, :k].masked_fill(every[:, k:k + 1] == 0, self.cfg.n_experts)  # padding: nowhere
