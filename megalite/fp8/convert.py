@@ -60,8 +60,7 @@ def fp8_problems(cfg) -> list[str]:
                         f"a row's CP ranks would take their scales over different EP groups; "
                         f"use an ep that is a multiple of cp, or a divisor of it")
     sp = parallel.sequence_parallel and parallel.tp > 1
-    widened = ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp)
-    if widened:
+    if ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp):
         cut = f"parallel.cp={cp}" if cp > 1 else f"sequence parallelism over parallel.tp={parallel.tp}"
         problems.append(f"train.fp8.recipe={fp8.recipe} with data.mode={data.mode}, data.seq_len="
                         f"{data.seq_len} and {cut}: rows are padded to whole shards, and that "

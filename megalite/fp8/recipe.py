@@ -117,9 +117,7 @@ class Float8Matmul:
         g = self.cast(grad, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT,
                       0, "mn", splits)
         a = self.cast(x, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "mk", splits)
-        if not grad.shape[0]:
-            return grad.new_zeros(grad.shape[1], x.shape[1])
-        return torch.mm(g.t(), a)
+        return torch.mm(g.t(), a) if grad.shape[0] else grad.new_zeros(grad.shape[1], x.shape[1])
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
                 splits: Splits) -> torch.Tensor:

@@ -87,8 +87,7 @@ class Router(nn.Module):
         weights = scores.gather(1, experts)
         if cfg.mlp.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        if cfg.mlp.routed_scaling != 1.0:
-            weights = weights * cfg.mlp.routed_scaling
+        weights = weights * cfg.mlp.routed_scaling  # exact at 1.0
         chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
         totals = all_reduce_over(torch.cat([chosen.sum(0), real.sum().view(1)]), group)
         load, n_tokens = totals[:-1], max(int(totals[-1]), 1)
@@ -96,9 +95,8 @@ class Router(nn.Module):
         if cfg.mlp.capacity_factor is not None:
             capacity = math.ceil(cfg.mlp.capacity_factor * n_tokens * k / cfg.n_experts)
             kept = kept & (self._queue_position(experts, real, key) < capacity)
-        aux = None
-        if loss_scale is not None and torch.is_grad_enabled():
-            aux = self._losses(logits, scores, real, load, n_tokens) * loss_scale
+        aux = (self._losses(logits, scores, real, load, n_tokens) * loss_scale
+               if loss_scale is not None and torch.is_grad_enabled() else None)
         return Routing(experts, weights, kept, load, aux)
 
     def _queue_position(self, experts: torch.Tensor, real: torch.Tensor,
