@@ -26,24 +26,20 @@ class PipelineRun:
         mask and the KV cache)."""
         self.model, self.batches, self.autocast = model, batches, autocast
         self.module = model if module is None else module
-        self.forward_kwargs = forward_kwargs
-        ps = model.pstate
-        self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
-        self.comm = PipeComm(ps)
+        self.forward_kwargs, self.ps = forward_kwargs, model.pstate
+        self.comm = PipeComm(self.ps)
+
+    def _address(self, route, a: Action) -> tuple[int, int]:
+        """(global rank, tag) of a's message by `route` (schedules.message_in or message_out)."""
+        peer, tag = route(a, self.ps.pp_rank, self.ps.pp_size, self.ps.virtual_stages)
+        return self.ps.stage_rank(peer), tag
 
     def incoming(self, a: Action) -> Message:
-        """The buffer for what `a` receives before it runs (schedules.message_in): a hidden state
-        or its gradient."""
-        peer, tag = message_in(a, self.ps.pp_rank, self.pp, self.virtual)
+        """The buffer for what `a` receives before it runs: a hidden state or its gradient."""
         ids = self.batches[a.micro].input_ids
         seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
         shape = torch.Size((ids.shape[0], seq, self.model.cfg.hidden))
-        return Message(self.ps.stage_rank(peer), tag, shape=shape, dtype=next(self.model.parameters()).dtype)
-
-    def outgoing(self, a: Action, tensor: torch.Tensor) -> Message:
-        """`tensor`, what `a` made for a neighbour, addressed (schedules.message_out)."""
-        peer, tag = message_out(a, self.ps.pp_rank, self.pp, self.virtual)
-        return Message(self.ps.stage_rank(peer), tag, tensor=tensor)
+        return Message(*self._address(message_in, a), shape=shape, dtype=next(self.model.parameters()).dtype)
 
     def run(self, steps: tuple, step) -> None:
         """Carry out a plan (schedules.plan): `step(action, received)` runs one action and
@@ -51,8 +47,8 @@ class PipelineRun:
         received, made = {}, {}
         for item in steps:
             if isinstance(item, Exchange):
-                handles = self.comm.exchange([self.outgoing(a, made.pop(a)) for a in item.sends],
-                                             [self.incoming(a) for a in item.recvs])
+                sends = [Message(*self._address(message_out, a), tensor=made.pop(a)) for a in item.sends]
+                handles = self.comm.exchange(sends, [self.incoming(a) for a in item.recvs])
                 received.update(zip(item.recvs, handles))
             else:
                 handle = received.pop(item, None)
