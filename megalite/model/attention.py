@@ -56,6 +56,9 @@ class HeadsAttention(nn.Module):
         super().__init__()
         self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
         self.heads = cfg.n_heads // pstate.tp_size
+        # Per-head weights (q/k norms) and MLA's replicated latent norms see only this rank's
+        # heads' part: their gradients are summed over TP.
+        self.split_heads = pstate.tp_size > 1
         self.window = cfg.window_of(layer)
         self.cp_group, self.ring = pstate.cp_group, None
 
@@ -83,8 +86,7 @@ class HeadsAttention(nn.Module):
             with self.rng.fork() if dropout > 0 else nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                    dropout_p=dropout, enable_gqa=gqa, scale=self.scale)
-        batch, _, seq, _ = q.shape
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1), sequence_parallel)
+        return self.out_proj(y.transpose(1, 2).flatten(2), sequence_parallel)
 
 
 class Attention(HeadsAttention):
@@ -95,7 +97,6 @@ class Attention(HeadsAttention):
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
-        self.split_heads = tp > 1  # per-head weights (q/k norms) see only this rank's heads
         self.kv_heads = max(1, cfg.kv_heads // tp)
         if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
             self.ring = Ring(pstate.cp_group, pstate)
@@ -125,8 +126,8 @@ class Attention(HeadsAttention):
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
         # K and V come as two outputs of the interleaved kv_proj, [batch, seq, kv_heads, head_dim].
         q, k, v = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
-        batch, seq, _ = q.shape  # the whole sequence, also when x is a shard of it
-        q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        # [batch, seq, heads, head_dim]: the whole sequence, also when x is a shard of it
+        q = q.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)

@@ -51,7 +51,6 @@ from megalite.model.attention import Attention
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.kv_cache import KVCache
 from megalite.model.inputs import RankInputs, RankSplit
-from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoE
 from megalite.model.norm import Norm
@@ -180,9 +179,9 @@ class GPT(nn.Module):
         model."""
         stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
                                                                 labels, cache)
-        layout, sp = inputs.layout, inputs.sp
-        x = self._embed(inputs.ids, layout, sp) if stage.is_first else hidden
-        rotary = self.rotary(layout.positions) if self.rotary is not None else None
+        sp = inputs.sp
+        x = self._embed(inputs) if stage.is_first else hidden
+        rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
@@ -199,12 +198,13 @@ class GPT(nn.Module):
             return Output(make_logits)
         return Output(make_logits, *self.head(x, inputs.labels, inputs.seq, sp, loss_scale))
 
-    def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
-        x = self.embed(input_ids, sp)
+    def _embed(self, inputs: RankInputs) -> torch.Tensor:
+        sp = inputs.sp
+        x = self.embed(inputs.ids, sp)
         if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
             x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
-            positions = layout.positions
+            positions = inputs.layout.positions
             if sp:
                 positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
             x = x + self.positions(positions, sp)

@@ -39,7 +39,7 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon,
 class LatentAttention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__(cfg, pstate, rng, layer)
-        tp, std = pstate.tp_size, cfg.init_std
+        std = cfg.init_std
         self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
         self.rank = cfg.attention.kv_lora_rank
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
@@ -48,7 +48,6 @@ class LatentAttention(HeadsAttention):
         mscale = (yarn_scale(yarn.factor, yarn.mscale_all_dim)
                   if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
-        self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
         q_width = cfg.n_heads * (self.nope + self.rope)
         rank = cfg.attention.q_lora_rank
         # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
@@ -78,13 +77,12 @@ class LatentAttention(HeadsAttention):
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
         first = self.q_down if self.q_down is not None else self.q_up
         q, latent = fused_column_parallel(x, sequence_parallel, first, self.kv_down)
-        batch, seq, _ = q.shape
         if self.q_down is not None:
-            q = self.q_up.project(self.q_norm(q, self.split))  # this rank's heads
-        q = q.view(batch, seq, self.heads, self.nope + self.rope).transpose(1, 2)
+            q = self.q_up.project(self.q_norm(q, self.split_heads))  # this rank's heads
+        q = q.unflatten(-1, (self.heads, self.nope + self.rope)).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
-        c, k_rot = self.kv_norm(c, self.split).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
+        c, k_rot = self.kv_norm(c, self.split_heads).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
         cos, sin = rotary["global"]
         q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
         if cache is not None:
@@ -93,7 +91,7 @@ class LatentAttention(HeadsAttention):
             both = gather_from_context_parallel_region(torch.cat((c, k_rot), dim=-1), self.cp_group)
             c, k_rot = both.split([self.rank, self.rope], dim=-1)
         kv = self.kv_up.project(c.squeeze(1))
-        kv = kv.view(batch, -1, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
         return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, sequence_parallel)

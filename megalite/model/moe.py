@@ -54,13 +54,13 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, per_expert: list[int], sp: bool) -> torch.Tensor:
         """rows: expert-major, per_expert[e] of them for local expert e."""
-        group = self.pstate.tp_group
-        up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
-        gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
-        mm, splits = self.matmul.grouped, self.splits
-        hidden = activate(self.activation, mm(rows, up, per_expert, splits),
-                          None if gate is None else mm(rows, gate, per_expert, splits))
-        return mm(hidden, down, per_expert, splits)
+        def times(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+            w = sum_grad_over_shards(w, self.pstate.tp_group, sp)
+            return self.matmul.grouped(x, w, per_expert, self.splits)
+
+        up = times(rows, self.up)
+        gate = None if self.gate is None else times(rows, self.gate)
+        return times(activate(self.activation, up, gate), self.down)
 
 
 def expert_token_groups(pstate) -> tuple:
