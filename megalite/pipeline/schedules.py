@@ -125,9 +125,8 @@ def plan(name: str, pp: int, rank: int, virtual: int, m: int,
     groups one after the other and completes a send only with its receive, can always finish
     them (tests/test_pipeline_schedules.py); gloo matches them by tag anyway.
     """
-    lists = [schedule(name, pp, r, virtual, m) for r in range(pp)]
-    if forward_only:
-        lists = [[a for a in actions if a.kind == "F"] for actions in lists]
+    lists = [[a for a in schedule(name, pp, r, virtual, m) if a.kind == "F" or not forward_only]
+             for r in range(pp)]
     tick_of: dict[tuple[int, Action], int] = {}
     position, tick = [0] * pp, 0
     while any(position[r] < len(lists[r]) for r in range(pp)):
