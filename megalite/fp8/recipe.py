@@ -142,6 +142,5 @@ class _Float8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         recipe, splits = ctx.recipe, ctx.splits
         grad_x = recipe.grad_input(grad, weight, splits)
-        grad_w = recipe.grad_weight(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]),
-                                    splits)
+        grad_w = recipe.grad_weight(grad.flatten(0, -2), x.flatten(0, -2), splits)
         return grad_x, grad_w, None, None

@@ -100,14 +100,13 @@ class Attention(HeadsAttention):
         self.kv_heads = max(1, cfg.kv_heads // tp)
         if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
             self.ring = Ring(pstate.cp_group, pstate)
-        std = cfg.init_std
         qkv_bias = cfg.bias or cfg.attention.qkv_bias
         self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
-                                           bias=qkv_bias, init_std=std)
+                                           bias=qkv_bias, init_std=cfg.init_std)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
-                                            bias=qkv_bias, init_std=std,
+                                            bias=qkv_bias, init_std=cfg.init_std,
                                             shards=min(tp, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision

@@ -64,11 +64,20 @@ class SequenceLayout:
         def near_rule(b, h, q, k):
             return rule(b, h, q, k) & (queries[q] - k < window)
         # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
-        if uses_flex(device) and (self.block_mask is not None or self.queries is None):
-            rule_mask = block_mask(near_rule, batch, seq, device, keys, self.packed)
-            return SequenceLayout(self.positions, None, rule_mask, self.queries, self.packed)
-        return SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
-                              queries=self.queries)
+        return _ruled(self.positions, near_rule, batch, seq, device, keys, self.queries, self.packed,
+                      flex=self.block_mask is not None or self.queries is None)
+
+
+def _ruled(positions: torch.Tensor, rule: MaskMod, batch: int, seq: int, device: torch.device,
+           keys: int | None = None, queries: torch.Tensor | None = None, packed: bool = False,
+           flex: bool = True) -> SequenceLayout:
+    """The layout whose mask is `rule` over [batch, seq, keys (default seq)]: a BlockMask where
+    FlexAttention runs (unless not `flex`; packed rows' compiled for their one shape), else the
+    dense mask."""
+    if flex and uses_flex(device):
+        rule_mask = block_mask(rule, batch, seq, device, keys, packed)
+        return SequenceLayout(positions, None, rule_mask, queries, packed)
+    return SequenceLayout(positions, dense_mask(rule, batch, seq, device, keys), queries=queries)
 
 
 def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -105,8 +114,8 @@ def _sees(real: torch.Tensor, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor)
 def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     doc_ids: torch.Tensor | None = None) -> SequenceLayout:
     """attention_mask: 1 real token, 0 padding. doc_ids: document of each token (packed rows)."""
-    batch, seq = input_ids.shape
-    index = torch.arange(seq, device=input_ids.device)
+    (batch, seq), device = input_ids.shape, input_ids.device
+    index = torch.arange(seq, device=device)
     if attention_mask is None and doc_ids is None:
         return SequenceLayout(index.expand(batch, seq), None)
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
@@ -129,11 +138,7 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     def document_causal(b, h, q, k):  # FlexAttention's mask_mod signature
         return (doc_ids[b, q] == doc_ids[b, k]) & _sees(real, b, q, k)
 
-    device = input_ids.device
-    if uses_flex(device):
-        rule_mask = block_mask(document_causal, batch, seq, device, static=True)
-        return SequenceLayout(index - first, None, rule_mask, packed=True)
-    return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
+    return _ruled(index - first, document_causal, batch, seq, device, packed=True)
 
 
 def _causal(b, h, q, k):
@@ -155,7 +160,4 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
 
     def rows(b, h, q, k):
         return rule(b, h, index[q], k)
-    if uses_flex(device) and not dense:
-        rule_mask = block_mask(rows, batch, len(index), device, seq, layout.packed)
-        return SequenceLayout(positions, None, rule_mask, index, layout.packed)
-    return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq), queries=index)
+    return _ruled(positions, rows, batch, len(index), device, seq, index, layout.packed, flex=not dense)
