@@ -29,10 +29,7 @@ def _size_filter(fp8):
         return lambda name, n, k: True
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
     pick = _auto_filter_for_recipe("rowwise" if fp8.recipe == "rowwise_with_gw_hp" else fp8.recipe, [])
-
-    def keep(name: str, n: int, k: int) -> bool:
-        return pick(nn.Linear(k, n, bias=False, device="meta"), name)
-    return keep
+    return lambda name, n, k: pick(nn.Linear(k, n, bias=False, device="meta"), name)
 
 
 def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:

@@ -117,8 +117,7 @@ class Attention(HeadsAttention):
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""
-        shape = (batch, self.kv_heads, max_len, self.head_dim)
-        return shape, shape
+        return ((batch, self.kv_heads, max_len, self.head_dim),) * 2
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,

@@ -66,9 +66,8 @@ class LMHead(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-token losses [batch, seq], and with loss_scale their sum x loss_scale, whose
         gradients are made here in forward; the losses are then not differentiable)."""
-        group = self.shard.group
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
-             else copy_to_tensor_parallel_region(x, group))
+        x = (gather_from_sequence_parallel_region(x, self.shard.group) if sequence_parallel
+             else copy_to_tensor_parallel_region(x, self.shard.group))
         batch, padded_seq = x.shape[:2]
         labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # SP's padding
         x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)

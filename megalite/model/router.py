@@ -109,11 +109,10 @@ class Router(nn.Module):
         everyone = every[:, :k].masked_fill(every[:, k:k + 1] == 0, self.cfg.n_experts)  # padding: nowhere
         order = torch.argsort(every[:, -1], stable=True)  # token place; choice rank is the column
         onehot = F.one_hot(everyone[order].flatten(), self.cfg.n_experts + 1)
-        before = (onehot.cumsum(0) - onehot).gather(1, everyone[order].flatten().unsqueeze(1))
-        position = torch.empty_like(before).scatter_(
-            0, (order.unsqueeze(1) * k + torch.arange(k, device=order.device)).flatten().unsqueeze(1), before)
+        before = (onehot.cumsum(0) - onehot).gather(1, everyone[order].flatten().unsqueeze(1)).view(-1, k)
+        position = torch.empty_like(before).index_copy_(0, order, before)  # back to the gathered order
         start = (dist.get_rank(group) if group_size(group) > 1 else 0) * local
-        return position.view(-1, k)[start:start + local]
+        return position[start:start + local]
 
     def _losses(self, logits, scores, real, load, n_tokens) -> torch.Tensor:
         cfg, realf = self.cfg, real.unsqueeze(1).float()
