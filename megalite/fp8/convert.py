@@ -33,8 +33,7 @@ def _size_filter(fp8):
 
 
 def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:
-    why = getattr(module, "partial_output_grad", None)
-    if why:
+    if why := getattr(module, "partial_output_grad", None):
         raise ConfigError(
             f"train.fp8 on {name}: {why}, so its FP8 scales could not be one process's; add "
             f"'{name.split('.')[-1]}' to train.fp8.exclude, or use a layout that splits it over "
@@ -132,8 +131,7 @@ def describe_fp8(model: nn.Module, fp8, chosen: list[str], pstate) -> str:
     small model whole) and, by reason, how many stay in high precision."""
     keep, kept = _size_filter(fp8), {}
     for unit in _units(model):
-        why = _kept_because(unit, fp8, keep)
-        if why:
+        if why := _kept_because(unit, fp8, keep):
             kept[why] = kept.get(why, 0) + len(unit)
     names = f" ({', '.join(chosen[:3])}{', ...' if len(chosen) > 3 else ''})" if chosen else ""
     stage = " of rank 0's pipeline stage" if pstate.pp_size > 1 else ""

@@ -19,6 +19,8 @@ the latent and the rotated rotary key of each token (KVCache's keys and values).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from megalite.config import ModelConfig
@@ -39,7 +41,6 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon,
 class LatentAttention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__(cfg, pstate, rng, layer)
-        std = cfg.init_std
         self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
         self.rank = cfg.attention.kv_lora_rank
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
@@ -48,19 +49,16 @@ class LatentAttention(HeadsAttention):
         mscale = (yarn_scale(yarn.factor, yarn.mscale_all_dim)
                   if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
-        q_width = cfg.n_heads * (self.nope + self.rope)
         rank = cfg.attention.q_lora_rank
+        column = partial(ColumnParallelLinear, pstate=pstate, bias=False, init_std=cfg.init_std)
         # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
-        self.q_down = (ColumnParallelLinear(cfg.hidden, rank, pstate, bias=False, init_std=std, shards=1)
-                       if rank else None)
+        self.q_down = column(cfg.hidden, rank, shards=1) if rank else None
         self.q_norm = Norm(cfg, pstate, rank, eps=LATENT_NORM_EPS) if rank else None
-        self.q_up = ColumnParallelLinear(rank or cfg.hidden, q_width, pstate, bias=False, init_std=std)
+        self.q_up = column(rank or cfg.hidden, cfg.n_heads * (self.nope + self.rope))
         self.fused_linears = [("q_down" if rank else "q_up", "kv_down")]
-        self.kv_down = ColumnParallelLinear(cfg.hidden, self.rank + self.rope, pstate, bias=False,
-                                            init_std=std, shards=1)
+        self.kv_down = column(cfg.hidden, self.rank + self.rope, shards=1)
         self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
-        self.kv_up = ColumnParallelLinear(self.rank, cfg.n_heads * (self.nope + self.v_dim), pstate,
-                                          bias=False, init_std=std)
+        self.kv_up = column(self.rank, cfg.n_heads * (self.nope + self.v_dim))
         if pstate.cp_size > 1 and self.kv_up.partial_output_grad is None:
             self.kv_up.partial_output_grad = ("every CP rank reads the whole row's latents, with "
                                               "its own queries' part of the gradient")
