@@ -93,11 +93,10 @@ class Attention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__(cfg, pstate, rng, layer)
         tp = pstate.tp_size
-        self.head_dim = cfg.head_size
+        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // tp)
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
-        self.kv_heads = max(1, cfg.kv_heads // tp)
         if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
             self.ring = Ring(pstate.cp_group, pstate)
         qkv_bias = cfg.bias or cfg.attention.qkv_bias

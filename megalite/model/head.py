@@ -47,8 +47,7 @@ class LMHead(nn.Module):
     @property
     def rows(self) -> nn.Parameter:
         """E_r, this rank's vocab rows: tied or not, the head is that matrix applied after f."""
-        tied = self._tied[0]
-        return self.weight if tied is None else tied.weight
+        return self.weight if self._tied[0] is None else self._tied[0].weight
 
     def logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
         """[batch, seq, padded_vocab / tp] of the final hidden states x (a shard of them under

@@ -91,13 +91,12 @@ class _AuxLossGrad(torch.autograd.Function):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
         super().__init__()
-        self.cfg, self.pstate = cfg, pstate
+        self.cfg, self.pstate, self.rng = cfg, pstate, rng
         self.router = Router(cfg, pstate)
         self.experts = Experts(cfg, pstate)
         self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.mlp.shared_experts else None
         self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
                                      Init(std=cfg.init_std)) if cfg.mlp.shared_gate else None)
-        self.rng = rng
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
