@@ -163,8 +163,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None,
-                loss_scale: torch.Tensor | float | None = None,
+                cache: KVCache | None = None, loss_scale: torch.Tensor | float | None = None,
                 chunk: int = 0, hidden: torch.Tensor | None = None) -> Output:
         """The batch's rows (laid out for this rank by model/inputs.py). cache: decode
         incrementally. loss_scale (with labels): also return loss = sum(token_losses) *

@@ -142,8 +142,7 @@ def plan(name: str, pp: int, rank: int, virtual: int, m: int,
     mine = {tick_of[rank, a]: a for a in lists[rank]}
     arriving: dict[int, list[Action]] = {}
     for a in lists[rank]:
-        source = producer(a, rank, pp, virtual)
-        if source is not None:
+        if source := producer(a, rank, pp, virtual):
             arriving.setdefault(tick_of[source], []).append(a)
     steps: list[Action | Exchange] = []
     for t in range(-1, tick):
