@@ -200,10 +200,7 @@ class GPT(nn.Module):
         if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
             x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
-            positions = inputs.layout.positions
-            if sp:
-                positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
-            x = x + self.positions(positions, sp)
+            x = x + self.positions(inputs.layout.positions, sp)
         return self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:

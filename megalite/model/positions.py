@@ -18,12 +18,15 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_seq_len: int, hidden: int, pstate: ParallelState, init_std: float):
         super().__init__()
-        self.tp_group = pstate.tp_group
+        self.pstate = pstate
         self.weight = set_init(nn.Parameter(torch.empty(max_seq_len, hidden, device=pstate.device)),
                                Init(std=init_std))
 
     def forward(self, positions: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
+        """positions: [batch, seq] of the whole rows (sequence parallel: this rank takes its shard's)."""
+        if sequence_parallel:
+            positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
+        weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sequence_parallel)
         return nn.functional.embedding(positions, weight)
 
 
