@@ -61,8 +61,7 @@ class LMHead(nn.Module):
         return logits
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, seq: int, sequence_parallel: bool,
-                loss_scale: torch.Tensor | float | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                loss_scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-token losses [batch, seq], and with loss_scale their sum x loss_scale, whose
         gradients are made here in forward; the losses are then not differentiable)."""
         x = (gather_from_sequence_parallel_region(x, self.shard.group) if sequence_parallel

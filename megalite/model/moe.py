@@ -153,10 +153,9 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     moves by model.mlp.bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
     rate = model.cfg.moe.bias_update_rate if model.cfg.moe else 0.0
-    if not rate:  # most runs: no walk over the modules every step
-        return
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if not layers:  # a pipeline stage of dense layers only
+    # Most runs: no walk over the modules every step. A pipeline stage may hold dense layers only.
+    layers = [m for m in model.modules() if isinstance(m, MoE)] if rate else []
+    if not layers:
         return
     loads = all_reduce_over(torch.stack([m.step_load for m in layers]).float(), pstate.dp_group)
     for m, load in zip(layers, loads):
