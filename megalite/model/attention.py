@@ -62,6 +62,17 @@ class HeadsAttention(nn.Module):
         self.window = cfg.window_of(layer)
         self.cp_group, self.ring = pstate.cp_group, None
 
+    def _whole_rows(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                    dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v after the KV cache's, and context parallel the whole row's: this rank's
+        queries see every key (gathered over CP, k and v as one message along `dim`)."""
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)
+        if self.ring is None and self.cp_group is not None:
+            kv = gather_from_context_parallel_region(torch.cat((k, v), dim=dim), self.cp_group)
+            k, v = kv.split([k.shape[dim], v.shape[dim]], dim=dim)
+        return k, v
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
                 sequence_parallel: bool) -> torch.Tensor:
         """out_proj(softmax(q k^T x scale) v) over the layout's mask, narrowed to the window: this
@@ -130,10 +141,5 @@ class Attention(HeadsAttention):
             q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
-        if cache is not None:
-            k, v = cache.extend(self.layer, k, v)
-        if self.ring is None and self.cp_group is not None:
-            # Context parallel: this rank's queries see the whole row's keys and values.
-            kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
-            k, v = kv.chunk(2, dim=1)
+        k, v = self._whole_rows(k, v, cache, dim=1)
         return self._attend(q, k, v, layout, sequence_parallel)

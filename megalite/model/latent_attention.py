@@ -30,7 +30,6 @@ from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary, yarn_scale
-from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
@@ -83,11 +82,7 @@ class LatentAttention(HeadsAttention):
         c, k_rot = self.kv_norm(c, self.split_heads).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
         cos, sin = rotary["global"]
         q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
-        if cache is not None:
-            c, k_rot = cache.extend(self.layer, c, k_rot)
-        if self.cp_group is not None:  # the whole row's latents and rotary keys: small
-            both = gather_from_context_parallel_region(torch.cat((c, k_rot), dim=-1), self.cp_group)
-            c, k_rot = both.split([self.rank, self.rope], dim=-1)
+        c, k_rot = self._whole_rows(c, k_rot, cache, dim=-1)  # the row's latents and rotary keys: small
         kv = self.kv_up.project(c.squeeze(1))
         kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
