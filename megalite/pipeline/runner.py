@@ -75,28 +75,25 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     the one micro-batch loop); returns the sum of the micro-batch losses on the last stage (zero
     on the others). `last` tells the engine a chunk's last backward (where the native engine
     starts that chunk's DP buckets)."""
-    model = engine.model
-    run = PipelineRun(model, batches, autocast, engine.module)
-    ps = model.pstate
+    run = PipelineRun(engine.model, batches, autocast, engine.module)
+    ps = engine.model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
     last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
     inputs, outputs = {}, {}
     loss = torch.zeros((), device=n_tokens.device)
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
-        nonlocal loss
         key = (a.chunk, a.micro)
         if a.kind == "F":
             if received is not None:
                 received.requires_grad_()
             out = run._forward(a, received, loss_scale=1.0 / n_tokens)
             inputs[key] = received
-            if out.loss is not None:
-                outputs[key] = out.loss
-                loss += out.loss.detach()
-                return None
-            outputs[key] = out.hidden
-            return out.hidden.detach()
+            outputs[key] = out.hidden if out.loss is None else out.loss
+            if out.loss is None:
+                return out.hidden.detach()
+            loss.add_(out.loss.detach())
+            return None
         x, out = inputs.pop(key), outputs.pop(key)
         engine.backward(out, last=a == last_backward[a.chunk],
                         grad=None if out.dim() == 0 else received)
@@ -115,10 +112,9 @@ def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, ob
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         out = run._forward(a, received)
-        if out.hidden is not None:
-            return out.hidden
-        consume(a.micro, out)
-        return None
+        if out.hidden is None:  # the last stage's
+            consume(a.micro, out)
+        return out.hidden
 
     ps = model.pstate
     run.run(plan("gpipe", ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches),
