@@ -54,15 +54,12 @@ class SequenceLayout:
         if self.mask is not None:
             near = queries.view(-1, 1) - torch.arange(keys, device=device) < window
             return SequenceLayout(self.positions, self.mask & near, queries=self.queries)
-        if self.block_mask is not None:
-            rule, batch = self.block_mask.mask_mod, self.block_mask.kv_num_blocks.shape[0]
-        else:
-            def rule(b, h, q, k):
-                return k <= queries[q]
-            batch = 1  # the same for every row: broadcast
+        rule = None if self.block_mask is None else self.block_mask.mask_mod
+        batch = 1 if rule is None else self.block_mask.kv_num_blocks.shape[0]  # causal: broadcast
 
         def near_rule(b, h, q, k):
-            return rule(b, h, q, k) & (queries[q] - k < window)
+            sees = k <= queries[q] if rule is None else rule(b, h, q, k)
+            return sees & (queries[q] - k < window)
         # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
         return _ruled(self.positions, near_rule, batch, seq, device, keys, self.queries, self.packed,
                       flex=self.block_mask is not None or self.queries is None)
