@@ -141,6 +141,5 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         recipe, splits = ctx.recipe, ctx.splits
-        grad_x = recipe.grad_input(grad, weight, splits)
-        grad_w = recipe.grad_weight(grad.flatten(0, -2), x.flatten(0, -2), splits)
-        return grad_x, grad_w, None, None
+        return (recipe.grad_input(grad, weight, splits),
+                recipe.grad_weight(grad.flatten(0, -2), x.flatten(0, -2), splits), None, None)

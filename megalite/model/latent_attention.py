@@ -72,8 +72,7 @@ class LatentAttention(HeadsAttention):
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-        first = self.q_down if self.q_down is not None else self.q_up
-        q, latent = fused_column_parallel(x, sequence_parallel, first, self.kv_down)
+        q, latent = fused_column_parallel(x, sequence_parallel, self.q_down or self.q_up, self.kv_down)
         if self.q_down is not None:
             q = self.q_up.project(self.q_norm(q, self.split_heads))  # this rank's heads
         q = q.unflatten(-1, (self.heads, self.nope + self.rope)).transpose(1, 2)
