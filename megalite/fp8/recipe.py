@@ -94,10 +94,9 @@ class Float8Matmul:
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 splits: Splits) -> torch.Tensor:
-        c = self.config
         rows = x.reshape(-1, x.shape[-1])
-        a = self.cast(rows, c.cast_config_input, GemmInputRole.INPUT, -1, "mk", splits)
-        b = self.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "kn", splits)
+        a = self.cast(rows, self.config.cast_config_input, GemmInputRole.INPUT, -1, "mk", splits)
+        b = self.cast(weight.t(), self.config.cast_config_weight, GemmInputRole.WEIGHT, 0, "kn", splits)
         y = torch.mm(a, b) if rows.shape[0] else rows.new_zeros(0, weight.shape[0])
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias.to(y.dtype)

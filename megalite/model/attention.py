@@ -103,8 +103,7 @@ class HeadsAttention(nn.Module):
 class Attention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__(cfg, pstate, rng, layer)
-        tp = pstate.tp_size
-        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // tp)
+        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // pstate.tp_size)
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
@@ -117,7 +116,7 @@ class Attention(HeadsAttention):
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
         self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
                                             bias=qkv_bias, init_std=cfg.init_std,
-                                            shards=min(tp, cfg.kv_heads))
+                                            shards=min(pstate.tp_size, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,

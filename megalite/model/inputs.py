@@ -85,8 +85,7 @@ class RankSplit:
         (batch, seq), device = input_ids.shape, input_ids.device
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, start:].bool())
-        key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
-               + torch.arange(start, start + seq, device=device))
+        key = torch.arange(batch * (start + seq), device=device).view(batch, -1)[:, start:]
         if index is not None:
             real, key = real[:, index], key[:, index]
         elif sp:
