@@ -189,10 +189,8 @@ class GPT(nn.Module):
         if not stage.is_last:
             return Output(hidden=x)
         x = self.norm(x, sp)
-        make_logits = partial(self.head.logits, x, inputs.seq, sp)
-        if labels is None:
-            return Output(make_logits)
-        return Output(make_logits, *self.head(x, inputs.labels, inputs.seq, sp, loss_scale))
+        losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, sp, loss_scale)
+        return Output(partial(self.head.logits, x, inputs.seq, sp), *losses)
 
     def _embed(self, inputs: RankInputs) -> torch.Tensor:
         sp = inputs.sp

@@ -79,8 +79,7 @@ class LatentAttention(HeadsAttention):
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
         c, k_rot = self.kv_norm(c, self.split_heads).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
-        cos, sin = rotary["global"]
-        q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
+        q_rot, k_rot = apply_rotary(q_rot, *rotary["global"]), apply_rotary(k_rot, *rotary["global"])
         c, k_rot = self._whole_rows(c, k_rot, cache, dim=-1)  # the row's latents and rotary keys: small
         kv = self.kv_up.project(c.squeeze(1))
         kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
