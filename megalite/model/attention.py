@@ -55,10 +55,9 @@ class HeadsAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
-        self.heads = cfg.n_heads // pstate.tp_size
-        # Per-head weights (q/k norms) and MLA's replicated latent norms see only this rank's
-        # heads' part: their gradients are summed over TP.
-        self.split_heads = pstate.tp_size > 1
+        # This rank's heads. Per-head weights (q/k norms) and MLA's replicated latent norms see
+        # only their part (split_heads): their gradients are summed over TP.
+        self.heads, self.split_heads = cfg.n_heads // pstate.tp_size, pstate.tp_size > 1
         self.window = cfg.window_of(layer)
         self.cp_group, self.ring = pstate.cp_group, None
 

@@ -175,7 +175,6 @@ class GPT(nn.Module):
         model."""
         stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
                                                                 labels, cache)
-        sp = inputs.sp
         x = self._embed(inputs) if stage.is_first else hidden
         rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
@@ -188,18 +187,17 @@ class GPT(nn.Module):
             cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
         if not stage.is_last:
             return Output(hidden=x)
-        x = self.norm(x, sp)
-        losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, sp, loss_scale)
-        return Output(partial(self.head.logits, x, inputs.seq, sp), *losses)
+        x = self.norm(x, inputs.sp)
+        losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, inputs.sp, loss_scale)
+        return Output(partial(self.head.logits, x, inputs.seq, inputs.sp), *losses)
 
     def _embed(self, inputs: RankInputs) -> torch.Tensor:
-        sp = inputs.sp
-        x = self.embed(inputs.ids, sp)
+        x = self.embed(inputs.ids, inputs.sp)
         if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
             x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
-            x = x + self.positions(inputs.layout.positions, sp)
-        return self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
+            x = x + self.positions(inputs.layout.positions, inputs.sp)
+        return self.rng.dropout(x, self.cfg.dropout, self.training, split=inputs.sp)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""

@@ -67,10 +67,8 @@ def expert_token_groups(pstate) -> tuple:
     """The groups over which an expert's rows, as one process would multiply them, are spread:
     TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every CP
     rank's rows to the expert (an EP group of whole CP groups)."""
-    groups = (pstate.tp_group,) if pstate.sequence_parallel else ()
-    if pstate.ep_size == 1:
-        groups += (pstate.cp_group,)
-    return groups
+    shards = (pstate.tp_group,) if pstate.sequence_parallel else ()
+    return shards + ((pstate.cp_group,) if pstate.ep_size == 1 else ())
 
 
 class _AuxLossGrad(torch.autograd.Function):
