@@ -118,7 +118,8 @@ class MoE(nn.Module):
         copies = copies[torch.sort(expert_of, stable=True).indices]
         exchange = ExpertExchange(torch.bincount(expert_of, minlength=self.cfg.n_experts),
                                   self.pstate.ep_group)
-        out = exchange.combine(self.experts(exchange.dispatch(flat[copies // k]), exchange.per_expert, sp))
+        rows = exchange.dispatch(flat[copies // k])
+        out = exchange.combine(self.experts(rows, exchange.per_expert, sp))
         outputs = out.new_zeros(flat.shape[0] * k, hidden).index_copy(0, copies, out).view(-1, k, hidden)
         weights = route.weights.to(out.dtype)
         y = outputs[:, 0] * weights[:, :1]

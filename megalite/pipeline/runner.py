@@ -79,22 +79,20 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     ps = engine.model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
     last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
-    inputs, outputs = {}, {}
+    held = {}  # (chunk, micro-batch) -> a forward's input and output, until its backward
     loss = torch.zeros((), device=n_tokens.device)
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
-        key = (a.chunk, a.micro)
         if a.kind == "F":
             if received is not None:
                 received.requires_grad_()
             out = run._forward(a, received, loss_scale=1.0 / n_tokens)
-            inputs[key] = received
-            outputs[key] = out.hidden if out.loss is None else out.loss
+            held[a.chunk, a.micro] = received, (out.hidden if out.loss is None else out.loss)
             if out.loss is None:
                 return out.hidden.detach()
             loss.add_(out.loss.detach())
             return None
-        x, out = inputs.pop(key), outputs.pop(key)
+        x, out = held.pop((a.chunk, a.micro))
         engine.backward(out, last=a == last_backward[a.chunk],
                         grad=None if out.dim() == 0 else received)
         return None if x is None else x.grad
