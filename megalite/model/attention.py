@@ -27,6 +27,7 @@ mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -108,14 +109,12 @@ class Attention(HeadsAttention):
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
         if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
             self.ring = Ring(pstate.cp_group, pstate)
-        qkv_bias = cfg.bias or cfg.attention.qkv_bias
-        self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
-                                           bias=qkv_bias, init_std=cfg.init_std)
+        column = partial(ColumnParallelLinear, cfg.hidden, pstate=pstate, init_std=cfg.init_std,
+                         bias=cfg.bias or cfg.attention.qkv_bias)
+        self.q_proj = column(cfg.n_heads * cfg.head_size)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
-        self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
-                                            bias=qkv_bias, init_std=cfg.init_std,
-                                            shards=min(pstate.tp_size, cfg.kv_heads))
+        self.kv_proj = column(2 * cfg.kv_heads * cfg.head_size, shards=min(pstate.tp_size, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,

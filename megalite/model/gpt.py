@@ -91,11 +91,14 @@ class Output:
         return self._make_logits()
 
 
+ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention.kind -> the part
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.attn_norm = Norm(cfg, pstate)
-        self.attn = {"gqa": Attention, "mla": LatentAttention}[cfg.attention.kind](cfg, pstate, rng, layer)
+        self.attn = ATTENTIONS[cfg.attention.kind](cfg, pstate, rng, layer)
         self.attn_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
