@@ -117,7 +117,7 @@ class Block(nn.Module):
         # mask on each rank's shard (rng.dropout).
         x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
         h = self.mlp_norm(x, sp)
-        h = self.mlp(h, inputs.tokens(), sp, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h, sp)
+        h = self.mlp(h, inputs.tokens, sp, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h, sp)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h, sp)
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)

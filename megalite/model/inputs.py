@@ -9,8 +9,8 @@ tokens after the cached ones, never split.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Callable
 
 import torch
@@ -37,7 +37,11 @@ class RankInputs:
     layout: SequenceLayout
     seq: int  # real tokens per row here: the ids past it pad to SP shards
     sp: bool  # the forward runs on sequence shards
-    tokens: Callable[[], HiddenTokens]  # computed once, only if a layer asks (MoE)
+    hidden_tokens: Callable[[], HiddenTokens]  # computed only if a layer asks (MoE)
+
+    @cached_property
+    def tokens(self) -> HiddenTokens:
+        return self.hidden_tokens()
 
 
 class RankSplit:
@@ -75,8 +79,8 @@ class RankSplit:
                 doc_ids = _pad_to_shards(doc_ids, ps.tp_size, -1)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
-        tokens = functools.partial(self._hidden_tokens, *whole, start, index, sp)
-        return RankInputs(input_ids, labels, layout, seq, sp, functools.cache(tokens))
+        return RankInputs(input_ids, labels, layout, seq, sp,
+                          partial(self._hidden_tokens, *whole, start, index, sp))
 
     def _hidden_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        start: int, index: torch.Tensor | None, sp: bool) -> HiddenTokens:
