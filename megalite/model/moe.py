@@ -39,11 +39,10 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState):
         super().__init__()
         self.activation, self.pstate = cfg.mlp.activation, pstate
-        local = cfg.n_experts // pstate.ep_size
         self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
 
         def stacked(out: int, into: int, std: float) -> nn.Parameter:
-            p = nn.Parameter(torch.empty(local, out, into, device=pstate.device))
+            p = nn.Parameter(torch.empty(cfg.n_experts // pstate.ep_size, out, into, device=pstate.device))
             mark_expert_sharded(p, pstate.ep_rank, pstate.ep_size)
             return set_init(p, Init(std=std))
 

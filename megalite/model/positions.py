@@ -126,5 +126,4 @@ def _llama3(inv_freq: torch.Tensor, llama3: Llama3Scaling) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [batch, heads, seq, head_dim] by the angles of each token's position."""
     first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return (x * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
