@@ -20,21 +20,20 @@ def _shapes(module: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     return [(module.logical_shape, tuple(module.weight.shape))]
 
 
-def _size_filter(recipe: str):
-    """torchao's auto filter for the recipe (H100 thresholds below which FP8 loses to bf16),
-    asked about an nn.Linear of the whole shape; rowwise's for rowwise_with_gw_hp. A private
-    torchao function (torchtitan calls it too): pyproject pins torchao below 0.19."""
+def _size_filter(fp8):
+    """Whether a layer of a whole shape [N, K] takes FP8 by size: with train.fp8.layers=auto
+    torchao's auto filter for the recipe (H100 thresholds below which FP8 loses to bf16), asked
+    about an nn.Linear of that shape, rowwise's for rowwise_with_gw_hp; else every layer. A
+    private torchao function (torchtitan calls it too): pyproject pins torchao below 0.19."""
+    if fp8.layers != "auto":
+        return lambda name, n, k: True
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
-    pick = _auto_filter_for_recipe("rowwise" if recipe == "rowwise_with_gw_hp" else recipe, [])
-
-    def keep(name: str, n: int, k: int) -> bool:
-        return pick(nn.Linear(k, n, bias=False, device="meta"), name)
-    return keep
+    pick = _auto_filter_for_recipe("rowwise" if fp8.recipe == "rowwise_with_gw_hp" else fp8.recipe, [])
+    return lambda name, n, k: pick(nn.Linear(k, n, bias=False, device="meta"), name)
 
 
 def _refuse_inexact(name: str, module: nn.Module, pstate) -> None:
-    why = getattr(module, "partial_output_grad", None)
-    if why:
+    if why := getattr(module, "partial_output_grad", None):
         raise ConfigError(
             f"train.fp8 on {name}: {why}, so its FP8 scales could not be one process's; add "
             f"'{name.split('.')[-1]}' to train.fp8.exclude, or use a layout that splits it over "
@@ -57,8 +56,7 @@ def fp8_problems(cfg) -> list[str]:
                         f"a row's CP ranks would take their scales over different EP groups; "
                         f"use an ep that is a multiple of cp, or a divisor of it")
     sp = parallel.sequence_parallel and parallel.tp > 1
-    widened = ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp)
-    if widened:
+    if ((cp > 1 or sp) and data.mode == "padded") or (sp and cp == 1 and data.seq_len % parallel.tp):
         cut = f"parallel.cp={cp}" if cp > 1 else f"sequence parallelism over parallel.tp={parallel.tp}"
         problems.append(f"train.fp8.recipe={fp8.recipe} with data.mode={data.mode}, data.seq_len="
                         f"{data.seq_len} and {cut}: rows are padded to whole shards, and that "
@@ -86,29 +84,19 @@ def _units(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return units
 
 
-def _unit_shapes(unit) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(the whole [N, K] of each matmul the unit does: one for a fused unit, its layers' N
-    stacked; this rank's [N, K] of each matrix)."""
-    shapes = [shape for _, m in unit for shape in _shapes(m)]
-    wholes, local = [whole for whole, _ in shapes], [local for _, local in shapes]
-    if len(unit) > 1:
-        wholes = [(sum(n for n, _ in wholes), wholes[0][1])]
-    return wholes, local
-
-
-def _filter(fp8):
-    return _size_filter(fp8.recipe) if fp8.layers == "auto" else (lambda name, n, k: True)
-
-
 def _kept_because(unit, fp8, keep) -> str | None:
     """Why the unit stays in high precision (None: it takes FP8), as the run's line says it."""
     names = [name for name, _ in unit]
     if any(part in name for name in names for part in fp8.exclude):
         return "in train.fp8.exclude"
-    wholes, local = _unit_shapes(unit)
+    shapes = [shape for _, m in unit for shape in _shapes(m)]
     # torch._scaled_mm multiplies dims that are multiples of 16 (what this rank holds).
-    if not all(d % 16 == 0 for shape in local for d in shape):
+    if not all(d % 16 == 0 for _, local in shapes for d in local):
         return "with dims not multiples of 16"
+    # The whole [N, K] of each matmul the unit does: one for a fused unit, its layers' N stacked.
+    wholes = [whole for whole, _ in shapes]
+    if len(unit) > 1:
+        wholes = [(sum(n for n, _ in wholes), wholes[0][1])]
     if not all(keep(names[0], n, k) for n, k in wholes):
         return ("too small to gain (train.fp8.layers=auto, torchao's size filter; "
                 "train.fp8.layers=all converts them)")
@@ -122,17 +110,15 @@ def convert_to_fp8(model: nn.Module, fp8, pstate) -> list[str]:
     from megalite.fp8.recipe import Float8Matmul, float8_config
     recipe = Float8Matmul(float8_config(fp8.recipe, fp8.emulate))
     experts = Float8Matmul(float8_config(fp8.recipe, fp8.emulate, pad_inner_dim=True))
-    keep = _filter(fp8)
-    chosen = []
+    keep, chosen = _size_filter(fp8), set()
     for unit in _units(model):
         if _kept_because(unit, fp8, keep):
             continue
         for name, module in unit:
             _refuse_inexact(name, module, pstate)
             module.matmul = experts if isinstance(module, Experts) else recipe
-            chosen.append(name)
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return sorted(chosen, key=order.__getitem__)
+            chosen.add(name)
+    return [name for name, _ in model.named_modules() if name in chosen]
 
 
 def fp8_layers(model: nn.Module) -> int:
@@ -143,10 +129,9 @@ def fp8_layers(model: nn.Module) -> int:
 def describe_fp8(model: nn.Module, fp8, chosen: list[str], pstate) -> str:
     """The run's line: how many layers convert_to_fp8 chose (0 too: `layers: auto` can keep a
     small model whole) and, by reason, how many stay in high precision."""
-    keep, kept = _filter(fp8), {}
+    keep, kept = _size_filter(fp8), {}
     for unit in _units(model):
-        why = _kept_because(unit, fp8, keep)
-        if why:
+        if why := _kept_because(unit, fp8, keep):
             kept[why] = kept.get(why, 0) + len(unit)
     names = f" ({', '.join(chosen[:3])}{', ...' if len(chosen) > 3 else ''})" if chosen else ""
     stage = " of rank 0's pipeline stage" if pstate.pp_size > 1 else ""

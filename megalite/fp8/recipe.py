@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,28 +24,22 @@ from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.matmul import Splits
 
 
-@contextmanager
-def _quiet(*names: str):
-    """Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them:
-    FP8 here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile handles."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-with _quiet("torchao", "torch.utils._pytree"):
+# Importing torchao warns once per CUDA extension it cannot load (on a CPU, each of them: FP8
+# here runs torch._scaled_mm, not those kernels) and of an Enum torch.compile handles: quieted.
+_LOGGERS = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+_LEVELS = [logger.level for logger in _LOGGERS]
+for _logger in _LOGGERS:
+    _logger.setLevel(logging.ERROR)
+try:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.config import CastConfig, ScalingType
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
     from torchao.float8.float8_training_tensor import (GemmInputRole, LinearMMConfig,
                                                        ScaledMMConfig, hp_tensor_and_scale_to_float8)
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+finally:
+    for _logger, _level in zip(_LOGGERS, _LEVELS):
+        _logger.setLevel(_level)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -101,10 +94,9 @@ class Float8Matmul:
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 splits: Splits) -> torch.Tensor:
-        c = self.config
         rows = x.reshape(-1, x.shape[-1])
-        a = self.cast(rows, c.cast_config_input, GemmInputRole.INPUT, -1, "mk", splits)
-        b = self.cast(weight.t(), c.cast_config_weight, GemmInputRole.WEIGHT, 0, "kn", splits)
+        a = self.cast(rows, self.config.cast_config_input, GemmInputRole.INPUT, -1, "mk", splits)
+        b = self.cast(weight.t(), self.config.cast_config_weight, GemmInputRole.WEIGHT, 0, "kn", splits)
         y = torch.mm(a, b) if rows.shape[0] else rows.new_zeros(0, weight.shape[0])
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias.to(y.dtype)
@@ -124,9 +116,7 @@ class Float8Matmul:
         g = self.cast(grad, c.cast_config_grad_output_for_grad_weight, GemmInputRole.GRAD_OUTPUT,
                       0, "mn", splits)
         a = self.cast(x, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, "mk", splits)
-        if not grad.shape[0]:
-            return grad.new_zeros(grad.shape[1], x.shape[1])
-        return torch.mm(g.t(), a)
+        return torch.mm(g.t(), a) if grad.shape[0] else grad.new_zeros(grad.shape[1], x.shape[1])
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, per_expert: list[int],
                 splits: Splits) -> torch.Tensor:
@@ -150,7 +140,5 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         recipe, splits = ctx.recipe, ctx.splits
-        grad_x = recipe.grad_input(grad, weight, splits)
-        grad_w = recipe.grad_weight(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]),
-                                    splits)
-        return grad_x, grad_w, None, None
+        return (recipe.grad_input(grad, weight, splits),
+                recipe.grad_weight(grad.flatten(0, -2), x.flatten(0, -2), splits), None, None)

@@ -27,6 +27,7 @@ mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -47,33 +48,73 @@ from megalite.parallel.ring_attention import Ring, ring_attention
 from megalite.parallel.state import ParallelState
 
 
-class Attention(nn.Module):
+class HeadsAttention(nn.Module):
+    """What both attentions (GQA here, MLA in latent_attention.py) share: this rank's heads, the
+    layer's sliding window and the attention itself (SDPA or FlexAttention, or ring attention
+    under parallel.cp_comm=p2p), into the row-parallel out_proj of the subclass."""
+
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
         super().__init__()
-        tp = pstate.tp_size
-        self.layer = layer
-        self.head_dim = cfg.head_size
+        self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
+        # This rank's heads. Per-head weights (q/k norms) and MLA's replicated latent norms see
+        # only their part (split_heads): their gradients are summed over TP.
+        self.heads, self.split_heads = cfg.n_heads // pstate.tp_size, pstate.tp_size > 1
         self.window = cfg.window_of(layer)
+        self.cp_group, self.ring = pstate.cp_group, None
+
+    def _whole_rows(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                    dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v after the KV cache's, and context parallel the whole row's: this rank's
+        queries see every key (gathered over CP, k and v as one message along `dim`)."""
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)
+        if self.ring is None and self.cp_group is not None:
+            kv = gather_from_context_parallel_region(torch.cat((k, v), dim=dim), self.cp_group)
+            k, v = kv.split([k.shape[dim], v.shape[dim]], dim=dim)
+        return k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
+                sequence_parallel: bool) -> torch.Tensor:
+        """out_proj(softmax(q k^T x scale) v) over the layout's mask, narrowed to the window: this
+        rank's heads ([b, heads, s, d]; k and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
+        if self.window is not None:
+            layout = layout.windowed(self.window)
+        dropout, gqa = self.dropout if self.training else 0.0, k.shape[1] != q.shape[1]
+        if self.ring is not None:
+            y = ring_attention(q, k, v, layout.mask, self.ring, self.scale)
+        elif (layout.block_mask is not None and dropout == 0
+              and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
+            y = flex(q, k, v, layout.block_mask, gqa, self.scale, static=layout.packed)
+        else:
+            # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
+            # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
+            # without attention dropout, on heads of 64 or more).
+            mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
+            # A prompt attends causally; a decoded token, alone, attends every cached token.
+            causal = mask is None and q.shape[2] > 1
+            # Attention probabilities belong to this rank's heads only: dropped with the per-rank
+            # generator, so that ranks do not drop the same pattern in different heads.
+            with self.rng.fork() if dropout > 0 else nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                   dropout_p=dropout, enable_gqa=gqa, scale=self.scale)
+        return self.out_proj(y.transpose(1, 2).flatten(2), sequence_parallel)
+
+
+class Attention(HeadsAttention):
+    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
+        super().__init__(cfg, pstate, rng, layer)
+        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // pstate.tp_size)
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
-        self.split_heads = tp > 1  # per-head weights (q/k norms) see only this rank's heads
-        self.heads = cfg.n_heads // tp
-        self.kv_heads = max(1, cfg.kv_heads // tp)
-        self.dropout = cfg.dropout
-        self.rng = rng
-        self.tp_group = pstate.tp_group
-        self.cp_group = pstate.cp_group
-        self.ring = Ring(pstate.cp_group, pstate) if pstate.cp_size > 1 and pstate.cp_comm == "p2p" else None
-        std = cfg.init_std
-        qkv_bias = cfg.bias or cfg.attention.qkv_bias
-        self.q_proj = ColumnParallelLinear(cfg.hidden, cfg.n_heads * cfg.head_size, pstate,
-                                           bias=qkv_bias, init_std=std)
+        if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
+            self.ring = Ring(pstate.cp_group, pstate)
+        column = partial(ColumnParallelLinear, cfg.hidden, pstate=pstate, init_std=cfg.init_std,
+                         bias=cfg.bias or cfg.attention.qkv_bias)
+        self.q_proj = column(cfg.n_heads * cfg.head_size)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
-        self.kv_proj = ColumnParallelLinear(cfg.hidden, 2 * cfg.kv_heads * cfg.head_size, pstate,
-                                            bias=qkv_bias, init_std=std,
-                                            shards=min(tp, cfg.kv_heads))
+        self.kv_proj = column(2 * cfg.kv_heads * cfg.head_size, shards=min(pstate.tp_size, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
         self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
@@ -83,54 +124,19 @@ class Attention(nn.Module):
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""
-        shape = (batch, self.kv_heads, max_len, self.head_dim)
-        return shape, shape
+        return ((batch, self.kv_heads, max_len, self.head_dim),) * 2
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
         # K and V come as two outputs of the interleaved kv_proj, [batch, seq, kv_heads, head_dim].
         q, k, v = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
-        batch, seq, _ = q.shape  # the whole sequence, also when x is a shard of it
-        q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        # [batch, seq, heads, head_dim]: the whole sequence, also when x is a shard of it
+        q = q.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
-        if self.window is not None:
-            layout = layout.windowed(self.window)
-        if cache is not None:
-            k, v = cache.extend(self.layer, k, v)
-        if self.ring is not None:
-            y = ring_attention(q, k, v, layout.mask, self.ring, self.scale)
-        else:
-            if self.cp_group is not None:
-                # Context parallel: this rank's queries see the whole row's keys and values.
-                kv = gather_from_context_parallel_region(torch.cat((k, v), dim=1), self.cp_group)
-                k, v = kv.chunk(2, dim=1)
-            y = attend(q, k, v, layout, self.dropout if self.training else 0.0, self.rng,
-                       self.scale)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim),
-                             sequence_parallel)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-           dropout: float, rng: TensorParallelRNG, scale: float | None) -> torch.Tensor:
-    """softmax(q k^T x scale) v over the layout's mask, this rank's heads ([b, heads, s, d]; k
-    and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
-    gqa = k.shape[1] != q.shape[1]
-    if (layout.block_mask is not None and dropout == 0
-            and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM):
-        return flex(q, k, v, layout.block_mask, gqa, scale, static=layout.packed)
-    # FlexAttention has no dropout and no heads under 16 wide: there packed documents take
-    # SDPA and the dense mask, rebuilt by each layer (a slow path anyway; pretraining runs
-    # without attention dropout, on heads of 64 or more).
-    mask = layout.mask if layout.block_mask is None else block_mask_as_dense(layout.block_mask)
-    # A prompt attends causally; a decoded token, alone, attends every cached token.
-    causal = mask is None and q.shape[2] > 1
-    # Attention probabilities belong to this rank's heads only: dropped with the per-rank
-    # generator, so that ranks do not drop the same pattern in different heads.
-    with rng.fork() if dropout > 0 else nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              dropout_p=dropout, enable_gqa=gqa, scale=scale)
+        k, v = self._whole_rows(k, v, cache, dim=1)
+        return self._attend(q, k, v, layout, sequence_parallel)

@@ -45,8 +45,9 @@ def block_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
     """The BlockMask of `mask_mod` over [batch, seq, kv_len (default seq)], shared by every
     head. Any length works: the last block of one that is not a multiple of the block size
     (128) is partial."""
-    return compiled(create_block_mask, _dynamic(static))(mask_mod, batch, None, seq,
-                                                         kv_len or seq, device=device)
+    # torch.compile's `dynamic`: False for one shape a run (`static`), else its default.
+    return compiled(create_block_mask, False if static else None)(mask_mod, batch, None, seq,
+                                                                  kv_len or seq, device=device)
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, seq: int, device: torch.device,
@@ -67,10 +68,5 @@ def block_mask_as_dense(mask: BlockMask) -> torch.Tensor:
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
          enable_gqa: bool, scale: float | None = None, static: bool = False) -> torch.Tensor:
-    return compiled(flex_attention, _dynamic(static))(q, k, v, block_mask=mask,
-                                                      enable_gqa=enable_gqa, scale=scale)
-
-
-def _dynamic(static: bool) -> bool | None:
-    """torch.compile's `dynamic`: False for one shape a run, else its default."""
-    return False if static else None
+    return compiled(flex_attention, False if static else None)(q, k, v, block_mask=mask,
+                                                               enable_gqa=enable_gqa, scale=scale)

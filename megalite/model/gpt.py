@@ -39,7 +39,7 @@ embedding, identical at init (drawn by name), whose gradient is summed with the 
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import torch
@@ -51,7 +51,6 @@ from megalite.model.attention import Attention
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.kv_cache import KVCache
 from megalite.model.inputs import RankInputs, RankSplit
-from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import MLP
 from megalite.model.moe import MoE
 from megalite.model.norm import Norm
@@ -81,17 +80,15 @@ class Output:
     def __init__(self, make_logits: Callable[[], torch.Tensor] | None = None,
                  token_losses: torch.Tensor | None = None, loss: torch.Tensor | None = None,
                  hidden: torch.Tensor | None = None):
-        self._make_logits, self._logits = make_logits, None
+        self._make_logits = make_logits
         self.token_losses, self.loss, self.hidden = token_losses, loss, hidden
 
-    @property
+    @cached_property
     def logits(self) -> torch.Tensor:
         if self._make_logits is None:
             raise ValueError("this model chunk does not end the model: only the last pipeline "
                              "stage's output has logits")
-        if self._logits is None:
-            self._logits = self._make_logits()
-        return self._logits
+        return self._make_logits()
 
 
 ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention.kind -> the part
@@ -106,8 +103,7 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg, pstate)
         self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
         self.mlp_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
-        self.rng = rng
-        self.dropout = cfg.dropout
+        self.rng, self.dropout = rng, cfg.dropout
 
     def forward(self, x, inputs: RankInputs, rotary, cache: KVCache | None = None,
                 loss_scale: torch.Tensor | float | None = None):
@@ -152,14 +148,13 @@ class GPT(nn.Module):
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 pstate.virtual_stages, pstate.pp_layers)
         embeds, ends = any(c.is_first for c in self.chunks), any(c.is_last for c in self.chunks)
-        device, std = pstate.device, cfg.init_std
-        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=std)
+        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=cfg.init_std)
                       if embeds or (ends and cfg.tie_embeddings) else None)
         if self.embed is not None and not embeds:
             self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
-        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, std)
+        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, cfg.init_std)
                           if cfg.positions.kind == "learned" and embeds else None)
-        self.rotary = Rotary(cfg, device) if cfg.positions.kind == "rotary" else None
+        self.rotary = Rotary(cfg, pstate.device) if cfg.positions.kind == "rotary" else None
         self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
                               for chunk in self.chunks for i in chunk.layers})
         self.norm = Norm(cfg, pstate) if ends else None
@@ -171,8 +166,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None,
-                loss_scale: torch.Tensor | float | None = None,
+                cache: KVCache | None = None, loss_scale: torch.Tensor | float | None = None,
                 chunk: int = 0, hidden: torch.Tensor | None = None) -> Output:
         """The batch's rows (laid out for this rank by model/inputs.py). cache: decode
         incrementally. loss_scale (with labels): also return loss = sum(token_losses) *
@@ -184,9 +178,8 @@ class GPT(nn.Module):
         model."""
         stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
                                                                 labels, cache)
-        layout, sp = inputs.layout, inputs.sp
-        x = self._embed(inputs.ids, layout, sp) if stage.is_first else hidden
-        rotary = self.rotary(layout.positions) if self.rotary is not None else None
+        x = self._embed(inputs) if stage.is_first else hidden
+        rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
         for block in (self.blocks[i] for i in stage.layers):
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
@@ -197,22 +190,17 @@ class GPT(nn.Module):
             cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
         if not stage.is_last:
             return Output(hidden=x)
-        x = self.norm(x, sp)
-        make_logits = partial(self.head.logits, x, inputs.seq, sp)
-        if labels is None:
-            return Output(make_logits)
-        return Output(make_logits, *self.head(x, inputs.labels, inputs.seq, sp, loss_scale))
+        x = self.norm(x, inputs.sp)
+        losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, inputs.sp, loss_scale)
+        return Output(partial(self.head.logits, x, inputs.seq, inputs.sp), *losses)
 
-    def _embed(self, input_ids: torch.Tensor, layout: SequenceLayout, sp: bool) -> torch.Tensor:
-        x = self.embed(input_ids, sp)
+    def _embed(self, inputs: RankInputs) -> torch.Tensor:
+        x = self.embed(inputs.ids, inputs.sp)
         if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
             x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
-            positions = layout.positions
-            if sp:
-                positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
-            x = x + self.positions(positions, sp)
-        return self.rng.dropout(x, self.cfg.dropout, self.training, split=sp)
+            x = x + self.positions(inputs.layout.positions, inputs.sp)
+        return self.rng.dropout(x, self.cfg.dropout, self.training, split=inputs.sp)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""

@@ -47,8 +47,7 @@ class LMHead(nn.Module):
     @property
     def rows(self) -> nn.Parameter:
         """E_r, this rank's vocab rows: tied or not, the head is that matrix applied after f."""
-        tied = self._tied[0]
-        return self.weight if tied is None else tied.weight
+        return self.weight if self._tied[0] is None else self._tied[0].weight
 
     def logits(self, x: torch.Tensor, seq: int, sequence_parallel: bool) -> torch.Tensor:
         """[batch, seq, padded_vocab / tp] of the final hidden states x (a shard of them under
@@ -62,13 +61,11 @@ class LMHead(nn.Module):
         return logits
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, seq: int, sequence_parallel: bool,
-                loss_scale: torch.Tensor | float | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                loss_scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-token losses [batch, seq], and with loss_scale their sum x loss_scale, whose
         gradients are made here in forward; the losses are then not differentiable)."""
-        group = self.shard.group
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
-             else copy_to_tensor_parallel_region(x, group))
+        x = (gather_from_sequence_parallel_region(x, self.shard.group) if sequence_parallel
+             else copy_to_tensor_parallel_region(x, self.shard.group))
         batch, padded_seq = x.shape[:2]
         labels = F.pad(labels, (0, padded_seq - seq), value=IGNORE_INDEX)  # SP's padding
         x, labels = x.reshape(batch * padded_seq, -1), labels.reshape(-1)

@@ -63,7 +63,7 @@ class RankSplit:
             raise ValueError(f"sequence length {start + seq} exceeds "
                              f"model.max_seq_len={self.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
-        sp = self.splits_sequence(cache)
+        sp = self.sequence_parallel and cache is None  # decoding appends a token or a few: no split
         whole, index = (input_ids, attention_mask), None  # HiddenTokens cut from the whole rows
         if ps.cp_size > 1:
             self._check_context_cut(seq, cache)
@@ -73,9 +73,10 @@ class RankSplit:
             input_ids, seq = input_ids[:, index], len(index)
             labels = None if labels is None else labels[:, index]
         else:
-            if sp:
-                input_ids, attention_mask, doc_ids = pad_to_shards(ps.tp_size, input_ids,
-                                                                   attention_mask, doc_ids)
+            if sp:  # the mask, if any, marks the tokens appended as padding; a document of their own
+                input_ids = _pad_to_shards(input_ids, ps.tp_size, 0)
+                attention_mask = _pad_to_shards(attention_mask, ps.tp_size, 0)
+                doc_ids = _pad_to_shards(doc_ids, ps.tp_size, -1)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
         return RankInputs(input_ids, labels, layout, seq, sp,
@@ -88,21 +89,15 @@ class RankSplit:
         (batch, seq), device = input_ids.shape, input_ids.device
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, start:].bool())
-        key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
-               + torch.arange(start, start + seq, device=device))
+        key = torch.arange(batch * (start + seq), device=device).view(batch, -1)[:, start:]
         if index is not None:
             real, key = real[:, index], key[:, index]
         elif sp:
-            extra = -seq % self.pstate.tp_size
-            real, key = F.pad(real, (0, extra), value=False), F.pad(key, (0, extra), value=-1)
+            real = _pad_to_shards(real, self.pstate.tp_size, False)
+            key = _pad_to_shards(key, self.pstate.tp_size, -1)
         if sp:
             real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
         return HiddenTokens(real, key)
-
-    def splits_sequence(self, cache: KVCache | None) -> bool:
-        """Sequence parallel, but not when decoding, which appends a token or a few to the
-        cache (nothing to split)."""
-        return self.sequence_parallel and cache is None
 
     def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
         """The sequence length of this rank's hidden states for rows of `seq` tokens: its
@@ -112,7 +107,7 @@ class RankSplit:
             # refuses a length the first stage cannot cut, instead of waiting for its message.
             self._check_context_cut(seq, cache)
         seq //= self.pstate.cp_size
-        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
+        return -(-seq // self.pstate.tp_size) if self.sequence_parallel and cache is None else seq
 
     def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
         cp = self.pstate.cp_size
@@ -126,13 +121,6 @@ class RankSplit:
                              f"use a length that is a multiple of {chunks}")
 
 
-def pad_to_shards(tp: int, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  doc_ids: torch.Tensor | None) -> tuple:
-    """The batch with tokens appended until the length is a multiple of tp. The mask, if any,
-    marks them as padding, and they get a document of their own."""
-    extra = -input_ids.shape[1] % tp
-
-    def pad(t: torch.Tensor | None, value: int) -> torch.Tensor | None:
-        return t if t is None or extra == 0 else F.pad(t, (0, extra), value=value)
-
-    return pad(input_ids, 0), pad(attention_mask, 0), pad(doc_ids, -1)
+def _pad_to_shards(t: torch.Tensor | None, tp: int, value) -> torch.Tensor | None:
+    """t with `value` appended along the sequence until its length is a multiple of tp."""
+    return None if t is None else F.pad(t, (0, -t.shape[1] % tp), value=value)

@@ -19,17 +19,17 @@ the latent and the rotated rotary key of each token (KVCache's keys and values).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.attention import attend
+from megalite.model.attention import HeadsAttention
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary, yarn_scale
-from megalite.parallel.context import gather_from_context_parallel_region
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.state import ParallelState
@@ -37,36 +37,27 @@ from megalite.parallel.state import ParallelState
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon, whatever the model's
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(HeadsAttention):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
-        super().__init__()
-        tp, std = pstate.tp_size, cfg.init_std
-        self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
-        self.heads = cfg.n_heads // tp
+        super().__init__(cfg, pstate, rng, layer)
         self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
         self.rank = cfg.attention.kv_lora_rank
-        self.window = cfg.window_of(layer)
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
         # correction, squared (transformers' yarn_apply_mscale)
         yarn = cfg.positions.scaling
         mscale = (yarn_scale(yarn.factor, yarn.mscale_all_dim)
                   if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
-        self.tp_group, self.cp_group = pstate.tp_group, pstate.cp_group
-        self.split = tp > 1  # replicated weights read by this rank's heads only: grads summed
-        q_width = cfg.n_heads * (self.nope + self.rope)
         rank = cfg.attention.q_lora_rank
+        column = partial(ColumnParallelLinear, pstate=pstate, bias=False, init_std=cfg.init_std)
         # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
-        self.q_down = (ColumnParallelLinear(cfg.hidden, rank, pstate, bias=False, init_std=std, shards=1)
-                       if rank else None)
+        self.q_down = column(cfg.hidden, rank, shards=1) if rank else None
         self.q_norm = Norm(cfg, pstate, rank, eps=LATENT_NORM_EPS) if rank else None
-        self.q_up = ColumnParallelLinear(rank or cfg.hidden, q_width, pstate, bias=False, init_std=std)
+        self.q_up = column(rank or cfg.hidden, cfg.n_heads * (self.nope + self.rope))
         self.fused_linears = [("q_down" if rank else "q_up", "kv_down")]
-        self.kv_down = ColumnParallelLinear(cfg.hidden, self.rank + self.rope, pstate, bias=False,
-                                            init_std=std, shards=1)
+        self.kv_down = column(cfg.hidden, self.rank + self.rope, shards=1)
         self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
-        self.kv_up = ColumnParallelLinear(self.rank, cfg.n_heads * (self.nope + self.v_dim), pstate,
-                                          bias=False, init_std=std)
+        self.kv_up = column(self.rank, cfg.n_heads * (self.nope + self.v_dim))
         if pstate.cp_size > 1 and self.kv_up.partial_output_grad is None:
             self.kv_up.partial_output_grad = ("every CP rank reads the whole row's latents, with "
                                               "its own queries' part of the gradient")
@@ -81,29 +72,17 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-        first = self.q_down if self.q_down is not None else self.q_up
-        q, latent = fused_column_parallel(x, sequence_parallel, first, self.kv_down)
-        batch, seq, _ = q.shape
+        q, latent = fused_column_parallel(x, sequence_parallel, self.q_down or self.q_up, self.kv_down)
         if self.q_down is not None:
-            q = self.q_up.project(self.q_norm(q, self.split))  # this rank's heads
-        q = q.view(batch, seq, self.heads, self.nope + self.rope).transpose(1, 2)
+            q = self.q_up.project(self.q_norm(q, self.split_heads))  # this rank's heads
+        q = q.unflatten(-1, (self.heads, self.nope + self.rope)).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
-        c, k_rot = self.kv_norm(c, self.split).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
-        cos, sin = rotary["global"]
-        q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)
-        if cache is not None:
-            c, k_rot = cache.extend(self.layer, c, k_rot)
-        if self.cp_group is not None:  # the whole row's latents and rotary keys: small
-            both = gather_from_context_parallel_region(torch.cat((c, k_rot), dim=-1), self.cp_group)
-            c, k_rot = both.split([self.rank, self.rope], dim=-1)
+        c, k_rot = self.kv_norm(c, self.split_heads).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
+        q_rot, k_rot = apply_rotary(q_rot, *rotary["global"]), apply_rotary(k_rot, *rotary["global"])
+        c, k_rot = self._whole_rows(c, k_rot, cache, dim=-1)  # the row's latents and rotary keys: small
         kv = self.kv_up.project(c.squeeze(1))
-        kv = kv.view(batch, -1, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
-        if self.window is not None:
-            layout = layout.windowed(self.window)
-        y = attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, self.dropout if self.training
-                   else 0.0, self.rng, self.scale)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, self.heads * self.v_dim),
-                             sequence_parallel)
+        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, sequence_parallel)

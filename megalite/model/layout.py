@@ -34,8 +34,11 @@ class SequenceLayout:
         `window` places before it in the row (transformers' sliding_window_overlay; within a
         document or between real tokens, places and positions differ alike). Built once per
         forward and window, shared by the layers; the layout itself where nothing falls out."""
-        if window in self._windows:
-            return self._windows[window]
+        if window not in self._windows:
+            self._windows[window] = self._narrowed(window)
+        return self._windows[window]
+
+    def _narrowed(self, window: int) -> "SequenceLayout":
         seq, device = self.positions.shape[1], self.positions.device
         queries = torch.arange(seq, device=device) if self.queries is None else self.queries
         if self.mask is not None:
@@ -47,30 +50,31 @@ class SequenceLayout:
         else:
             keys = int(queries[-1]) + 1 if seq else 0  # decoding: every cached token
         if window >= keys:
-            self._windows[window] = self
             return self
         if self.mask is not None:
             near = queries.view(-1, 1) - torch.arange(keys, device=device) < window
-            layout = SequenceLayout(self.positions, self.mask & near, queries=self.queries)
-        else:
-            if self.block_mask is not None:
-                rule, batch = self.block_mask.mask_mod, self.block_mask.kv_num_blocks.shape[0]
-            else:
-                def rule(b, h, q, k):
-                    return k <= queries[q]
-                batch = 1  # the same for every row: broadcast
+            return SequenceLayout(self.positions, self.mask & near, queries=self.queries)
+        rule = None if self.block_mask is None else self.block_mask.mask_mod
+        batch = 1 if rule is None else self.block_mask.kv_num_blocks.shape[0]  # causal: broadcast
 
-            def near_rule(b, h, q, k):
-                return rule(b, h, q, k) & (queries[q] - k < window)
-            # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
-            if uses_flex(device) and (self.block_mask is not None or self.queries is None):
-                rule_mask = block_mask(near_rule, batch, seq, device, keys, self.packed)
-                layout = SequenceLayout(self.positions, None, rule_mask, self.queries, self.packed)
-            else:
-                layout = SequenceLayout(self.positions, dense_mask(near_rule, batch, seq, device, keys),
-                                        queries=self.queries)
-        self._windows[window] = layout
-        return layout
+        def near_rule(b, h, q, k):
+            sees = k <= queries[q] if rule is None else rule(b, h, q, k)
+            return sees & (queries[q] - k < window)
+        # Decoding (queries after a cache) keeps a dense mask, as its unwindowed layouts do.
+        return _ruled(self.positions, near_rule, batch, seq, device, keys, self.queries, self.packed,
+                      flex=self.block_mask is not None or self.queries is None)
+
+
+def _ruled(positions: torch.Tensor, rule: MaskMod, batch: int, seq: int, device: torch.device,
+           keys: int | None = None, queries: torch.Tensor | None = None, packed: bool = False,
+           flex: bool = True) -> SequenceLayout:
+    """The layout whose mask is `rule` over [batch, seq, keys (default seq)]: a BlockMask where
+    FlexAttention runs (unless not `flex`; packed rows' compiled for their one shape), else the
+    dense mask."""
+    if flex and uses_flex(device):
+        rule_mask = block_mask(rule, batch, seq, device, keys, packed)
+        return SequenceLayout(positions, None, rule_mask, queries, packed)
+    return SequenceLayout(positions, dense_mask(rule, batch, seq, device, keys), queries=queries)
 
 
 def cached_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -107,8 +111,8 @@ def _sees(real: torch.Tensor, b: torch.Tensor, q: torch.Tensor, k: torch.Tensor)
 def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     doc_ids: torch.Tensor | None = None) -> SequenceLayout:
     """attention_mask: 1 real token, 0 padding. doc_ids: document of each token (packed rows)."""
-    batch, seq = input_ids.shape
-    index = torch.arange(seq, device=input_ids.device)
+    (batch, seq), device = input_ids.shape, input_ids.device
+    index = torch.arange(seq, device=device)
     if attention_mask is None and doc_ids is None:
         return SequenceLayout(index.expand(batch, seq), None)
     real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
@@ -131,11 +135,11 @@ def sequence_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     def document_causal(b, h, q, k):  # FlexAttention's mask_mod signature
         return (doc_ids[b, q] == doc_ids[b, k]) & _sees(real, b, q, k)
 
-    device = input_ids.device
-    if uses_flex(device):
-        rule_mask = block_mask(document_causal, batch, seq, device, static=True)
-        return SequenceLayout(index - first, None, rule_mask, packed=True)
-    return SequenceLayout(index - first, dense_mask(document_causal, batch, seq, device))
+    return _ruled(index - first, document_causal, batch, seq, device, packed=True)
+
+
+def _causal(b, h, q, k):
+    return k <= q
 
 
 def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq: int,
@@ -149,15 +153,8 @@ def context_layout(layout: SequenceLayout, index: torch.Tensor, batch: int, seq:
     if layout.mask is not None:
         return SequenceLayout(positions, layout.mask[:, :, index], queries=index)
 
-    if layout.block_mask is not None:
-        rule: MaskMod = layout.block_mask.mask_mod
+    rule: MaskMod = _causal if layout.block_mask is None else layout.block_mask.mask_mod
 
-        def rows(b, h, q, k):
-            return rule(b, h, index[q], k)
-    else:
-        def rows(b, h, q, k):
-            return k <= index[q]
-    if uses_flex(device) and not dense:
-        rule_mask = block_mask(rows, batch, len(index), device, seq, layout.packed)
-        return SequenceLayout(positions, None, rule_mask, index, layout.packed)
-    return SequenceLayout(positions, dense_mask(rows, batch, len(index), device, seq), queries=index)
+    def rows(b, h, q, k):
+        return rule(b, h, index[q], k)
+    return _ruled(positions, rows, batch, len(index), device, seq, index, layout.packed, flex=not dense)

@@ -39,11 +39,10 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState):
         super().__init__()
         self.activation, self.pstate = cfg.mlp.activation, pstate
-        local = cfg.n_experts // pstate.ep_size
         self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
 
         def stacked(out: int, into: int, std: float) -> nn.Parameter:
-            p = nn.Parameter(torch.empty(local, out, into, device=pstate.device))
+            p = nn.Parameter(torch.empty(cfg.n_experts // pstate.ep_size, out, into, device=pstate.device))
             mark_expert_sharded(p, pstate.ep_rank, pstate.ep_size)
             return set_init(p, Init(std=std))
 
@@ -54,23 +53,21 @@ class Experts(nn.Module):
 
     def forward(self, rows: torch.Tensor, per_expert: list[int], sp: bool) -> torch.Tensor:
         """rows: expert-major, per_expert[e] of them for local expert e."""
-        group = self.pstate.tp_group
-        up, down = (sum_grad_over_shards(w, group, sp) for w in (self.up, self.down))
-        gate = None if self.gate is None else sum_grad_over_shards(self.gate, group, sp)
-        mm, splits = self.matmul.grouped, self.splits
-        hidden = activate(self.activation, mm(rows, up, per_expert, splits),
-                          None if gate is None else mm(rows, gate, per_expert, splits))
-        return mm(hidden, down, per_expert, splits)
+        def times(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+            w = sum_grad_over_shards(w, self.pstate.tp_group, sp)
+            return self.matmul.grouped(x, w, per_expert, self.splits)
+
+        up = times(rows, self.up)
+        gate = None if self.gate is None else times(rows, self.gate)
+        return times(activate(self.activation, up, gate), self.down)
 
 
 def expert_token_groups(pstate) -> tuple:
     """The groups over which an expert's rows, as one process would multiply them, are spread:
     TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every CP
     rank's rows to the expert (an EP group of whole CP groups)."""
-    groups = (pstate.tp_group,) if pstate.sequence_parallel else ()
-    if pstate.ep_size == 1:
-        groups += (pstate.cp_group,)
-    return groups
+    shards = (pstate.tp_group,) if pstate.sequence_parallel else ()
+    return shards + ((pstate.cp_group,) if pstate.ep_size == 1 else ())
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -91,13 +88,12 @@ class _AuxLossGrad(torch.autograd.Function):
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
         super().__init__()
-        self.cfg, self.pstate = cfg, pstate
+        self.cfg, self.pstate, self.rng = cfg, pstate, rng
         self.router = Router(cfg, pstate)
         self.experts = Experts(cfg, pstate)
         self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.mlp.shared_experts else None
         self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
                                      Init(std=cfg.init_std)) if cfg.mlp.shared_gate else None)
-        self.rng = rng
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
@@ -155,10 +151,9 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     moves by model.mlp.bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
     rate = model.cfg.moe.bias_update_rate if model.cfg.moe else 0.0
-    if not rate:  # most runs: no walk over the modules every step
-        return
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if not layers:  # a pipeline stage of dense layers only
+    # Most runs: no walk over the modules every step. A pipeline stage may hold dense layers only.
+    layers = [m for m in model.modules() if isinstance(m, MoE)] if rate else []
+    if not layers:
         return
     loads = all_reduce_over(torch.stack([m.step_load for m in layers]).float(), pstate.dp_group)
     for m, load in zip(layers, loads):

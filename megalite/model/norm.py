@@ -27,9 +27,8 @@ class Norm(nn.Module):
         width = cfg.hidden if width is None else width
         self.weight = set_init(nn.Parameter(torch.empty(width, device=pstate.device)),
                                Init(fill=1.0 - self.offset))
-        self.bias = None
-        if cfg.norms.kind == "layernorm" and cfg.bias:
-            self.bias = set_init(nn.Parameter(torch.empty(width, device=pstate.device)), Init())
+        self.bias = (set_init(nn.Parameter(torch.empty(width, device=pstate.device)), Init())
+                     if cfg.norms.kind == "layernorm" and cfg.bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """sequence_parallel: x is this rank's part of what the weight applies to (a sequence

@@ -18,12 +18,15 @@ class LearnedPositions(nn.Module):
 
     def __init__(self, max_seq_len: int, hidden: int, pstate: ParallelState, init_std: float):
         super().__init__()
-        self.tp_group = pstate.tp_group
+        self.pstate = pstate
         self.weight = set_init(nn.Parameter(torch.empty(max_seq_len, hidden, device=pstate.device)),
                                Init(std=init_std))
 
     def forward(self, positions: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        weight = sum_grad_over_shards(self.weight, self.tp_group, sequence_parallel)
+        """positions: [batch, seq] of the whole rows (sequence parallel: this rank takes its shard's)."""
+        if sequence_parallel:
+            positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
+        weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sequence_parallel)
         return nn.functional.embedding(positions, weight)
 
 
@@ -53,8 +56,6 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor,
             factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.unsqueeze(-1).float() * inv_freq
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    if factor == 1.0:
-        return angles.cos(), angles.sin()
     return angles.cos() * factor, angles.sin() * factor
 
 
@@ -125,5 +126,4 @@ def _llama3(inv_freq: torch.Tensor, llama3: Llama3Scaling) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [batch, heads, seq, head_dim] by the angles of each token's position."""
     first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    return (x * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)

@@ -82,15 +82,12 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if cfg.mlp.router == "softmax" else logits.sigmoid()
         k = cfg.mlp.top_k
         picking = scores.detach() + self.expert_bias.float()
-        if cfg.mlp.groups > 1:
-            experts = group_limited(picking, cfg.mlp.groups, cfg.mlp.topk_groups, k)
-        else:
-            experts = best(picking, k)
+        experts = (group_limited(picking, cfg.mlp.groups, cfg.mlp.topk_groups, k) if cfg.mlp.groups > 1
+                   else best(picking, k))
         weights = scores.gather(1, experts)
         if cfg.mlp.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        if cfg.mlp.routed_scaling != 1.0:
-            weights = weights * cfg.mlp.routed_scaling
+        weights = weights * cfg.mlp.routed_scaling  # exact at 1.0
         chosen = F.one_hot(experts, cfg.n_experts).sum(1) * real.unsqueeze(1)  # [tokens, E]
         totals = all_reduce_over(torch.cat([chosen.sum(0), real.sum().view(1)]), group)
         load, n_tokens = totals[:-1], max(int(totals[-1]), 1)
@@ -98,27 +95,24 @@ class Router(nn.Module):
         if cfg.mlp.capacity_factor is not None:
             capacity = math.ceil(cfg.mlp.capacity_factor * n_tokens * k / cfg.n_experts)
             kept = kept & (self._queue_position(experts, real, key) < capacity)
-        aux = None
-        if loss_scale is not None and torch.is_grad_enabled():
-            aux = self._losses(logits, scores, real, load, n_tokens) * loss_scale
+        aux = (self._losses(logits, scores, real, load, n_tokens) * loss_scale
+               if loss_scale is not None and torch.is_grad_enabled() else None)
         return Routing(experts, weights, kept, load, aux)
 
     def _queue_position(self, experts: torch.Tensor, real: torch.Tensor,
                         key: torch.Tensor) -> torch.Tensor:
         """[tokens, k] how many copies routed to the same expert come before each one in the
         micro-batch (ordered by token place, then choice rank), over the token group."""
-        group, k = self.pstate.token_group, experts.shape[1]
-        local = experts.shape[0]
+        group, (local, k) = self.pstate.token_group, experts.shape
         mine = torch.cat([experts, real.unsqueeze(1).long(), key.unsqueeze(1)], dim=1)
         every = all_gather(mine, 0, group) if group_size(group) > 1 else mine
         everyone = every[:, :k].masked_fill(every[:, k:k + 1] == 0, self.cfg.n_experts)  # padding: nowhere
         order = torch.argsort(every[:, -1], stable=True)  # token place; choice rank is the column
         onehot = F.one_hot(everyone[order].flatten(), self.cfg.n_experts + 1)
-        before = (onehot.cumsum(0) - onehot).gather(1, everyone[order].flatten().unsqueeze(1))
-        position = torch.empty_like(before).scatter_(
-            0, (order.unsqueeze(1) * k + torch.arange(k, device=order.device)).flatten().unsqueeze(1), before)
+        before = (onehot.cumsum(0) - onehot).gather(1, everyone[order].flatten().unsqueeze(1)).view(-1, k)
+        position = torch.empty_like(before).index_copy_(0, order, before)  # back to the gathered order
         start = (dist.get_rank(group) if group_size(group) > 1 else 0) * local
-        return position.view(-1, k)[start:start + local]
+        return position[start:start + local]
 
     def _losses(self, logits, scores, real, load, n_tokens) -> torch.Tensor:
         cfg, realf = self.cfg, real.unsqueeze(1).float()

@@ -26,27 +26,20 @@ class PipelineRun:
         mask and the KV cache)."""
         self.model, self.batches, self.autocast = model, batches, autocast
         self.module = model if module is None else module
-        self.forward_kwargs = forward_kwargs
-        ps = model.pstate
-        self.ps, self.pp, self.virtual = ps, ps.pp_size, ps.virtual_stages
-        self.comm = PipeComm(ps)
+        self.forward_kwargs, self.ps = forward_kwargs, model.pstate
+        self.comm = PipeComm(self.ps)
 
-    def _hidden(self, micro: int) -> tuple[torch.Size, torch.dtype]:
-        ids = self.batches[micro].input_ids
-        seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
-        dtype = next(self.model.parameters()).dtype
-        return torch.Size((ids.shape[0], seq, self.model.cfg.hidden)), dtype
+    def _address(self, route, a: Action) -> tuple[int, int]:
+        """(global rank, tag) of a's message by `route` (schedules.message_in or message_out)."""
+        peer, tag = route(a, self.ps.pp_rank, self.ps.pp_size, self.ps.virtual_stages)
+        return self.ps.stage_rank(peer), tag
 
     def incoming(self, a: Action) -> Message:
-        """The buffer for what `a` receives before it runs (schedules.message_in)."""
-        peer, tag = message_in(a, self.ps.pp_rank, self.pp, self.virtual)
-        shape, dtype = self._hidden(a.micro)
-        return Message(self.ps.stage_rank(peer), tag, shape=shape, dtype=dtype)
-
-    def outgoing(self, a: Action, tensor: torch.Tensor) -> Message:
-        """`tensor`, what `a` made for a neighbour, addressed (schedules.message_out)."""
-        peer, tag = message_out(a, self.ps.pp_rank, self.pp, self.virtual)
-        return Message(self.ps.stage_rank(peer), tag, tensor=tensor)
+        """The buffer for what `a` receives before it runs: a hidden state or its gradient."""
+        ids = self.batches[a.micro].input_ids
+        seq = self.model.split.hidden_len(ids.shape[1], self.forward_kwargs.get("cache"))
+        shape = torch.Size((ids.shape[0], seq, self.model.cfg.hidden))
+        return Message(*self._address(message_in, a), shape=shape, dtype=next(self.model.parameters()).dtype)
 
     def run(self, steps: tuple, step) -> None:
         """Carry out a plan (schedules.plan): `step(action, received)` runs one action and
@@ -54,8 +47,8 @@ class PipelineRun:
         received, made = {}, {}
         for item in steps:
             if isinstance(item, Exchange):
-                handles = self.comm.exchange([self.outgoing(a, made.pop(a)) for a in item.sends],
-                                             [self.incoming(a) for a in item.recvs])
+                sends = [Message(*self._address(message_out, a), tensor=made.pop(a)) for a in item.sends]
+                handles = self.comm.exchange(sends, [self.incoming(a) for a in item.recvs])
                 received.update(zip(item.recvs, handles))
             else:
                 handle = received.pop(item, None)
@@ -82,32 +75,25 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     the one micro-batch loop); returns the sum of the micro-batch losses on the last stage (zero
     on the others). `last` tells the engine a chunk's last backward (where the native engine
     starts that chunk's DP buckets)."""
-    model = engine.model
-    run = PipelineRun(model, batches, autocast, engine.module)
-    ps = model.pstate
+    run = PipelineRun(engine.model, batches, autocast, engine.module)
+    ps = engine.model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
-    actions = [a for a in steps if isinstance(a, Action)]
-    last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind == "B"}
-    position = {a: k for k, a in enumerate(actions)}
-    inputs, outputs = {}, {}
+    last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
+    held = {}  # (chunk, micro-batch) -> a forward's input and output, until its backward
     loss = torch.zeros((), device=n_tokens.device)
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
-        nonlocal loss
-        key = (a.chunk, a.micro)
         if a.kind == "F":
             if received is not None:
                 received.requires_grad_()
             out = run._forward(a, received, loss_scale=1.0 / n_tokens)
-            inputs[key] = received
-            if out.loss is not None:
-                outputs[key] = out.loss
-                loss += out.loss.detach()
-                return None
-            outputs[key] = out.hidden
-            return out.hidden.detach()
-        x, out = inputs.pop(key), outputs.pop(key)
-        engine.backward(out, last=position[a] == last_backward[a.chunk],
+            held[a.chunk, a.micro] = received, (out.hidden if out.loss is None else out.loss)
+            if out.loss is None:
+                return out.hidden.detach()
+            loss.add_(out.loss.detach())
+            return None
+        x, out = held.pop((a.chunk, a.micro))
+        engine.backward(out, last=a == last_backward[a.chunk],
                         grad=None if out.dim() == 0 else received)
         return None if x is None else x.grad
 
@@ -124,10 +110,9 @@ def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, ob
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         out = run._forward(a, received)
-        if out.hidden is not None:
-            return out.hidden
-        consume(a.micro, out)
-        return None
+        if out.hidden is None:  # the last stage's
+            consume(a.micro, out)
+        return out.hidden
 
     ps = model.pstate
     run.run(plan("gpipe", ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches),

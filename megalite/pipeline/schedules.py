@@ -31,26 +31,23 @@ class Action:
 
 def schedule(name: str, pp: int, rank: int, virtual: int, micro_batches: int) -> list[Action]:
     if name == "gpipe":
-        return gpipe(virtual, micro_batches)
+        forward = [Action("F", c, i) for c in range(virtual) for i in range(micro_batches)]
+        return forward + [Action("B", c, i) for c in reversed(range(virtual)) for i in range(micro_batches)]
     if name == "1f1b" or pp == 1:
-        return one_f_one_b(pp, rank, micro_batches)
+        # Rank r starts the backward of micro-batch 0 after p - r forwards: the time micro-batch 0
+        # takes to reach the last stage and come back.
+        return _warm_up_then_pairs(min(pp - rank - 1, micro_batches), micro_batches,
+                                   lambda kind, i: Action(kind, 0, i))
     return interleaved(pp, rank, virtual, micro_batches)
 
 
-def gpipe(virtual: int, m: int) -> list[Action]:
-    forward = [Action("F", c, i) for c in range(virtual) for i in range(m)]
-    backward = [Action("B", c, i) for c in reversed(range(virtual)) for i in range(m)]
-    return forward + backward
-
-
-def one_f_one_b(pp: int, rank: int, m: int) -> list[Action]:
-    # Rank r starts the backward of micro-batch 0 after p - r forwards: the time micro-batch 0
-    # takes to reach the last stage and come back.
-    warmup = min(pp - rank - 1, m)
-    actions = [Action("F", 0, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [Action("F", 0, warmup + i), Action("B", 0, i)]
-    return actions + [Action("B", 0, i) for i in range(m - warmup, m)]
+def _warm_up_then_pairs(warmup: int, total: int, action) -> list[Action]:
+    """`warmup` forwards, then (forward, backward) pairs, then the remaining backwards: the k-th
+    forward or backward is action(kind, k)."""
+    actions = [action("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [action("F", warmup + k), action("B", k)]
+    return actions + [action("B", k) for k in range(total - warmup, total)]
 
 
 def interleaved(pp: int, rank: int, virtual: int, m: int) -> list[Action]:
@@ -64,11 +61,7 @@ def interleaved(pp: int, rank: int, virtual: int, m: int) -> list[Action]:
         return Action(kind, chunk if kind == "F" else virtual - 1 - chunk,
                       (k // (pp * virtual)) * pp + k % pp)
 
-    warmup = min(2 * (pp - rank - 1) + (virtual - 1) * pp, total)
-    actions = [action("F", k) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [action("F", warmup + k), action("B", k)]
-    return actions + [action("B", k) for k in range(total - warmup, total)]
+    return _warm_up_then_pairs(min(2 * (pp - rank - 1) + (virtual - 1) * pp, total), total, action)
 
 
 def tag(kind: str, chunk: int, micro: int, virtual: int) -> int:
@@ -77,33 +70,31 @@ def tag(kind: str, chunk: int, micro: int, virtual: int) -> int:
     return (micro * virtual + chunk) * 2 + (kind == "B")
 
 
+def _beside(a: Action, rank: int, pp: int, virtual: int, onward: bool) -> int | None:
+    """The virtual stage next to `a`'s that its message goes to (onward) or comes from: its
+    data flows up the stages forward (F) and down them backward (B); None past either end."""
+    stage = a.chunk * pp + rank + (1 if (a.kind == "F") == onward else -1)
+    return stage if 0 <= stage < pp * virtual else None
+
+
 def message_in(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, int] | None:
     """(pipeline rank, tag) of what `a` receives before it runs: the previous virtual stage's
     activation (F) or the next one's gradient (B); None at either end of the model."""
-    stage = a.chunk * pp + rank
-    if (a.kind == "F" and stage == 0) or (a.kind == "B" and stage == pp * virtual - 1):
-        return None
-    return (rank + (-1 if a.kind == "F" else 1)) % pp, tag(a.kind, a.chunk, a.micro, virtual)
+    source = producer(a, rank, pp, virtual)
+    return None if source is None else (source[0], tag(a.kind, a.chunk, a.micro, virtual))
 
 
 def message_out(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, int] | None:
     """(pipeline rank, tag) of what `a` sends once it ran: its output to the next virtual
     stage (F) or its input's gradient to the previous one (B); None at either end."""
-    stage = a.chunk * pp + rank
-    target = stage + (1 if a.kind == "F" else -1)
-    if not 0 <= target < pp * virtual:
-        return None
-    return target % pp, tag(a.kind, target // pp, a.micro, virtual)
+    target = _beside(a, rank, pp, virtual, onward=True)
+    return None if target is None else (target % pp, tag(a.kind, target // pp, a.micro, virtual))
 
 
 def producer(a: Action, rank: int, pp: int, virtual: int) -> tuple[int, Action] | None:
     """The (rank, action) whose message `a` receives (message_in), if any."""
-    stage = a.chunk * pp + rank
-    if a.kind == "F":
-        return None if stage == 0 else ((rank - 1) % pp, Action("F", (stage - 1) // pp, a.micro))
-    if stage == pp * virtual - 1:
-        return None
-    return (rank + 1) % pp, Action("B", (stage + 1) // pp, a.micro)
+    source = _beside(a, rank, pp, virtual, onward=False)
+    return None if source is None else (source % pp, Action(a.kind, source // pp, a.micro))
 
 
 def dependencies(a: Action, rank: int, pp: int, virtual: int) -> list[tuple[int, Action]]:
@@ -134,9 +125,8 @@ def plan(name: str, pp: int, rank: int, virtual: int, m: int,
     groups one after the other and completes a send only with its receive, can always finish
     them (tests/test_pipeline_schedules.py); gloo matches them by tag anyway.
     """
-    lists = [schedule(name, pp, r, virtual, m) for r in range(pp)]
-    if forward_only:
-        lists = [[a for a in actions if a.kind == "F"] for actions in lists]
+    lists = [[a for a in schedule(name, pp, r, virtual, m) if a.kind == "F" or not forward_only]
+             for r in range(pp)]
     tick_of: dict[tuple[int, Action], int] = {}
     position, tick = [0] * pp, 0
     while any(position[r] < len(lists[r]) for r in range(pp)):
@@ -152,8 +142,7 @@ def plan(name: str, pp: int, rank: int, virtual: int, m: int,
     mine = {tick_of[rank, a]: a for a in lists[rank]}
     arriving: dict[int, list[Action]] = {}
     for a in lists[rank]:
-        source = producer(a, rank, pp, virtual)
-        if source is not None:
+        if source := producer(a, rank, pp, virtual):
             arriving.setdefault(tick_of[source], []).append(a)
     steps: list[Action | Exchange] = []
     for t in range(-1, tick):
