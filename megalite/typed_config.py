@@ -21,7 +21,8 @@ class ConfigError(ValueError):
     """A config that cannot describe a valid run; the message names the value and the fix."""
 
 
-PLAIN = {bool: "true or false", int: "an integer", str: "a string"}  # what coerce names them
+# What coerce names them; dict and list: free-form sections (a sweep's grid and points)
+PLAIN = {bool: "true or false", int: "an integer", str: "a string", dict: "a mapping", list: "a list"}
 
 
 def failing(*checks: tuple[bool, str]) -> list[str]:
@@ -32,16 +33,14 @@ def failing(*checks: tuple[bool, str]) -> list[str]:
 def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    fields, hints = sorted(field_names(cls)), typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{where}{key}'{hint} "
-                              f"(valid keys: {', '.join(sorted(fields))})")
-    return cls(**{key: coerce(hints[key], value, f"{where}{key}")
-                  for key, value in data.items()})
+                              f"(valid keys: {', '.join(fields)})")
+    return cls(**{key: coerce(hints[key], value, f"{where}{key}") for key, value in data.items()})
 
 
 def variants(annotation: Any) -> dict[str, type]:
@@ -59,10 +58,9 @@ def _variant(choices: dict[str, type], value: Any, key: str):
     kind = value.get("kind", next(iter(choices)))
     if kind not in choices:
         raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")
-    mine = {f.name for f in dataclasses.fields(choices[kind])}
     for name in value:
-        owners = [k for k, cls in choices.items() if name in {f.name for f in dataclasses.fields(cls)}]
-        if name not in mine and owners:
+        owners = [k for k, cls in choices.items() if name in field_names(cls)]
+        if name not in field_names(choices[kind]) and owners:
             raise ConfigError(f"{key}.{name} is a key of {key}.kind={' or '.join(owners)}, and "
                               f"{key}.kind={kind}: set {key}.kind={owners[0]}, or leave it out")
     return from_dict(choices[kind], {"kind": kind, **value}, f"{key}.")
@@ -71,15 +69,14 @@ def _variant(choices: dict[str, type], value: Any, key: str):
 def coerce(annotation: Any, value: Any, key: str) -> Any:
     """Return `value` as `annotation`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(annotation)
-    choices = variants(annotation)
-    if choices:
+    if choices := variants(annotation):
         return _variant(choices, value, key)
     if dataclasses.is_dataclass(annotation):
         return from_dict(annotation, value, f"{key}.")
     if origin is Literal:
-        if value not in typing.get_args(annotation):
-            choices = ", ".join(repr(c) for c in typing.get_args(annotation))
-            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        options = typing.get_args(annotation)
+        if value not in options:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, options))}")
         return value
     if origin in (Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -97,11 +94,6 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item,) = typing.get_args(annotation)[:1]
         return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if annotation in (dict, list):  # free-form sections (a sweep's grid and points)
-        if not isinstance(value, annotation):
-            raise ConfigError(f"{key}: expected a {'mapping' if annotation is dict else 'list'}, "
-                              f"got {value!r}")
-        return value
     if annotation in PLAIN:
         # bool is an int to isinstance: true is not an integer here
         if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
@@ -124,25 +116,28 @@ def merged(base: dict, over: dict, cls: type) -> dict:
     """`over`'s keys on `base`'s, section by section. A section whose kind `over` changes starts
     from the new variant's defaults, keeping the keys of base's that the new variant has (a
     preset's activation when `model.mlp.kind=moe` is given)."""
-    out = dict(base)
-    hints = typing.get_type_hints(cls)
+    out, hints = dict(base), typing.get_type_hints(cls)
     for key, value in over.items():
-        old = out.get(key)
+        old, out[key] = out.get(key), value
         if not (isinstance(value, dict) and isinstance(old, dict) and key in hints):
-            out[key] = value
             continue
         choices = variants(hints[key])
-        default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
-        kind = value.get("kind", old.get("kind", getattr(default, "kind", None)))
+        was = old.get("kind", getattr(field_default(cls, key), "kind", None))
+        kind = value.get("kind", was)
         target = choices.get(kind) if choices else hints[key]
-        if target is None or not dataclasses.is_dataclass(target):
-            out[key] = value
-            continue
-        if choices and kind != old.get("kind", getattr(default, "kind", None)):
-            mine = {f.name for f in dataclasses.fields(target)}
-            old = {k: v for k, v in old.items() if k in mine and k != "kind"}
-        out[key] = merged(old, value, target)
+        if dataclasses.is_dataclass(target):
+            if choices and kind != was:
+                old = {k: v for k, v in old.items() if k in field_names(target) and k != "kind"}
+            out[key] = merged(old, value, target)
     return out
+
+
+def field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def field_default(cls: type, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def leaves(obj, prefix: str = ""):
