@@ -30,6 +30,18 @@ def failing(*checks: tuple[bool, str]) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
+def at_least_one(where: str, **values) -> list[str]:
+    """The message of each value (but None: unset) that is not >= 1, its key after `where`."""
+    return [f"{where}{key}={value} must be >= 1" for key, value in values.items()
+            if value is not None and not value >= 1]
+
+
+def positive(where: str, **values) -> list[str]:
+    """As at_least_one, for values that must be > 0 (NaN is not)."""
+    return [f"{where}{key}={value} must be > 0" for key, value in values.items()
+            if value is not None and not value > 0]
+
+
 def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
