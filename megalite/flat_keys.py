@@ -8,7 +8,7 @@ import typing
 import warnings
 
 from megalite.config import ModelConfig
-from megalite.typed_config import field_default, field_names, variants
+from megalite.typed_config import field_default, field_names, set_dotted, variants
 
 MOVED = {
     **{k: f"attention.{k}" for k in (
@@ -44,16 +44,13 @@ def nest(model: dict, note: bool = True) -> dict:
     written = []
     # Variants first, outer ones before inner ones: a section's kind is in `out` before its keys.
     for path, value in sorted(flat.items(), key=lambda kv: (not kv[0].endswith(".kind"), kv[0].count("."))):
-        *sections, name = path.split(".")
-        fields, fixed = _fields_at(out, sections)
+        keys = path.split(".")
+        fields, fixed = _fields_at(out, keys[:-1])
         # Of a variant not chosen: a checkpoint's (the old model ignored it) is dropped, and a
         # config's at its default where the config itself chose the variant; else it stays,
         # for the preset's or the checkpoint's section to take, or the loader to refuse.
-        if name in fields or not fixed or (note and _plain(value) != _plain(_default_at(path.split(".")))):
-            mapping = out
-            for section in sections:
-                mapping = mapping.setdefault(section, {})
-            mapping[name] = value
+        if keys[-1] in fields or not fixed or (note and _plain(value) != _plain(_default_at(keys))):
+            set_dotted(out, keys, value)
             written.append(path)
     if note:  # (model.n_experts: its kind too)
         old = {new: old for old, new in MOVED.items()}

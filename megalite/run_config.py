@@ -19,7 +19,7 @@ import yaml
 
 from megalite.config import ModelConfig, ParallelConfig, read_preset
 from megalite.flat_keys import nest
-from megalite.typed_config import ConfigError, from_dict, merged
+from megalite.typed_config import ConfigError, from_dict, merged, set_dotted
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{override}' is not of the form key.sub=value")
-        _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
+        set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
     raw["model"] = _resolve_preset(raw.get("model", {}))
     return raw
 
@@ -268,17 +268,6 @@ def flat(tree, prefix: str = "") -> dict:
 def to_dict(cfg: Config) -> dict:
     """As a checkpoint's meta.json holds it: tuples are lists there, so compare like with like."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-def _set_dotted(raw: dict, keys: list[str], value) -> None:
-    for depth, key in enumerate(keys[:-1]):
-        child = raw.setdefault(key, {})
-        if isinstance(child, str) and key == "model":
-            child = raw[key] = {"preset": child}
-        if not isinstance(child, dict):
-            raise ConfigError(f"'{'.'.join(keys[:depth + 1])}' is a value, not a section")
-        raw = child
-    raw[keys[-1]] = value
 
 
 def _resolve_preset(model) -> dict:

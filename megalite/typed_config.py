@@ -10,6 +10,7 @@ variant has only its own keys, so a key of a variant not chosen is refused namin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -114,10 +115,8 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
     if annotation is float:
         if isinstance(value, str):
             # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -150,6 +149,19 @@ def field_names(cls: type) -> set[str]:
 
 def field_default(cls: type, name: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def set_dotted(raw: dict, keys: list[str], value) -> None:
+    """raw[keys[0]][keys[1]]... = value, the sections made on the way (a model preset's name
+    becomes the section {preset: name})."""
+    for depth, key in enumerate(keys[:-1]):
+        child = raw.setdefault(key, {})
+        if isinstance(child, str) and key == "model":
+            child = raw[key] = {"preset": child}
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(keys[:depth + 1])}' is a value, not a section")
+        raw = child
+    raw[keys[-1]] = value
 
 
 def leaves(obj, prefix: str = ""):
