@@ -327,10 +327,8 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of a layer, or None where it attends to the whole context."""
-        window, pattern = self.attention.sliding_window, self.attention.sliding_window_pattern
-        if window is None or (pattern > 1 and (layer + 1) % pattern == 0):
-            return None
-        return window
+        pattern = self.attention.sliding_window_pattern
+        return None if pattern > 1 and (layer + 1) % pattern == 0 else self.attention.sliding_window
 
     @property
     def gated(self) -> bool:

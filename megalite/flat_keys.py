@@ -69,9 +69,8 @@ def _fields_at(model: dict, path: list[str]) -> tuple[set[str], bool]:
     for name in path:
         mapping = mapping.get(name, {}) if isinstance(mapping, dict) else {}
         hints = typing.get_type_hints(cls) if cls is not None else {}
-        if name not in hints:
-            cls = None
-            continue
+        if name not in hints:  # nothing deeper has fields
+            return set(), fixed
         choices, given = variants(hints[name]), mapping.get("kind")
         fixed = fixed and (given is not None or not choices)
         kind = field_default(cls, name).kind if given is None else given

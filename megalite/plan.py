@@ -185,8 +185,7 @@ def compile_problems(t: TrainConfig) -> list[str]:
                 f"torch._inductor.list_mode_options())"]
     if t.compile_options:
         import torch._inductor
-        unknown = sorted(set(inductor_options(t.compile_options)) - set(torch._inductor.list_options()))
-        if unknown:
+        if unknown := sorted(set(inductor_options(t.compile_options)) - set(torch._inductor.list_options())):
             return [f"train.compile_options: {', '.join(unknown)} is not an inductor setting of "
                     f"torch {torch.__version__}; torch._inductor.list_options() names them (e.g. "
                     f"coordinate_descent_tuning)"]

@@ -46,11 +46,11 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
     if not cfg.train.init_from:
         return cfg
     source = Path(cfg.train.init_from)
-    saved = pretrained_config(source)
+    model = pretrained_config(source)
     # vocab_size is never the config's to fix: the tokenizer's, or here the checkpoint's.
     named = sorted({key.split(".", 1)[1] for key in given if key.startswith("model.")}
                    - {"preset", "vocab_size"})
-    ours, theirs = ({k: v for k, v, _ in leaves(m)} for m in (cfg.model, saved))
+    ours, theirs = ({k: v for k, v, _ in leaves(m)} for m in (cfg.model, model))
     differ = [f"model.{k}={ours.get(k)!r} (the checkpoint's: {theirs.get(k, 'absent')!r})"
               for k in named if (k not in TRAINING_SETTINGS or k not in theirs) and ours.get(k) != theirs.get(k)]
     if differ:
@@ -58,7 +58,6 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
                           f"{', '.join(differ)}: drop " + ("these keys" if len(differ) > 1 else "the key")
                           + " (or give the checkpoint's value); of the model keys only "
                           f"{', '.join(TRAINING_SETTINGS)} are this run's to choose")
-    model = saved
     for key in set(named) & set(TRAINING_SETTINGS):
         model = replaced(model, key, ours[key])
     data, tokenizer = cfg.data, source / "tokenizer.json"
