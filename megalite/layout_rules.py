@@ -55,19 +55,18 @@ def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfi
     ep = parallel.ep
     if ep <= 1:  # no expert parallelism: only its bound
         return at_least_one("parallel.", ep=ep)
-    problems = []
-    if model is not None and model.n_experts == 0:
-        problems.append(f"parallel.ep={ep} splits a mixture of experts, but model.mlp.kind=dense: "
-                        f"set model.mlp.kind=moe, or parallel.ep=1")
-    elif model is not None and model.n_experts % ep:
-        problems.append(f"parallel.ep={ep} must divide model.mlp.experts={model.n_experts} (each EP "
-                        f"rank holds experts / ep experts): use ep among "
-                        f"{_divisors(model.n_experts)}")
+    experts = None if model is None else model.n_experts  # None: not known
     grad_ranks = parallel.cp * data_parallel_size(parallel, world_size)
-    if not world_misfit and grad_ranks % ep:
-        problems.append(f"parallel.ep={ep} must divide the CP x DP ranks ({grad_ranks} = world "
-                        f"{world_size} / (tp x pp)): use ep among {_divisors(grad_ranks)}")
-    return problems
+    return failing(
+        (experts != 0, f"parallel.ep={ep} splits a mixture of experts, but model.mlp.kind=dense: "
+                       f"set model.mlp.kind=moe, or parallel.ep=1"),
+        (not experts or experts % ep == 0,
+         f"parallel.ep={ep} must divide model.mlp.experts={experts} (each EP rank holds experts / ep "
+         f"experts): use ep among {_divisors(experts or 0)}"),
+        (world_misfit or grad_ranks % ep == 0,
+         f"parallel.ep={ep} must divide the CP x DP ranks ({grad_ranks} = world {world_size} / (tp x pp)): "
+         f"use ep among {_divisors(grad_ranks)}"),
+    )
 
 
 def _model_split_problems(model: ModelConfig) -> list[str]:
