@@ -277,7 +277,7 @@ class ModelConfig:
                             max_seq_len=self.max_seq_len, n_layers=self.n_layers, hidden=self.hidden,
                             n_heads=self.n_heads) + at_least_one("model.mlp.", ffn_hidden=self.ffn) + failing(
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
-        ) + positive("model.", init_std=self.init_std) + failing(
+            (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
             (self.final_logit_softcap is None or self.final_logit_softcap > 0,
              f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or null: none)"),
         ) + [line for section in (self.attention, self.positions, self.mlp, self.norms)
