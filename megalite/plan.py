@@ -204,8 +204,7 @@ def data_problems(cfg: Config, data: PreparedData, sizes: list[int]) -> list[str
 
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
-    parallel = cfg.parallel
     # Padded rows widen to whole chunks.
-    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
+    chunks = context_chunks(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel)
     return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])

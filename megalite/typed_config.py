@@ -22,8 +22,10 @@ class ConfigError(ValueError):
     """A config that cannot describe a valid run; the message names the value and the fix."""
 
 
-# What coerce names them; dict and list: free-form sections (a sweep's grid and points)
-PLAIN = {bool: "true or false", int: "an integer", str: "a string", dict: "a mapping", list: "a list"}
+# What coerce names each plain type and the types it takes for it (dict and list: free-form
+# sections, a sweep's grid and points)
+PLAIN = {bool: ("true or false", bool), int: ("an integer", int), float: ("a number", (int, float)),
+         str: ("a string", str), dict: ("a mapping", dict), list: ("a list", list)}
 
 
 def failing(*checks: tuple[bool, str]) -> list[str]:
@@ -105,21 +107,17 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item,) = typing.get_args(annotation)[:1]
-        return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+        return origin(coerce(typing.get_args(annotation)[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if annotation is float and isinstance(value, str):
+        # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
+        with contextlib.suppress(ValueError):
+            return float(value)
     if annotation in PLAIN:
-        # bool is an int to isinstance: true is not an integer here
-        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
-            raise ConfigError(f"{key}: expected {PLAIN[annotation]}, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, str):
-            # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
-            with contextlib.suppress(ValueError):
-                return float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        what, taken = PLAIN[annotation]
+        # bool is an int to isinstance: true is not a number here
+        if not isinstance(value, taken) or (annotation is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        return float(value) if annotation is float else value
     raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
 
 
