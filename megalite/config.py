@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 
 import yaml
 
-from megalite.typed_config import ConfigError, failing
+from megalite.typed_config import ConfigError, at_least_one, failing, positive
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: installed with it
 
@@ -32,14 +32,11 @@ class GroupedQuery:
     sliding_window_pattern: int = 1  # N > 1: every N-th layer attends to the whole context
 
     def problems(self, model: ModelConfig) -> list[str]:
-        window, pattern, scalar = self.sliding_window, self.sliding_window_pattern, self.query_pre_attn_scalar
-        return failing(
-            (self.n_kv_heads is None or self.n_kv_heads >= 1,
-             f"model.attention.n_kv_heads={self.n_kv_heads} must be >= 1"),
+        where = "model.attention."
+        return at_least_one(where, n_kv_heads=self.n_kv_heads) + failing(
             (self.head_dim is None or self.head_dim >= 1,
-             f"model.attention.head_dim={self.head_dim} must be >= 1 (or null: hidden / n_heads)"),
-            (scalar is None or scalar > 0, f"model.attention.query_pre_attn_scalar={scalar} must be > 0"),
-        ) + _window_problems(window, pattern)
+             f"{where}head_dim={self.head_dim} must be >= 1 (or null: hidden / n_heads)"),
+        ) + positive(where, query_pre_attn_scalar=self.query_pre_attn_scalar) + _window_problems(self)
 
 
 @dataclass(frozen=True)
@@ -57,10 +54,8 @@ class Latent:
     sliding_window_pattern: int = 1  # as model.attention.kind=gqa's
 
     def problems(self, model: ModelConfig) -> list[str]:
-        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
-                 "v_head_dim": self.v_head_dim}
-        problems = [f"model.attention.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
-        return problems + failing(
+        return at_least_one("model.attention.", kv_lora_rank=self.kv_lora_rank,
+                            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim) + failing(
             (self.qk_nope_head_dim >= 0, f"model.attention.qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0"),
             (self.q_lora_rank is None or self.q_lora_rank >= 1,
              f"model.attention.q_lora_rank={self.q_lora_rank} must be >= 1, or null (a plain query projection)"),
@@ -71,8 +66,7 @@ class Latent:
             (model.rotary is None or model.rotary.local_theta is None,
              f"model.attention.kind=mla turns every layer at model.positions.theta: "
              f"model.positions.local_theta={model.rotary and model.rotary.local_theta} would do nothing; leave it out"),
-        ) + _window_problems(self.sliding_window,
-                                                                               self.sliding_window_pattern)
+        ) + _window_problems(self)
 
 
 @dataclass(frozen=True)
@@ -94,7 +88,7 @@ class LinearScaling:
     factor: float = 1.0  # how much longer the context is
 
     def problems(self, model: ModelConfig) -> list[str]:
-        return [] if self.factor > 0 else [f"model.positions.scaling.factor={self.factor} must be > 0"]
+        return positive("model.positions.scaling.", factor=self.factor)
 
 
 @dataclass(frozen=True)
@@ -108,15 +102,11 @@ class Llama3Scaling:
     original_max_seq_len: int = 8192  # the context length the model was pretrained at (Llama 3.1: 8192)
 
     def problems(self, model: ModelConfig) -> list[str]:
-        low, high = self.low_freq_factor, self.high_freq_factor
-        return failing(
-            (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
-            (low > 0, f"model.positions.scaling.low_freq_factor={low} must be > 0"),
-            (high > low, f"model.positions.scaling.high_freq_factor={high} must be > "
-                         f"low_freq_factor={low} (Llama 3.1: 4 and 1)"),
-            (self.original_max_seq_len >= 1,
-             f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
-        )
+        low, high, where = self.low_freq_factor, self.high_freq_factor, "model.positions.scaling."
+        return positive(where, factor=self.factor, low_freq_factor=low) + failing(
+            (high > low, f"{where}high_freq_factor={high} must be > low_freq_factor={low} "
+                         f"(Llama 3.1: 4 and 1)"),
+        ) + at_least_one(where, original_max_seq_len=self.original_max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -139,14 +129,10 @@ class YarnScaling:
     mscale_all_dim: float = 0.0
 
     def problems(self, model: ModelConfig) -> list[str]:
-        return failing(
-            (self.factor > 0, f"model.positions.scaling.factor={self.factor} must be > 0"),
-            (self.beta_fast > self.beta_slow > 0,
-             f"model.positions.scaling.beta_fast={self.beta_fast} must be > beta_slow={self.beta_slow} "
-             f"> 0 (YaRN: 32 and 1)"),
-            (self.original_max_seq_len >= 1,
-             f"model.positions.scaling.original_max_seq_len={self.original_max_seq_len} must be >= 1"),
-        )
+        fast, slow, where = self.beta_fast, self.beta_slow, "model.positions.scaling."
+        return positive(where, factor=self.factor) + failing(
+            (fast > slow > 0, f"{where}beta_fast={fast} must be > beta_slow={slow} > 0 (YaRN: 32 and 1)"),
+        ) + at_least_one(where, original_max_seq_len=self.original_max_seq_len)
 
 
 @dataclass(frozen=True)
@@ -161,10 +147,7 @@ class Rotary:
     scaling: Union[Unscaled, LinearScaling, Llama3Scaling, YarnScaling] = Unscaled()
 
     def problems(self, model: ModelConfig) -> list[str]:
-        return failing(
-            (self.theta > 0, f"model.positions.theta={self.theta} must be > 0"),
-            (self.local_theta is None or self.local_theta > 0,
-             f"model.positions.local_theta={self.local_theta} must be > 0"),
+        return positive("model.positions.", theta=self.theta, local_theta=self.local_theta) + failing(
             (self.local_theta is None or model.attention.sliding_window is not None,
              f"model.positions.local_theta={self.local_theta} is the sliding-window layers' rotary "
              f"base: it needs model.attention.sliding_window"),
@@ -254,7 +237,7 @@ class Norms:
     post_norms: bool = False
 
     def problems(self, model: ModelConfig) -> list[str]:
-        return [] if self.eps > 0 else [f"model.norms.eps={self.eps} must be > 0"]
+        return positive("model.norms.", eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -290,11 +273,9 @@ class ModelConfig:
     def problems(self) -> list[str]:
         """Every way this model's settings are invalid (its sections' rules included), one line
         each; layout_rules.layout_problems adds the layout's."""
-        sizes = {"vocab_size": self.vocab_size, "vocab_pad_multiple": self.vocab_pad_multiple,
-                 "max_seq_len": self.max_seq_len, "n_layers": self.n_layers, "hidden": self.hidden,
-                 "n_heads": self.n_heads, "mlp.ffn_hidden": self.ffn}
-        problems = [f"model.{key}={value} must be >= 1" for key, value in sizes.items() if value < 1]
-        return problems + failing(
+        return at_least_one("model.", vocab_size=self.vocab_size, vocab_pad_multiple=self.vocab_pad_multiple,
+                            max_seq_len=self.max_seq_len, n_layers=self.n_layers, hidden=self.hidden,
+                            n_heads=self.n_heads) + at_least_one("model.mlp.", ffn_hidden=self.ffn) + failing(
             (0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)"),
             (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
             (self.final_logit_softcap is None or self.final_logit_softcap > 0,
@@ -346,10 +327,8 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of a layer, or None where it attends to the whole context."""
-        window, pattern = self.attention.sliding_window, self.attention.sliding_window_pattern
-        if window is None or (pattern > 1 and (layer + 1) % pattern == 0):
-            return None
-        return window
+        pattern = self.attention.sliding_window_pattern
+        return None if pattern > 1 and (layer + 1) % pattern == 0 else self.attention.sliding_window
 
     @property
     def gated(self) -> bool:
@@ -379,7 +358,8 @@ class ModelConfig:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
 
-def _window_problems(window: int | None, pattern: int) -> list[str]:
+def _window_problems(attention: GroupedQuery | Latent) -> list[str]:
+    window, pattern = attention.sliding_window, attention.sliding_window_pattern
     return failing(
         (window is None or window >= 1,
          f"model.attention.sliding_window={window} must be >= 1 (or null: the whole context)"),

@@ -3,7 +3,7 @@ before any collective runs: one ConfigError naming each value and its fix."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig, ParallelConfig
-from megalite.typed_config import failing
+from megalite.typed_config import at_least_one, failing
 
 
 def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
@@ -13,14 +13,12 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
     is not the run's yet, so tp's split of it is left unchecked), one line each, the model's own
     rules (its sections') included. The plan (plan.py) gathers them with the other rules,
     before any collective, on every rank."""
-    tp, pp, cp, sequence_parallel = parallel.tp, parallel.pp, parallel.cp, parallel.sequence_parallel
-    problems = failing((tp >= 1, f"parallel.tp={tp} must be >= 1"),
-                       (cp >= 1, f"parallel.cp={cp} must be >= 1"))
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    problems = at_least_one("parallel.", tp=tp, cp=cp)
     world_misfit = tp >= 1 and pp >= 1 and cp >= 1 and world_size % (tp * cp * pp)
     if world_misfit and (cp > 1 or pp > 1):
-        split = {"tp": tp, "cp": cp, "pp": pp}
-        named = [k for k, v in split.items() if k == "tp" or v > 1]
-        what = " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(str(split[k]) for k in named)
+        named = {k: v for k, v in {"tp": tp, "cp": cp, "pp": pp}.items() if k == "tp" or v > 1}
+        what = " x ".join(f"parallel.{k}" for k in named) + " = " + " x ".join(map(str, named.values()))
         tps = (f"use parallel.tp among {_divisors(world_size // (pp * cp))} or "
                if world_size % (pp * cp) == 0 else "")  # else no tp fits
         problems.append(f"world size {world_size} is not divisible by {what}: {tps}launch a "
@@ -41,7 +39,7 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
     if tp >= 1 and pp >= 1 and cp >= 1:
         problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1,
                                 vocab)
-    if splittable is not None and tp >= 1 and sequence_parallel and model.max_seq_len % tp:
+    if splittable is not None and tp >= 1 and parallel.sequence_parallel and model.max_seq_len % tp:
         # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
         # length must still have positions.
         m = model.max_seq_len
@@ -55,23 +53,20 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
 def _expert_parallel_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
                               world_misfit: bool) -> list[str]:
     ep = parallel.ep
-    if ep < 1:
-        return [f"parallel.ep={ep} must be >= 1"]
-    if ep == 1:
-        return []
-    problems = []
-    if model is not None and model.n_experts == 0:
-        problems.append(f"parallel.ep={ep} splits a mixture of experts, but model.mlp.kind=dense: "
-                        f"set model.mlp.kind=moe, or parallel.ep=1")
-    elif model is not None and model.n_experts % ep:
-        problems.append(f"parallel.ep={ep} must divide model.mlp.experts={model.n_experts} (each EP "
-                        f"rank holds experts / ep experts): use ep among "
-                        f"{_divisors(model.n_experts)}")
+    if ep <= 1:  # no expert parallelism: only its bound
+        return at_least_one("parallel.", ep=ep)
+    experts = None if model is None else model.n_experts  # None: not known
     grad_ranks = parallel.cp * data_parallel_size(parallel, world_size)
-    if not world_misfit and grad_ranks % ep:
-        problems.append(f"parallel.ep={ep} must divide the CP x DP ranks ({grad_ranks} = world "
-                        f"{world_size} / (tp x pp)): use ep among {_divisors(grad_ranks)}")
-    return problems
+    return failing(
+        (experts != 0, f"parallel.ep={ep} splits a mixture of experts, but model.mlp.kind=dense: "
+                       f"set model.mlp.kind=moe, or parallel.ep=1"),
+        (not experts or experts % ep == 0,
+         f"parallel.ep={ep} must divide model.mlp.experts={experts} (each EP rank holds experts / ep "
+         f"experts): use ep among {_divisors(experts or 0)}"),
+        (world_misfit or grad_ranks % ep == 0,
+         f"parallel.ep={ep} must divide the CP x DP ranks ({grad_ranks} = world {world_size} / (tp x pp)): "
+         f"use ep among {_divisors(grad_ranks)}"),
+    )
 
 
 def _model_split_problems(model: ModelConfig) -> list[str]:

@@ -35,14 +35,9 @@ class Plan:
     vocabulary, max_steps from train.epochs, the decay's end a checkpoint keeps), its data and
     samples, the checkpoint it resumes from."""
     cfg: Config
-    world: int
     data: PreparedData
     train_set: Mixture
     resume_from: Path | None
-
-    @property
-    def dp(self) -> int:
-        return data_parallel_size(self.cfg.parallel, self.world)
 
 
 def plan_run(cfg: Config, given: frozenset[str], world: int, launched: bool = True) -> Plan:
@@ -59,7 +54,7 @@ def plan_run(cfg: Config, given: frozenset[str], world: int, launched: bool = Tr
     raise_problems(layout_problems(cfg.model, cfg.parallel, world) + data_problems(cfg, data, train_set.sizes))
     cfg = with_epochs(cfg, sum(train_set.sizes))
     resume_from = find_resume(cfg, data)
-    return Plan(with_schedule(cfg, resume_from), world, data, train_set, resume_from)
+    return Plan(with_schedule(cfg, resume_from), data, train_set, resume_from)
 
 
 def plan_config(cfg: Config, given: frozenset[str], world: int) -> Config:
@@ -87,7 +82,7 @@ def validate(cfg: Config, world: int, launched: bool = True, installed: bool = T
     dp = data_parallel_size(parallel, world)  # if that does not divide, the layout's rules say so
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp) if t.micro_batch_size > 0 else None
     raise_problems(layout_problems(cfg.model, parallel, world, micro_batches, vocab=not vocab_from_tokenizer)
-                   + run_problems(cfg, world, dp, installed) + train_problems(t, installed)
+                   + run_problems(cfg, world, dp, installed) + train_problems(t)
                    + fp8_problems(cfg) + deepspeed_problems(t, cfg.model, parallel,
                                                             world if launched else None, installed))
 
@@ -138,7 +133,7 @@ def run_problems(cfg: Config, world: int, dp: int, installed: bool) -> list[str]
     )
 
 
-def train_problems(t: TrainConfig, installed: bool = True) -> list[str]:
+def train_problems(t: TrainConfig) -> list[str]:
     """The numbers an optimizer or schedule would take in a form of its own (torch reports a
     bad lr as the scheduled value, not the one typed), each named with the value given; what
     compiling and snapshots take."""
@@ -190,8 +185,7 @@ def compile_problems(t: TrainConfig) -> list[str]:
                 f"torch._inductor.list_mode_options())"]
     if t.compile_options:
         import torch._inductor
-        unknown = sorted(set(inductor_options(t.compile_options)) - set(torch._inductor.list_options()))
-        if unknown:
+        if unknown := sorted(set(inductor_options(t.compile_options)) - set(torch._inductor.list_options())):
             return [f"train.compile_options: {', '.join(unknown)} is not an inductor setting of "
                     f"torch {torch.__version__}; torch._inductor.list_options() names them (e.g. "
                     f"coordinate_descent_tuning)"]
@@ -210,8 +204,7 @@ def data_problems(cfg: Config, data: PreparedData, sizes: list[int]) -> list[str
 
 
 def sample_sets(sources, cfg: Config, data: PreparedData) -> Mixture:
-    parallel = cfg.parallel
     # Padded rows widen to whole chunks.
-    chunks = context_chunks(parallel.cp, parallel.tp, parallel.sequence_parallel)
+    chunks = context_chunks(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel)
     return Mixture([Samples(s.docs, cfg.data.mode, cfg.data.seq_len, data.tokenizer.pad_id, chunks)
                     for s in sources], [s.weight for s in sources])

@@ -19,7 +19,7 @@ import yaml
 
 from megalite.config import ModelConfig, ParallelConfig, read_preset
 from megalite.flat_keys import nest
-from megalite.typed_config import ConfigError, from_dict, merged
+from megalite.typed_config import ConfigError, from_dict, merged, set_dotted
 
 
 @dataclass(frozen=True)
@@ -217,10 +217,15 @@ def load_config(path: str | Path | None, overrides: list[str] = (), pretrained=N
     the base its model keys go on: a key of the checkpoint's variants (model.mlp.aux_loss_coeff
     of a mixture of experts) reads as the config's of that model."""
     raw = _raw_config(path, overrides)
-    _drop_retired(raw)
-    source = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), dict) else None
-    if source and pretrained is not None:
-        raw["model"] = merged(pretrained(source), raw["model"], ModelConfig)
+    train = raw["train"] if isinstance(raw.get("train"), dict) else {}
+    # A key of earlier versions, which a run's config.yaml may hold (a Slurm task re-reads its
+    # own on requeue): dropped with a note, so that such a config still loads.
+    if "eval_batches" in train:
+        del train["eval_batches"]
+        warnings.warn("config key train.eval_batches is retired and ignored: see train.eval_tokens "
+                      "(0: the whole held-out set)", stacklevel=2)
+    if train.get("init_from") and pretrained is not None:
+        raw["model"] = merged(pretrained(train["init_from"]), raw["model"], ModelConfig)
     return from_dict(Config, raw)
 
 
@@ -231,19 +236,20 @@ def given_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[
 
 
 def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
-    raw = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found")
-        raw = yaml.safe_load(path.read_text()) or {}
+    raw = {} if path is None else _read_yaml(Path(path), "config file")
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{override}' is not of the form key.sub=value")
-        _set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
+        set_dotted(raw, key.strip().split("."), yaml.safe_load(value))
     raw["model"] = _resolve_preset(raw.get("model", {}))
     return raw
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' not found")
+    return yaml.safe_load(path.read_text()) or {}
 
 
 def flat(tree, prefix: str = "") -> dict:
@@ -259,33 +265,9 @@ def flat(tree, prefix: str = "") -> dict:
     return out
 
 
-# Keys of earlier versions, which a run's config.yaml may hold (a Slurm task re-reads its own on
-# requeue): dropped with a note, so that such a config still loads.
-RETIRED_KEYS = {"train.eval_batches": "train.eval_tokens (0: the whole held-out set)"}
-
-
-def _drop_retired(raw: dict) -> None:
-    for key, instead in RETIRED_KEYS.items():
-        section, name = key.split(".")
-        if isinstance(raw.get(section), dict) and name in raw[section]:
-            del raw[section][name]
-            warnings.warn(f"config key {key} is retired and ignored: see {instead}", stacklevel=3)
-
-
 def to_dict(cfg: Config) -> dict:
     """As a checkpoint's meta.json holds it: tuples are lists there, so compare like with like."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
-def _set_dotted(raw: dict, keys: list[str], value) -> None:
-    for depth, key in enumerate(keys[:-1]):
-        child = raw.setdefault(key, {})
-        if isinstance(child, str) and key == "model":
-            child = raw[key] = {"preset": child}
-        if not isinstance(child, dict):
-            raise ConfigError(f"'{'.'.join(keys[:depth + 1])}' is a value, not a section")
-        raw = child
-    raw[keys[-1]] = value
 
 
 def _resolve_preset(model) -> dict:
@@ -294,15 +276,12 @@ def _resolve_preset(model) -> dict:
     if not isinstance(model, dict):
         return model
     model = nest(model)
-    rest = {k: v for k, v in model.items() if k != "preset"}
-    return merged(read_preset(model["preset"]), rest, ModelConfig) if "preset" in model else model
+    return merged(read_preset(model.pop("preset")), model, ModelConfig) if "preset" in model else model
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
     """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
     path = Path(name_or_path)
     is_file = path.suffix in (".yaml", ".yml") or path.is_file()  # a preset: qwen3-0.6b
-    if is_file and not path.is_file():
-        raise ConfigError(f"model config file '{path}' not found")
-    data = (yaml.safe_load(path.read_text()) or {}) if is_file else read_preset(str(name_or_path))
+    data = _read_yaml(path, "model config file") if is_file else read_preset(str(name_or_path))
     return from_dict(ModelConfig, merged(nest(data), overrides, ModelConfig), "model.")

@@ -14,13 +14,12 @@ import os
 import sys
 from pathlib import Path
 
-from megalite.config import TRAINING_SETTINGS, ModelConfig
-from megalite.flat_keys import nest
+from megalite.config import TRAINING_SETTINGS
 from megalite.data.prepared import PreparedData
-from megalite.hf.convert import check_tokenizer_matches, pretrained_config
+from megalite.hf.convert import check_tokenizer_matches, checkpoint_model_config, pretrained_config
 from megalite.run_config import Config, TrainConfig, flat, to_dict
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
-from megalite.typed_config import ConfigError, from_dict, leaves, replaced
+from megalite.typed_config import ConfigError, leaves, replaced
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -46,11 +45,11 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
     if not cfg.train.init_from:
         return cfg
     source = Path(cfg.train.init_from)
-    saved = pretrained_config(source)
+    model = pretrained_config(source)
     # vocab_size is never the config's to fix: the tokenizer's, or here the checkpoint's.
     named = sorted({key.split(".", 1)[1] for key in given if key.startswith("model.")}
                    - {"preset", "vocab_size"})
-    ours, theirs = ({k: v for k, v, _ in leaves(m)} for m in (cfg.model, saved))
+    ours, theirs = ({k: v for k, v, _ in leaves(m)} for m in (cfg.model, model))
     differ = [f"model.{k}={ours.get(k)!r} (the checkpoint's: {theirs.get(k, 'absent')!r})"
               for k in named if (k not in TRAINING_SETTINGS or k not in theirs) and ours.get(k) != theirs.get(k)]
     if differ:
@@ -58,13 +57,11 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
                           f"{', '.join(differ)}: drop " + ("these keys" if len(differ) > 1 else "the key")
                           + " (or give the checkpoint's value); of the model keys only "
                           f"{', '.join(TRAINING_SETTINGS)} are this run's to choose")
-    model = saved
-    for key in named:
-        if key in TRAINING_SETTINGS:
-            model = replaced(model, key, ours[key])
-    data = cfg.data
-    if data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
-        data = dataclasses.replace(data, tokenizer=str(source / "tokenizer.json"))
+    for key in set(named) & set(TRAINING_SETTINGS):
+        model = replaced(model, key, ours[key])
+    data, tokenizer = cfg.data, source / "tokenizer.json"
+    if data.tokenizer == "bpe" and tokenizer.is_file():
+        data = dataclasses.replace(data, tokenizer=str(tokenizer))
     return dataclasses.replace(cfg, model=model, data=data)
 
 
@@ -74,8 +71,7 @@ def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:
     if cfg.train.init_from:
         check_tokenizer_matches(data.tokenizer, cfg.model, cfg.train.init_from)
         return cfg
-    model = dataclasses.replace(cfg.model, vocab_size=data.tokenizer.vocab_size)
-    return dataclasses.replace(cfg, model=model)
+    return replaced(cfg, "model.vocab_size", data.tokenizer.vocab_size)
 
 
 def with_epochs(cfg: Config, samples: int) -> Config:
@@ -93,7 +89,7 @@ def with_epochs(cfg: Config, samples: int) -> Config:
                           f"of train.epochs={t.epochs} ({samples} samples, train.global_batch_size="
                           f"{t.global_batch_size}): the learning rate would never leave warmup; "
                           f"lower train.warmup_steps")
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
+    return replaced(cfg, "train.max_steps", steps)
 
 
 def with_schedule(cfg: Config, resume_from: Path | None) -> Config:
@@ -104,7 +100,7 @@ def with_schedule(cfg: Config, resume_from: Path | None) -> Config:
     if resume_from is not None:
         saved = json.loads((resume_from / "meta.json").read_text())["config"]["train"]
         end = TrainConfig(max_steps=saved["max_steps"], decay_steps=saved.get("decay_steps", 0)).decay_end
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, decay_steps=end))
+    return replaced(cfg, "train.decay_steps", end)
 
 
 # What fixes the meaning of a step: change any of these and "resume" would train a different run.
@@ -116,17 +112,14 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
     """The checkpoint to resume from, or None; refuses to overwrite or to mix runs."""
     run_dir, resume = Path(cfg.run.dir), cfg.train.resume
     latest = latest_checkpoint(run_dir)
-    if resume == "never":
-        if latest is not None:
-            raise ConfigError(f"run.dir '{run_dir}' already holds checkpoints (latest {latest.name}): "
-                              f"train.resume=never would overwrite them; use train.resume=auto to "
-                              f"continue, or a new run.dir")
-        return None
-    path = latest if resume == "auto" else Path(resume)
+    if resume == "never" and latest is not None:
+        raise ConfigError(f"run.dir '{run_dir}' already holds checkpoints (latest {latest.name}): "
+                          f"train.resume=never would overwrite them; use train.resume=auto to "
+                          f"continue, or a new run.dir")
+    path = {"auto": latest, "never": None}.get(resume, Path(resume))
     if path is None:
         return None
-    wrong = not_a_checkpoint(path)
-    if wrong:
+    if wrong := not_a_checkpoint(path):
         raise ConfigError(f"train.resume: {wrong}; or train.resume=auto for run.dir's latest")
     saved = json.loads((path / "meta.json").read_text())
     if latest is not None and checkpoint_step(latest) > saved["step"]:
@@ -135,11 +128,10 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
                           f"overwrite it; use another run.dir")
     # A key the checkpoint's version did not have had its default's meaning then; its model
     # may be of before the sections (flat_keys.py).
-    model = to_dict(from_dict(ModelConfig, nest(saved["config"]["model"], note=False), "model."))
-    now = flat(to_dict(cfg))
+    model = to_dict(checkpoint_model_config(path))
     before = {**flat(to_dict(Config())), **flat({**saved["config"], "model": {}}), **flat(model, "model.")}
-    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(now)
-               if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS and before.get(k) != now.get(k)]
+    changed = [f"{k}: {before.get(k)!r} -> {now!r}" for k, now in _step_settings(cfg).items()
+               if before.get(k) != now]
     check_same_optimizer(cfg.train, saved["config"].get("train", {}), path)
     if saved.get("data_content", data.meta["content"]) != data.meta["content"]:
         changed.append("the tokenized data (corpus or tokenizer) differs")
@@ -158,10 +150,13 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
 
 def run_identity(cfg: Config, data: PreparedData) -> dict:
     """What fixes the meaning of a step (RESUME_KEYS) and the data: equal for the same run."""
-    settings = flat(to_dict(cfg))
-    return {"config": {k: settings[k] for k in sorted(settings)
-                       if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS},
-            "data": data.meta["content"]}
+    return {"config": _step_settings(cfg), "data": data.meta["content"]}
+
+
+def _step_settings(cfg: Config) -> dict:
+    """cfg's settings that fix the meaning of a step (RESUME_KEYS but SAME_DATA_KEYS), sorted."""
+    return {k: v for k, v in sorted(flat(to_dict(cfg)).items())
+            if k.startswith(RESUME_KEYS) and k not in SAME_DATA_KEYS}
 
 
 def check_same_optimizer(t: TrainConfig, saved_train: dict, path: Path) -> None:

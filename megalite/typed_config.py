@@ -10,6 +10,7 @@ variant has only its own keys, so a key of a variant not chosen is refused namin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -21,7 +22,10 @@ class ConfigError(ValueError):
     """A config that cannot describe a valid run; the message names the value and the fix."""
 
 
-PLAIN = {bool: "true or false", int: "an integer", str: "a string"}  # what coerce names them
+# What coerce names each plain type and the types it takes for it (dict and list: free-form
+# sections, a sweep's grid and points)
+PLAIN = {bool: ("true or false", bool), int: ("an integer", int), float: ("a number", (int, float)),
+         str: ("a string", str), dict: ("a mapping", dict), list: ("a list", list)}
 
 
 def failing(*checks: tuple[bool, str]) -> list[str]:
@@ -29,19 +33,29 @@ def failing(*checks: tuple[bool, str]) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
+def at_least_one(where: str, **values) -> list[str]:
+    """The message of each value (but None: unset) that is not >= 1, its key after `where`."""
+    return [f"{where}{key}={value} must be >= 1" for key, value in values.items()
+            if value is not None and not value >= 1]
+
+
+def positive(where: str, **values) -> list[str]:
+    """As at_least_one, for values that must be > 0 (NaN is not)."""
+    return [f"{where}{key}={value} must be > 0" for key, value in values.items()
+            if value is not None and not value > 0]
+
+
 def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: expected a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    fields, hints = sorted(field_names(cls)), typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
+            close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{where}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{where}{key}'{hint} "
-                              f"(valid keys: {', '.join(sorted(fields))})")
-    return cls(**{key: coerce(hints[key], value, f"{where}{key}")
-                  for key, value in data.items()})
+                              f"(valid keys: {', '.join(fields)})")
+    return cls(**{key: coerce(hints[key], value, f"{where}{key}") for key, value in data.items()})
 
 
 def variants(annotation: Any) -> dict[str, type]:
@@ -59,10 +73,9 @@ def _variant(choices: dict[str, type], value: Any, key: str):
     kind = value.get("kind", next(iter(choices)))
     if kind not in choices:
         raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")
-    mine = {f.name for f in dataclasses.fields(choices[kind])}
     for name in value:
-        owners = [k for k, cls in choices.items() if name in {f.name for f in dataclasses.fields(cls)}]
-        if name not in mine and owners:
+        owners = [k for k, cls in choices.items() if name in field_names(cls)]
+        if name not in field_names(choices[kind]) and owners:
             raise ConfigError(f"{key}.{name} is a key of {key}.kind={' or '.join(owners)}, and "
                               f"{key}.kind={kind}: set {key}.kind={owners[0]}, or leave it out")
     return from_dict(choices[kind], {"kind": kind, **value}, f"{key}.")
@@ -71,15 +84,14 @@ def _variant(choices: dict[str, type], value: Any, key: str):
 def coerce(annotation: Any, value: Any, key: str) -> Any:
     """Return `value` as `annotation`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(annotation)
-    choices = variants(annotation)
-    if choices:
+    if choices := variants(annotation):
         return _variant(choices, value, key)
     if dataclasses.is_dataclass(annotation):
         return from_dict(annotation, value, f"{key}.")
     if origin is Literal:
-        if value not in typing.get_args(annotation):
-            choices = ", ".join(repr(c) for c in typing.get_args(annotation))
-            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        options = typing.get_args(annotation)
+        if value not in options:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, options))}")
         return value
     if origin in (Union, types.UnionType):
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -95,28 +107,17 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item,) = typing.get_args(annotation)[:1]
-        return origin(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if annotation in (dict, list):  # free-form sections (a sweep's grid and points)
-        if not isinstance(value, annotation):
-            raise ConfigError(f"{key}: expected a {'mapping' if annotation is dict else 'list'}, "
-                              f"got {value!r}")
-        return value
+        return origin(coerce(typing.get_args(annotation)[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if annotation is float and isinstance(value, str):
+        # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
+        with contextlib.suppress(ValueError):
+            return float(value)
     if annotation in PLAIN:
-        # bool is an int to isinstance: true is not an integer here
-        if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
-            raise ConfigError(f"{key}: expected {PLAIN[annotation]}, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, str):
-            # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-5, as strings.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        what, taken = PLAIN[annotation]
+        # bool is an int to isinstance: true is not a number here
+        if not isinstance(value, taken) or (annotation is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        return float(value) if annotation is float else value
     raise TypeError(f"{key}: unsupported config annotation {annotation!r}")
 
 
@@ -124,25 +125,41 @@ def merged(base: dict, over: dict, cls: type) -> dict:
     """`over`'s keys on `base`'s, section by section. A section whose kind `over` changes starts
     from the new variant's defaults, keeping the keys of base's that the new variant has (a
     preset's activation when `model.mlp.kind=moe` is given)."""
-    out = dict(base)
-    hints = typing.get_type_hints(cls)
+    out, hints = dict(base), typing.get_type_hints(cls)
     for key, value in over.items():
-        old = out.get(key)
+        old, out[key] = out.get(key), value
         if not (isinstance(value, dict) and isinstance(old, dict) and key in hints):
-            out[key] = value
             continue
         choices = variants(hints[key])
-        default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
-        kind = value.get("kind", old.get("kind", getattr(default, "kind", None)))
+        was = old.get("kind", getattr(field_default(cls, key), "kind", None))
+        kind = value.get("kind", was)
         target = choices.get(kind) if choices else hints[key]
-        if target is None or not dataclasses.is_dataclass(target):
-            out[key] = value
-            continue
-        if choices and kind != old.get("kind", getattr(default, "kind", None)):
-            mine = {f.name for f in dataclasses.fields(target)}
-            old = {k: v for k, v in old.items() if k in mine and k != "kind"}
-        out[key] = merged(old, value, target)
+        if dataclasses.is_dataclass(target):
+            if choices and kind != was:
+                old = {k: v for k, v in old.items() if k in field_names(target) and k != "kind"}
+            out[key] = merged(old, value, target)
     return out
+
+
+def field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def field_default(cls: type, name: str):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def set_dotted(raw: dict, keys: list[str], value) -> None:
+    """raw[keys[0]][keys[1]]... = value, the sections made on the way (a model preset's name
+    becomes the section {preset: name})."""
+    for depth, key in enumerate(keys[:-1]):
+        child = raw.setdefault(key, {})
+        if isinstance(child, str) and key == "model":
+            child = raw[key] = {"preset": child}
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(keys[:depth + 1])}' is a value, not a section")
+        raw = child
+    raw[keys[-1]] = value
 
 
 def leaves(obj, prefix: str = ""):
