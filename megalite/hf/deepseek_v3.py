@@ -100,14 +100,5 @@ LAYER = {name: hf for name, hf in llama.LAYER.items() if name != "attn.q_proj.we
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
-    out = with_experts(llama.recipe(dense_of(cfg), LAYER, mla_rows),
-                       cfg, "mlp")
-    for i in range(cfg.n_layers):
-        if cfg.is_moe_layer(i):
-            m, l = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-            out[m + "router.expert_bias"] = whole(l + "gate.e_score_correction_bias", cfg.n_experts)
-            if cfg.mlp.shared_experts:
-                for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                    width = cfg.hidden if ours == "down" else cfg.shared_ffn
-                    out[f"{m}shared.{ours}.weight"] = whole(f"{l}shared_experts.{theirs}.weight", width)
-    return out
+    return with_experts(llama.recipe(dense_of(cfg), LAYER, mla_rows), cfg, "mlp",
+                        shared="shared_experts", bias="gate.e_score_correction_bias")
