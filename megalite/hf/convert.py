@@ -131,7 +131,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     from megalite.training.checkpoint import CheckpointTensors
     stored = CheckpointTensors(ckpt)
     plan = HFPlan(arch.recipe(cfg), stored.shape)
-    shapes = plan.shapes()
+    shapes = plan.shapes
     sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in shapes.items()}
     shards = shard_names(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else

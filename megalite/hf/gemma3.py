@@ -57,7 +57,7 @@ def gemma_sliding(hf: dict) -> list[str]:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     hf = {**DEFAULTS, **hf}
-    sliding, problems = llama.sliding_from_hf(hf, gemma_sliding)
+    sliding, problems = llama.sliding_from_hf(hf, gemma_sliding(hf))
     if not hf["tie_word_embeddings"]:
         problems.append("tie_word_embeddings=false (Gemma 3's head is its embedding)")
     if hf.get("attn_logit_softcapping") is not None:

@@ -40,11 +40,6 @@ class Rows:
     def count(self) -> int:
         return self.stop - self.start
 
-    @property
-    def axis(self) -> int:
-        """The Hugging Face dimension along which these rows run."""
-        return 1 if self.transposed else 0
-
 
 Recipe = dict[str, tuple[Rows, ...]]
 
@@ -74,12 +69,12 @@ def stacked(names: list[str]) -> tuple[Rows, ...]:
 
 def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
     """(axis, length along it) of each Hugging Face tensor that the recipe reads (none for a
-    stacked one: all of it)."""
+    stacked one: all of it): the axis its rows run along, 1 where they are transposed."""
     out: dict[str, tuple[int, int]] = {}
     for parts in recipe.values():
         for part in parts:
             if part.name is not None and not part.stacked:
-                axis, length = out.get(part.name, (part.axis, 0))
+                axis, length = out.get(part.name, (int(part.transposed), 0))
                 out[part.name] = (axis, max(length, part.stop))
     return out
 
@@ -92,10 +87,6 @@ class Source(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
-
-
-def _length(s: slice, size: int) -> int:
-    return len(range(*s.indices(size)))
 
 
 class MegaliteView:
@@ -149,7 +140,7 @@ class MegaliteView:
         index = index + (slice(None),) * (len(shape) - len(index))
         first, last = index[0].indices(shape[0])[:2]
         rest = index[1:]
-        rest_shape = [_length(s, n) for s, n in zip(rest, shape[1:])]
+        rest_shape = [len(range(*s.indices(n))) for s, n in zip(rest, shape[1:])]
         pieces: list[torch.Tensor | int] = []  # a tensor, or a count of zero rows
         offset = 0
         for part in self.recipe[name]:
@@ -169,17 +160,14 @@ class MegaliteView:
         dtype = self.dtype or next((p.dtype for p in pieces if isinstance(p, torch.Tensor)),
                                    torch.float32)
         pieces = [torch.zeros(p, *rest_shape, dtype=dtype) if isinstance(p, int) else p.to(dtype)
-                  for p in pieces]
-        if len(pieces) == 1:
-            return pieces[0]
-        if not pieces:
-            return torch.zeros(0, *rest_shape, dtype=dtype)
-        return torch.cat(pieces)
+                  for p in pieces or [0]]  # no rows: an empty tensor of the rectangle's shape
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+@dataclass(frozen=True)
 class _Lazy:
-    def __init__(self, view: MegaliteView, name: str):
-        self.view, self.name = view, name
+    view: MegaliteView
+    name: str
 
     def get_shape(self) -> list[int]:
         return list(self.view.shape(self.name))
@@ -189,7 +177,7 @@ class _Lazy:
 
 
 class HFPlan:
-    """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes()` first
+    """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes` first
     (from the megalite tensors' shapes), then `make(name, megalite)` one at a time, where
     `megalite(name)` gives a whole megalite tensor (read on demand: see `LastRead`)."""
 
@@ -199,25 +187,22 @@ class HFPlan:
         # Each Hugging Face tensor's sources: (megalite name, row offset there, rows), in the
         # order the recipe first mentions them.
         self.sources: dict[str, list[tuple[str, int, Rows]]] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for name, parts in recipe.items():
             offset, rest = 0, tuple(megalite_shape(name))[1:]
             for part in parts:
                 if part.name is not None:
                     self.sources.setdefault(part.name, []).append((name, offset, part))
                     if part.stacked:
-                        self._shapes[part.name] = rest
+                        self.shapes[part.name] = rest
                     else:
                         axis, length = self.extents[part.name]
-                        self._shapes[part.name] = ((*rest, length) if axis else (length, *rest))
+                        self.shapes[part.name] = ((*rest, length) if axis else (length, *rest))
                 offset += part.count
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self._shapes)
 
     def make(self, name: str, megalite: Callable[[str], torch.Tensor],
              dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(self._shapes[name], dtype=dtype)
+        out = torch.empty(self.shapes[name], dtype=dtype)
         covered = 0
         for source, offset, part in self.sources[name]:
             rows = megalite(source)[offset:offset + part.count]

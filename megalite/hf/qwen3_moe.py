@@ -23,8 +23,8 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.qwen_window(hf, per_layer=False)
-    return llama.decoder_from_hf(hf, "Qwen3-MoE", problems, attention={"qk_norm": True, **sliding},
+    sliding = llama.one_window(hf) if hf.get("use_sliding_window") else {}
+    return llama.decoder_from_hf(hf, "Qwen3-MoE", attention={"qk_norm": True, **sliding},
                                  mlp=qwen_moe_from_hf(hf))
 
 

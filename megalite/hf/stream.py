@@ -42,12 +42,9 @@ class SafetensorsWriter:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
-        self.path = Path(path)
-        self.specs = list(specs.items())
-        self.written = 0
+        self.path, self.specs, self.written = Path(path), list(specs.items()), 0
         self.file = open(self.path, "wb")
-        self.file.write(struct.pack("<Q", len(encoded)))
-        self.file.write(encoded)
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self.written >= len(self.specs) or self.specs[self.written][0] != name:
@@ -91,16 +88,10 @@ class HFFiles:
     `layout.Source`."""
 
     def __init__(self, hf_dir: Path, canonical: Callable[[str], str]):
-        self.dir = Path(hf_dir)
+        self.dir, self._stack, self._open = Path(hf_dir), ExitStack(), {}
         index = self.dir / "model.safetensors.index.json"
-        self._stack = ExitStack()
-        self._open: dict[str, object] = {}
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = ["model.safetensors"]
-            weight_map = None
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        files = ["model.safetensors"] if weight_map is None else sorted(set(weight_map.values()))
         for file in files:
             if not (self.dir / file).is_file():
                 raise ConfigError(f"'{self.dir / file}' is missing: megalite reads safetensors "
