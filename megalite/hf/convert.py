@@ -50,14 +50,16 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
 
 
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
+    """(name, module) of model.architecture, or without one of the first architecture that
+    holds the config; a ConfigError with each one's reasons if none does."""
+    candidates = ARCHITECTURES
     if cfg.architecture is not None:
         if cfg.architecture not in ARCHITECTURES:
             raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
                               f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
-        check_expressible(cfg, ARCHITECTURES[cfg.architecture])
-        return cfg.architecture, ARCHITECTURES[cfg.architecture]
+        candidates = {cfg.architecture: ARCHITECTURES[cfg.architecture]}
     errors = []
-    for name, arch in ARCHITECTURES.items():
+    for name, arch in candidates.items():
         try:
             check_expressible(cfg, arch)
             return name, arch
@@ -118,7 +120,6 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     cfg = checkpoint_model_config(ckpt)
     name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt)
-    special = special_ids(tokenizer)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # out, or a folder above it, is a file
@@ -150,7 +151,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
             indent=1))
     dtype_name = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(
-        {**arch.config_to_hf(cfg, special), "torch_dtype": dtype_name, "dtype": dtype_name},
+        {**arch.config_to_hf(cfg, special_ids(tokenizer)), "torch_dtype": dtype_name, "dtype": dtype_name},
         indent=1))
     save_tokenizer(tokenizer, out)
     return name
@@ -174,7 +175,6 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
     named (`eos_token`, where the directory's files do not name one)."""
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
     with hf_weights(hf_dir) as (cfg, weights):
-        files = weights.source
         if not (hf_dir / "tokenizer.json").is_file():
             raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
                               f"file to train, evaluate and generate with the imported model")
@@ -190,7 +190,7 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
         with SafetensorsWriter(ckpt / "model.safetensors", specs, {"format": "pt"}) as writer:
             for k in specs:
                 writer.write(k, weights.get_tensor(k))
-                files.release()  # the pages read so far, out of this process's memory
+                weights.source.release()  # the pages read so far, out of this process's memory
     save_tokenizer(tokenizer, ckpt)
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))

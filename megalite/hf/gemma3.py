@@ -30,10 +30,9 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
-    theta = cfg.positions.local_theta
-    local = {"rope_type": "default", "rope_theta": theta}
-    out["rope_parameters"] = {"full_attention": out["rope_parameters"],
-                              "sliding_attention": local if theta else out["rope_parameters"]}
+    full, theta = out["rope_parameters"], cfg.positions.local_theta
+    local = {"rope_type": "default", "rope_theta": theta} if theta else full
+    out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
 
 
