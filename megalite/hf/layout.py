@@ -208,10 +208,7 @@ class HFPlan:
             rows = megalite(source)[offset:offset + part.count]
             if part.stacked:
                 return rows[0].to(dtype)
-            if part.transposed:
-                out[:, part.start:part.stop] = rows.T
-            else:
-                out[part.start:part.stop] = rows
+            (out.T if part.transposed else out)[part.start:part.stop] = rows  # columns, transposed
             covered += part.count
         if covered != self.extents[name][1]:
             raise AssertionError(f"the recipe covers {covered} of {name}'s "
