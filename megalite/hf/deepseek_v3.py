@@ -14,15 +14,14 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, dense_of, with_experts
 from megalite.hf.layout import Recipe, Rows, whole
 
 NAME = "DeepseekV3ForCausalLM"
 # model.attention's MLA sizes, config.json's keys of the same names
 MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-NEEDS = {**LLAMA_NEEDS, "attention.kind": "mla", "mlp.kind": "moe", "mlp.router": "sigmoid"}
-FREE = ((DECODER - {"attention.n_kv_heads", "attention.head_dim"}) | MOE
+NEEDS = {**llama.NEEDS, "attention.kind": "mla", "mlp.kind": "moe", "mlp.router": "sigmoid"}
+FREE = ((llama.FREE - {"attention.n_kv_heads", "attention.head_dim"}) | MOE
         | {f"attention.{k}" for k in MLA}
         | {f"mlp.{k}" for k in ("dense_layers", "groups", "topk_groups", "routed_scaling",
                                 "renormalize", "shared_experts", "bias_update_rate")})

@@ -11,6 +11,10 @@ from megalite.config import Dense, ModelConfig
 from megalite.hf.layout import Recipe, Rows, stacked, whole
 
 QWEN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # megalite's -> the files'
+# What every MoE architecture carries (hf/expressible.py): the experts' sizes, and the settings
+# that training alone reads (capacity, balancing losses).
+MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_loss_coeff",
+                 "mlp.z_loss_coeff", "mlp.capacity_factor"})
 
 
 def dense_of(cfg: ModelConfig) -> ModelConfig:

@@ -13,14 +13,6 @@ from megalite.typed_config import ConfigError, leaves
 # What every architecture carries: the sizes, and what only training reads.
 SHARED = frozenset({"architecture", "vocab_size", "vocab_pad_multiple", "max_seq_len", "n_layers",
                     "hidden", "n_heads", "mlp.ffn_hidden", "norms.eps", "dropout", "init_std"})
-# A decoder of Llama's shape: GQA, rotary (and its scalings), a head of its own or tied.
-DECODER = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
-                     "positions.scaling", "tie_embeddings"})
-LLAMA_NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
-               "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
-# A mixture of experts' settings that training alone reads (capacity, balancing losses).
-MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_loss_coeff",
-                 "mlp.z_loss_coeff", "mlp.capacity_factor"})
 
 
 def check_expressible(cfg: ModelConfig, arch) -> None:

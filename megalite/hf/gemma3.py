@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER
 from megalite.hf.layout import Recipe
 
 NAME = "Gemma3ForCausalLM"
-NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
-         "mlp.kind": "dense", "mlp.activation": "geglu_tanh", "bias": False,
-         "norms.weight_offset": 1.0, "norms.post_norms": True, "scale_embeddings": True,
-         "attention.qk_norm": True, "tie_embeddings": True}
-FREE = (DECODER - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
+NEEDS = {**llama.NEEDS, "mlp.activation": "geglu_tanh", "norms.weight_offset": 1.0,
+         "norms.post_norms": True, "scale_embeddings": True, "attention.qk_norm": True,
+         "tie_embeddings": True}
+FREE = (llama.FREE - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
                                          "attention.sliding_window_pattern", "positions.local_theta",
                                          "final_logit_softcap"}
 # Llama's names, the norm before the MLP renamed, and the norms after attention and MLP

@@ -8,12 +8,16 @@ from __future__ import annotations
 from typing import Callable
 
 from megalite.config import ModelConfig
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError, from_dict, merged
 
 NAME = "LlamaForCausalLM"
-NEEDS, FREE = LLAMA_NEEDS, DECODER
+# Llama's shape, which the decoders below start from (hf/expressible.py): GQA, rotary (and its
+# scalings), a head of its own or tied.
+NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
+         "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
+FREE = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
+                  "positions.scaling", "tie_embeddings"})
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

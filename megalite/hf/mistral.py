@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 
 NAME = "MistralForCausalLM"
-NEEDS, FREE = LLAMA_NEEDS, DECODER | {"attention.sliding_window"}
+NEEDS, FREE = llama.NEEDS, llama.FREE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

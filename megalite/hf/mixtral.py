@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, dense_of, with_experts
 from megalite.hf.layout import Recipe
 
 NAME = "MixtralForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "mlp.router": "softmax", "mlp.renormalize": True}
-FREE = DECODER | MOE | {"attention.sliding_window"}
+NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "mlp.router": "softmax", "mlp.renormalize": True}
+FREE = llama.FREE | MOE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:

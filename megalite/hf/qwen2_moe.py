@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen2MoeForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "attention.qkv_bias": True, "mlp.router": "softmax",
+NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qkv_bias": True, "mlp.router": "softmax",
          "mlp.shared_gate": True}
-FREE = DECODER | MOE | {"mlp.renormalize", "mlp.every", "mlp.dense_layers", "mlp.shared_experts"}
+FREE = llama.FREE | MOE | {"mlp.renormalize", "mlp.every", "mlp.dense_layers", "mlp.shared_experts"}
 
 
 def problems(cfg: ModelConfig) -> list[str]:

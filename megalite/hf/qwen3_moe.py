@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen3MoeForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "attention.qk_norm": True, "mlp.router": "softmax"}
+NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qk_norm": True, "mlp.router": "softmax"}
 # Qwen3-MoE has no layer_types: one window (use_sliding_window) on every layer
-FREE = DECODER | MOE | {"attention.sliding_window", "mlp.renormalize", "mlp.every", "mlp.dense_layers"}
+FREE = llama.FREE | MOE | {"attention.sliding_window", "mlp.renormalize", "mlp.every", "mlp.dense_layers"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
