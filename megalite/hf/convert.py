@@ -60,11 +60,10 @@ def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
         candidates = {cfg.architecture: ARCHITECTURES[cfg.architecture]}
     errors = []
     for name, arch in candidates.items():
-        try:
-            check_expressible(cfg, arch)
+        wrong = check_expressible(cfg, arch)
+        if not wrong:
             return name, arch
-        except ConfigError as err:
-            errors.append(str(err))
+        errors.append(f"not exportable as {name}: " + "; ".join(wrong))
     raise ConfigError("; ".join(errors))
 
 
