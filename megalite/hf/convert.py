@@ -28,7 +28,7 @@ from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_t
 from megalite.hf import (deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
                          qwen3, qwen3_moe)
 from megalite.hf.expressible import check_expressible
-from megalite.hf.layout import HFPlan, LastRead, MegaliteView
+from megalite.hf.layout import HFPlan, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
 
@@ -130,18 +130,17 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
         old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
     from megalite.training.checkpoint import CheckpointTensors
     stored = CheckpointTensors(ckpt)
-    plan = HFPlan(arch.recipe(cfg), stored.shape)
+    plan = HFPlan(arch.recipe(cfg), stored.shape, stored.read)
     shapes = plan.shapes
     sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in shapes.items()}
     shards = shard_names(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    megalite = LastRead(stored.read)
     for file, names in zip(files, shards):
         with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
                                {"format": "pt"}) as writer:
             for k in names:
-                writer.write(k, plan.make(k, megalite, dtype))
+                writer.write(k, plan.make(k, dtype))
     if len(shards) > 1:
         count = sum(math.prod(shape) for shape in shapes.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(

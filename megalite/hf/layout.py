@@ -18,10 +18,11 @@ Face tensors from whole megalite tensors. Both follow the same recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
+from megalite.hf.stream import HFFiles
 from megalite.typed_config import ConfigError
 
 
@@ -79,25 +80,15 @@ def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
     return out
 
 
-class Source(Protocol):
-    """Hugging Face tensors by name: their shapes, and a rectangle of one (a tuple of slices)."""
-
-    def __contains__(self, name: str) -> bool: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
-
-
 class MegaliteView:
-    """The megalite tensors of a recipe over a Source, read lazily. It looks like an open
+    """The megalite tensors of a recipe over Hugging Face files, read lazily. It looks like an open
     safetensors file to `training.checkpoint.load_full_weights`: `keys()` (the parameters whose
     Hugging Face tensors are all there) and `get_slice(name)`, whose `get_shape()` is the whole
     tensor's and whose `[index]` reads only that rectangle's parts of the Hugging Face tensors,
     as `dtype` (fp32: what megalite imports) or, dtype None, as stored (a load, which copies
     them into the parameters, converting there: bf16 and fp16 convert to fp32 exactly)."""
 
-    def __init__(self, recipe: Recipe, source: Source, where: str,
+    def __init__(self, recipe: Recipe, source: HFFiles, where: str,
                  dtype: torch.dtype | None = torch.float32):
         self.recipe, self.source, self.where, self.dtype = recipe, source, where, dtype
         self.extents = hf_extents(recipe)
@@ -178,12 +169,12 @@ class _Lazy:
 
 class HFPlan:
     """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes` first
-    (from the megalite tensors' shapes), then `make(name, megalite)` one at a time, where
-    `megalite(name)` gives a whole megalite tensor (read on demand: see `LastRead`)."""
+    (from the megalite tensors' shapes), then `make(name, dtype)` one at a time, reading the
+    whole megalite tensors it needs with `read(name)` on demand."""
 
-    def __init__(self, recipe: Recipe, megalite_shape: Callable[[str], torch.Size]):
-        self.recipe = recipe
-        self.extents = hf_extents(recipe)
+    def __init__(self, recipe: Recipe, megalite_shape: Callable[[str], torch.Size],
+                 read: Callable[[str], torch.Tensor]):
+        self.extents, self.read, self.last = hf_extents(recipe), read, (None, None)
         # Each Hugging Face tensor's sources: (megalite name, row offset there, rows), in the
         # order the recipe first mentions them.
         self.sources: dict[str, list[tuple[str, int, Rows]]] = {}
@@ -200,12 +191,19 @@ class HFPlan:
                         self.shapes[part.name] = ((*rest, length) if axis else (length, *rest))
                 offset += part.count
 
-    def make(self, name: str, megalite: Callable[[str], torch.Tensor],
-             dtype: torch.dtype) -> torch.Tensor:
+    def megalite(self, name: str) -> torch.Tensor:
+        """A whole megalite tensor, keeping only the last one read: `make` asks for the same
+        one several times in a row (K then V of one kv_proj)."""
+        if self.last[0] != name:
+            self.last = (None, None)  # freed before the next read
+            self.last = (name, self.read(name))
+        return self.last[1]
+
+    def make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shapes[name], dtype=dtype)
         covered = 0
         for source, offset, part in self.sources[name]:
-            rows = megalite(source)[offset:offset + part.count]
+            rows = self.megalite(source)[offset:offset + part.count]
             if part.stacked:
                 return rows[0].to(dtype)
             (out.T if part.transposed else out)[part.start:part.stop] = rows  # columns, transposed
@@ -216,21 +214,7 @@ class HFPlan:
         return out
 
 
-class LastRead:
-    """A whole megalite tensor by name, keeping only the last one read: `HFPlan.make` asks for
-    the same one several times in a row (K then V of one kv_proj)."""
-
-    def __init__(self, read: Callable[[str], torch.Tensor]):
-        self.read, self.name, self.tensor = read, None, None
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name != self.name:
-            self.name, self.tensor = None, None  # freed before the next read
-            self.tensor, self.name = self.read(name), name
-        return self.tensor
-
-
 def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (fp32) from whole megalite tensors in memory."""
-    plan = HFPlan(recipe, lambda name: w[name].shape)
-    return {name: plan.make(name, w.__getitem__, torch.float32) for name in plan.sources}
+    plan = HFPlan(recipe, lambda name: w[name].shape, w.__getitem__)
+    return {name: plan.make(name, torch.float32) for name in plan.sources}

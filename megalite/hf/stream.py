@@ -78,8 +78,8 @@ class HFFiles(ExitStack):
     (`canonical(stored name)`). Files are opened (memory-mapped) at once, so that a cut-off or
     corrupt one is a ConfigError before anything is read, and closed on exit or `release()` (a
     later read opens them again); `read` takes a rectangle through safetensors' `get_slice`, a
-    view of the mapping, so only the pages it covers are read, when it is copied. A
-    `layout.Source`, and the ExitStack of the open files."""
+    view of the mapping, so only the pages it covers are read, when it is copied. What
+    `layout.MegaliteView` reads (`in`, `shape`, `read`), and the ExitStack of the open files."""
 
     def __init__(self, hf_dir: Path, canonical: Callable[[str], str]):
         super().__init__()
