@@ -131,18 +131,17 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     from megalite.training.checkpoint import CheckpointTensors
     stored = CheckpointTensors(ckpt)
     plan = HFPlan(arch.recipe(cfg), stored.shape, stored.read)
-    shapes = plan.shapes
-    sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in shapes.items()}
+    sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in plan.shapes.items()}
     shards = shard_names(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for file, names in zip(files, shards):
-        with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
+        with SafetensorsWriter(out / file, {k: (plan.shapes[k], dtype) for k in names},
                                {"format": "pt"}) as writer:
             for k in names:
                 writer.write(k, plan.make(k, dtype))
     if len(shards) > 1:
-        count = sum(math.prod(shape) for shape in shapes.values())
+        count = sum(math.prod(shape) for shape in plan.shapes.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values()), "total_parameters": count},
              "weight_map": {k: file for file, names in zip(files, shards) for k in names}},
@@ -187,7 +186,7 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
         specs = {k: (tuple(weights.shape(k)), torch.float32) for k in weights.recipe}
         with SafetensorsWriter(ckpt / "model.safetensors", specs, {"format": "pt"}) as writer:
             for k in specs:
-                writer.write(k, weights.get_tensor(k))
+                writer.write(k, weights.read(k, slice(None)))
                 weights.source.release()  # the pages read so far, out of this process's memory
     save_tokenizer(tokenizer, ckpt)
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),

@@ -22,9 +22,11 @@ LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    scalar = cfg.attention.query_pre_attn_scalar or cfg.head_size
+    # transformers' config class takes query_pre_attn_scalar as an int (every release's is)
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
            "hidden_activation": "gelu_pytorch_tanh",
-           "query_pre_attn_scalar": _int_if_whole(cfg.attention.query_pre_attn_scalar or cfg.head_size),
+           "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
@@ -32,11 +34,6 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     local = {"rope_type": "default", "rope_theta": theta} if theta else full
     out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
-
-
-def _int_if_whole(x: float) -> int | float:
-    """transformers' config class takes query_pre_attn_scalar as an int (every release's is)."""
-    return int(x) if float(x).is_integer() else x
 
 
 # Gemma3TextConfig's defaults, for config.json files that leave a key out

@@ -100,9 +100,6 @@ class MegaliteView:
     def get_slice(self, name: str) -> "_Lazy":
         return _Lazy(self, name)
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.get_slice(name)[:]
-
     def shape(self, name: str) -> torch.Size:
         """The whole megalite tensor's shape; a ConfigError if the Hugging Face tensors do not
         have the shapes the config gives them."""
