@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import MOE, dense_of, with_experts
+from megalite.hf.experts import MOE, moe_recipe
 from megalite.hf.layout import Recipe, Rows, whole
 
 NAME = "DeepseekV3ForCausalLM"
@@ -96,5 +96,5 @@ LAYER = {name: hf for name, hf in llama.LAYER.items() if name != "attn.q_proj.we
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
-    return with_experts(llama.recipe(dense_of(cfg), LAYER, mla_rows), cfg, "mlp",
-                        shared="shared_experts", bias="gate.e_score_correction_bias")
+    return moe_recipe(cfg, shared="shared_experts", bias="gate.e_score_correction_bias",
+                      layer_names=LAYER, attention=mla_rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import Dense, ModelConfig
+from megalite.hf import llama
 from megalite.hf.layout import Recipe, Rows, stacked, whole
 
 QWEN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # megalite's -> the files'
@@ -17,18 +18,17 @@ MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_l
                  "mlp.z_loss_coeff", "mlp.capacity_factor"})
 
 
-def dense_of(cfg: ModelConfig) -> ModelConfig:
-    """The model with every layer's MLP dense (of the dense layers' width): a recipe's start."""
-    return dataclasses.replace(cfg, mlp=Dense(ffn_hidden=cfg.mlp.ffn_hidden, activation=cfg.mlp.activation))
-
-
-def with_experts(out: Recipe, cfg: ModelConfig, moe: str, names: dict[str, str] = QWEN,
-                 shared: str | None = None, bias: str | None = None) -> Recipe:
-    """`out` (a dense recipe) with every MoE layer's MLP replaced: `moe` is the layer's MoE
-    module in the files (Mixtral: block_sparse_moe, Qwen: mlp), its router `gate`, its experts
-    `experts.{e}.{names[ours]}.weight`; its shared experts (if the model has them) `shared`
-    (Qwen2-MoE: shared_expert, gated by shared_expert_gate; DeepSeek-V3: shared_experts), with
-    Qwen's names; the expert bias `bias` (DeepSeek-V3: gate.e_score_correction_bias)."""
+def moe_recipe(cfg: ModelConfig, moe: str = "mlp", names: dict[str, str] = QWEN,
+               shared: str | None = None, bias: str | None = None, **dense) -> Recipe:
+    """Llama's recipe (`dense`: llama.recipe's layer names and attention) of the model with
+    every MLP dense (of the dense layers' width), each MoE layer's MLP then replaced: `moe` is
+    the layer's MoE module in the files (Mixtral: block_sparse_moe, Qwen: mlp), its router
+    `gate`, its experts `experts.{e}.{names[ours]}.weight`; its shared experts (if the model has
+    them) `shared` (Qwen2-MoE: shared_expert, gated by shared_expert_gate; DeepSeek-V3:
+    shared_experts), with Qwen's names; the expert bias `bias` (DeepSeek-V3:
+    gate.e_score_correction_bias)."""
+    mlp = Dense(ffn_hidden=cfg.mlp.ffn_hidden, activation=cfg.mlp.activation)
+    out = llama.recipe(dataclasses.replace(cfg, mlp=mlp), **dense)
     for i in range(cfg.n_layers):
         if not cfg.is_moe_layer(i):
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import MOE, dense_of, with_experts
+from megalite.hf.experts import MOE, moe_recipe
 from megalite.hf.layout import Recipe
 
 NAME = "MixtralForCausalLM"
@@ -34,5 +34,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def recipe(cfg: ModelConfig) -> Recipe:
     """Llama's recipe, each MLP replaced by the router and the stacked experts."""
-    return with_experts(llama.recipe(dense_of(cfg)), cfg,
-                        "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
+    return moe_recipe(cfg, "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import MOE, dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
+from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf
 from megalite.hf.layout import Recipe
 
 NAME = "Qwen2MoeForCausalLM"
@@ -45,4 +45,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def recipe(cfg: ModelConfig) -> Recipe:
     """Llama's recipe with q, k and v biases, each MoE layer's MLP replaced by the router, the
     stacked experts and the gated shared expert."""
-    return with_experts(llama.recipe(dense_of(cfg)), cfg, "mlp", shared="shared_expert")
+    return moe_recipe(cfg, shared="shared_expert")

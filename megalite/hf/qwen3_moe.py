@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import MOE, dense_of, qwen_moe_from_hf, qwen_moe_to_hf, with_experts
-from megalite.hf.layout import Recipe
+from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf
 
 NAME = "Qwen3MoeForCausalLM"
 NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qk_norm": True, "mlp.router": "softmax"}
@@ -27,5 +26,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
                                  mlp=qwen_moe_from_hf(hf))
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    return with_experts(llama.recipe(dense_of(cfg)), cfg, "mlp")
+recipe = moe_recipe  # Llama's, each MoE layer's MLP its router and stacked experts (mlp.experts.{e})
