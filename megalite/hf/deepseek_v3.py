@@ -56,7 +56,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         problems.append(f"mscale_all_dim with rope_type {rope.get('rope_type')!r} (megalite "
                         f"rescales MLA's scores by it under yarn only)")
     dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
-    return llama.decoder_from_hf(
+    return llama.config_from_hf(
         {**hf, "head_dim": None}, "DeepSeek-V3", problems,
         attention={"kind": "mla", "q_lora_rank": hf.get("q_lora_rank"), **{k: hf[k] for k in MLA[1:]}},
         mlp={"kind": "moe", "experts": hf.get("n_routed_experts", hf.get("num_local_experts")),

@@ -76,7 +76,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         if local_rope["scaling"]["kind"] != "none":
             problems.append(f"rope scaling {local.get('rope_type')!r} on the sliding-window layers")
         rope["local_theta"] = local_rope["theta"]
-    return llama.decoder_from_hf(
+    return llama.config_from_hf(
         {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
         problems, positions={"kind": "rotary", **rope}, mlp={"activation": "geglu_tanh"},
         norms={"weight_offset": 1.0, "post_norms": True}, scale_embeddings=True,

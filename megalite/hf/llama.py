@@ -31,14 +31,11 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    return decoder_from_hf(hf, "Llama")
-
-
-def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -> ModelConfig:
-    """The ModelConfig of a Llama-shaped config.json (Llama, Mistral, Qwen2/3 and their
-    mixtures of experts), with the family's own `fields` (sections as mappings, merged into
-    Llama's); a ConfigError naming what megalite cannot compute, `problems` first."""
+def config_from_hf(hf: dict, family: str = "Llama", problems: list[str] = (), **fields) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, and Mistral, Qwen2/3 and their
+    mixtures of experts, Gemma 3, DeepSeek-V3), with the family's own `fields` (sections as
+    mappings, merged into Llama's); a ConfigError naming what megalite cannot compute, `problems`
+    first."""
     rope, problems = rope_from_hf(hf, list(problems))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias")

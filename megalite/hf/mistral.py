@@ -16,7 +16,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mistral", attention=llama.one_window(hf))
+    return llama.config_from_hf(hf, "Mistral", attention=llama.one_window(hf))
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -26,7 +26,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mixtral", attention=llama.one_window(hf), mlp={
+    return llama.config_from_hf(hf, "Mixtral", attention=llama.one_window(hf), mlp={
         "kind": "moe", "experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
         "expert_ffn_hidden": hf["intermediate_size"],
         "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))})

@@ -19,7 +19,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
+    return llama.config_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -36,10 +36,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if shared % width:
         problems.append(f"shared_expert_intermediate_size {shared} is not a multiple of "
                         f"moe_intermediate_size {width}")
-    return llama.decoder_from_hf({**hf, "attention_bias": False}, "Qwen2-MoE", problems,
-                                 attention={"qkv_bias": bool(hf.get("qkv_bias", True))},
-                                 mlp={**qwen_moe_from_hf(hf), "shared_experts": shared // width,
-                                      "shared_gate": True})
+    return llama.config_from_hf({**hf, "attention_bias": False}, "Qwen2-MoE", problems,
+                                attention={"qkv_bias": bool(hf.get("qkv_bias", True))},
+                                mlp={**qwen_moe_from_hf(hf), "shared_experts": shared // width,
+                                     "shared_gate": True})
 
 
 def recipe(cfg: ModelConfig) -> Recipe:

@@ -17,7 +17,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
+    return llama.config_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -22,8 +22,8 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding = llama.one_window(hf) if hf.get("use_sliding_window") else {}
-    return llama.decoder_from_hf(hf, "Qwen3-MoE", attention={"qk_norm": True, **sliding},
-                                 mlp=qwen_moe_from_hf(hf))
+    return llama.config_from_hf(hf, "Qwen3-MoE", attention={"qk_norm": True, **sliding},
+                                mlp=qwen_moe_from_hf(hf))
 
 
 recipe = moe_recipe  # Llama's, each MoE layer's MLP its router and stacked experts (mlp.experts.{e})
