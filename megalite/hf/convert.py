@@ -67,20 +67,6 @@ def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
     raise ConfigError("; ".join(errors))
 
 
-def _architecture(hf_dir: Path) -> tuple[ModelConfig, object]:
-    """(megalite config, architecture module) of a Hugging Face directory megalite can read."""
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    names = hf_cfg.get("architectures") or []
-    name = next((n for n in names if n in ARCHITECTURES), None)
-    if name is None:
-        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
-                          f"imports {', '.join(ARCHITECTURES)}")
-    arch = ARCHITECTURES[name]
-    return dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name), arch
-
-
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GB = 10**9  # transformers' max_shard_size="5GB" is 5 * 10**9 bytes
 
@@ -161,7 +147,16 @@ def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
     directory, read lazily from its files: a whole tensor or a TP slice of one reads only its
     parts of the files."""
     hf_dir = Path(hf_dir)
-    cfg, arch = _architecture(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    names = hf_cfg.get("architectures") or []
+    name = next((n for n in names if n in ARCHITECTURES), None)
+    if name is None:
+        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
+                          f"imports {', '.join(ARCHITECTURES)}")
+    arch = ARCHITECTURES[name]
+    cfg = dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name)
     with HFFiles(hf_dir, getattr(arch, "canonical", lambda name: name)) as files:
         yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
 
