@@ -9,7 +9,7 @@ import dataclasses
 
 from megalite.config import Dense, ModelConfig
 from megalite.hf import llama
-from megalite.hf.layout import Recipe, Rows, stacked, whole
+from megalite.hf.layout import Recipe, Rows, whole
 
 QWEN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # megalite's -> the files'
 # What every MoE architecture carries (hf/expressible.py): the experts' sizes, and the settings
@@ -35,8 +35,8 @@ def moe_recipe(cfg: ModelConfig, moe: str = "mlp", names: dict[str, str] = QWEN,
         m, l = f"blocks.{i}.mlp.", f"model.layers.{i}.{moe}."
         for ours, theirs in names.items():
             del out[f"{m}{ours}.weight"]
-            out[f"{m}experts.{ours}"] = stacked([f"{l}experts.{e}.{theirs}.weight"
-                                                 for e in range(cfg.n_experts)])
+            out[f"{m}experts.{ours}"] = tuple(Rows(f"{l}experts.{e}.{theirs}.weight", 0, 1, stacked=True)
+                                              for e in range(cfg.n_experts))  # one expert a row
         out.update({m + "router.weight": whole(l + "gate.weight", cfg.n_experts),
                     m + "router.expert_bias": (whole(l + bias, cfg.n_experts) if bias
                                                else (Rows(None, 0, cfg.n_experts),))})

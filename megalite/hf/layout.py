@@ -63,11 +63,6 @@ def kv_interleaved(k: str, v: str, kv_heads: int, head_dim: int, k_start: int = 
                  for h in range(kv_heads) for name, start in ((k, k_start), (v, v_start)))
 
 
-def stacked(names: list[str]) -> tuple[Rows, ...]:
-    """A megalite stack of the Hugging Face tensors `names`, one per row."""
-    return tuple(Rows(name, 0, 1, stacked=True) for name in names)
-
-
 def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
     """(axis, length along it) of each Hugging Face tensor that the recipe reads (none for a
     stacked one: all of it): the axis its rows run along, 1 where they are transposed."""
