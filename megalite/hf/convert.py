@@ -158,7 +158,7 @@ def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
     arch = ARCHITECTURES[name]
     cfg = dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name)
     with HFFiles(hf_dir, getattr(arch, "canonical", lambda name: name)) as files:
-        yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
+        yield cfg, MegaliteView(arch.recipe(cfg), files, dtype)
 
 
 def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelConfig:

@@ -83,9 +83,8 @@ class MegaliteView:
     as `dtype` (fp32: what megalite imports) or, dtype None, as stored (a load, which copies
     them into the parameters, converting there: bf16 and fp16 convert to fp32 exactly)."""
 
-    def __init__(self, recipe: Recipe, source: HFFiles, where: str,
-                 dtype: torch.dtype | None = torch.float32):
-        self.recipe, self.source, self.where, self.dtype = recipe, source, where, dtype
+    def __init__(self, recipe: Recipe, source: HFFiles, dtype: torch.dtype | None = torch.float32):
+        self.recipe, self.source, self.where, self.dtype = recipe, source, str(source.dir), dtype
         self.extents = hf_extents(recipe)
 
     def keys(self) -> list[str]:
