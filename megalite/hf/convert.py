@@ -28,7 +28,7 @@ from megalite.data.tokenizer import KNOWN, TokenizerInfo, load_tokenizer, save_t
 from megalite.hf import (deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe,
                          qwen3, qwen3_moe)
 from megalite.hf.expressible import check_expressible
-from megalite.hf.layout import HFPlan, LastRead, MegaliteView
+from megalite.hf.layout import HFPlan, MegaliteView
 from megalite.hf.stream import HFFiles, SafetensorsWriter
 from megalite.typed_config import ConfigError, from_dict
 
@@ -50,34 +50,21 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
 
 
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
+    """(name, module) of model.architecture, or without one of the first architecture that
+    holds the config; a ConfigError with each one's reasons if none does."""
+    candidates = ARCHITECTURES
     if cfg.architecture is not None:
         if cfg.architecture not in ARCHITECTURES:
             raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
                               f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
-        check_expressible(cfg, ARCHITECTURES[cfg.architecture])
-        return cfg.architecture, ARCHITECTURES[cfg.architecture]
+        candidates = {cfg.architecture: ARCHITECTURES[cfg.architecture]}
     errors = []
-    for name, arch in ARCHITECTURES.items():
-        try:
-            check_expressible(cfg, arch)
+    for name, arch in candidates.items():
+        wrong = check_expressible(cfg, arch)
+        if not wrong:
             return name, arch
-        except ConfigError as err:
-            errors.append(str(err))
+        errors.append(f"not exportable as {name}: " + "; ".join(wrong))
     raise ConfigError("; ".join(errors))
-
-
-def _architecture(hf_dir: Path) -> tuple[ModelConfig, object]:
-    """(megalite config, architecture module) of a Hugging Face directory megalite can read."""
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
-    hf_cfg = json.loads((hf_dir / "config.json").read_text())
-    names = hf_cfg.get("architectures") or []
-    name = next((n for n in names if n in ARCHITECTURES), None)
-    if name is None:
-        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
-                          f"imports {', '.join(ARCHITECTURES)}")
-    arch = ARCHITECTURES[name]
-    return dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name), arch
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -118,7 +105,6 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
     cfg = checkpoint_model_config(ckpt)
     name, arch = exportable_as(cfg)
     tokenizer = load_tokenizer(ckpt)
-    special = special_ids(tokenizer)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # out, or a folder above it, is a file
@@ -130,27 +116,25 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
         old.unlink(missing_ok=True)  # an earlier export's, which a loader could pick instead
     from megalite.training.checkpoint import CheckpointTensors
     stored = CheckpointTensors(ckpt)
-    plan = HFPlan(arch.recipe(cfg), stored.shape)
-    shapes = plan.shapes()
-    sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in shapes.items()}
+    plan = HFPlan(arch.recipe(cfg), stored.shape, stored.read)
+    sizes = {k: math.prod(shape) * dtype.itemsize for k, shape in plan.shapes.items()}
     shards = shard_names(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    megalite = LastRead(stored.read)
     for file, names in zip(files, shards):
-        with SafetensorsWriter(out / file, {k: (shapes[k], dtype) for k in names},
+        with SafetensorsWriter(out / file, {k: (plan.shapes[k], dtype) for k in names},
                                {"format": "pt"}) as writer:
             for k in names:
-                writer.write(k, plan.make(k, megalite, dtype))
+                writer.write(k, plan.make(k, dtype))
     if len(shards) > 1:
-        count = sum(math.prod(shape) for shape in shapes.values())
+        count = sum(math.prod(shape) for shape in plan.shapes.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values()), "total_parameters": count},
              "weight_map": {k: file for file, names in zip(files, shards) for k in names}},
             indent=1))
     dtype_name = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(
-        {**arch.config_to_hf(cfg, special), "torch_dtype": dtype_name, "dtype": dtype_name},
+        {**arch.config_to_hf(cfg, special_ids(tokenizer)), "torch_dtype": dtype_name, "dtype": dtype_name},
         indent=1))
     save_tokenizer(tokenizer, out)
     return name
@@ -163,9 +147,18 @@ def hf_weights(hf_dir: Path, dtype: torch.dtype | None = torch.float32
     directory, read lazily from its files: a whole tensor or a TP slice of one reads only its
     parts of the files."""
     hf_dir = Path(hf_dir)
-    cfg, arch = _architecture(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"'{hf_dir}' has no config.json: not a Hugging Face model directory")
+    hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    names = hf_cfg.get("architectures") or []
+    name = next((n for n in names if n in ARCHITECTURES), None)
+    if name is None:
+        raise ConfigError(f"'{hf_dir}' is a {names or hf_cfg.get('model_type')} model: megalite "
+                          f"imports {', '.join(ARCHITECTURES)}")
+    arch = ARCHITECTURES[name]
+    cfg = dataclasses.replace(arch.config_from_hf(hf_cfg), architecture=name)
     with HFFiles(hf_dir, getattr(arch, "canonical", lambda name: name)) as files:
-        yield cfg, MegaliteView(arch.recipe(cfg), files, str(hf_dir), dtype)
+        yield cfg, MegaliteView(arch.recipe(cfg), files, dtype)
 
 
 def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelConfig:
@@ -174,7 +167,6 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
     named (`eos_token`, where the directory's files do not name one)."""
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
     with hf_weights(hf_dir) as (cfg, weights):
-        files = weights.source
         if not (hf_dir / "tokenizer.json").is_file():
             raise ConfigError(f"'{hf_dir}' has no tokenizer.json: megalite needs the fast tokenizer "
                               f"file to train, evaluate and generate with the imported model")
@@ -189,8 +181,8 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
         specs = {k: (tuple(weights.shape(k)), torch.float32) for k in weights.recipe}
         with SafetensorsWriter(ckpt / "model.safetensors", specs, {"format": "pt"}) as writer:
             for k in specs:
-                writer.write(k, weights.get_tensor(k))
-                files.release()  # the pages read so far, out of this process's memory
+                writer.write(k, weights.read(k, slice(None)))
+                weights.source.release()  # the pages read so far, out of this process's memory
     save_tokenizer(tokenizer, ckpt)
     (ckpt / "meta.json").write_text(json.dumps({"step": 0, "tokens": 0, "source": str(hf_dir),
                                                 "config": {"model": dataclasses.asdict(cfg)}}, indent=1))

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, moe_recipe
 from megalite.hf.layout import Recipe, Rows, whole
 
 NAME = "DeepseekV3ForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "attention.kind": "mla", "mlp.kind": "moe", "mlp.router": "sigmoid"}
-FREE = ((DECODER - {"attention.n_kv_heads", "attention.head_dim"}) | MOE
-        | {f"attention.{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                      "qk_rope_head_dim", "v_head_dim")}
+# model.attention's MLA sizes, config.json's keys of the same names
+MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+NEEDS = {**llama.NEEDS, "attention.kind": "mla", "mlp.kind": "moe", "mlp.router": "sigmoid"}
+FREE = ((llama.FREE - {"attention.n_kv_heads", "attention.head_dim"}) | MOE
+        | {f"attention.{k}" for k in MLA}
         | {f"mlp.{k}" for k in ("dense_layers", "groups", "topk_groups", "routed_scaling",
                                 "renormalize", "shared_experts", "bias_update_rate")})
 
@@ -37,9 +37,7 @@ def problems(cfg: ModelConfig) -> list[str]:
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     a, m = cfg.attention, cfg.mlp
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "deepseek_v3",
-           "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank,
-           "qk_nope_head_dim": a.qk_nope_head_dim, "qk_rope_head_dim": a.qk_rope_head_dim,
-           "v_head_dim": a.v_head_dim, "head_dim": a.qk_rope_head_dim,
+           **{k: getattr(a, k) for k in MLA}, "head_dim": a.qk_rope_head_dim,
            "num_key_value_heads": cfg.n_heads, "rope_interleave": True,
            "n_routed_experts": cfg.n_experts, "num_experts_per_tok": m.top_k,
            "moe_intermediate_size": cfg.expert_ffn, "n_shared_experts": m.shared_experts,
@@ -58,11 +56,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         problems.append(f"mscale_all_dim with rope_type {rope.get('rope_type')!r} (megalite "
                         f"rescales MLA's scores by it under yarn only)")
     dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
-    return llama.decoder_from_hf(
+    return llama.config_from_hf(
         {**hf, "head_dim": None}, "DeepSeek-V3", problems,
-        attention={"kind": "mla", "q_lora_rank": hf.get("q_lora_rank"), "kv_lora_rank": hf["kv_lora_rank"],
-                   "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
-                   "v_head_dim": hf["v_head_dim"]},
+        attention={"kind": "mla", "q_lora_rank": hf.get("q_lora_rank"), **{k: hf[k] for k in MLA[1:]}},
         mlp={"kind": "moe", "experts": hf.get("n_routed_experts", hf.get("num_local_experts")),
              "top_k": hf["num_experts_per_tok"], "expert_ffn_hidden": hf["moe_intermediate_size"],
              "shared_experts": hf.get("n_shared_experts") or 0, "router": "sigmoid",
@@ -100,14 +96,5 @@ LAYER = {name: hf for name, hf in llama.LAYER.items() if name != "attn.q_proj.we
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
-    out = with_experts(llama.recipe(dense_of(cfg), LAYER, mla_rows),
-                       cfg, "mlp")
-    for i in range(cfg.n_layers):
-        if cfg.is_moe_layer(i):
-            m, l = f"blocks.{i}.mlp.", f"model.layers.{i}.mlp."
-            out[m + "router.expert_bias"] = whole(l + "gate.e_score_correction_bias", cfg.n_experts)
-            if cfg.mlp.shared_experts:
-                for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                    width = cfg.hidden if ours == "down" else cfg.shared_ffn
-                    out[f"{m}shared.{ours}.weight"] = whole(f"{l}shared_experts.{theirs}.weight", width)
-    return out
+    return moe_recipe(cfg, shared="shared_experts", bias="gate.e_score_correction_bias",
+                      layer_names=LAYER, attention=mla_rows)

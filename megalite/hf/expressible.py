@@ -8,24 +8,16 @@ keys it has.
 from __future__ import annotations
 
 from megalite.config import ModelConfig
-from megalite.typed_config import ConfigError, leaves
+from megalite.typed_config import leaves
 
 # What every architecture carries: the sizes, and what only training reads.
 SHARED = frozenset({"architecture", "vocab_size", "vocab_pad_multiple", "max_seq_len", "n_layers",
                     "hidden", "n_heads", "mlp.ffn_hidden", "norms.eps", "dropout", "init_std"})
-# A decoder of Llama's shape: GQA, rotary (and its scalings), a head of its own or tied.
-DECODER = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
-                     "positions.scaling", "tie_embeddings"})
-LLAMA_NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
-               "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
-# A mixture of experts' settings that training alone reads (capacity, balancing losses).
-MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_loss_coeff",
-                 "mlp.z_loss_coeff", "mlp.capacity_factor"})
 
 
-def check_expressible(cfg: ModelConfig, arch) -> None:
-    """A ConfigError "not exportable as NAME: ..." listing each setting the architecture
-    module `arch` cannot hold (its NEEDS, FREE and, if it has them, its own problems first)."""
+def check_expressible(cfg: ModelConfig, arch) -> list[str]:
+    """Each setting the architecture module `arch` cannot hold (its NEEDS, FREE and, if it has
+    them, its own problems first); none where it holds the config."""
     name, needs = arch.NAME, arch.NEEDS
     values = {key: (value, default) for key, value, default in leaves(cfg)}
     wrong = [f"model.{key}={values.get(key, ('absent',))[0]!r} ({name} needs {value!r})"
@@ -36,5 +28,4 @@ def check_expressible(cfg: ModelConfig, arch) -> None:
                   for key, (value, default) in values.items()
                   if key not in needs and key not in SHARED and value != default
                   and not any(key == free or key.startswith(free + ".") for free in arch.FREE)]
-    if wrong:
-        raise ConfigError(f"not exportable as {name}: " + "; ".join(wrong))
+    return wrong

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER
 from megalite.hf.layout import Recipe
 
 NAME = "Gemma3ForCausalLM"
-NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
-         "mlp.kind": "dense", "mlp.activation": "geglu_tanh", "bias": False,
-         "norms.weight_offset": 1.0, "norms.post_norms": True, "scale_embeddings": True,
-         "attention.qk_norm": True, "tie_embeddings": True}
-FREE = (DECODER - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
+NEEDS = {**llama.NEEDS, "mlp.activation": "geglu_tanh", "norms.weight_offset": 1.0,
+         "norms.post_norms": True, "scale_embeddings": True, "attention.qk_norm": True,
+         "tie_embeddings": True}
+FREE = (llama.FREE - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
                                          "attention.sliding_window_pattern", "positions.local_theta",
                                          "final_logit_softcap"}
 # Llama's names, the norm before the MLP renamed, and the norms after attention and MLP
@@ -24,22 +22,18 @@ LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
+    scalar = cfg.attention.query_pre_attn_scalar or cfg.head_size
+    # transformers' config class takes query_pre_attn_scalar as an int (every release's is)
     out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
            "hidden_activation": "gelu_pytorch_tanh",
-           "query_pre_attn_scalar": _int_if_whole(cfg.attention.query_pre_attn_scalar or cfg.head_size),
+           "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
            "use_bidirectional_attention": False, **llama.sliding_to_hf(cfg)}
     del out["hidden_act"], out["mlp_bias"], out["rope_theta"], out["rope_scaling"]
-    theta = cfg.positions.local_theta
-    local = {"rope_type": "default", "rope_theta": theta}
-    out["rope_parameters"] = {"full_attention": out["rope_parameters"],
-                              "sliding_attention": local if theta else out["rope_parameters"]}
+    full, theta = out["rope_parameters"], cfg.positions.local_theta
+    local = {"rope_type": "default", "rope_theta": theta} if theta else full
+    out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
-
-
-def _int_if_whole(x: float) -> int | float:
-    """transformers' config class takes query_pre_attn_scalar as an int (every release's is)."""
-    return int(x) if float(x).is_integer() else x
 
 
 # Gemma3TextConfig's defaults, for config.json files that leave a key out
@@ -48,16 +42,13 @@ DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_windo
             "tie_word_embeddings": True}
 
 
-def gemma_sliding(hf: dict) -> list[str]:
-    """transformers' rule without layer_types: every sliding_window_pattern-th layer global."""
-    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(hf["num_hidden_layers"])]
-
-
 def config_from_hf(hf: dict) -> ModelConfig:
     hf = {**DEFAULTS, **hf}
-    sliding, problems = llama.sliding_from_hf(hf, gemma_sliding)
+    # transformers' rule without layer_types: every sliding_window_pattern-th layer global
+    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    sliding, problems = llama.sliding_from_hf(hf, [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(hf["num_hidden_layers"])])
     if not hf["tie_word_embeddings"]:
         problems.append("tie_word_embeddings=false (Gemma 3's head is its embedding)")
     if hf.get("attn_logit_softcapping") is not None:
@@ -82,7 +73,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         if local_rope["scaling"]["kind"] != "none":
             problems.append(f"rope scaling {local.get('rope_type')!r} on the sliding-window layers")
         rope["local_theta"] = local_rope["theta"]
-    return llama.decoder_from_hf(
+    return llama.config_from_hf(
         {**hf, "hidden_act": "silu", "rope_parameters": {}, "rope_scaling": None}, "Gemma 3",
         problems, positions={"kind": "rotary", **rope}, mlp={"activation": "geglu_tanh"},
         norms={"weight_offset": 1.0, "post_norms": True}, scale_embeddings=True,

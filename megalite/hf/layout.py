@@ -18,10 +18,11 @@ Face tensors from whole megalite tensors. Both follow the same recipe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
+from megalite.hf.stream import HFFiles
 from megalite.typed_config import ConfigError
 
 
@@ -39,11 +40,6 @@ class Rows:
     @property
     def count(self) -> int:
         return self.stop - self.start
-
-    @property
-    def axis(self) -> int:
-        """The Hugging Face dimension along which these rows run."""
-        return 1 if self.transposed else 0
 
 
 Recipe = dict[str, tuple[Rows, ...]]
@@ -67,48 +63,28 @@ def kv_interleaved(k: str, v: str, kv_heads: int, head_dim: int, k_start: int = 
                  for h in range(kv_heads) for name, start in ((k, k_start), (v, v_start)))
 
 
-def stacked(names: list[str]) -> tuple[Rows, ...]:
-    """A megalite stack of the Hugging Face tensors `names`, one per row."""
-    return tuple(Rows(name, 0, 1, stacked=True) for name in names)
-
-
 def hf_extents(recipe: Recipe) -> dict[str, tuple[int, int]]:
     """(axis, length along it) of each Hugging Face tensor that the recipe reads (none for a
-    stacked one: all of it)."""
+    stacked one: all of it): the axis its rows run along, 1 where they are transposed."""
     out: dict[str, tuple[int, int]] = {}
     for parts in recipe.values():
         for part in parts:
             if part.name is not None and not part.stacked:
-                axis, length = out.get(part.name, (part.axis, 0))
+                axis, length = out.get(part.name, (int(part.transposed), 0))
                 out[part.name] = (axis, max(length, part.stop))
     return out
 
 
-class Source(Protocol):
-    """Hugging Face tensors by name: their shapes, and a rectangle of one (a tuple of slices)."""
-
-    def __contains__(self, name: str) -> bool: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor: ...
-
-
-def _length(s: slice, size: int) -> int:
-    return len(range(*s.indices(size)))
-
-
 class MegaliteView:
-    """The megalite tensors of a recipe over a Source, read lazily. It looks like an open
+    """The megalite tensors of a recipe over Hugging Face files, read lazily. It looks like an open
     safetensors file to `training.checkpoint.load_full_weights`: `keys()` (the parameters whose
     Hugging Face tensors are all there) and `get_slice(name)`, whose `get_shape()` is the whole
     tensor's and whose `[index]` reads only that rectangle's parts of the Hugging Face tensors,
     as `dtype` (fp32: what megalite imports) or, dtype None, as stored (a load, which copies
     them into the parameters, converting there: bf16 and fp16 convert to fp32 exactly)."""
 
-    def __init__(self, recipe: Recipe, source: Source, where: str,
-                 dtype: torch.dtype | None = torch.float32):
-        self.recipe, self.source, self.where, self.dtype = recipe, source, where, dtype
+    def __init__(self, recipe: Recipe, source: HFFiles, dtype: torch.dtype | None = torch.float32):
+        self.recipe, self.source, self.where, self.dtype = recipe, source, str(source.dir), dtype
         self.extents = hf_extents(recipe)
 
     def keys(self) -> list[str]:
@@ -117,9 +93,6 @@ class MegaliteView:
 
     def get_slice(self, name: str) -> "_Lazy":
         return _Lazy(self, name)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        return self.get_slice(name)[:]
 
     def shape(self, name: str) -> torch.Size:
         """The whole megalite tensor's shape; a ConfigError if the Hugging Face tensors do not
@@ -149,7 +122,7 @@ class MegaliteView:
         index = index + (slice(None),) * (len(shape) - len(index))
         first, last = index[0].indices(shape[0])[:2]
         rest = index[1:]
-        rest_shape = [_length(s, n) for s, n in zip(rest, shape[1:])]
+        rest_shape = [len(range(*s.indices(n))) for s, n in zip(rest, shape[1:])]
         pieces: list[torch.Tensor | int] = []  # a tensor, or a count of zero rows
         offset = 0
         for part in self.recipe[name]:
@@ -169,17 +142,14 @@ class MegaliteView:
         dtype = self.dtype or next((p.dtype for p in pieces if isinstance(p, torch.Tensor)),
                                    torch.float32)
         pieces = [torch.zeros(p, *rest_shape, dtype=dtype) if isinstance(p, int) else p.to(dtype)
-                  for p in pieces]
-        if len(pieces) == 1:
-            return pieces[0]
-        if not pieces:
-            return torch.zeros(0, *rest_shape, dtype=dtype)
-        return torch.cat(pieces)
+                  for p in pieces or [0]]  # no rows: an empty tensor of the rectangle's shape
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+@dataclass(frozen=True)
 class _Lazy:
-    def __init__(self, view: MegaliteView, name: str):
-        self.view, self.name = view, name
+    view: MegaliteView
+    name: str
 
     def get_shape(self) -> list[int]:
         return list(self.view.shape(self.name))
@@ -189,44 +159,45 @@ class _Lazy:
 
 
 class HFPlan:
-    """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes()` first
-    (from the megalite tensors' shapes), then `make(name, megalite)` one at a time, where
-    `megalite(name)` gives a whole megalite tensor (read on demand: see `LastRead`)."""
+    """The Hugging Face tensors of a recipe, made from whole megalite tensors: `shapes` first
+    (from the megalite tensors' shapes), then `make(name, dtype)` one at a time, reading the
+    whole megalite tensors it needs with `read(name)` on demand."""
 
-    def __init__(self, recipe: Recipe, megalite_shape: Callable[[str], torch.Size]):
-        self.recipe = recipe
-        self.extents = hf_extents(recipe)
+    def __init__(self, recipe: Recipe, megalite_shape: Callable[[str], torch.Size],
+                 read: Callable[[str], torch.Tensor]):
+        self.extents, self.read, self.last = hf_extents(recipe), read, (None, None)
         # Each Hugging Face tensor's sources: (megalite name, row offset there, rows), in the
         # order the recipe first mentions them.
         self.sources: dict[str, list[tuple[str, int, Rows]]] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for name, parts in recipe.items():
             offset, rest = 0, tuple(megalite_shape(name))[1:]
             for part in parts:
                 if part.name is not None:
                     self.sources.setdefault(part.name, []).append((name, offset, part))
                     if part.stacked:
-                        self._shapes[part.name] = rest
+                        self.shapes[part.name] = rest
                     else:
                         axis, length = self.extents[part.name]
-                        self._shapes[part.name] = ((*rest, length) if axis else (length, *rest))
+                        self.shapes[part.name] = ((*rest, length) if axis else (length, *rest))
                 offset += part.count
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self._shapes)
+    def megalite(self, name: str) -> torch.Tensor:
+        """A whole megalite tensor, keeping only the last one read: `make` asks for the same
+        one several times in a row (K then V of one kv_proj)."""
+        if self.last[0] != name:
+            self.last = (None, None)  # freed before the next read
+            self.last = (name, self.read(name))
+        return self.last[1]
 
-    def make(self, name: str, megalite: Callable[[str], torch.Tensor],
-             dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(self._shapes[name], dtype=dtype)
+    def make(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=dtype)
         covered = 0
         for source, offset, part in self.sources[name]:
-            rows = megalite(source)[offset:offset + part.count]
+            rows = self.megalite(source)[offset:offset + part.count]
             if part.stacked:
                 return rows[0].to(dtype)
-            if part.transposed:
-                out[:, part.start:part.stop] = rows.T
-            else:
-                out[part.start:part.stop] = rows
+            (out.T if part.transposed else out)[part.start:part.stop] = rows  # columns, transposed
             covered += part.count
         if covered != self.extents[name][1]:
             raise AssertionError(f"the recipe covers {covered} of {name}'s "
@@ -234,21 +205,7 @@ class HFPlan:
         return out
 
 
-class LastRead:
-    """A whole megalite tensor by name, keeping only the last one read: `HFPlan.make` asks for
-    the same one several times in a row (K then V of one kv_proj)."""
-
-    def __init__(self, read: Callable[[str], torch.Tensor]):
-        self.read, self.name, self.tensor = read, None, None
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name != self.name:
-            self.name, self.tensor = None, None  # freed before the next read
-            self.tensor, self.name = self.read(name), name
-        return self.tensor
-
-
 def weights_to_hf(recipe: Recipe, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (fp32) from whole megalite tensors in memory."""
-    plan = HFPlan(recipe, lambda name: w[name].shape)
-    return {name: plan.make(name, w.__getitem__, torch.float32) for name in plan.sources}
+    plan = HFPlan(recipe, lambda name: w[name].shape, w.__getitem__)
+    return {name: plan.make(name, torch.float32) for name in plan.sources}

@@ -8,12 +8,16 @@ from __future__ import annotations
 from typing import Callable
 
 from megalite.config import ModelConfig
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError, from_dict, merged
 
 NAME = "LlamaForCausalLM"
-NEEDS, FREE = LLAMA_NEEDS, DECODER
+# Llama's shape, which the decoders below start from (hf/expressible.py): GQA, rotary (and its
+# scalings), a head of its own or tied.
+NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rmsnorm",
+         "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
+FREE = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
+                  "positions.scaling", "tie_embeddings"})
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -27,14 +31,11 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
             "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings, **special}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    return decoder_from_hf(hf, "Llama")
-
-
-def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -> ModelConfig:
-    """The ModelConfig of a Llama-shaped config.json (Llama, Mistral, Qwen2/3 and their
-    mixtures of experts), with the family's own `fields` (sections as mappings, merged into
-    Llama's); a ConfigError naming what megalite cannot compute, `problems` first."""
+def config_from_hf(hf: dict, family: str = "Llama", problems: list[str] = (), **fields) -> ModelConfig:
+    """The ModelConfig of a Llama-shaped config.json (Llama, and Mistral, Qwen2/3 and their
+    mixtures of experts, Gemma 3, DeepSeek-V3), with the family's own `fields` (sections as
+    mappings, merged into Llama's); a ConfigError naming what megalite cannot compute, `problems`
+    first."""
     rope, problems = rope_from_hf(hf, list(problems))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         problems.append("attention_bias / mlp_bias")
@@ -60,19 +61,19 @@ def decoder_from_hf(hf: dict, family: str, problems: list[str] = (), **fields) -
     return from_dict(ModelConfig, merged(raw, fields, ModelConfig), "model.")
 
 
-def sliding_from_hf(hf: dict, default_types: Callable[[dict], list[str]]) -> tuple[dict, list[str]]:
+def sliding_from_hf(hf: dict, default_types: list[str]) -> tuple[dict, list[str]]:
     """(model.attention's sliding_window and sliding_window_pattern, what megalite cannot compute)
     of a config.json: its `layer_types`, or where it has none the family's `default_types`
     (transformers' rule for its older configs)."""
     window = hf.get("sliding_window")
     if window is None:
         return {}, []
-    types = hf.get("layer_types") or default_types(hf)
+    types = hf.get("layer_types") or default_types
     sliding = [t == "sliding_attention" for t in types]
     if not any(sliding):
         return {}, []
-    pattern = 1 if all(sliding) else next((n for n in range(2, len(types) + 1)
-                                           if not sliding[n - 1]), 1)
+    # the first full-attention layer's number (a first layer of full attention fails the check)
+    pattern = 1 if all(sliding) else sliding.index(False) + 1
     if sliding != [pattern == 1 or (i + 1) % pattern != 0 for i in range(len(types))]:
         return {}, [f"layer_types {types} (megalite's full-attention layers are every "
                     f"sliding_window_pattern-th, the others sliding)"]
@@ -80,25 +81,19 @@ def sliding_from_hf(hf: dict, default_types: Callable[[dict], list[str]]) -> tup
 
 
 def one_window(hf: dict) -> dict:
-    """Mistral's, Mixtral's and Qwen3-MoE's rule (no layer_types): sliding_window, if set, on
-    every layer."""
+    """Mistral's, Mixtral's and (with use_sliding_window) Qwen3-MoE's rule (no layer_types):
+    sliding_window, if set, on every layer."""
     return {} if hf.get("sliding_window") is None else {"sliding_window": int(hf["sliding_window"])}
 
 
-def qwen_window(hf: dict, per_layer: bool = True) -> tuple[dict, list[str]]:
-    """Qwen's rule: no window unless use_sliding_window; then by layer_types, or without them
-    on the layers from max_window_layers on (Qwen2/3); on every layer (Qwen3-MoE, per_layer
-    False)."""
+def qwen_window(hf: dict) -> tuple[dict, list[str]]:
+    """Qwen2/3's rule: no window unless use_sliding_window; then by layer_types, or without
+    them on the layers from max_window_layers on."""
     if not hf.get("use_sliding_window"):
         return {}, []
-    if not per_layer:
-        return one_window(hf), []
-
-    def from_max_window_layers(hf: dict) -> list[str]:
-        start = hf.get("max_window_layers", 0)
-        return ["sliding_attention" if i >= start else "full_attention"
-                for i in range(hf["num_hidden_layers"])]
-    return sliding_from_hf(hf, from_max_window_layers)
+    start = hf.get("max_window_layers", 0)
+    return sliding_from_hf(hf, ["sliding_attention" if i >= start else "full_attention"
+                                for i in range(hf["num_hidden_layers"])])
 
 
 def sliding_to_hf(cfg: ModelConfig) -> dict:
@@ -122,12 +117,10 @@ HF_ROPE = {"original_max_seq_len": "original_max_position_embeddings"}
 ROPE_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")}
 
 
-def rope_from_hf(hf: dict, problems: list[str] | None = None,
-                 rope: dict | None = None) -> tuple[dict, list[str]]:
+def rope_from_hf(hf: dict, problems: list[str], rope: dict | None = None) -> tuple[dict, list[str]]:
     """(model.positions' keys but its kind, what megalite cannot compute, after `problems`) of a
     config.json: transformers 5's rope_parameters (rope_theta inside) or the older rope_scaling
     beside rope_theta; or of `rope`, one layer type's rope_parameters (Gemma 3)."""
-    problems = [] if problems is None else problems
     if rope is None:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 
 NAME = "MistralForCausalLM"
-NEEDS, FREE = LLAMA_NEEDS, DECODER | {"attention.sliding_window"}
+NEEDS, FREE = llama.NEEDS, llama.FREE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -17,7 +16,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mistral", attention=llama.one_window(hf))
+    return llama.config_from_hf(hf, "Mistral", attention=llama.one_window(hf))
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.experts import dense_of, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
+from megalite.hf.experts import MOE, moe_recipe
 from megalite.hf.layout import Recipe
 
 NAME = "MixtralForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "mlp.router": "softmax", "mlp.renormalize": True}
-FREE = DECODER | MOE | {"attention.sliding_window"}
+NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "mlp.router": "softmax", "mlp.renormalize": True}
+FREE = llama.FREE | MOE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -27,7 +26,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    return llama.decoder_from_hf(hf, "Mixtral", attention=llama.one_window(hf), mlp={
+    return llama.config_from_hf(hf, "Mixtral", attention=llama.one_window(hf), mlp={
         "kind": "moe", "experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
         "expert_ffn_hidden": hf["intermediate_size"],
         "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))})
@@ -35,5 +34,4 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def recipe(cfg: ModelConfig) -> Recipe:
     """Llama's recipe, each MLP replaced by the router and the stacked experts."""
-    return with_experts(llama.recipe(dense_of(cfg)), cfg,
-                        "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})
+    return moe_recipe(cfg, "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 
 NAME = "Qwen2ForCausalLM"
 SLIDING = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
-NEEDS, FREE = {**LLAMA_NEEDS, "attention.qkv_bias": True}, DECODER | SLIDING
+NEEDS, FREE = {**llama.NEEDS, "attention.qkv_bias": True}, llama.FREE | SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -20,7 +19,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
+    return llama.config_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
 
 
 recipe = llama.recipe  # Llama's tensors and names

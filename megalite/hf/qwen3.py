@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from megalite.config import ModelConfig
 from megalite.hf import llama, qwen2
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS
 
 NAME = "Qwen3ForCausalLM"
-NEEDS, FREE = {**LLAMA_NEEDS, "attention.qk_norm": True}, DECODER | qwen2.SLIDING
+NEEDS, FREE = {**llama.NEEDS, "attention.qk_norm": True}, llama.FREE | qwen2.SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
@@ -18,7 +17,7 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     sliding, problems = llama.qwen_window(hf)
-    return llama.decoder_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
+    return llama.config_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -5,32 +5,25 @@ norm_topk_prob; layers listed in mlp_only_layers, and those off the decoder_spar
 from __future__ import annotations
 
 from megalite.config import ModelConfig
-from megalite.hf import llama, qwen2_moe
-from megalite.hf.experts import dense_of, with_experts
-from megalite.hf.expressible import DECODER, LLAMA_NEEDS, MOE
-from megalite.hf.layout import Recipe
+from megalite.hf import llama
+from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf
 
 NAME = "Qwen3MoeForCausalLM"
-NEEDS = {**LLAMA_NEEDS, "mlp.kind": "moe", "attention.qk_norm": True, "mlp.router": "softmax"}
+NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qk_norm": True, "mlp.router": "softmax"}
 # Qwen3-MoE has no layer_types: one window (use_sliding_window) on every layer
-FREE = DECODER | MOE | {"attention.sliding_window", "mlp.renormalize", "mlp.every", "mlp.dense_layers"}
+FREE = llama.FREE | MOE | {"attention.sliding_window", "mlp.renormalize", "mlp.every", "mlp.dense_layers"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME],
-            "model_type": "qwen3_moe", "num_experts": cfg.n_experts,
-            "num_experts_per_tok": cfg.mlp.top_k, "moe_intermediate_size": cfg.expert_ffn,
-            "decoder_sparse_step": cfg.mlp.every, "mlp_only_layers": list(cfg.mlp.dense_layers),
-            "norm_topk_prob": cfg.mlp.renormalize, "router_aux_loss_coef": cfg.mlp.aux_loss_coeff,
-            "output_router_logits": False, "sliding_window": cfg.attention.sliding_window,
+    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen3_moe",
+            **qwen_moe_to_hf(cfg), "sliding_window": cfg.attention.sliding_window,
             "use_sliding_window": cfg.attention.sliding_window is not None}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.qwen_window(hf, per_layer=False)
-    return llama.decoder_from_hf(hf, "Qwen3-MoE", problems, attention={"qk_norm": True, **sliding},
-                                 mlp=qwen2_moe.moe_from_hf(hf))
+    sliding = llama.one_window(hf) if hf.get("use_sliding_window") else {}
+    return llama.config_from_hf(hf, "Qwen3-MoE", attention={"qk_norm": True, **sliding},
+                                mlp=qwen_moe_from_hf(hf))
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    return with_experts(llama.recipe(dense_of(cfg)), cfg, "mlp")
+recipe = moe_recipe  # Llama's, each MoE layer's MLP its router and stacked experts (mlp.experts.{e})

@@ -27,8 +27,9 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 
 class SafetensorsWriter:
-    """`SafetensorsWriter(path, {name: (shape, dtype)}, metadata)`, then `write(name, tensor)`
-    for each, in that order, then `close()` (or use it as a context manager)."""
+    """`with SafetensorsWriter(path, {name: (shape, dtype)}, metadata) as writer:`, then
+    `writer.write(name, tensor)` for each, in that order; the file is closed (synced to disk, and
+    checked complete, when no error is on its way) when the block ends."""
 
     def __init__(self, path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str] | None = None):
@@ -42,12 +43,9 @@ class SafetensorsWriter:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
-        self.path = Path(path)
-        self.specs = list(specs.items())
-        self.written = 0
+        self.path, self.specs, self.written = Path(path), list(specs.items()), 0
         self.file = open(self.path, "wb")
-        self.file.write(struct.pack("<Q", len(encoded)))
-        self.file.write(encoded)
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self.written >= len(self.specs) or self.specs[self.written][0] != name:
@@ -62,45 +60,33 @@ class SafetensorsWriter:
             self.file.write(memoryview(flat.numpy()))
         self.written += 1
 
-    def close(self) -> None:
-        if self.file.closed:
-            return
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if self.written != len(self.specs):
-            raise ValueError(f"{self.path}: {self.written} of {len(self.specs)} tensors written")
-
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
-            self.close()
-        else:
-            self.file.close()
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        self.file.close()
+        if kind is None and self.written != len(self.specs):
+            raise ValueError(f"{self.path}: {self.written} of {len(self.specs)} tensors written")
 
 
-class HFFiles:
+class HFFiles(ExitStack):
     """The tensors of a Hugging Face directory's safetensors files (model.safetensors, or the
     shards that model.safetensors.index.json lists), by their names in a recipe
     (`canonical(stored name)`). Files are opened (memory-mapped) at once, so that a cut-off or
     corrupt one is a ConfigError before anything is read, and closed on exit or `release()` (a
     later read opens them again); `read` takes a rectangle through safetensors' `get_slice`, a
-    view of the mapping, so only the pages it covers are read, when it is copied. A
-    `layout.Source`."""
+    view of the mapping, so only the pages it covers are read, when it is copied. What
+    `layout.MegaliteView` reads (`in`, `shape`, `read`), and the ExitStack of the open files."""
 
     def __init__(self, hf_dir: Path, canonical: Callable[[str], str]):
-        self.dir = Path(hf_dir)
+        super().__init__()
+        self.dir, self._open = Path(hf_dir), {}
         index = self.dir / "model.safetensors.index.json"
-        self._stack = ExitStack()
-        self._open: dict[str, object] = {}
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = ["model.safetensors"]
-            weight_map = None
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        files = ["model.safetensors"] if weight_map is None else sorted(set(weight_map.values()))
         for file in files:
             if not (self.dir / file).is_file():
                 raise ConfigError(f"'{self.dir / file}' is missing: megalite reads safetensors "
@@ -118,7 +104,7 @@ class HFFiles:
                 reason = str(err).removeprefix("Error while deserializing header: ")
                 raise ConfigError(f"'{self.dir / file}' is not a whole safetensors file "
                                   f"({reason}): download or export it again") from None
-            self._open[file] = self._stack.enter_context(opened)
+            self._open[file] = self.enter_context(opened)
         return self._open[file]
 
     def _slice(self, name: str):
@@ -137,11 +123,5 @@ class HFFiles:
     def release(self) -> None:
         """Close the files: their pages leave this process's memory once the tensors read from
         them (views of the mapping) are gone; a later read opens them again."""
-        self._stack.close()
+        self.close()
         self._open.clear()
-
-    def __enter__(self) -> "HFFiles":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
