@@ -152,35 +152,27 @@ def _serve(conn, init: tuple) -> None:
 
 def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts, np.ndarray | None]:
     """(tokens, document lengths, counts, targets) of one chunk: each document's ids, ending
-    with eos; for conversations, which tokens are targets (else None)."""
+    with eos; for conversations, which tokens are targets (else None): each (line,
+    conversation)'s ids and targets (conversation_tokens); one the template refuses is counted
+    as bad, by its line."""
     chat = _worker["chat"]
     texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, chat is not None)
     info: TokenizerInfo = _worker["info"]
-    targets = None
     if chat is None:
-        ids = info.encode_documents(texts)
+        ids, targets = info.encode_documents(texts), None
     else:
-        ids, targets = _conversations(chunk, texts, chat, info, counts, name)
+        ids, targets = [], []
+        for number, conversation in texts:
+            try:
+                tokens, wanted = conversation_tokens(chat[0], info, conversation, chat[1])
+            except ChatError as err:
+                counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
+                counts.documents -= 1
+                continue
+            ids.append(tokens)
+            targets.append(wanted)
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
         targets = np.fromiter(chain.from_iterable(targets), dtype=np.uint8, count=len(tokens))
     return tokens, lengths, counts, targets
-
-
-def _conversations(chunk: RawChunk, conversations: list, chat: tuple, info: TokenizerInfo,
-                   counts: Counts, name: str) -> tuple[list, list]:
-    """Each (line, conversation)'s ids and targets (conversation_tokens); one the template
-    refuses is counted as bad, by its line."""
-    template, train_on = chat
-    ids, targets = [], []
-    for number, conversation in conversations:
-        try:
-            tokens, wanted = conversation_tokens(template, info, conversation, train_on)
-        except ChatError as err:
-            counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
-            counts.documents -= 1
-            continue
-        ids.append(tokens)
-        targets.append(wanted)
-    return ids, targets
