@@ -272,12 +272,18 @@ def _document(kind: str, record, text_key: str, conversations: bool, counts: Cou
     """One record's text (its bytes not UTF-8 counted), or its conversation's messages (kind
     "rows", or conversations); raises _Skipped or ChatError for a bad record."""
     if kind == "rows":
-        return _without_nulls(conversation_of(record))
+        # A parquet column of messages has every field any message has, null where one lacks
+        # it: absent again, as in the record written (a template asks `is defined`); content stays.
+        return [{k: v for k, v in m.items() if v is not None or k == "content"}
+                for m in conversation_of(record)]
     if kind == "arrow":
         if record is None:
             raise _Skipped(f"'{text_key}' is null", "no_text")
         return record
-    text, replaced = _decode(record)
+    try:
+        text, replaced = record.decode("utf-8"), False
+    except UnicodeDecodeError:
+        text, replaced = record.decode("utf-8", errors="replace"), True
     if kind == "text":
         counts.invalid_utf8 += replaced
         return text.strip("\n")
@@ -294,27 +300,9 @@ def _document(kind: str, record, text_key: str, conversations: bool, counts: Cou
         keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""
         raise _Skipped(f"no string field '{text_key}'{keys}", "no_text")
     if b"\\ud" in record or b"\\uD" in record:  # an escaped UTF-16 surrogate
-        text, lone = _without_lone_surrogates(text)
-        replaced = replaced or lone
+        # JSON may escape half a UTF-16 pair (scraped text often does): each lone half becomes
+        # U+FFFD, as an undecodable byte does; whole pairs are joined into their character.
+        fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        text, replaced = fixed, replaced or fixed != text
     counts.invalid_utf8 += replaced
     return text
-
-
-def _without_nulls(messages: list[dict]) -> list[dict]:
-    """A parquet column of messages has every field any message has, null where one lacks it:
-    absent again, as in the record written (a template asks `is defined`); content stays."""
-    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
-
-
-def _decode(data: bytes) -> tuple[str, bool]:
-    try:
-        return data.decode("utf-8"), False
-    except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace"), True
-
-
-def _without_lone_surrogates(text: str) -> tuple[str, bool]:
-    """JSON may escape half a UTF-16 pair (scraped text often does): each lone half becomes
-    U+FFFD, as an undecodable byte does; whole pairs are joined into their character."""
-    fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
-    return fixed, fixed != text
