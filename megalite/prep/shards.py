@@ -193,11 +193,11 @@ def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: C
 
 
 class _Shard:
-    """A shard while its files' chunks come back (its .bin opened at the first)."""
+    """A shard while its files' chunks come back (conversations' with their targets)."""
 
     def __init__(self, prefix: Path, first: int, dtype: np.dtype, made_with: dict):
-        self.prefix, self.first, self.dtype, self.made_with = prefix, first, dtype, made_with
-        self.writer: ShardWriter | None = None
+        self.prefix, self.first, self.made_with = prefix, first, made_with
+        self.writer = ShardWriter(prefix, dtype, targets="chat_template_sha256" in made_with)
         self.counts, self.tokens = Counts(), 0
         self.sources: list[dict] = []
         self.file_counts, self.read = Counts(), 0  # of the file being read
@@ -206,8 +206,6 @@ class _Shard:
             targets: np.ndarray | None = None) -> int:
         """Append a chunk's documents (and for conversations, which tokens are targets);
         returns the input bytes it read."""
-        if self.writer is None:
-            self.writer = ShardWriter(self.prefix, self.dtype, targets=targets is not None)
         self.writer.add(tokens, lengths, targets)
         self.file_counts.add(counts)
         self.tokens += len(tokens)
@@ -236,18 +234,13 @@ class _Shard:
     def finish(self) -> dict:
         """Writes the shard, then its marker; returns the marker's record (each file's counts
         kept where the shard holds several)."""
-        if self.writer is not None:
-            self.writer.finish()
+        self.writer.finish()  # (no file at all for a shard of no documents)
         held = {k: self.sources[0][k] for k in ("source", "bytes", "mtime_ns")} \
             if len(self.sources) == 1 else {"sources": self.sources}
         record = {"name": self.prefix.name, **held, **self.made_with, "tokens": self.tokens,
                   **asdict(self.counts)}
         write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
         return record
-
-    def abandon(self) -> None:
-        if self.writer is not None:
-            self.writer.abandon()
 
 
 def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
@@ -299,7 +292,7 @@ def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
                           f"kept") from None
     finally:
         if current is not None:
-            current.abandon()
+            current.writer.abandon()
         pool.close()
         bar.close()
     return written
