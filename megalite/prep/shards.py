@@ -248,8 +248,9 @@ def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
          chat: tuple[str, str] | None = None) -> dict[int, dict]:
     """Each run of consecutive files of `todo` in turn: their chunks tokenized in the pool,
     written in order into shards named for their first file, each closed after the file that
-    brings it to --shard-size-gb (every file at 0) and at the end of the run. Returns {first file: record}.
-    The workers load the tokenizer stored in `out`, the output directory (its specials named)."""
+    brings it to --shard-size-gb (every file at 0) and at the end of the run. Returns {first
+    file: record}. The workers load the tokenizer stored in `out`, the output directory (its
+    specials named)."""
     init = (str(out), dtype.name, settings.text_key, settings.strict, chat, settings.workers > 0)
     pool = workers.Workers(settings.workers, init) if settings.workers > 0 else workers.Inline(init)
     last = set(todo) - {i - 1 for i in todo}  # each run's last file: the next is not to do
