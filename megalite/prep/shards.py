@@ -252,7 +252,7 @@ def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
     file: record}. The workers load the tokenizer stored in `out`, the output directory (its
     specials named)."""
     init = (str(out), dtype.name, settings.text_key, settings.strict, chat, settings.workers > 0)
-    pool = workers.Workers(settings.workers, init) if settings.workers > 0 else workers.Inline(init)
+    pool = workers.Workers(settings.workers, init)
     last = set(todo) - {i - 1 for i in todo}  # each run's last file: the next is not to do
     bar = _Progress(sum(files[i].stat().st_size for i in todo), settings.progress)
     # (file, chunk, its ticket) in reading order; (file, None, its stat) ends a file.

@@ -1,7 +1,7 @@
 """The tokenizing processes of prepare-data: each chunk of documents in, its token ids out.
 
-`Workers` runs them in spawned processes, `Inline` in this one (workers=0); both take chunks
-with submit() and give results, in the order submitted, with result().
+`Workers` runs them in spawned processes, or in this one (workers=0); it takes chunks with
+submit() and gives results, in the order submitted, with result().
 """
 from __future__ import annotations
 
@@ -24,29 +24,13 @@ from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
 
-class Inline:
-    """Tokenizes each chunk as it is submitted, in this process (workers=0)."""
-
-    def __init__(self, init: tuple):
-        _init_worker(*init)
-
-    def submit(self, chunk: RawChunk, name: str) -> tuple:
-        return _encode(chunk, name)
-
-    def result(self, done: tuple) -> tuple:
-        return done
-
-    def close(self) -> None:
-        pass
-
-
 class WorkerDied(Exception):
     """A tokenizing process ended while the run still needed it."""
 
 
 class Workers:
-    """`n` spawned tokenizing processes, each behind its own pipe; results are taken in the
-    order submitted. A chunk goes only to an idle worker (one waiting to receive), so no send
+    """`n` spawned tokenizing processes, each behind its own pipe (n=0: none, each chunk tokenized
+    in this process as it is submitted); results are taken in the order submitted. A chunk goes only to an idle worker (one waiting to receive), so no send
     waits on a worker that is itself waiting to send; a worker's death is seen through its
     sentinel whenever this process waits, and close() kills them all. Not a
     ProcessPoolExecutor: after a worker's death its shutdown can wait forever before Python
@@ -68,6 +52,8 @@ class Workers:
         except BaseException:
             self.close()
             raise
+        if n == 0:
+            _init_worker(*init)
         self.idle = deque(range(n))
         self.queued: deque = deque()  # (ticket, chunk, name) not yet sent
         self.busy: dict[int, int] = {}  # worker -> the ticket it works on
@@ -90,6 +76,9 @@ class Workers:
 
     def _pump(self, timeout: float | None) -> None:
         """Hand queued chunks to idle workers, then take the results ready within `timeout`."""
+        while not self.procs and self.queued:  # workers=0: here, now
+            ticket, chunk, name = self.queued.popleft()
+            self.done[ticket] = (True, _encode(chunk, name))
         while self.idle and self.queued:
             worker = self.idle.popleft()
             ticket, *task = self.queued.popleft()
