@@ -29,10 +29,11 @@ class WorkerDied(Exception):
 
 
 class Workers:
-    """`n` spawned tokenizing processes, each behind its own pipe (n=0: none, each chunk tokenized
-    in this process as it is submitted); results are taken in the order submitted. A chunk goes only to an idle worker (one waiting to receive), so no send
-    waits on a worker that is itself waiting to send; a worker's death is seen through its
-    sentinel whenever this process waits, and close() kills them all. Not a
+    """`n` spawned tokenizing processes, each behind its own pipe (n=0: none, each chunk
+    tokenized in this process as it is submitted); results are taken in the order submitted.
+    A chunk goes only to an idle worker (one waiting to receive), so no send waits on a worker
+    that is itself waiting to send; a worker's death is seen through its sentinel whenever
+    this process waits, and close() kills them all. Not a
     ProcessPoolExecutor: after a worker's death its shutdown can wait forever before Python
     3.12 (on 3.11, on a sibling it was starting meanwhile, which escaped its clean-up; on 3.10,
     on sending a chunk to the dead)."""
