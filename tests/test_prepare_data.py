@@ -294,9 +294,9 @@ def test_the_reader_keeps_a_bounded_number_of_chunks_in_flight(tmp_path, monkeyp
     monkeypatch.setattr("megalite.prep.sources.CHUNK_BYTES", 500)
     seen = {"submitted": 0, "written": 0, "most": 0}
 
-    class CountingPool(workers.Inline):
+    class CountingPool(workers.Workers):
         def __init__(self, workers, init):
-            super().__init__(init[:-1] + (False,))  # in this process: not as a pool's worker
+            super().__init__(0, init[:-1] + (False,))  # in this process: not as a pool's worker
 
         def submit(self, *args):
             seen["submitted"] += 1

@@ -18,17 +18,14 @@ from megalite.data.indexed import bin_path, is_indexed
 
 
 def whole_shards(out: Path, files: list[Path], names: list[str],
-                 made_with: dict) -> tuple[dict[int, dict], list[tuple[int, int]]]:
+                 made_with: dict) -> tuple[dict[int, dict], list[int]]:
     """({first file: record} of the shards an earlier run left whole, met walking the files in
-    order, and the runs of files (first, end) that no such shard holds)."""
+    order, and the files, in order, that no such shard holds)."""
     kept, todo, i = {}, [], 0
     while i < len(files):
         record = _shard_done(out, names[i], files, i, made_with)
         if record is None:
-            if todo and todo[-1][1] == i:
-                todo[-1] = (todo[-1][0], i + 1)
-            else:
-                todo.append((i, i + 1))
+            todo.append(i)
             i += 1
         else:
             kept[i] = record

@@ -23,7 +23,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from itertools import chain
+from itertools import chain, count
 from pathlib import Path
 from typing import Iterator
 
@@ -90,9 +90,13 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
         check_dtype_holds(dtype, info.vocab_size, f"--dtype {dtype.name}")
         made_with = {"dtype": dtype.name, "text_key": settings.text_key, "strict": settings.strict,
                      "tokenizer_sha256": info.digest}
-        chat = _chat(info, out, settings)
-        if chat is not None:  # documents' shards keep the records they had
-            made_with.update(chat_template_sha256=hashlib.sha256(chat[0].encode()).hexdigest(),
+        chat = None  # for conversations: (the chat template's source, train_on)
+        if settings.chat_template is not None:  # documents' shards keep the records they had
+            template = load_chat_template(info, None if settings.chat_template == "auto"
+                                          else settings.chat_template).source
+            write_atomic(out / "chat_template.jinja", template)
+            chat = template, settings.train_on
+            made_with.update(chat_template_sha256=hashlib.sha256(template.encode()).hexdigest(),
                              train_on=settings.train_on)
         names = [f"{i:05d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', f.name)}" for i, f in enumerate(files)]
         shards, todo = whole_shards(out, files, names, made_with)
@@ -120,17 +124,6 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
                 "reasons": sum_reasons(r.get("reasons", {}) for r in records)}
         write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return meta
-
-
-def _chat(info: TokenizerInfo, out: Path, settings: PrepareSettings) -> tuple[str, str] | None:
-    """(the chat template's source, train_on) for conversations, stored in `out` as
-    chat_template.jinja; None for documents."""
-    if settings.chat_template is None:
-        return None
-    template = load_chat_template(info, None if settings.chat_template == "auto"
-                                  else settings.chat_template)
-    write_atomic(out / "chat_template.jinja", template.source)
-    return template.source, settings.train_on
 
 
 def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> TokenizerInfo:
@@ -167,31 +160,21 @@ def _tokenizer(files: list[Path], out: Path, settings: PrepareSettings) -> Token
                           f"{seen.empty} empty, {seen.not_json + seen.no_text} without a text "
                           f"field '{settings.text_key}'): give non-empty documents, name the "
                           f"field with --text-key (data.text_key), or give --tokenizer")
+    if settings.progress:  # it reads and learns for minutes on a large sample, silently
+        print(f"prepare-data: training a byte-level BPE of {settings.bpe_vocab_size:,} tokens on up "
+              f"to {settings.bpe_sample_mb:g} MB of documents...", file=sys.stderr, flush=True)
+    started, taken = time.perf_counter(), count()
     fresh = out / ".bpe.tokenizer.json"
-    _train_bpe(chain([first], sample), settings).save(str(fresh))
+    # zip draws a document before a count: `taken` stops at the number of documents trained on
+    texts = (text for text, _ in zip(chain([first], sample), taken))
+    train_bpe(texts, settings.bpe_vocab_size).save(str(fresh))
+    if settings.progress:
+        print(f"prepare-data: BPE trained on {next(taken):,} documents in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     write_atomic(trained, json.dumps(bpe))
     save_tokenizer(load_tokenizer(fresh), out)
     fresh.unlink()
     return load_tokenizer(out)
-
-
-def _train_bpe(texts: Iterator[str], settings: PrepareSettings):
-    """train_bpe, announced (it reads and learns for minutes on a large sample, silently)."""
-    if not settings.progress:
-        return train_bpe(texts, settings.bpe_vocab_size)
-    print(f"prepare-data: training a byte-level BPE of {settings.bpe_vocab_size:,} tokens on up to "
-          f"{settings.bpe_sample_mb:g} MB of documents...", file=sys.stderr, flush=True)
-    started, taken = time.perf_counter(), 0
-
-    def counted():
-        nonlocal taken
-        for text in texts:
-            taken += 1
-            yield text
-    tokenizer = train_bpe(counted(), settings.bpe_vocab_size)
-    print(f"prepare-data: BPE trained on {taken:,} documents in "
-          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    return tokenizer
 
 
 def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: Counts) -> Iterator[str]:
@@ -210,11 +193,11 @@ def _sample(files: list[Path], settings: PrepareSettings, budget: int, counts: C
 
 
 class _Shard:
-    """A shard while its files' chunks come back (its .bin opened at the first)."""
+    """A shard while its files' chunks come back (conversations' with their targets)."""
 
     def __init__(self, prefix: Path, first: int, dtype: np.dtype, made_with: dict):
-        self.prefix, self.first, self.dtype, self.made_with = prefix, first, dtype, made_with
-        self.writer: ShardWriter | None = None
+        self.prefix, self.first, self.made_with = prefix, first, made_with
+        self.writer = ShardWriter(prefix, dtype, targets="chat_template_sha256" in made_with)
         self.counts, self.tokens = Counts(), 0
         self.sources: list[dict] = []
         self.file_counts, self.read = Counts(), 0  # of the file being read
@@ -223,8 +206,6 @@ class _Shard:
             targets: np.ndarray | None = None) -> int:
         """Append a chunk's documents (and for conversations, which tokens are targets);
         returns the input bytes it read."""
-        if self.writer is None:
-            self.writer = ShardWriter(self.prefix, self.dtype, targets=targets is not None)
         self.writer.add(tokens, lengths, targets)
         self.file_counts.add(counts)
         self.tokens += len(tokens)
@@ -235,14 +216,13 @@ class _Shard:
         """The file's chunks are all in; `stat`: the file as it was when reading began, what the
         record keeps, so that a file rewritten meanwhile is prepared again by the next run."""
         counts = self.file_counts
-        conversations = "chat_template_sha256" in self.made_with
-        if counts.records and counts.no_text == counts.records and conversations:
-            raise ConfigError(f"'{source}': none of its {counts.records} records gives a "
-                              f"conversation to train on ({counts.bad[0]}): give records of "
-                              f"`messages`, or `prompt` and `completion`, that the chat template "
-                              f"renders with assistant tokens, or leave out --chat-template "
-                              f"(data.chat_template) for text")
         if counts.records and counts.no_text == counts.records:
+            if "chat_template_sha256" in self.made_with:  # conversations
+                raise ConfigError(f"'{source}': none of its {counts.records} records gives a "
+                                  f"conversation to train on ({counts.bad[0]}): give records of "
+                                  f"`messages`, or `prompt` and `completion`, that the chat "
+                                  f"template renders with assistant tokens, or leave out "
+                                  f"--chat-template (data.chat_template) for text")
             raise ConfigError(f"'{source}': none of its {counts.records} records has the "
                               f"text field '{self.made_with['text_key']}' ({counts.bad[0]}): "
                               f"name the field with --text-key (data.text_key)")
@@ -254,8 +234,7 @@ class _Shard:
     def finish(self) -> dict:
         """Writes the shard, then its marker; returns the marker's record (each file's counts
         kept where the shard holds several)."""
-        if self.writer is not None:
-            self.writer.finish()
+        self.writer.finish()  # (no file at all for a shard of no documents)
         held = {k: self.sources[0][k] for k in ("source", "bytes", "mtime_ns")} \
             if len(self.sources) == 1 else {"sources": self.sources}
         record = {"name": self.prefix.name, **held, **self.made_with, "tokens": self.tokens,
@@ -263,23 +242,19 @@ class _Shard:
         write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
         return record
 
-    def abandon(self) -> None:
-        if self.writer is not None:
-            self.writer.abandon()
 
-
-def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: Path,
+def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
          dtype: np.dtype, made_with: dict, settings: PrepareSettings,
          chat: tuple[str, str] | None = None) -> dict[int, dict]:
-    """Each run of files [first, end) in turn: their chunks tokenized in the pool, written in
-    order into shards named for their first file, each closed after the file that brings it to
-    --shard-size-gb (every file at 0) and at the end of the run. Returns {first file: record}.
-    The workers load the tokenizer stored in `out`, the output directory (its specials named)."""
+    """Each run of consecutive files of `todo` in turn: their chunks tokenized in the pool,
+    written in order into shards named for their first file, each closed after the file that
+    brings it to --shard-size-gb (every file at 0) and at the end of the run. Returns {first
+    file: record}. The workers load the tokenizer stored in `out`, the output directory (its
+    specials named)."""
     init = (str(out), dtype.name, settings.text_key, settings.strict, chat, settings.workers > 0)
-    pool = workers.Workers(settings.workers, init) if settings.workers > 0 else workers.Inline(init)
-    jobs = [i for first, end in todo for i in range(first, end)]
-    last = {end - 1 for _, end in todo}
-    bar = _Progress(sum(files[i].stat().st_size for i in jobs), settings.progress)
+    pool = workers.Workers(settings.workers, init)
+    last = set(todo) - {i - 1 for i in todo}  # each run's last file: the next is not to do
+    bar = _Progress(sum(files[i].stat().st_size for i in todo), settings.progress)
     # (file, chunk, its ticket) in reading order; (file, None, its stat) ends a file.
     in_flight: deque = deque()
     current: _Shard | None = None
@@ -302,7 +277,7 @@ def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: 
                    len(tokens), counts.documents)
 
     try:
-        for i in jobs:
+        for i in todo:
             stat = files[i].stat()
             for chunk in read_chunks(files[i], settings.text_key, settings.chat_template is not None):
                 in_flight.append((i, chunk, pool.submit(chunk, str(files[i]))))
@@ -318,35 +293,31 @@ def _run(todo: list[tuple[int, int]], files: list[Path], names: list[str], out: 
                           f"kept") from None
     finally:
         if current is not None:
-            current.abandon()
+            current.writer.abandon()
         pool.close()
         bar.close()
     return written
 
 
-class _Progress:
+class _Progress(Progress):
     """On stderr: how much of the input is read, in the files' own bytes (compressed for a
     compressed file: the sizes known ahead), and the rates in what they mean whatever the
     compression: MB/s of text as decompressed, tokens/s; documents so far."""
 
     def __init__(self, total_bytes: int, enabled: bool):
         mb = total_bytes / 1e6
-        self.progress = Progress(
+        super().__init__(
             total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {mb:,.1f} MB of input read "
                                       f"({read / max(total_bytes, 1):.0%})",
             file=sys.stderr, every_s=LINE_EVERY_S, enabled=enabled, desc="prepare", unit="B",
             unit_scale=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}{postfix}]")
         self.start = time.perf_counter()
-        self.read = self.text = self.tokens = self.documents = 0
+        self.sums = [0, 0, 0, 0]  # input bytes read, text bytes, tokens, documents
 
-    def update(self, read: int, text: int, tokens: int, documents: int) -> None:
-        self.read += read
-        self.text += text
-        self.tokens += tokens
-        self.documents += documents
+    def update(self, *amounts: int) -> None:
+        """Add a chunk's (input bytes read, text bytes, tokens, documents)."""
+        self.sums = [total + amount for total, amount in zip(self.sums, amounts)]
+        read, text, tokens, documents = self.sums
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.progress.show(self.read, f"{self.text / 1e6 / elapsed:,.1f} MB/s of text, "
-                                      f"{self.tokens / elapsed:,.0f} tok/s, {self.documents:,} docs")
-
-    def close(self) -> None:
-        self.progress.close()
+        self.show(read, f"{text / 1e6 / elapsed:,.1f} MB/s of text, {tokens / elapsed:,.0f} tok/s, "
+                        f"{documents:,} docs")

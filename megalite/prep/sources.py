@@ -154,13 +154,8 @@ def documents(path: Path, text_key: str = "text", strict: bool = False,
 
 
 def _decompressed(raw, kind: str):
-    if kind == ".jsonl.gz":
-        return gzip.GzipFile(fileobj=raw)
-    if kind == ".jsonl.xz":
-        return lzma.LZMAFile(raw)
-    if kind == ".jsonl.zst":
-        return io.BufferedReader(_ZstdStream(raw))
-    return nullcontext(raw)
+    """The file's bytes as a stream of lines: decompressed, or as they are."""
+    return _STREAMS.get(kind, nullcontext)(raw)
 
 
 class _ZstdStream(io.RawIOBase):
@@ -170,7 +165,7 @@ class _ZstdStream(io.RawIOBase):
     def __init__(self, raw):
         import zstandard
         self.raw, self.new, self.error = raw, zstandard.ZstdDecompressor().decompressobj, zstandard.ZstdError
-        self.frame, self.pending, self.started = self.new(), b"", False
+        self.frame, self.pending = None, b""  # None: no byte read yet
 
     def readable(self) -> bool:
         return True
@@ -179,13 +174,12 @@ class _ZstdStream(io.RawIOBase):
         while not self.pending:
             data = self.raw.read(CHUNK_BYTES)
             if not data:
-                if self.started and not self.frame.eof:
+                if self.frame is not None and not self.frame.eof:
                     raise EOFError("zstd stream ended inside a frame")
                 return 0
             while data:
-                if self.frame.eof:
+                if self.frame is None or self.frame.eof:
                     self.frame = self.new()
-                self.started = True
                 try:
                     self.pending += self.frame.decompress(data)
                 except self.error as err:
@@ -194,6 +188,10 @@ class _ZstdStream(io.RawIOBase):
         n = min(len(buffer), len(self.pending))
         buffer[:n], self.pending = self.pending[:n], self.pending[n:]
         return n
+
+
+_STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lzma.LZMAFile,
+            ".jsonl.zst": lambda raw: io.BufferedReader(_ZstdStream(raw))}
 
 
 def _json_chunks(stream, raw) -> Iterator[RawChunk]:
@@ -240,82 +238,71 @@ def _parquet_chunks(path: Path, text_key: str, conversations: bool) -> Iterator[
         first += len(batch)
 
 
+class _Skipped(Exception):
+    """A record left out: (why, the count it is counted in: Counts.count_bad's kind)."""
+
+
 def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
           conversations: bool = False) -> tuple[list, Counts]:
     """The chunk's documents and its counts; whitespace-only documents are skipped.
     conversations: each JSON record's (line, messages) instead (data/chat.conversation_of), so
     that one the template refuses later is named by its line (parquet: its row)."""
     counts, texts = Counts(), []
-
-    def bad(number: int, why: str, kind: str) -> None:
-        counts.count_bad(*place(chunk, name, number), why, kind, strict)
-
     records = chunk.records.to_pylist() if chunk.kind in ("arrow", "rows") else chunk.records
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
-        if chunk.kind == "rows":
-            try:
-                texts.append((number, _without_nulls(conversation_of(record))))
-            except ChatError as err:
-                bad(number, str(err), "no_text")
-            continue
-        if chunk.kind == "arrow":
-            if record is None:
-                bad(number, f"'{text_key}' is null", "no_text")
-                continue
-            text = record
+        try:
+            text = _document(chunk.kind, record, text_key, conversations, counts)
+        except ChatError as err:
+            counts.count_bad(*place(chunk, name, number), str(err), "no_text", strict)
+        except _Skipped as skipped:
+            counts.count_bad(*place(chunk, name, number), *skipped.args, strict)
         else:
-            text, replaced = _decode(record)
-            if chunk.kind == "json":
-                if not text.strip():
-                    counts.empty += 1
-                    continue
-                try:
-                    value = json.loads(text)
-                except json.JSONDecodeError as err:
-                    bad(number, f"not JSON ({err.msg})", "not_json")
-                    continue
-                if conversations:
-                    try:
-                        conversation = conversation_of(value if isinstance(value, dict) else {})
-                        texts.append((number, conversation))
-                    except ChatError as err:
-                        bad(number, str(err), "no_text")
-                    continue
-                text = value.get(text_key) if isinstance(value, dict) else None
-                if not isinstance(text, str):
-                    keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""
-                    bad(number, f"no string field '{text_key}'{keys}", "no_text")
-                    continue
-                if b"\\ud" in record or b"\\uD" in record:  # an escaped UTF-16 surrogate
-                    text, lone = _without_lone_surrogates(text)
-                    replaced = replaced or lone
+            if isinstance(text, list):  # a conversation's messages
+                texts.append((number, text))
+            elif text.strip():
+                texts.append(text)
             else:
-                text = text.strip("\n")
-            counts.invalid_utf8 += replaced
-        if not text.strip():
-            counts.empty += 1
-            continue
-        texts.append(text)
+                counts.empty += 1
     counts.documents = len(texts)
     return texts, counts
 
 
-def _without_nulls(messages: list[dict]) -> list[dict]:
-    """A parquet column of messages has every field any message has, null where one lacks it:
-    absent again, as in the record written (a template asks `is defined`); content stays."""
-    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
-
-
-def _decode(data: bytes) -> tuple[str, bool]:
+def _document(kind: str, record, text_key: str, conversations: bool, counts: Counts) -> str | list:
+    """One record's text (its bytes not UTF-8 counted), or its conversation's messages (kind
+    "rows", or conversations); raises _Skipped or ChatError for a bad record."""
+    if kind == "rows":
+        # A parquet column of messages has every field any message has, null where one lacks
+        # it: absent again, as in the record written (a template asks `is defined`); content stays.
+        return [{k: v for k, v in m.items() if v is not None or k == "content"}
+                for m in conversation_of(record)]
+    if kind == "arrow":
+        if record is None:
+            raise _Skipped(f"'{text_key}' is null", "no_text")
+        return record
     try:
-        return data.decode("utf-8"), False
+        text, replaced = record.decode("utf-8"), False
     except UnicodeDecodeError:
-        return data.decode("utf-8", errors="replace"), True
-
-
-def _without_lone_surrogates(text: str) -> tuple[str, bool]:
-    """JSON may escape half a UTF-16 pair (scraped text often does): each lone half becomes
-    U+FFFD, as an undecodable byte does; whole pairs are joined into their character."""
-    fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
-    return fixed, fixed != text
+        text, replaced = record.decode("utf-8", errors="replace"), True
+    if kind == "text":
+        counts.invalid_utf8 += replaced
+        return text.strip("\n")
+    if not text.strip():
+        return ""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _Skipped(f"not JSON ({err.msg})", "not_json") from None
+    if conversations:
+        return conversation_of(value if isinstance(value, dict) else {})
+    text = value.get(text_key) if isinstance(value, dict) else None
+    if not isinstance(text, str):
+        keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""
+        raise _Skipped(f"no string field '{text_key}'{keys}", "no_text")
+    if b"\\ud" in record or b"\\uD" in record:  # an escaped UTF-16 surrogate
+        # JSON may escape half a UTF-16 pair (scraped text often does): each lone half becomes
+        # U+FFFD, as an undecodable byte does; whole pairs are joined into their character.
+        fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+        text, replaced = fixed, replaced or fixed != text
+    counts.invalid_utf8 += replaced
+    return text

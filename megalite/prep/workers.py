@@ -1,7 +1,7 @@
 """The tokenizing processes of prepare-data: each chunk of documents in, its token ids out.
 
-`Workers` runs them in spawned processes, `Inline` in this one (workers=0); both take chunks
-with submit() and give results, in the order submitted, with result().
+`Workers` runs them in spawned processes, or in this one (workers=0); it takes chunks with
+submit() and gives results, in the order submitted, with result().
 """
 from __future__ import annotations
 
@@ -24,31 +24,16 @@ from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
 from megalite.typed_config import ConfigError
 
 
-class Inline:
-    """Tokenizes each chunk as it is submitted, in this process (workers=0)."""
-
-    def __init__(self, init: tuple):
-        _init_worker(*init)
-
-    def submit(self, chunk: RawChunk, name: str) -> tuple:
-        return _encode(chunk, name)
-
-    def result(self, done: tuple) -> tuple:
-        return done
-
-    def close(self) -> None:
-        pass
-
-
 class WorkerDied(Exception):
     """A tokenizing process ended while the run still needed it."""
 
 
 class Workers:
-    """`n` spawned tokenizing processes, each behind its own pipe; results are taken in the
-    order submitted. A chunk goes only to an idle worker (one waiting to receive), so no send
-    waits on a worker that is itself waiting to send; a worker's death is seen through its
-    sentinel whenever this process waits, and close() kills them all. Not a
+    """`n` spawned tokenizing processes, each behind its own pipe (n=0: none, each chunk
+    tokenized in this process as it is submitted); results are taken in the order submitted.
+    A chunk goes only to an idle worker (one waiting to receive), so no send waits on a worker
+    that is itself waiting to send; a worker's death is seen through its sentinel whenever
+    this process waits, and close() kills them all. Not a
     ProcessPoolExecutor: after a worker's death its shutdown can wait forever before Python
     3.12 (on 3.11, on a sibling it was starting meanwhile, which escaped its clean-up; on 3.10,
     on sending a chunk to the dead)."""
@@ -68,6 +53,8 @@ class Workers:
         except BaseException:
             self.close()
             raise
+        if n == 0:
+            _init_worker(*init)
         self.idle = deque(range(n))
         self.queued: deque = deque()  # (ticket, chunk, name) not yet sent
         self.busy: dict[int, int] = {}  # worker -> the ticket it works on
@@ -90,6 +77,9 @@ class Workers:
 
     def _pump(self, timeout: float | None) -> None:
         """Hand queued chunks to idle workers, then take the results ready within `timeout`."""
+        while not self.procs and self.queued:  # workers=0: here, now
+            ticket, chunk, name = self.queued.popleft()
+            self.done[ticket] = (True, _encode(chunk, name))
         while self.idle and self.queued:
             worker = self.idle.popleft()
             ticket, *task = self.queued.popleft()
@@ -152,35 +142,27 @@ def _serve(conn, init: tuple) -> None:
 
 def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts, np.ndarray | None]:
     """(tokens, document lengths, counts, targets) of one chunk: each document's ids, ending
-    with eos; for conversations, which tokens are targets (else None)."""
+    with eos; for conversations, which tokens are targets (else None): each (line,
+    conversation)'s ids and targets (conversation_tokens); one the template refuses is counted
+    as bad, by its line."""
     chat = _worker["chat"]
     texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, chat is not None)
     info: TokenizerInfo = _worker["info"]
-    targets = None
     if chat is None:
-        ids = info.encode_documents(texts)
+        ids, targets = info.encode_documents(texts), None
     else:
-        ids, targets = _conversations(chunk, texts, chat, info, counts, name)
+        ids, targets = [], []
+        for number, conversation in texts:
+            try:
+                tokens, wanted = conversation_tokens(chat[0], info, conversation, chat[1])
+            except ChatError as err:
+                counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
+                counts.documents -= 1
+                continue
+            ids.append(tokens)
+            targets.append(wanted)
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
         targets = np.fromiter(chain.from_iterable(targets), dtype=np.uint8, count=len(tokens))
     return tokens, lengths, counts, targets
-
-
-def _conversations(chunk: RawChunk, conversations: list, chat: tuple, info: TokenizerInfo,
-                   counts: Counts, name: str) -> tuple[list, list]:
-    """Each (line, conversation)'s ids and targets (conversation_tokens); one the template
-    refuses is counted as bad, by its line."""
-    template, train_on = chat
-    ids, targets = [], []
-    for number, conversation in conversations:
-        try:
-            tokens, wanted = conversation_tokens(template, info, conversation, train_on)
-        except ChatError as err:
-            counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
-            counts.documents -= 1
-            continue
-        ids.append(tokens)
-        targets.append(wanted)
-    return ids, targets
