@@ -159,42 +159,42 @@ def report_error(message: str, status: int = USAGE) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _launcher_file(name: str) -> str | None:
+    """Under `megalite torchrun`: the path of `name` in the launcher's directory, else None."""
+    launcher_dir = os.environ.get(ERROR_DIR)
+    return os.path.join(launcher_dir, name) if launcher_dir else None
+
+
 def leave_for_launcher(line: str, status: int) -> bool:
     """Under `megalite torchrun`: the rank's line and exit status, in the launcher's directory
     under the rank's number (which also tells peers.Peers that this rank ended on its own)."""
-    launcher_dir = os.environ.get(ERROR_DIR)
-    if not launcher_dir:
+    path = _launcher_file(os.environ.get("RANK", "0"))
+    if path is None:
         return False
-    rank = os.environ.get("RANK", "0")
-    tmp = os.path.join(launcher_dir, f".{rank}.tmp")
-    with open(tmp, "w") as f:
+    with open(path + ".tmp", "w") as f:
         f.write(f"{status} {line}")
-    os.replace(tmp, os.path.join(launcher_dir, rank))  # the launcher never reads half
+    os.replace(path + ".tmp", path)  # the launcher never reads half
     return True
 
 
 def left_a_line(rank: int) -> bool:
     """Under `megalite torchrun`: whether rank `rank` left its line (leave_for_launcher)."""
-    launcher_dir = os.environ.get(ERROR_DIR)
-    return bool(launcher_dir) and os.path.exists(os.path.join(launcher_dir, str(rank)))
+    path = _launcher_file(str(rank))
+    return path is not None and os.path.exists(path)
 
 
 def mark_stopped(rank: int) -> None:
     """Under `megalite torchrun`: this rank stopped on request with a checkpoint."""
-    launcher_dir = os.environ.get(ERROR_DIR)
-    if launcher_dir:
-        open(os.path.join(launcher_dir, f"{STOPPED}{rank}"), "w").close()
+    if (path := _launcher_file(f"{STOPPED}{rank}")) is not None:
+        open(path, "w").close()
 
 
 def forget_left(rank: int) -> None:
     """A rank's lines of an earlier round of a restarted launch: gone before it meets its
     peers, so that they are neither printed for this round nor taken as ended ranks."""
-    launcher_dir = os.environ.get(ERROR_DIR)
-    for name in (str(rank), f"{STOPPED}{rank}") if launcher_dir else ():
-        try:
-            os.remove(os.path.join(launcher_dir, name))
-        except FileNotFoundError:
-            pass
+    for name in (str(rank), f"{STOPPED}{rank}"):
+        if (path := _launcher_file(name)) is not None and os.path.exists(path):
+            os.remove(path)
 
 
 def restarts_left() -> bool:

@@ -30,9 +30,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return help_text
 
 
-def command_parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+def command_parser(prog: str, description: str | None = None,
+                   epilog: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser: `megalite <command> --help` shows its defaults."""
-    return argparse.ArgumentParser(prog=prog, description=description,
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                    formatter_class=HelpFormatter)
 
 
@@ -42,12 +43,6 @@ def module_doc(module: str) -> str | None:
     return ast.get_docstring(ast.parse(source), clean=False)
 
 
-def computing_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
-    parser = command_parser(prog, description)
-    parser.epilog = THREADS
-    return parser
-
-
 # Not capped by the load: a run's numbers would then depend on it (a resume is bit-exact only
 # on the threads it started with).
 TRAIN_THREADS = """torch's CPU threads: OMP_NUM_THREADS where it is set (torchrun sets 1 per rank), else
@@ -55,8 +50,7 @@ torch's default, every core: on a busy machine set OMP_NUM_THREADS (the same for
 
 
 def train_parser() -> argparse.ArgumentParser:
-    parser = command_parser("megalite train", module_doc("megalite.train"))
-    parser.epilog = TRAIN_THREADS
+    parser = command_parser("megalite train", module_doc("megalite.train"), TRAIN_THREADS)
     parser.add_argument("--config", help="YAML run config (see configs/demo.yaml); without it, "
                                          "the defaults of docs/config.md")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
@@ -64,7 +58,8 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def export_parser() -> argparse.ArgumentParser:
-    parser = computing_parser("megalite export", "Write a checkpoint as a Hugging Face model directory.")
+    parser = command_parser("megalite export", "Write a checkpoint as a Hugging Face model directory.",
+                            THREADS)
     parser.add_argument("--ckpt", required=True, help=CKPT)
     parser.add_argument("--to-hf", required=True, dest="out",
                         help="the directory to write (made if missing; in an earlier export's, "
@@ -77,8 +72,8 @@ def export_parser() -> argparse.ArgumentParser:
 
 
 def import_parser() -> argparse.ArgumentParser:
-    parser = computing_parser("megalite import", "Make a megalite checkpoint (step 0, no optimizer "
-                                                 "state) of a Hugging Face model directory.")
+    parser = command_parser("megalite import", "Make a megalite checkpoint (step 0, no optimizer "
+                                               "state) of a Hugging Face model directory.", THREADS)
     parser.add_argument("--from-hf", required=True, dest="hf_dir",
                         help="a Hugging Face model directory: config.json, safetensors, tokenizer.json")
     parser.add_argument("--to", required=True, dest="ckpt", help="the checkpoint directory to write")
@@ -88,7 +83,7 @@ def import_parser() -> argparse.ArgumentParser:
 
 
 def eval_parser() -> argparse.ArgumentParser:
-    parser = computing_parser("megalite eval", module_doc("megalite.evaluate"))
+    parser = command_parser("megalite eval", module_doc("megalite.evaluate"), THREADS)
     parser.add_argument("--ckpt", required=True, help=CKPT)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", help="a UTF-8 text file")
@@ -104,7 +99,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def generate_parser() -> argparse.ArgumentParser:
-    parser = computing_parser("megalite generate", module_doc("megalite.generate"))
+    parser = command_parser("megalite generate", module_doc("megalite.generate"), THREADS)
     parser.add_argument("--ckpt", required=True, help=CKPT)
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="a prompt; repeat for a batch of several")
