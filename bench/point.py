@@ -30,12 +30,12 @@ from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.fp8.convert import fp8_layers
 from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
+from megalite.parallel.mappings import reduce_over_ranks
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.build import build_engine, build_model, compile_settings
 from megalite.training.engine import autocast_for, train_step
-from megalite.training.metrics import (flops_per_token, matmul_params, reduce_over_ranks, peak_flops,
-                                       peak_memory_bytes)
+from megalite.training.metrics import flops_per_token, matmul_params, peak_flops, peak_memory_bytes
 from megalite.plan import validate
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megalite.config import TRAINING_SETTINGS
 from megalite.data.prepared import PreparedData
-from megalite.hf.convert import check_tokenizer_matches, checkpoint_model_config, pretrained_config
+from megalite.hf.convert import check_tokenizer_matches, pretrained_config, saved_model_config
 from megalite.run_config import Config, TrainConfig, flat, to_dict
 from megalite.training.checkpoint_dirs import checkpoint_step, latest_checkpoint, not_a_checkpoint
 from megalite.typed_config import ConfigError, leaves, replaced
@@ -128,7 +128,7 @@ def find_resume(cfg: Config, data: PreparedData) -> Path | None:
                           f"overwrite it; use another run.dir")
     # A key the checkpoint's version did not have had its default's meaning then; its model
     # may be of before the sections (flat_keys.py).
-    model = to_dict(checkpoint_model_config(path))
+    model = to_dict(saved_model_config(saved))
     before = {**flat(to_dict(Config())), **flat({**saved["config"], "model": {}}), **flat(model, "model.")}
     changed = [f"{k}: {before.get(k)!r} -> {now!r}" for k, now in _step_settings(cfg).items()
                if before.get(k) != now]

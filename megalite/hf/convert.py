@@ -45,7 +45,11 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     wrong = not_a_checkpoint(ckpt)
     if wrong:
         raise ConfigError(wrong)
-    meta = json.loads((Path(ckpt) / "meta.json").read_text())
+    return saved_model_config(json.loads((Path(ckpt) / "meta.json").read_text()))
+
+
+def saved_model_config(meta: dict) -> ModelConfig:
+    """The model of a checkpoint's meta.json (of before the sections too: flat_keys.py)."""
     return from_dict(ModelConfig, nest(meta["config"]["model"], note=False), "model.")
 
 

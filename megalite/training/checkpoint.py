@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
+from megalite.parallel.mappings import gather_over_ranks
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
@@ -41,7 +42,6 @@ from megalite.training.sharded_state import (Piece, blocks, check_state_names,
                                              load_pieces, read_metadata, save_pieces, state_pieces,
                                              weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
-from megalite.training.metrics import gather_over_ranks
 from megalite.typed_config import ConfigError
 
 HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
-from megalite.parallel.mappings import all_reduce_over
+from megalite.parallel.mappings import all_reduce_over, reduce_over_ranks
 from megalite.parallel.state import ParallelState
 
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
@@ -58,25 +58,6 @@ def peak_memory_bytes(ps: ParallelState) -> float:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return reduce_over_ranks(peak, ps)
-
-
-def reduce_over_ranks(value: float, ps: ParallelState, op=dist.ReduceOp.MAX) -> float:
-    """The largest (or by `op`, say MIN) of every rank's value (a collective over all ranks, when
-    there are several): the slowest rank sets a step's time, the fullest device its memory."""
-    x = torch.tensor([float(value)], dtype=torch.float64, device=ps.device)
-    if dist.is_initialized() and ps.world_size > 1:
-        dist.all_reduce(x, op=op)
-    return x.item()
-
-
-def gather_over_ranks(value, ps: ParallelState) -> list:
-    """Every rank's `value` (any picklable object), by rank: a collective over all ranks, when
-    there are several."""
-    if not (dist.is_initialized() and ps.world_size > 1):
-        return [value]
-    everyone = [None] * ps.world_size
-    dist.all_gather_object(everyone, value)
-    return everyone
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from megalite.parallel.state import ParallelState
 from megalite.cli import forget_left, left_a_line
 from megalite.failures import PeerLost
-from megalite.training.metrics import gather_over_ranks
+from megalite.parallel.mappings import gather_over_ranks
 
 
 class Peers:

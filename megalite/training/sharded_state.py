@@ -91,7 +91,10 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         start, stop = start + first, start + last
         if start == stop:
             continue
-        # Within `held`: an engine holds all the rows, or (ZeRO-1) row_range's of its replica.
+        # An engine holds all the rows, or (ZeRO-1) row_range's of its replica; a rank writing
+        # rows it does not hold would save another rank's state as its own.
+        if not held[0] <= start <= stop <= held[1]:
+            raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.detach().narrow(0, start - held[0], stop - start)

@@ -39,7 +39,7 @@ from safetensors.torch import save
 
 from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
-from megalite.training.metrics import gather_over_ranks, reduce_over_ranks
+from megalite.parallel.mappings import gather_over_ranks, reduce_over_ranks
 
 FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
