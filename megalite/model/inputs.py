@@ -63,7 +63,7 @@ class RankSplit:
             raise ValueError(f"sequence length {start + seq} exceeds "
                              f"model.max_seq_len={self.max_seq_len}: truncate the input or "
                              f"raise max_seq_len")
-        sp = self.sequence_parallel and cache is None  # decoding appends a token or a few: no split
+        sp = self.splits_sequence(cache)
         whole, index = (input_ids, attention_mask), None  # HiddenTokens cut from the whole rows
         if ps.cp_size > 1:
             self._check_context_cut(seq, cache)
@@ -89,7 +89,9 @@ class RankSplit:
         (batch, seq), device = input_ids.shape, input_ids.device
         real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask[:, start:].bool())
-        key = torch.arange(batch * (start + seq), device=device).view(batch, -1)[:, start:]
+        # Each token's place in the whole rows (cache included), made for this call's tokens only.
+        key = (torch.arange(batch, device=device).unsqueeze(1) * (start + seq)
+               + torch.arange(start, start + seq, device=device))
         if index is not None:
             real, key = real[:, index], key[:, index]
         elif sp:
@@ -99,6 +101,11 @@ class RankSplit:
             real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
         return HiddenTokens(real, key)
 
+    def splits_sequence(self, cache: KVCache | None) -> bool:
+        """Sequence parallel, but not when decoding, which appends a token or a few to the
+        cache (nothing to split)."""
+        return self.sequence_parallel and cache is None
+
     def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
         """The sequence length of this rank's hidden states for rows of `seq` tokens: its
         context-parallel share, then its sequence-parallel shard (padded to shards)."""
@@ -107,7 +114,7 @@ class RankSplit:
             # refuses a length the first stage cannot cut, instead of waiting for its message.
             self._check_context_cut(seq, cache)
         seq //= self.pstate.cp_size
-        return -(-seq // self.pstate.tp_size) if self.sequence_parallel and cache is None else seq
+        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
 
     def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
         cp = self.pstate.cp_size
@@ -122,5 +129,7 @@ class RankSplit:
 
 
 def _pad_to_shards(t: torch.Tensor | None, tp: int, value) -> torch.Tensor | None:
-    """t with `value` appended along the sequence until its length is a multiple of tp."""
-    return None if t is None else F.pad(t, (0, -t.shape[1] % tp), value=value)
+    """t with `value` appended along the sequence until its length is a multiple of tp (t
+    itself where it is one already: no copy on every forward)."""
+    extra = -t.shape[1] % tp if t is not None else 0
+    return t if extra == 0 else F.pad(t, (0, extra), value=value)
