@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-import yaml
-
-from megalite.typed_config import ConfigError, at_least_one, failing, positive
+from megalite.typed_config import at_least_one, failing, positive
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"  # package data: installed with it
 
@@ -411,12 +409,3 @@ class ParallelConfig:
     # ranks (Megatron's parallel folding); tokens travel to their experts' ranks and back by
     # all-to-all. Attention and the dense layers keep their TP x CP x DP layout.
     ep: int = 1
-
-
-def read_preset(name: str) -> dict:
-    """The raw mapping of a model preset under megalite/presets/ (e.g. 'gpt2-small')."""
-    path = PRESET_DIR / f"{name}.yaml"
-    if not path.is_file():
-        presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-        raise ConfigError(f"model config '{name}' not found (presets: {presets})")
-    return yaml.safe_load(path.read_text()) or {}

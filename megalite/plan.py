@@ -133,25 +133,25 @@ def run_problems(cfg: Config, world: int, dp: int, installed: bool) -> list[str]
     )
 
 
+# The train.<key> numbers that must be >= 0, and what 0 means (empty: nothing of its own)
+AT_LEAST_ZERO = {"eval_tokens": "the whole held-out set", "decay_steps": "train.max_steps", "lr": "",
+                 "min_lr": "", "warmup_steps": "no warmup", "epochs": "train.max_steps", "weight_decay": "",
+                 "grad_clip": "no clipping", "checkpoint_every": "at the end", "eval_every": "at the end",
+                 "snapshot_every": "none", "watchdog_s": "off"}
+
+
 def train_problems(t: TrainConfig) -> list[str]:
     """The numbers an optimizer or schedule would take in a form of its own (torch reports a
     bad lr as the scheduled value, not the one typed), each named with the value given; what
     compiling and snapshots take."""
     rules = [(f"train.{key}", getattr(t, key), getattr(t, key) >= 1, ">= 1")
              for key in ("max_steps", "keep_checkpoints", "log_every", "loss_chunk_tokens")]
-    rules += [(f"train.{key}", getattr(t, key), getattr(t, key) >= 0, f">= 0 (0: {zero})")
-              for key, zero in (("eval_tokens", "the whole held-out set"), ("decay_steps", "train.max_steps"))]
-    rules += [("train.lr", t.lr, t.lr >= 0, ">= 0"), ("train.min_lr", t.min_lr, t.min_lr >= 0, ">= 0"),
-              ("train.warmup_steps", t.warmup_steps, t.warmup_steps >= 0, ">= 0 (0: no warmup)"),
-              ("train.epochs", t.epochs, 0 <= t.epochs < math.inf, ">= 0 (0: train.max_steps)"),
-              ("train.weight_decay", t.weight_decay, t.weight_decay >= 0, ">= 0"),
-              ("train.beta1", t.beta1, 0 <= t.beta1 < 1, "in [0, 1), e.g. 0.9"),
-              ("train.beta2", t.beta2, 0 <= t.beta2 < 1, "in [0, 1), e.g. 0.95"),
-              ("train.grad_clip", t.grad_clip, t.grad_clip >= 0, ">= 0 (0: no clipping)"),
-              ("train.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 0, ">= 0 (0: at the end)"),
-              ("train.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0: at the end)"),
-              ("train.snapshot_every", t.snapshot_every, t.snapshot_every >= 0, ">= 0 (0: none)"),
-              ("train.watchdog_s", t.watchdog_s, 0 <= t.watchdog_s < math.inf, ">= 0 (0: off)")]
+    for key, zero in AT_LEAST_ZERO.items():
+        value, note = getattr(t, key), f" (0: {zero})" if zero else ""
+        finite = value < math.inf or key not in ("epochs", "watchdog_s")  # math.inf passes >= 0
+        rules.append((f"train.{key}", value, value >= 0 and finite, f">= 0{note}"))
+    rules += [(f"train.{key}", getattr(t, key), 0 <= getattr(t, key) < 1, f"in [0, 1), e.g. {example}")
+              for key, example in (("beta1", 0.9), ("beta2", 0.95))]
     m, muon = t.muon, " with train.optimizer=muon"
     if t.optimizer == "muon":
         rules += [("train.lr", t.lr, t.lr > 0, f"> 0{muon} (Muon's rate follows its schedule as a ratio)"),

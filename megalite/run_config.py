@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 import yaml
 
-from megalite.config import ModelConfig, ParallelConfig, read_preset
+from megalite.config import PRESET_DIR, ModelConfig, ParallelConfig
 from megalite.flat_keys import nest
 from megalite.typed_config import ConfigError, from_dict, merged, set_dotted
 
@@ -236,7 +236,7 @@ def given_keys(path: str | Path | None, overrides: list[str] = ()) -> frozenset[
 
 
 def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
-    raw = {} if path is None else _read_yaml(Path(path), "config file")
+    raw = {} if path is None else _read_yaml(Path(path), f"config file '{path}' not found")
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -246,10 +246,16 @@ def _raw_config(path: str | Path | None, overrides: list[str]) -> dict:
     return raw
 
 
-def _read_yaml(path: Path, what: str) -> dict:
+def _read_yaml(path: Path, missing: str) -> dict:
     if not path.is_file():
-        raise ConfigError(f"{what} '{path}' not found")
+        raise ConfigError(missing)
     return yaml.safe_load(path.read_text()) or {}
+
+
+def read_preset(name: str) -> dict:
+    """The raw mapping of a model preset under megalite/presets/ (e.g. 'gpt2-small')."""
+    presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+    return _read_yaml(PRESET_DIR / f"{name}.yaml", f"model config '{name}' not found (presets: {presets})")
 
 
 def flat(tree, prefix: str = "") -> dict:
@@ -283,5 +289,6 @@ def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
     """A preset name from megalite/presets/ or a path to a YAML file, with keyword overrides."""
     path = Path(name_or_path)
     is_file = path.suffix in (".yaml", ".yml") or path.is_file()  # a preset: qwen3-0.6b
-    data = _read_yaml(path, "model config file") if is_file else read_preset(str(name_or_path))
+    data = (_read_yaml(path, f"model config file '{path}' not found") if is_file
+            else read_preset(str(name_or_path)))
     return from_dict(ModelConfig, merged(nest(data), overrides, ModelConfig), "model.")

@@ -96,11 +96,9 @@ def with_schedule(cfg: Config, resume_from: Path | None) -> Config:
     """train.decay_steps=0 resolved: the first start's max_steps, which a checkpoint keeps."""
     if cfg.train.decay_steps:
         return cfg
-    end = cfg.train.max_steps
-    if resume_from is not None:
-        saved = json.loads((resume_from / "meta.json").read_text())["config"]["train"]
-        end = TrainConfig(max_steps=saved["max_steps"], decay_steps=saved.get("decay_steps", 0)).decay_end
-    return replaced(cfg, "train.decay_steps", end)
+    meta = None if resume_from is None else json.loads((resume_from / "meta.json").read_text())
+    saved = meta["config"]["train"] if meta else {"max_steps": cfg.train.max_steps}
+    return replaced(cfg, "train.decay_steps", saved.get("decay_steps") or saved["max_steps"])
 
 
 # What fixes the meaning of a step: change any of these and "resume" would train a different run.
