@@ -59,7 +59,11 @@ def dispatch(prog: str, commands: dict, argv: list[str], moved: dict | None = No
         print(overview(prog, commands))
         return 0
     if first == "--version":
-        print(f"megalite {version()}")
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            print(f"megalite {version('megalite')}")
+        except PackageNotFoundError:
+            print("megalite (not installed: run from a source tree)")
         return 0
     if first not in commands:
         if first is not None:
@@ -104,14 +108,6 @@ def overview(prog: str, commands: dict) -> str:
     return "\n".join(lines)
 
 
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as installed
-    try:
-        return installed("megalite")
-    except PackageNotFoundError:
-        return "(not installed: run from a source tree)"
-
-
 def run_reporting_errors(entry, argv: list[str]) -> int:
     """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
     exit status 2. Every rank meets the same checks before any collective, so one rank's line
@@ -120,16 +116,17 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     from megalite.typed_config import ConfigError
     try:
         return entry(argv)
-    except ConfigError as err:
-        report_error(str(err))
-        return USAGE
-    except CheckpointError as err:  # every rank raises it, with the failing rank's reason
-        report_error(str(err), status=1)
-        return 1
+    except (ConfigError, CheckpointError) as err:  # CheckpointError: every rank, the failing one's reason
+        status = USAGE if isinstance(err, ConfigError) else 1
+        report_error(str(err), status)
+        return status
     except PeerLost as err:  # every surviving rank says it: the dead one may be rank 0
         line = f"{ERROR_PREFIX}rank {os.environ.get('RANK', '0')}: {err}"
-        # torchrun restarts the ranks without a report (and so without the launcher's line).
-        if not leave_for_launcher(line, 1) or restarts_left():
+        # torchrun restarts the ranks (while --max-restarts allows) without a report, and so
+        # without the launcher's line.
+        restarts_left = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        if not leave_for_launcher(line, 1) or restarts_left:
             print(line, file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C where no run handles it (a run: training/preemption.py)
@@ -195,12 +192,6 @@ def forget_left(rank: int) -> None:
     for name in (str(rank), f"{STOPPED}{rank}"):
         if (path := _launcher_file(name)) is not None and os.path.exists(path):
             os.remove(path)
-
-
-def restarts_left() -> bool:
-    """torchrun will start the ranks again if this round fails (--max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < \
-        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
 
 
 if __name__ == "__main__":
