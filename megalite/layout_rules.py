@@ -6,12 +6,12 @@ from megalite.config import ModelConfig, ParallelConfig
 from megalite.typed_config import at_least_one, failing
 
 
-def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_size: int,
+def layout_problems(model: ModelConfig, parallel: ParallelConfig, world_size: int,
                     micro_batches: int | None = None, vocab: bool = True) -> list[str]:
     """Every way `model` cannot run on `parallel`'s layout of `world_size` processes (with
-    `micro_batches` per step, if known; model None: not known yet; vocab False: model.vocab_size
-    is not the run's yet, so tp's split of it is left unchecked), one line each, the model's own
-    rules (its sections') included. The plan (plan.py) gathers them with the other rules,
+    `micro_batches` per step, if known; vocab False: model.vocab_size is not the run's yet, so
+    tp's split of it is left unchecked), one line each, the model's own rules (its sections')
+    included. The plan (plan.py) gathers them with the other rules,
     before any collective, on every rank."""
     tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
     problems = at_least_one("parallel.", tp=tp, cp=cp)
@@ -23,19 +23,19 @@ def layout_problems(model: ModelConfig | None, parallel: ParallelConfig, world_s
                if world_size % (pp * cp) == 0 else "")  # else no tp fits
         problems.append(f"world size {world_size} is not divisible by {what}: {tps}launch a "
                         f"multiple of {tp * cp * pp} processes")
-    problems += pipeline_problems(None if model is None else model.n_layers, parallel, micro_batches)
-    if model is not None and cp > 1 and model.mla and parallel.cp_comm == "p2p":
+    problems += pipeline_problems(model.n_layers, parallel, micro_batches)
+    if cp > 1 and model.mla and parallel.cp_comm == "p2p":
         problems.append(f"parallel.cp={cp} with model.attention.kind=mla gathers each layer's latent "
                         f"(kv_lora_rank + qk_rope_head_dim per token, less than a ring's K/V): "
                         f"set parallel.cp_comm=all_gather")
-    if model is not None and cp > 1 and model.dropout > 0:
+    if cp > 1 and model.dropout > 0:
         # A CP rank holds a zig-zag subset of the tokens: the single process's dropout masks
         # would have to be drawn whole and indexed for every layer to stay the same model.
         problems.append(f"parallel.cp={cp} with model.dropout={model.dropout}: context parallelism "
                         f"trains without dropout (as pretraining does); set model.dropout=0")
-    bad_values = [] if model is None else model.problems()
+    bad_values = model.problems()
     splittable = None if bad_values else model  # a model whose sizes are valid: what tp must divide
-    problems += bad_values + ([] if splittable is None else _model_split_problems(model))
+    problems += bad_values or _model_split_problems(model)
     if tp >= 1 and pp >= 1 and cp >= 1:
         problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1,
                                 vocab)
@@ -134,10 +134,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def pipeline_problems(n_layers: int | None, parallel: ParallelConfig,
-                      micro_batches: int | None) -> list[str]:
-    """Every way this pipeline layout cannot run, one line each (empty: it can); n_layers None:
-    the model is not known yet."""
+def pipeline_problems(n_layers: int, parallel: ParallelConfig, micro_batches: int | None) -> list[str]:
+    """Every way this pipeline layout cannot run, one line each (empty: it can)."""
     pp, virtual, explicit = parallel.pp, parallel.virtual_stages, parallel.pp_layers
     schedule = parallel.pp_schedule
     if pp < 1 or virtual < 1:
@@ -153,12 +151,12 @@ def pipeline_problems(n_layers: int | None, parallel: ParallelConfig,
     if schedule == "interleaved" and pp > 1 and virtual < 2:
         problems.append("parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2 "
                         "model chunks per rank: set it, or use pp_schedule=1f1b")
-    if n_layers is not None and explicit is not None:
+    if explicit is not None:
         if len(explicit) != stages or any(n < 1 for n in explicit) or sum(explicit) != n_layers:
             problems.append(f"parallel.pp_layers={list(explicit)} must give each of the "
                             f"pp x virtual_stages = {stages} stages >= 1 layer, "
                             f"{n_layers} (model.n_layers) in all")
-    elif n_layers is not None and n_layers % stages:
+    elif n_layers % stages:
         problems.append(f"model.n_layers={n_layers} does not split evenly into pp x "
                         f"virtual_stages = {stages} stages: give parallel.pp_layers (layers per "
                         f"stage, e.g. {_uneven_example(n_layers, stages)}; megalite generate: "

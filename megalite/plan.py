@@ -65,10 +65,9 @@ def plan_config(cfg: Config, given: frozenset[str], world: int) -> Config:
     return cfg
 
 
-def check_layout(model: ModelConfig | None, parallel: ParallelConfig, world: int,
-                 micro_batches: int | None = None, vocab: bool = True) -> None:
+def check_layout(model: ModelConfig, parallel: ParallelConfig, world: int) -> None:
     """A model on a layout (a checkpoint's run forward: generate, eval): layout_problems'."""
-    raise_problems(layout_problems(model, parallel, world, micro_batches, vocab))
+    raise_problems(layout_problems(model, parallel, world))
 
 
 def validate(cfg: Config, world: int, launched: bool = True, installed: bool = True,
