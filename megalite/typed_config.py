@@ -93,17 +93,9 @@ def coerce(annotation: Any, value: Any, key: str) -> Any:
         if value not in options:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, options))}")
         return value
-    if origin in (Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None and len(options) < len(typing.get_args(annotation)):
-            return None
-        errors = []
-        for option in options:
-            try:
-                return coerce(option, value, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError("; ".join(errors))
+    if origin in (Union, types.UnionType):  # Optional[X]: the unions of sections are variants, above
+        (option,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return None if value is None else coerce(option, value, key)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
