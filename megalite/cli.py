@@ -143,7 +143,6 @@ def report_error(message: str, status: int = USAGE) -> None:
     torchrun's failure report names it; rank 0 prints it, and any other rank only if it is
     still running QUIET_RANK_GRACE_S later (rank 0 did not stop on it)."""
     line = f"{ERROR_PREFIX}{message}"
-    rank = os.environ.get("RANK", "0")
     if leave_for_launcher(line, status):
         return
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -151,7 +150,7 @@ def report_error(message: str, status: int = USAGE) -> None:
         with open(error_file, "w") as f:
             json.dump({"message": {"message": f"ConfigError: {message}",
                                    "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
-    if rank != "0":
+    if os.environ.get("RANK", "0") != "0":
         time.sleep(QUIET_RANK_GRACE_S)
     print(line, file=sys.stderr, flush=True)
 
