@@ -23,6 +23,4 @@ def compiled(fn: Callable, dynamic: bool | None = None) -> Callable:
 
 def fused(fn: Callable, device: torch.device) -> Callable:
     """fn compiled when it runs on CUDA outside a compiled region; fn itself otherwise."""
-    if device.type == "cuda" and not torch.compiler.is_compiling():
-        return compiled(fn)
-    return fn
+    return compiled(fn) if device.type == "cuda" and not torch.compiler.is_compiling() else fn
