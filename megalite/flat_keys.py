@@ -8,7 +8,7 @@ import typing
 import warnings
 
 from megalite.config import ModelConfig
-from megalite.typed_config import field_default, field_names, set_dotted, variants
+from megalite.typed_config import field_names, set_dotted, variants
 
 MOVED = {
     **{k: f"attention.{k}" for k in (
@@ -73,7 +73,7 @@ def _fields_at(model: dict, path: list[str]) -> tuple[set[str], bool]:
             return set(), fixed
         choices, given = variants(hints[name]), mapping.get("kind")
         fixed = fixed and (given is not None or not choices)
-        kind = field_default(cls, name).kind if given is None else given
+        kind = getattr(cls, name).kind if given is None else given  # (a field's default: its class's)
         cls = choices.get(kind) if choices else hints[name]
     return set() if cls is None else field_names(cls), fixed
 
@@ -82,7 +82,7 @@ def _default_at(path: list[str], cls=ModelConfig):
     """The default of the setting at `path` in whichever variants have it (what a flat key's
     default meant)."""
     if len(path) == 1:
-        return field_default(cls, path[0])
+        return getattr(cls, path[0])  # the field's default (the model's sections have no factories)
     annotation = typing.get_type_hints(cls)[path[0]]
     for option in (variants(annotation) or {"": annotation}).values():
         if path[1] in field_names(option):

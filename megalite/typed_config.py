@@ -123,7 +123,8 @@ def merged(base: dict, over: dict, cls: type) -> dict:
         if not (isinstance(value, dict) and isinstance(old, dict) and key in hints):
             continue
         choices = variants(hints[key])
-        was = old.get("kind", getattr(field_default(cls, key), "kind", None))
+        # A field's default is its class's attribute (none under a default_factory: Config's)
+        was = old.get("kind", getattr(getattr(cls, key, None), "kind", None))
         kind = value.get("kind", was)
         target = choices.get(kind) if choices else hints[key]
         if dataclasses.is_dataclass(target):
@@ -135,10 +136,6 @@ def merged(base: dict, over: dict, cls: type) -> dict:
 
 def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
-
-
-def field_default(cls: type, name: str):
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def set_dotted(raw: dict, keys: list[str], value) -> None:
