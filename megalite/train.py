@@ -21,7 +21,7 @@ from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Prefetcher
 from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepared import PreparedData
 from megalite.data.record_counts import skipped_records
-from megalite.generate import generate
+from megalite.generate import sampled
 from megalite.hf.convert import load_pretrained, pretrained_model
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
@@ -49,7 +49,7 @@ from megalite.run_setup import run_identity
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = train_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = train_parser().parse_args(argv)  # None: sys.argv[1:]
     cfg = load_config(args.config, args.overrides, pretrained_model)
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
@@ -312,45 +312,37 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
                   f"parallelism (parallel.cp={ps.cp_size}); sample from the checkpoint with "
                   f"`megalite generate`", flush=True)
         return
-    lines = []
+    texts = []
     # Conversations: each prompt a user's message, rendered with the data's chat template.
     template = None if cfg.data.chat_template is None else load_chat_template(tok, None)
-    for i, prompt in enumerate(s.prompts):
+    for i, prompt in enumerate(s.prompts):  # one at a time, each with its own seed
         # Encoded as the documents were: bos first where the tokenizer's template puts it.
         ids = tok.encode(prompt) if template is None else \
             generation_prompt(template, tok, [{"role": "user", "content": prompt}])[1]
-        new = generate(model, [ids], s.max_new_tokens, pad_id=tok.pad_id,
-                       temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
-                       seed=cfg.run.seed + i)[0]
-        lines.append(f"--- {prompt!r}\n{prompt}{tok.decode(new)}")
+        texts.append(sampled(model, tok, [prompt], [ids], s.max_new_tokens, temperature=s.temperature,
+                             top_k=s.top_k, seed=cfg.run.seed + i))
     if ps.is_main:
-        text = "\n".join(lines)
+        text = "\n".join(texts)
         (run_dir / "samples.txt").write_text(text + "\n")
         print(f"samples (temperature {s.temperature}, top-k {s.top_k}):\n{text}", flush=True)
 
 
 def report_data(data: PreparedData) -> None:
     m = data.meta
+    # Truncations are counted per shard (cached), so over the sources' held-out part too.
+    held_out = {v.name for v in data.val} & {s.name for s in data.train}
     notes = [f"{m['train_documents']} training documents ({m['train_tokens']} tokens), "
-             f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)"]
-    if len(data.train) > 1:
-        notes.append("blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train))
-    if m["empty"]:
-        notes.append(f"{m['empty']} empty documents skipped")
-    skipped = skipped_records(m, "the prepared data's meta.json")
-    if skipped:
-        notes.append(skipped)
-    if m["invalid_utf8"]:
-        notes.append(f"{m['invalid_utf8']} documents had bytes that are not UTF-8 (replaced "
-                     f"with U+FFFD)")
-    if m["truncated"]:  # counted per shard (cached), so over the sources' held-out part too
-        held = {v.name for v in data.val} & {s.name for s in data.train}
-        notes.append(f"{m['truncated']} documents longer than data.seq_len were truncated"
-                     + (" (held-out documents included)" if held else ""))
-    if m["dropped"]:
-        notes.append(f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
-                     f"left out (data.drop_longer)")
-    print("data: " + "; ".join(notes), flush=True)
+             f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)",
+             len(data.train) > 1 and "blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train),
+             m["empty"] and f"{m['empty']} empty documents skipped",
+             skipped_records(m, "the prepared data's meta.json"),
+             m["invalid_utf8"] and f"{m['invalid_utf8']} documents had bytes that are not UTF-8 "
+                                   f"(replaced with U+FFFD)",
+             m["truncated"] and f"{m['truncated']} documents longer than data.seq_len were truncated"
+                                + (" (held-out documents included)" if held_out else ""),
+             m["dropped"] and f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
+                              f"left out (data.drop_longer)"]
+    print("data: " + "; ".join(note for note in notes if note), flush=True)  # the counts not 0
 
 
 if __name__ == "__main__":
