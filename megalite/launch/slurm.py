@@ -7,6 +7,7 @@ the script and the runs and writes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,17 +28,15 @@ TEMPLATE = Path(__file__).resolve().parent / "sbatch.template"  # package data
 
 def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path) -> str:
     s = sweep.slurm
-    optional = [f"#SBATCH --{key}={value}" for key, value in
-                (("partition", s.partition), ("account", s.account), ("qos", s.qos),
-                 ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node)) if value]
+    optional = [f"#SBATCH --{key.replace('_', '-')}={getattr(s, key)}"
+                for key in ("partition", "account", "qos", "constraint", "gpus_per_node") if getattr(s, key)]
     optional += [f"#SBATCH {line}" for line in s.extra_sbatch]
+    # The template's other names are SlurmConfig's fields.
     return Template(TEMPLATE.read_text()).substitute(
-        name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
-        throttle=f"%{s.throttle}" if s.throttle else "", nodes=s.nodes,
-        cpus_per_task=s.cpus_per_task, time=s.time, sweep_dir=sweep_dir.resolve(),
-        signal=s.signal, optional_sbatch="\n".join(optional), setup="\n".join(s.setup),
-        python=s.python, procs_per_node=s.procs, max_requeues=s.max_requeues,
-        max_restarts=s.max_restarts, workdir=Path.cwd())
+        dataclasses.asdict(s), name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
+        throttle=f"%{s.throttle}" if s.throttle else "", sweep_dir=sweep_dir.resolve(),
+        optional_sbatch="\n".join(optional), setup="\n".join(s.setup), procs_per_node=s.procs,
+        workdir=Path.cwd())
 
 
 def write_sweep(sweep: SweepFile, runs: list[Run], script: str) -> Path:
