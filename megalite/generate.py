@@ -90,8 +90,8 @@ def agreed(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.T
     near tie could otherwise go two ways)."""
     if ps.pp_size == 1 and ps.ep_size == 1:
         return tokens
-    buffer = torch.empty(rows, dtype=torch.long) if tokens is None else tokens
-    buffer = buffer.to(ps.device)  # NCCL broadcasts device tensors
+    # NCCL broadcasts device tensors.
+    buffer = (torch.empty(rows, dtype=torch.long) if tokens is None else tokens).to(ps.device)
     if ps.pp_size > 1:
         dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
     if ps.ep_size > 1:

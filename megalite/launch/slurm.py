@@ -66,10 +66,8 @@ def main(argv: list[str]) -> int:
     sweep_dir = Path(sweep.run_root) / sweep.name
     text = render(sweep, runs, Path(args.sweep), sweep_dir)
     if args.dry_run:
-        print(text)
-        print(table(runs))
-        print(f"\nnothing written: --submit writes the script and each run's config.yaml under "
-              f"{sweep_dir} and submits it")
+        print(f"{text}\n{table(runs)}\n\nnothing written: --submit writes the script and each run's "
+              f"config.yaml under {sweep_dir} and submits it")
         return 0
     script = write_sweep(sweep, runs, text)
     if shutil.which("sbatch") is None:
