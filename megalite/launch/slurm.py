@@ -114,29 +114,28 @@ def array_tasks(listing: str) -> dict[int, str]:
     return states
 
 
+# COMPLETED: Slurm says so, the run did not (a finished run is done by its last checkpoint).
 SLURM_STATES = {"OUT_OF_MEMORY": "OOM", "TIMEOUT": "timeout", "FAILED": "failed",
                 "CANCELLED": "failed", "NODE_FAIL": "failed", "PENDING": "pending",
-                "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "done"}
+                "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "failed"}
 
 
 def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> dict:
     """slurm_state: Slurm's state of the task, None when it does not list it; queue_answered:
     whether Slurm was asked about a submitted sweep and answered."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    steps = [r for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}":
         state = "done"  # finished
     elif slurm_state is not None:
         state = SLURM_STATES.get(slurm_state, slurm_state.lower())
-        state = "failed" if state == "done" else state  # Slurm says completed, the run did not
     elif queue_answered:
         state = "failed"  # left the queue (without accounting: gone from squeue) unfinished
     elif (run_dir.parent / "job_id").is_file():
         state = "unknown"  # Slurm did not answer
     else:
         state = "not submitted"
-    last = steps[-1] if steps else {}
+    last = next((r for r in reversed(read_records(run_dir / "metrics.jsonl")) if "loss" in r), {})
     return {"state": state, **{key: last.get(key) for key in ("step", "loss", "tokens_per_s")}}
 
 
