@@ -244,7 +244,6 @@ class TokenCount:
         n = per_source.sum()
         self.per_source += per_source
         self.total += n
-        self.interval += n
         return n
 
     def counters(self) -> dict:
@@ -258,11 +257,11 @@ class TokenCount:
         return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, self.per_source.tolist())}}
 
     def restart(self) -> None:
-        self.since, self.interval = time.perf_counter(), torch.zeros_like(self.total)
+        self.since, self.total_then = time.perf_counter(), self.total.clone()
 
     def rate(self) -> float:
         """Tokens per second since the interval began (waits for the device)."""
-        return self.interval.item() / (time.perf_counter() - self.since)
+        return (self.total - self.total_then).item() / (time.perf_counter() - self.since)
 
 
 def resume(path: Path | None, model, ps: ParallelState, cfg: Config) -> dict:
