@@ -32,7 +32,6 @@ from megalite.data.chat import (ChatError, ChatTemplate, conversation_of, genera
 from megalite.data.tokenizer import TokenizerInfo
 from megalite.inference import layout_of, loaded
 from megalite.model import GPT
-from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
 from megalite.typed_config import ConfigError
 
@@ -54,9 +53,9 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
                          f"model.max_seq_len={model.cfg.max_seq_len}")
     was_training = model.training
     model.eval()
-    device = model.pstate.device
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ps = model.pstate
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=ps.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ps.device)
     cache = model.new_cache(len(prompts), width + room) if use_cache else None
     generator = torch.Generator().manual_seed(seed)
     new = [[] for _ in prompts]
@@ -69,34 +68,26 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
         forward_pipelined(model, [Batch(step_ids if use_cache else ids, labels=None)], nullcontext(),
                           lambda _, out: found.append(model.full_logits(out.logits[:, -1])),
                           attention_mask=mask, cache=cache)
-        tokens = agreed(pick(found[0].float().cpu(), temperature, top_k, top_p, generator) if found else None,
-                        len(prompts), model.pstate)
+        # On the device (NCCL broadcasts device tensors): the tokens the last stage picked, on
+        # every stage; with expert parallelism, those of the EP group's first rank (its experts'
+        # matmuls group the ranks' rows differently, so a near tie could otherwise go two ways).
+        tokens = (pick(found[0].float().cpu(), temperature, top_k, top_p, generator) if found
+                  else torch.empty(len(prompts), dtype=torch.long)).to(ps.device)
+        if ps.pp_size > 1:
+            dist.broadcast(tokens, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
+        if ps.ep_size > 1:
+            dist.broadcast(tokens, group=ps.ep_group, group_src=0)
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 new[row].append(token)
                 done[row] = token == eos_id
         if all(done):
             break
-        step_ids = tokens.to(device).unsqueeze(1)
+        step_ids = tokens.unsqueeze(1)
         ids = torch.cat([ids, step_ids], dim=1)
         mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     model.train(was_training)
     return new
-
-
-def agreed(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.Tensor:
-    """The tokens the last pipeline stage picked, on every stage; with expert parallelism, those
-    of the EP group's first rank (its experts' matmuls group the ranks' rows differently, so a
-    near tie could otherwise go two ways)."""
-    if ps.pp_size == 1 and ps.ep_size == 1:
-        return tokens
-    # NCCL broadcasts device tensors.
-    buffer = (torch.empty(rows, dtype=torch.long) if tokens is None else tokens).to(ps.device)
-    if ps.pp_size > 1:
-        dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
-    if ps.ep_size > 1:
-        dist.broadcast(buffer, group=ps.ep_group, group_src=0)
-    return buffer.cpu()
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
