@@ -105,8 +105,7 @@ def main(argv: list[str]) -> int:
         total = torch.zeros(2, dtype=torch.float64, device=ps.device)
         if args.chat:
             template = load_chat_template(tokenizer, args.chat_template)
-            pieces = conversation_pieces(source, template, tokenizer, args.train_on, ps.dp_rank,
-                                         ps.dp_size)
+            pieces = conversation_pieces(source, template, tokenizer, args.train_on, ps.dp_rank, ps.dp_size)
         else:
             pieces = ((tokenizer.encode(piece), None)
                       for piece in rank_pieces(source, ps.dp_rank, ps.dp_size))

@@ -142,8 +142,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int
                                                        for b in batches), ps.dp_group))
             model.train()
             with profiler.step(done):
-                loss, grad_norm = train_step(engine, batches, n_tokens, autocast,
-                                             cfg.parallel.pp_schedule)
+                loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
 
             last = done == t.max_steps
             logged = done % t.log_every == 0 or last
