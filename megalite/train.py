@@ -28,8 +28,7 @@ from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.progress import Progress
 from megalite.run_config import Config, given_keys, load_config, to_dict
-from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
-                                          read_optimizer_state)
+from megalite.training.checkpoint import CheckpointWriter, layout_of, load_checkpoint, read_optimizer_state
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_loss, eval_plan, evaluate
