@@ -105,23 +105,21 @@ def main(argv: list[str]) -> int:
         total = torch.zeros(2, dtype=torch.float64, device=ps.device)
         if args.chat:
             template = load_chat_template(tokenizer, args.chat_template)
-            pieces = conversation_pieces(source, template, tokenizer, args.train_on, ps.dp_rank,
-                                         ps.dp_size)
+            pieces = conversation_pieces(source, template, tokenizer, args.train_on, ps.dp_rank, ps.dp_size)
         else:
             pieces = ((tokenizer.encode(piece), None)
                       for piece in rank_pieces(source, ps.dp_rank, ps.dp_size))
-        length, spare = model.cfg.max_seq_len, 0
         if ps.ep_size > 1:  # kept: the windows are counted before the first forward
+            length = model.cfg.max_seq_len
             pieces = list(pieces)
             mine = sum(-(-len(ids) // length) for ids, _ in pieces)  # windows
             most = torch.tensor(mine, device=ps.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.ep_group)
-            spare = int(most) - mine
+            # As many windows as the rank with the most: the spare ones without targets.
+            spare = (int(most) - mine) * length
+            pieces.append(([tokenizer.pad_id] * spare, [False] * spare))
         for ids, targets in pieces:  # without EP one at a time in memory
             total += windows_loss(model, ids, tokenizer.pad_id, targets)
-        if spare:
-            total += windows_loss(model, [tokenizer.pad_id] * (spare * length), tokenizer.pad_id,
-                                  [False] * (spare * length))
         loss_sum_, count = all_reduce_loss(total, ps).tolist()
         if count == 0:
             raise ConfigError(f"{flag} '{source}' has no token to predict: give a text of "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,6 @@ from megalite.data.chat import (ChatError, ChatTemplate, conversation_of, genera
 from megalite.data.tokenizer import TokenizerInfo
 from megalite.inference import layout_of, loaded
 from megalite.model import GPT
-from megalite.model.kv_cache import KVCache
-from megalite.parallel.state import ParallelState
 from megalite.pipeline.runner import forward_pipelined
 from megalite.typed_config import ConfigError
 
@@ -54,56 +53,41 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
                          f"model.max_seq_len={model.cfg.max_seq_len}")
     was_training = model.training
     model.eval()
-    device = model.pstate.device
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ps = model.pstate
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=ps.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=ps.device)
     cache = model.new_cache(len(prompts), width + room) if use_cache else None
     generator = torch.Generator().manual_seed(seed)
     new = [[] for _ in prompts]
     done = [False] * len(prompts)
     step_ids = ids
     for _ in range(room):
-        logits = last_logits(model, step_ids if use_cache else ids, mask, cache)
-        tokens = (None if logits is None else
-                  pick(logits.float().cpu(), temperature, top_k, top_p, generator))
-        tokens = agreed(tokens, len(prompts), model.pstate)
+        # The logits of each row's last position, every vocab column; none off the last stage.
+        # (Without stages, the pipelined forward is the model's forward.)
+        found = []
+        forward_pipelined(model, [Batch(step_ids if use_cache else ids, labels=None)], nullcontext(),
+                          lambda _, out: found.append(model.full_logits(out.logits[:, -1])),
+                          attention_mask=mask, cache=cache)
+        # On the device (NCCL broadcasts device tensors): the tokens the last stage picked, on
+        # every stage; with expert parallelism, those of the EP group's first rank (its experts'
+        # matmuls group the ranks' rows differently, so a near tie could otherwise go two ways).
+        tokens = (pick(found[0].float().cpu(), temperature, top_k, top_p, generator) if found
+                  else torch.empty(len(prompts), dtype=torch.long)).to(ps.device)
+        if ps.pp_size > 1:
+            dist.broadcast(tokens, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
+        if ps.ep_size > 1:
+            dist.broadcast(tokens, group=ps.ep_group, group_src=0)
         for row, token in enumerate(tokens.tolist()):
             if not done[row]:
                 new[row].append(token)
                 done[row] = token == eos_id
         if all(done):
             break
-        step_ids = tokens.to(device).unsqueeze(1)
+        step_ids = tokens.unsqueeze(1)
         ids = torch.cat([ids, step_ids], dim=1)
         mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     model.train(was_training)
     return new
-
-
-def last_logits(model: GPT, ids: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None) -> torch.Tensor | None:
-    """The logits of each row's last position, every vocab column; None off the last stage.
-    (Without stages, the pipelined forward is the model's forward.)"""
-    found = []
-    forward_pipelined(model, [Batch(ids, labels=None)], nullcontext(),
-                      lambda _, out: found.append(model.full_logits(out.logits[:, -1])),
-                      attention_mask=mask, cache=cache)
-    return found[0] if found else None
-
-
-def agreed(tokens: torch.Tensor | None, rows: int, ps: ParallelState) -> torch.Tensor:
-    """The tokens the last pipeline stage picked, on every stage; with expert parallelism, those
-    of the EP group's first rank (its experts' matmuls group the ranks' rows differently, so a
-    near tie could otherwise go two ways)."""
-    if ps.pp_size == 1 and ps.ep_size == 1:
-        return tokens
-    buffer = torch.empty(rows, dtype=torch.long) if tokens is None else tokens
-    buffer = buffer.to(ps.device)  # NCCL broadcasts device tensors
-    if ps.pp_size > 1:
-        dist.broadcast(buffer, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
-    if ps.ep_size > 1:
-        dist.broadcast(buffer, group=ps.ep_group, group_src=0)
-    return buffer.cpu()
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -124,6 +108,15 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
+def sampled(model: GPT, tokenizer: TokenizerInfo, shown: Sequence[str], prompts: Sequence[list[int]],
+            max_new_tokens: int, **sampling) -> str:
+    """Each prompt as shown, headed by its repr, and the tokens generated after it (`generate`'s
+    sampling options): what `megalite generate` prints and a run's samples.txt holds."""
+    outputs = generate(model, prompts, max_new_tokens, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+                       **sampling)
+    return "\n".join(f"--- {p!r}\n{p}{tokenizer.decode(new)}" for p, new in zip(shown, outputs))
+
+
 def main(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     with loaded(Path(args.ckpt), layout_of(args)) as (model, tokenizer):
@@ -132,12 +125,10 @@ def main(argv: list[str]) -> int:
             shown, prompts = zip(*(chat_prompt(template, tokenizer, c) for c in args.chat))
         else:
             shown, prompts = args.prompt, [tokenizer.encode(p) for p in args.prompt]
-        outputs = generate(model, prompts, args.max_new_tokens,
-                           pad_id=tokenizer.pad_id, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, eos_id=tokenizer.eos_id, seed=args.seed)
+        text = sampled(model, tokenizer, shown, prompts, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if model.pstate.is_main:
-            for prompt, new in zip(shown, outputs):
-                print(f"--- {prompt!r}\n{prompt}{tokenizer.decode(new)}", flush=True)
+            print(text, flush=True)
     return 0
 
 

@@ -21,15 +21,14 @@ from megalite.data.batches import SAMPLE_ORDER, Batch, BatchOrder, Prefetcher
 from megalite.data.chat import generation_prompt, load_chat_template
 from megalite.data.prepared import PreparedData
 from megalite.data.record_counts import skipped_records
-from megalite.generate import generate
+from megalite.generate import sampled
 from megalite.hf.convert import load_pretrained, pretrained_model
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.progress import Progress
 from megalite.run_config import Config, given_keys, load_config, to_dict
-from megalite.training.checkpoint import (CheckpointWriter, layout_of, load_checkpoint,
-                                          read_optimizer_state)
+from megalite.training.checkpoint import CheckpointWriter, layout_of, load_checkpoint, read_optimizer_state
 from megalite.training.build import build_engine, build_model
 from megalite.training.engine import autocast_for, train_step
 from megalite.training.evaluation import all_reduce_loss, eval_plan, evaluate
@@ -49,7 +48,7 @@ from megalite.run_setup import run_identity
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = train_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = train_parser().parse_args(argv)  # None: sys.argv[1:]
     cfg = load_config(args.config, args.overrides, pretrained_model)
     if not torch.cuda.is_available():
         map_large_blocks()  # else freed tensors' heap holes stay resident (host_memory.py)
@@ -60,21 +59,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             peers = Peers(pstate)
             try:
-                train(plan, pstate, stop, peers)
-            except RuntimeError as err:  # a failed collective: a dead peer is named
-                lost = peers.lost(err)
-                if lost is None:
-                    raise
-                raise lost from err
-        except Preempted:
-            return PREEMPTED
+                return train(plan, pstate, stop, peers)
+            except RuntimeError as err:  # a failed collective: a dead peer is named, else it stands
+                raise peers.lost(err) or err
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    return 0
 
 
-def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> None:
+def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int:
+    """The run, to its end or to a stop agreed by every rank (PREEMPTED): the exit status."""
     cfg, data, train_set, resume_from = plan.cfg, plan.data, plan.train_set, plan.resume_from
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
@@ -98,7 +92,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
-        return
+        return 0
     val_set = sample_sets(data.val, cfg, data).nonempty()
     metrics = open_run(cfg, ps, data, start, model, val_set)
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
@@ -147,8 +141,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
                                                        for b in batches), ps.dp_group))
             model.train()
             with profiler.step(done):
-                loss, grad_norm = train_step(engine, batches, n_tokens, autocast,
-                                             cfg.parallel.pp_schedule)
+                loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
 
             last = done == t.max_steps
             logged = done % t.log_every == 0 or last
@@ -193,7 +186,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
                     print(mark_preempted(run_dir, done, stop.signal_name or "another rank's signal"),
                           flush=True)
                 the_stop_is_saved(stop, ps.rank)
-                raise Preempted()
+                return PREEMPTED
         bar.close()
         if watchdog is not None:  # the last save, evaluation and samples may take longer
             watchdog.disarm()
@@ -206,6 +199,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
+    return 0
 
 
 def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int, model,
@@ -248,7 +242,6 @@ class TokenCount:
         n = per_source.sum()
         self.per_source += per_source
         self.total += n
-        self.interval += n
         return n
 
     def counters(self) -> dict:
@@ -262,15 +255,11 @@ class TokenCount:
         return {"tokens_per_source": {s.name: int(n) for s, n in zip(data.train, self.per_source.tolist())}}
 
     def restart(self) -> None:
-        self.since, self.interval = time.perf_counter(), torch.zeros_like(self.total)
+        self.since, self.total_then = time.perf_counter(), self.total.clone()
 
     def rate(self) -> float:
         """Tokens per second since the interval began (waits for the device)."""
-        return self.interval.item() / (time.perf_counter() - self.since)
-
-
-class Preempted(Exception):
-    """Raised on every rank after the checkpoint of an agreed early stop."""
+        return (self.total - self.total_then).item() / (time.perf_counter() - self.since)
 
 
 def resume(path: Path | None, model, ps: ParallelState, cfg: Config) -> dict:
@@ -312,45 +301,37 @@ def samples(cfg: Config, model, data: PreparedData, ps: ParallelState, run_dir: 
                   f"parallelism (parallel.cp={ps.cp_size}); sample from the checkpoint with "
                   f"`megalite generate`", flush=True)
         return
-    lines = []
+    texts = []
     # Conversations: each prompt a user's message, rendered with the data's chat template.
     template = None if cfg.data.chat_template is None else load_chat_template(tok, None)
-    for i, prompt in enumerate(s.prompts):
+    for i, prompt in enumerate(s.prompts):  # one at a time, each with its own seed
         # Encoded as the documents were: bos first where the tokenizer's template puts it.
         ids = tok.encode(prompt) if template is None else \
             generation_prompt(template, tok, [{"role": "user", "content": prompt}])[1]
-        new = generate(model, [ids], s.max_new_tokens, pad_id=tok.pad_id,
-                       temperature=s.temperature, top_k=s.top_k, eos_id=tok.eos_id,
-                       seed=cfg.run.seed + i)[0]
-        lines.append(f"--- {prompt!r}\n{prompt}{tok.decode(new)}")
+        texts.append(sampled(model, tok, [prompt], [ids], s.max_new_tokens, temperature=s.temperature,
+                             top_k=s.top_k, seed=cfg.run.seed + i))
     if ps.is_main:
-        text = "\n".join(lines)
+        text = "\n".join(texts)
         (run_dir / "samples.txt").write_text(text + "\n")
         print(f"samples (temperature {s.temperature}, top-k {s.top_k}):\n{text}", flush=True)
 
 
 def report_data(data: PreparedData) -> None:
     m = data.meta
+    # Truncations are counted per shard (cached), so over the sources' held-out part too.
+    held_out = {v.name for v in data.val} & {s.name for s in data.train}
     notes = [f"{m['train_documents']} training documents ({m['train_tokens']} tokens), "
-             f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)"]
-    if len(data.train) > 1:
-        notes.append("blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train))
-    if m["empty"]:
-        notes.append(f"{m['empty']} empty documents skipped")
-    skipped = skipped_records(m, "the prepared data's meta.json")
-    if skipped:
-        notes.append(skipped)
-    if m["invalid_utf8"]:
-        notes.append(f"{m['invalid_utf8']} documents had bytes that are not UTF-8 (replaced "
-                     f"with U+FFFD)")
-    if m["truncated"]:  # counted per shard (cached), so over the sources' held-out part too
-        held = {v.name for v in data.val} & {s.name for s in data.train}
-        notes.append(f"{m['truncated']} documents longer than data.seq_len were truncated"
-                     + (" (held-out documents included)" if held else ""))
-    if m["dropped"]:
-        notes.append(f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
-                     f"left out (data.drop_longer)")
-    print("data: " + "; ".join(notes), flush=True)
+             f"{m['val_documents']} validation documents ({m['val_tokens']} tokens)",
+             len(data.train) > 1 and "blend " + ", ".join(f"{s.weight:.3g} {s.name}" for s in data.train),
+             m["empty"] and f"{m['empty']} empty documents skipped",
+             skipped_records(m, "the prepared data's meta.json"),
+             m["invalid_utf8"] and f"{m['invalid_utf8']} documents had bytes that are not UTF-8 "
+                                   f"(replaced with U+FFFD)",
+             m["truncated"] and f"{m['truncated']} documents longer than data.seq_len were truncated"
+                                + (" (held-out documents included)" if held_out else ""),
+             m["dropped"] and f"{m['dropped']} documents longer than a row (data.seq_len + 1 tokens) were "
+                              f"left out (data.drop_longer)"]
+    print("data: " + "; ".join(note for note in notes if note), flush=True)  # the counts not 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the script and the runs and writes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,17 +28,15 @@ TEMPLATE = Path(__file__).resolve().parent / "sbatch.template"  # package data
 
 def render(sweep: SweepFile, runs: list[Run], sweep_file: Path, sweep_dir: Path) -> str:
     s = sweep.slurm
-    optional = [f"#SBATCH --{key}={value}" for key, value in
-                (("partition", s.partition), ("account", s.account), ("qos", s.qos),
-                 ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node)) if value]
+    optional = [f"#SBATCH --{key.replace('_', '-')}={getattr(s, key)}"
+                for key in ("partition", "account", "qos", "constraint", "gpus_per_node") if getattr(s, key)]
     optional += [f"#SBATCH {line}" for line in s.extra_sbatch]
+    # The template's other names are SlurmConfig's fields.
     return Template(TEMPLATE.read_text()).substitute(
-        name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
-        throttle=f"%{s.throttle}" if s.throttle else "", nodes=s.nodes,
-        cpus_per_task=s.cpus_per_task, time=s.time, sweep_dir=sweep_dir.resolve(),
-        signal=s.signal, optional_sbatch="\n".join(optional), setup="\n".join(s.setup),
-        python=s.python, procs_per_node=s.procs, max_requeues=s.max_requeues,
-        max_restarts=s.max_restarts, workdir=Path.cwd())
+        dataclasses.asdict(s), name=sweep.name, count=len(runs), last=len(runs) - 1, sweep_file=sweep_file,
+        throttle=f"%{s.throttle}" if s.throttle else "", sweep_dir=sweep_dir.resolve(),
+        optional_sbatch="\n".join(optional), setup="\n".join(s.setup), procs_per_node=s.procs,
+        workdir=Path.cwd())
 
 
 def write_sweep(sweep: SweepFile, runs: list[Run], script: str) -> Path:
@@ -67,10 +66,8 @@ def main(argv: list[str]) -> int:
     sweep_dir = Path(sweep.run_root) / sweep.name
     text = render(sweep, runs, Path(args.sweep), sweep_dir)
     if args.dry_run:
-        print(text)
-        print(table(runs))
-        print(f"\nnothing written: --submit writes the script and each run's config.yaml under "
-              f"{sweep_dir} and submits it")
+        print(f"{text}\n{table(runs)}\n\nnothing written: --submit writes the script and each run's "
+              f"config.yaml under {sweep_dir} and submits it")
         return 0
     script = write_sweep(sweep, runs, text)
     if shutil.which("sbatch") is None:
@@ -117,29 +114,28 @@ def array_tasks(listing: str) -> dict[int, str]:
     return states
 
 
+# COMPLETED: Slurm says so, the run did not (a finished run is done by its last checkpoint).
 SLURM_STATES = {"OUT_OF_MEMORY": "OOM", "TIMEOUT": "timeout", "FAILED": "failed",
                 "CANCELLED": "failed", "NODE_FAIL": "failed", "PENDING": "pending",
-                "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "done"}
+                "RUNNING": "running", "REQUEUED": "pending", "COMPLETED": "failed"}
 
 
 def run_status(run_dir: Path, slurm_state: str | None, queue_answered: bool) -> dict:
     """slurm_state: Slurm's state of the task, None when it does not list it; queue_answered:
     whether Slurm was asked about a submitted sweep and answered."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    steps = [r for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
     latest = latest_checkpoint(run_dir)
     if latest is not None and latest.name == f"step_{config['train']['max_steps']:08d}":
         state = "done"  # finished
     elif slurm_state is not None:
         state = SLURM_STATES.get(slurm_state, slurm_state.lower())
-        state = "failed" if state == "done" else state  # Slurm says completed, the run did not
     elif queue_answered:
         state = "failed"  # left the queue (without accounting: gone from squeue) unfinished
     elif (run_dir.parent / "job_id").is_file():
         state = "unknown"  # Slurm did not answer
     else:
         state = "not submitted"
-    last = steps[-1] if steps else {}
+    last = next((r for r in reversed(read_records(run_dir / "metrics.jsonl")) if "loss" in r), {})
     return {"state": state, **{key: last.get(key) for key in ("step", "loss", "tokens_per_s")}}
 
 

@@ -101,7 +101,6 @@ def setting_name(key: str) -> str:
 
 
 def load_sweep(path: Path) -> tuple[SweepFile, list[Run]]:
-    path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file '{path}' not found")
     sweep = from_dict(SweepFile, yaml.safe_load(path.read_text()) or {}, "sweep.")

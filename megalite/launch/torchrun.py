@@ -41,8 +41,8 @@ class _QuietOnError(logging.Filter):
     def __init__(self, errors: Path):
         super().__init__()
         self.errors = errors
-        self.signalled = False
-        self.killed = False  # the agent SIGKILLed ranks that had not stopped in its time
+        # killed: the agent SIGKILLed ranks that had not stopped in its time.
+        self.signalled = self.killed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
