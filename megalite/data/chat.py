@@ -74,10 +74,6 @@ class ChatTemplate:
     source: str
     special_tokens: dict  # bos_token, eos_token, ... as the template sees them
 
-    @property
-    def marks_generation(self) -> bool:
-        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
-
     def render(self, messages: list[dict], add_generation_prompt: bool = False
                ) -> tuple[str, list[tuple[int, int]]]:
         """The text, and the [start, end) character spans of its {% generation %} blocks."""
@@ -105,7 +101,7 @@ class ChatTemplate:
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The text of the conversation and the spans of what the assistant says."""
         text, marked = self.render(messages)
-        if self.marks_generation:
+        if re.search(r"\{%-?\s*generation\s*-?%\}", self.source):  # the template marks them
             return text, marked
         spans = []
         for i, message in enumerate(messages):

@@ -53,6 +53,12 @@ def sum_reasons(many) -> dict:
     return dict(sum(map(Counter, many), Counter()))
 
 
+def summed(counts: list[dict], keys: tuple = COUNT_KEYS) -> dict:
+    """Several files' (or prepared directories') counts of `keys`, and their reasons, summed."""
+    return {**{key: sum(c.get(key, 0) for c in counts) for key in keys},
+            "reasons": sum_reasons(c.get("reasons", {}) for c in counts)}  # (older shards have none)
+
+
 def reason_of(why: str) -> str:
     """What a bad record is counted under: its why without the detail after ' (' or ': ' (a
     JSON error's position, a record's keys, the template's own message), so reasons stay few."""

@@ -155,17 +155,13 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
     plain = found["eos_token"][:1] == [names["eos_token"]] and not tokenizer.encode("").ids
     digest = file_hash if plain else \
         hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
-    return TokenizerInfo(tokenizer, file, names, source_files, digest,
-                         _own_chat_template(beside, source_files))
-
-
-def _own_chat_template(beside: Path | None, source_files: dict) -> str | None:
-    if beside is not None and (beside / "chat_template.jinja").is_file():
-        return (beside / "chat_template.jinja").read_text()
-    source = source_files.get("tokenizer_config.json", {}).get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    return source or None
+    # Its chat template: chat_template.jinja beside it, else tokenizer_config.json's.
+    jinja = file.parent / "chat_template.jinja"
+    template = source_files.get("tokenizer_config.json", {}).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    template = jinja.read_text() if beside is not None and jinja.is_file() else template or None
+    return TokenizerInfo(tokenizer, file, names, source_files, digest, template)
 
 
 def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
