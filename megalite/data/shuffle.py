@@ -51,8 +51,7 @@ def permute(indices, n, key) -> np.ndarray:
     bits = _bit_length(n - _ONE)
     low = bits // np.uint64(2)
     high = bits - low
-    x = _feistel(x, high, low, key)
-    walk = np.flatnonzero(x >= n)
+    walk = np.arange(len(x))  # all once, then those still >= n
     while len(walk):
         x[walk] = _feistel(x[walk], high[walk], low[walk], key[walk])
         walk = walk[x[walk] >= n[walk]]

@@ -145,10 +145,13 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
                               f"name one of its tokens")
         if name is None and key == "eos_token" and (not found[key] or
                                                      (len(found[key]) > 1 and source_files)):
-            raise ConfigError(_no_eos(path, found[key]))
-        name = name if name is not None else next(iter(found[key]), None)
-        if name is not None:
-            names[key] = name
+            what = (f"several end-of-document tokens ({', '.join(found[key])}) and no "
+                    f"tokenizer_config.json or special_tokens_map.json naming one" if found[key] else
+                    f"no end-of-document token megalite knows ({', '.join(KNOWN['eos_token'])})")
+            raise ConfigError(f"tokenizer '{path}' has {what}: name the one that ends a document "
+                              f"with data.eos_token=NAME (--eos-token NAME for prepare-data and import)")
+        if name is not None or found[key]:  # else the tokenizer has none
+            names[key] = found[key][0] if name is None else name
     file_hash = hashlib.sha256(text).hexdigest()
     # Its eos is the one its tokenizer.json alone gives (the first known name it holds), and
     # its post-processor adds no ids around a text.
@@ -178,11 +181,3 @@ def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
     for name, content in zip(FILES, (config, special_map, None)):
         write_atomic(directory / name, info.file.read_bytes() if content is None else
                      json.dumps(content, indent=1))
-
-
-def _no_eos(path: Path, found: list[str]) -> str:
-    what = (f"several end-of-document tokens ({', '.join(found)}) and no tokenizer_config.json "
-            f"or special_tokens_map.json naming one" if found else
-            f"no end-of-document token megalite knows ({', '.join(KNOWN['eos_token'])})")
-    return (f"tokenizer '{path}' has {what}: name the one that ends a document with "
-            f"data.eos_token=NAME (--eos-token NAME for prepare-data and import)")
