@@ -153,9 +153,8 @@ class DocSet:
         width = int((ends - starts).max()) if len(g) else 0
         # Short (and empty) documents repeat a token of their own, or the store's last, to fill
         # the rectangle; each row is cut back to its length.
-        last = max(int(self.store.token_base[-1]) - 1, 0)
-        window = np.minimum(starts[:, None] + np.arange(width), np.maximum(ends - 1, starts)[:, None])
-        window = np.minimum(window, last)
+        last = np.minimum(np.maximum(ends - 1, starts), max(int(self.store.token_base[-1]) - 1, 0))
+        window = np.minimum(starts[:, None] + np.arange(width), last[:, None])
         rows = self.store.read_targets(window) if targets else self.store.read(window)[0]
         return [row[: e - s] for row, s, e in zip(rows, starts, ends)]
 

@@ -313,7 +313,13 @@ def _prepared(directories: list[Path], key: str | None = None) -> _Store:
 
 def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run: bool,
          path: str) -> _Store:
-    target, key = raw_target(files, cfg, given)
+    """Raw files, read from their directory in data.cache_dir (NotPrepared until it is made):
+    its key hashes the files (by name, size and time) and every setting that changes the tokens."""
+    tokenizer = "bpe" if given is None else given.digest
+    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
+    key = stat_key(files, f"v{RAW_CACHE_VERSION}|{tokenizer}|{cfg.bpe_vocab_size}|"
+                          f"{cfg.bpe_sample_mb}|{cfg.text_key}|{cfg.strict}{chat}")[:16]
+    target = Path(cfg.cache_dir) / key
     if not (target / "meta.json").is_file():
         size = sum(f.stat().st_size for f in files)
         if in_run and size > RAW_IN_RUN_BYTES:
@@ -325,16 +331,6 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
                               f"run finds it prepared there)")
         raise NotPrepared([RawBuild(files, path, target)])
     return _prepared([target], key)
-
-
-def raw_target(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> tuple[Path, str]:
-    """(the directory in data.cache_dir, its key) of raw files: the key hashes the files (by
-    name, size and time) and every setting that changes the tokens."""
-    tokenizer = "bpe" if given is None else given.digest
-    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
-    key = stat_key(files, f"v{RAW_CACHE_VERSION}|{tokenizer}|{cfg.bpe_vocab_size}|"
-                          f"{cfg.bpe_sample_mb}|{cfg.text_key}|{cfg.strict}{chat}")[:16]
-    return Path(cfg.cache_dir) / key, key
 
 
 def _prepare_command(path: str, cfg: DataConfig, out: Path) -> str:

@@ -3,10 +3,9 @@
 listed by place (data/sources.parse counts them, prepare-data and the trainer say them)."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from megalite.typed_config import ConfigError
 
@@ -45,7 +44,7 @@ class Counts:
         self.reasons = dict(Counter(self.reasons) + Counter(other.reasons))
 
 
-COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name not in ("bad", "reasons"))
+COUNT_KEYS = tuple(f.name for f in fields(Counts) if f.name not in ("bad", "reasons"))
 
 
 def summed(counts: list[dict], keys: tuple = COUNT_KEYS) -> dict:
