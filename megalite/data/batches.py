@@ -71,10 +71,9 @@ class Samples:
         parallelism cuts rows into equal chunks; seq_len is one)."""
         self.docs, self.mode, self.seq_len, self.pad_id = docs, mode, seq_len, pad_id
         self.width_multiple = width_multiple
-        self.count = len(docs) if mode == "padded" else max(0, (docs.n_tokens - 1) // seq_len)
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.docs) if self.mode == "padded" else max(0, (self.docs.n_tokens - 1) // self.seq_len)
 
     def rows(self, indices, targets: bool = False) -> list | None:
         """padded: each document's first seq_len + 1 tokens (every stored document ends with

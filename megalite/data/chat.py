@@ -81,9 +81,8 @@ class ChatTemplate:
                for message in messages for value in message.values()):
             raise ChatError("a message holds U+E000 or U+E001, which rendering reserves")
         try:
-            marked = _compile(self.source).render(messages=messages,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **self.special_tokens)
+            marked = _compile(self.source).render(messages=messages, **self.special_tokens,
+                                                  add_generation_prompt=add_generation_prompt)
         except ChatError:
             raise
         except Exception as err:  # jinja2's errors: a template that fails on this conversation
