@@ -86,9 +86,9 @@ class ShardWriter:
         targets side file, `targets[j]` says whether tokens[j] is a target."""
         if (targets is None) != (len(self._files) == 1) or (targets is not None and len(targets) != len(tokens)):
             raise ValueError("targets must be given for every token exactly when the writer keeps them")
-        self._files[0].write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        if targets is not None:
-            self._files[1].write(np.ascontiguousarray(targets, dtype=np.uint8).tobytes())
+        # the .bin's tokens, then the targets where the writer keeps them
+        for f, data, dtype in zip(self._files, (tokens, targets), (self.dtype, np.uint8)):
+            f.write(np.ascontiguousarray(data, dtype=dtype).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
