@@ -64,8 +64,7 @@ def _compile(source: str):
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
         sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
                                     separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)
 
 
@@ -130,11 +129,9 @@ def conversation_of(record: dict, prompt_only: bool = False) -> list[dict]:
         if not messages:  # else counted as whatever the template makes of nothing
             raise ChatError("'messages' is empty")
         return messages
-    if "prompt" in record and "completion" in record:
-        return [{"role": "user", "content": record["prompt"]},
-                {"role": "assistant", "content": record["completion"]}]
-    if prompt_only and "prompt" in record:
-        return [{"role": "user", "content": record["prompt"]}]
+    if "prompt" in record and ("completion" in record or prompt_only):
+        answer = [{"role": "assistant", "content": record["completion"]}] if "completion" in record else []
+        return [{"role": "user", "content": record["prompt"]}] + answer
     raise ChatError("the record has neither 'messages' nor 'prompt' and 'completion'")
 
 

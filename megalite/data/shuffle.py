@@ -74,8 +74,7 @@ def _mask(width: np.ndarray) -> np.ndarray:
 def _bit_length(v: np.ndarray) -> np.ndarray:
     """Bits needed to write each v (0 for 0), exactly (a float log2 rounds near 2^53 and up)."""
     v, bits = v.copy(), np.zeros(v.shape, dtype=np.uint64)
-    for step in (32, 16, 8, 4, 2, 1):
-        s = np.uint64(step)
+    for s in map(np.uint64, (32, 16, 8, 4, 2, 1)):
         big = (v >> s) != 0
         v[big] >>= s
         bits[big] += s
