@@ -227,6 +227,5 @@ class Prefetcher(Generic[T]):
         pending = self._pool.submit(self.load, self.steps[0]) if self.steps else None
         for i, step in enumerate(self.steps):
             loaded = pending.result()
-            if i + 1 < len(self.steps):
-                pending = self._pool.submit(self.load, self.steps[i + 1])
+            pending = self._pool.submit(self.load, self.steps[i + 1]) if i + 1 < len(self.steps) else None
             yield step, loaded
