@@ -102,9 +102,7 @@ class ChatTemplate:
         if re.search(r"\{%-?\s*generation\s*-?%\}", self.source):  # the template marks them
             return text, marked
         spans = []
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
+        for i in [i for i, message in enumerate(messages) if message.get("role") == "assistant"]:
             prompt, _ = self.render(messages[:i], add_generation_prompt=True)
             through, _ = self.render(messages[:i + 1])
             if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
