@@ -373,8 +373,7 @@ def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _S
     tokens = (key_of(SYNTHETIC, 1, np.arange(offsets[-1])) % np.uint64(info.vocab_size)).astype(dtype)
     tokens[offsets[1:] - 1] = info.eos_id
     key = hashlib.sha256(f"synthetic-v1|{n}|{cfg.seq_len}|{info.digest}".encode()).hexdigest()
-    return _Store(TokenStore([ArrayShard(tokens, offsets)]), None if base is None else base.tokenizer,
-                  key, {})
+    return _Store(TokenStore([ArrayShard(tokens, offsets)]), base and base.tokenizer, key, {})
 
 
 def _one_tokenizer(stores: list[_Store], paths: list[str], given: TokenizerInfo | None,
