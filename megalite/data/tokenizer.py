@@ -61,8 +61,7 @@ class TokenizerInfo:
 
     @property
     def bos_id(self) -> int | None:
-        bos = self.names.get("bos_token")
-        return None if bos is None else self.tokenizer.token_to_id(bos)
+        return self.tokenizer.token_to_id(self.names["bos_token"]) if "bos_token" in self.names else None
 
     @property
     def pad_id(self) -> int:
