@@ -71,10 +71,9 @@ class Samples:
         parallelism cuts rows into equal chunks; seq_len is one)."""
         self.docs, self.mode, self.seq_len, self.pad_id = docs, mode, seq_len, pad_id
         self.width_multiple = width_multiple
-        self.count = len(docs) if mode == "padded" else max(0, (docs.n_tokens - 1) // seq_len)
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.docs) if self.mode == "padded" else max(0, (self.docs.n_tokens - 1) // self.seq_len)
 
     def rows(self, indices, targets: bool = False) -> list | None:
         """padded: each document's first seq_len + 1 tokens (every stored document ends with
@@ -228,6 +227,5 @@ class Prefetcher(Generic[T]):
         pending = self._pool.submit(self.load, self.steps[0]) if self.steps else None
         for i, step in enumerate(self.steps):
             loaded = pending.result()
-            if i + 1 < len(self.steps):
-                pending = self._pool.submit(self.load, self.steps[i + 1])
+            pending = self._pool.submit(self.load, self.steps[i + 1]) if i + 1 < len(self.steps) else None
             yield step, loaded

@@ -15,8 +15,7 @@ import numpy as np
 
 def assign(positions: np.ndarray, weights: list[float]) -> tuple[np.ndarray, np.ndarray]:
     """(source, index within that source's samples) of each position."""
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     source = np.full(positions.shape, len(w) - 1, dtype=np.int64)
     index = np.asarray(positions, dtype=np.int64).copy()
     open_ = np.ones(positions.shape, dtype=bool)
@@ -28,8 +27,7 @@ def assign(positions: np.ndarray, weights: list[float]) -> tuple[np.ndarray, np.
         take = after > before
         where = np.flatnonzero(open_)
         source[where[take]] = s
-        index[where[take]] = before[take].astype(np.int64)
-        index[where[~take]] = (q - after)[~take].astype(np.int64)
+        index[where] = np.where(take, before, q - after).astype(np.int64)
         open_[where[take]] = False
         remaining -= w[s]
     return source, index

@@ -64,8 +64,7 @@ def _compile(source: str):
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
         sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
                                     separators=separators, sort_keys=sort_keys)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)
 
 
@@ -74,10 +73,6 @@ class ChatTemplate:
     source: str
     special_tokens: dict  # bos_token, eos_token, ... as the template sees them
 
-    @property
-    def marks_generation(self) -> bool:
-        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
-
     def render(self, messages: list[dict], add_generation_prompt: bool = False
                ) -> tuple[str, list[tuple[int, int]]]:
         """The text, and the [start, end) character spans of its {% generation %} blocks."""
@@ -85,9 +80,8 @@ class ChatTemplate:
                for message in messages for value in message.values()):
             raise ChatError("a message holds U+E000 or U+E001, which rendering reserves")
         try:
-            marked = _compile(self.source).render(messages=messages,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **self.special_tokens)
+            marked = _compile(self.source).render(messages=messages, **self.special_tokens,
+                                                  add_generation_prompt=add_generation_prompt)
         except ChatError:
             raise
         except Exception as err:  # jinja2's errors: a template that fails on this conversation
@@ -105,12 +99,10 @@ class ChatTemplate:
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The text of the conversation and the spans of what the assistant says."""
         text, marked = self.render(messages)
-        if self.marks_generation:
+        if re.search(r"\{%-?\s*generation\s*-?%\}", self.source):  # the template marks them
             return text, marked
         spans = []
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
+        for i in [i for i, message in enumerate(messages) if message.get("role") == "assistant"]:
             prompt, _ = self.render(messages[:i], add_generation_prompt=True)
             through, _ = self.render(messages[:i + 1])
             if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
@@ -135,11 +127,9 @@ def conversation_of(record: dict, prompt_only: bool = False) -> list[dict]:
         if not messages:  # else counted as whatever the template makes of nothing
             raise ChatError("'messages' is empty")
         return messages
-    if "prompt" in record and "completion" in record:
-        return [{"role": "user", "content": record["prompt"]},
-                {"role": "assistant", "content": record["completion"]}]
-    if prompt_only and "prompt" in record:
-        return [{"role": "user", "content": record["prompt"]}]
+    if "prompt" in record and ("completion" in record or prompt_only):
+        answer = [{"role": "assistant", "content": record["completion"]}] if "completion" in record else []
+        return [{"role": "user", "content": record["prompt"]}] + answer
     raise ChatError("the record has neither 'messages' nor 'prompt' and 'completion'")
 
 

@@ -70,27 +70,25 @@ class TokenStore:
 
     def read(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token id, global document) at each global token position."""
-        positions = np.asarray(positions, dtype=np.int64)
-        tokens, docs = np.empty((2, positions.size), dtype=np.int64)
+        tokens, docs = np.empty((2, np.size(positions)), dtype=np.int64)
         for s, here, local in self._by_shard(positions):
             tokens[here] = self.shards[s].tokens[local]
             docs[here] = self.doc_base[s] + self.shards[s].doc_of(local)
-        return tokens.reshape(positions.shape), docs.reshape(positions.shape)
+        return tokens.reshape(np.shape(positions)), docs.reshape(np.shape(positions))
 
     def read_targets(self, positions: np.ndarray) -> np.ndarray:
         """Whether the token at each global position is a target (True where its shard has no
         targets side file)."""
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.ones(positions.size, dtype=bool)
+        out = np.ones(np.size(positions), dtype=bool)
         for s, here, local in self._by_shard(positions):
             targets = self.shards[s].targets
             if targets is not None:
                 out[here] = targets[local] != 0
-        return out.reshape(positions.shape)
+        return out.reshape(np.shape(positions))
 
     def _by_shard(self, positions: np.ndarray):
         """(shard, the indices of the flattened positions in it, their positions in it)."""
-        flat = positions.ravel()
+        flat = np.asarray(positions, dtype=np.int64).ravel()
         for s, here in _by_shard(np.searchsorted(self.token_base, flat, side="right") - 1):
             yield s, here, flat[here] - self.token_base[s]
 
@@ -153,9 +151,8 @@ class DocSet:
         width = int((ends - starts).max()) if len(g) else 0
         # Short (and empty) documents repeat a token of their own, or the store's last, to fill
         # the rectangle; each row is cut back to its length.
-        last = max(int(self.store.token_base[-1]) - 1, 0)
-        window = np.minimum(starts[:, None] + np.arange(width), np.maximum(ends - 1, starts)[:, None])
-        window = np.minimum(window, last)
+        last = np.minimum(np.maximum(ends - 1, starts), max(int(self.store.token_base[-1]) - 1, 0))
+        window = np.minimum(starts[:, None] + np.arange(width), last[:, None])
         rows = self.store.read_targets(window) if targets else self.store.read(window)[0]
         return [row[: e - s] for row, s, e in zip(rows, starts, ends)]
 

@@ -29,8 +29,8 @@ from megalite.typed_config import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
+# Megatron's dtype codes of integer ids megalite reads (2, 3: int8, int16; 6, 7: floats)
+DTYPE_CODES = {1: np.uint8, 4: np.int32, 5: np.int64, 8: np.uint16}
 TOKEN_DTYPES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
 
 
@@ -74,10 +74,11 @@ class ShardWriter:
     def __init__(self, prefix: Path, dtype: np.dtype, targets: bool = False):
         """targets: also a side file of which tokens are targets (targets_path)."""
         self.prefix, self.dtype = prefix, np.dtype(dtype)
-        # (temporary name, name) of the .bin, then of the targets side file where one is kept
-        names = [bin_path(prefix)] + ([targets_path(prefix)] if targets else [])
+        # (temporary name, name) of the .idx, the .bin, then the targets side file where one is
+        # kept; the .idx is written whole by `finish`, the others as documents come
+        names = [idx_path(prefix), bin_path(prefix)] + ([targets_path(prefix)] if targets else [])
         self._names = [(name.with_name(f".{name.name}.tmp"), name) for name in names]
-        self._files = [open(tmp, "wb") for tmp, _ in self._names]
+        self._files = [open(tmp, "wb") for tmp, _ in self._names[1:]]
         self._lengths: list[np.ndarray] = []
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray | None = None) -> None:
@@ -85,9 +86,9 @@ class ShardWriter:
         targets side file, `targets[j]` says whether tokens[j] is a target."""
         if (targets is None) != (len(self._files) == 1) or (targets is not None and len(targets) != len(tokens)):
             raise ValueError("targets must be given for every token exactly when the writer keeps them")
-        self._files[0].write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        if targets is not None:
-            self._files[1].write(np.ascontiguousarray(targets, dtype=np.uint8).tobytes())
+        # the .bin's tokens, then the targets where the writer keeps them
+        for f, data, dtype in zip(self._files, (tokens, targets), (self.dtype, np.uint8)):
+            f.write(np.ascontiguousarray(data, dtype=dtype).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def finish(self) -> None:
@@ -96,15 +97,13 @@ class ShardWriter:
             return
         for f in self._files:
             _close_synced(f)
-        tmp_idx = self.prefix.with_name(f".{self.prefix.name}.idx.tmp")
-        write_index(tmp_idx, self.dtype, self._lengths)
+        write_index(self._names[0][0], self.dtype, self._lengths)
         # The targets before the .bin, and both before the .idx, whose presence marks the shard whole.
         for tmp, name in reversed(self._names):
             os.replace(tmp, name)
-        os.replace(tmp_idx, idx_path(self.prefix))
 
     def abandon(self) -> None:
-        for f, (tmp, _) in zip(self._files, self._names):
+        for f, (tmp, _) in zip(self._files, self._names[1:]):
             f.close()
             tmp.unlink(missing_ok=True)
 
@@ -162,7 +161,7 @@ class IndexedShard:
                 raise ConfigError(f"'{idx_path(self.prefix)}' is not a Megatron indexed dataset "
                                   f"index (no MMIDIDX header): give the prefix of a .bin/.idx pair")
             version, code, n_seq, n_doc_index = struct.unpack("<QBQQ", head[9:34])
-            if version != VERSION or DTYPE_CODES.get(code) not in (np.uint16, np.int32, np.int64, np.uint8):
+            if version != VERSION or code not in DTYPE_CODES:
                 raise ConfigError(f"'{idx_path(self.prefix)}': version {version}, dtype code {code} "
                                   f"is not an integer token index megalite reads (version 1, integer ids)")
             self.dtype = np.dtype(DTYPE_CODES[code])
@@ -207,11 +206,10 @@ class IndexedShard:
         docs = np.asarray(docs, dtype=np.int64)
         inside = np.flatnonzero(docs < self.n_docs)
         out = np.full(docs.shape, self.n_tokens, dtype=np.int64)
-        if len(inside):
-            maps = _LRU.get(self)
-            first = maps.doc_index[docs.ravel()[inside]]
-            has_seq = first < self.n_seq
-            out.ravel()[inside[has_seq]] = maps.pointers[first[has_seq]] // self.dtype.itemsize
+        maps = _LRU.get(self)
+        first = maps.doc_index[docs.ravel()[inside]]
+        has_seq = first < self.n_seq
+        out.ravel()[inside[has_seq]] = maps.pointers[first[has_seq]] // self.dtype.itemsize
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 
 from megalite.data.docs import ArrayShard, DocSet, TokenStore, held_out
 from megalite.data.indexed import IndexedShard, bin_path, check_dtype_holds, idx_path, is_indexed
-from megalite.data.record_counts import COUNT_KEYS, sum_reasons
+from megalite.data.record_counts import COUNT_KEYS, summed
 from megalite.data.raw_files import EMBEDDED, SUPPORTED, expand_inputs
 from megalite.data.shard_facts import known_facts, stat_key
 from megalite.data.shuffle import key_of
@@ -43,6 +43,7 @@ from megalite.failures import ERROR_PREFIX
 from megalite.run_config import DataConfig, to_dict
 from megalite.typed_config import ConfigError
 
+# The records skipped, summed over prepared directories' metas (Megatron data's: {}).
 SKIPPED_KEYS = tuple(k for k in COUNT_KEYS if k not in ("records", "documents"))
 SYNTHETIC = 0x5E  # the key of data.path=synthetic's hash
 SYNTHETIC_MAX_BYTES = 2**31  # its tokens, held by every rank
@@ -181,7 +182,7 @@ def load_data(cfg: DataConfig, in_run: bool = True,
         sum(f.longer_than[cfg.seq_len + 1] for _, f in _facts(stores, cfg, longer_than=cfg.seq_len + 1))
     key = hashlib.sha256("|".join(s.key for s in every).encode()).hexdigest()[:16]
     return PreparedData(info, train, val, {"cache_key": key, **summary(info, train, val),
-                                           **_skipped([s.meta for s in every]),
+                                           **summed([s.meta for s in every], SKIPPED_KEYS),
                                            "truncated": truncated, "dropped": dropped[0]})
 
 
@@ -228,13 +229,6 @@ def summary(info: TokenizerInfo, train: list[Source], val: list[Source]) -> dict
         sizes[f"{split}_documents"] = sum(len(s.docs) for s in sources)
         sizes[f"{split}_tokens"] = sum(s.docs.n_tokens for s in sources)
     return {"content": hashlib.sha256("|".join(parts).encode()).hexdigest()[:16], **sizes}
-
-
-def _skipped(metas: list[dict]) -> dict:
-    """The records skipped, summed over prepared directories' metas (Megatron data's: {})."""
-    counts = {key: sum(m.get(key, 0) for m in metas) for key in SKIPPED_KEYS}
-    counts["reasons"] = sum_reasons(m.get("reasons", {}) for m in metas)
-    return counts
 
 
 def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> None:
@@ -314,12 +308,18 @@ def _prepared(directories: list[Path], key: str | None = None) -> _Store:
     if len({m["tokenizer"]["sha256"] for m in metas}) > 1:
         raise ConfigError(f"prepared directories {', '.join(map(str, directories))} were made "
                           f"with different tokenizers: join only data of one tokenizer")
-    return _Store(TokenStore(shards), directories[0], key or h.hexdigest(), _skipped(metas))
+    return _Store(TokenStore(shards), directories[0], key or h.hexdigest(), summed(metas, SKIPPED_KEYS))
 
 
 def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run: bool,
          path: str) -> _Store:
-    target, key = raw_target(files, cfg, given)
+    """Raw files, read from their directory in data.cache_dir (NotPrepared until it is made):
+    its key hashes the files (by name, size and time) and every setting that changes the tokens."""
+    tokenizer = "bpe" if given is None else given.digest
+    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
+    key = stat_key(files, f"v{RAW_CACHE_VERSION}|{tokenizer}|{cfg.bpe_vocab_size}|"
+                          f"{cfg.bpe_sample_mb}|{cfg.text_key}|{cfg.strict}{chat}")[:16]
+    target = Path(cfg.cache_dir) / key
     if not (target / "meta.json").is_file():
         size = sum(f.stat().st_size for f in files)
         if in_run and size > RAW_IN_RUN_BYTES:
@@ -331,16 +331,6 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
                               f"run finds it prepared there)")
         raise NotPrepared([RawBuild(files, path, target)])
     return _prepared([target], key)
-
-
-def raw_target(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None) -> tuple[Path, str]:
-    """(the directory in data.cache_dir, its key) of raw files: the key hashes the files (by
-    name, size and time) and every setting that changes the tokens."""
-    tokenizer = "bpe" if given is None else given.digest
-    chat = "" if cfg.chat_template is None else f"|{cfg.chat_template}|{cfg.train_on}"
-    key = stat_key(files, f"v{RAW_CACHE_VERSION}|{tokenizer}|{cfg.bpe_vocab_size}|"
-                          f"{cfg.bpe_sample_mb}|{cfg.text_key}|{cfg.strict}{chat}")[:16]
-    return Path(cfg.cache_dir) / key, key
 
 
 def _prepare_command(path: str, cfg: DataConfig, out: Path) -> str:
@@ -383,8 +373,7 @@ def _synthetic(cfg: DataConfig, given: TokenizerInfo | None, in_run: bool) -> _S
     tokens = (key_of(SYNTHETIC, 1, np.arange(offsets[-1])) % np.uint64(info.vocab_size)).astype(dtype)
     tokens[offsets[1:] - 1] = info.eos_id
     key = hashlib.sha256(f"synthetic-v1|{n}|{cfg.seq_len}|{info.digest}".encode()).hexdigest()
-    return _Store(TokenStore([ArrayShard(tokens, offsets)]), None if base is None else base.tokenizer,
-                  key, {})
+    return _Store(TokenStore([ArrayShard(tokens, offsets)]), base and base.tokenizer, key, {})
 
 
 def _one_tokenizer(stores: list[_Store], paths: list[str], given: TokenizerInfo | None,

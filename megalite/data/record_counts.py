@@ -3,10 +3,9 @@
 listed by place (data/sources.parse counts them, prepare-data and the trainer say them)."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from megalite.typed_config import ConfigError
 
@@ -41,16 +40,18 @@ class Counts:
         for name in COUNT_KEYS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.bad = (self.bad + other.bad)[:KEEP_BAD]
-        self.reasons = sum_reasons([self.reasons, other.reasons])
+        # Counter's + keeps the order first met (and drops counts under 1: a reason has 1 or more).
+        self.reasons = dict(Counter(self.reasons) + Counter(other.reasons))
 
 
-COUNT_KEYS = tuple(f.name for f in dataclasses.fields(Counts) if f.name not in ("bad", "reasons"))
+COUNT_KEYS = tuple(f.name for f in fields(Counts) if f.name not in ("bad", "reasons"))
 
 
-def sum_reasons(many) -> dict:
-    """Counts of bad records per reason, summed (in the order first met)."""
-    # Counter's + keeps the order first met (and drops counts under 1: a reason has 1 or more).
-    return dict(sum(map(Counter, many), Counter()))
+def summed(counts: list[dict], keys: tuple = COUNT_KEYS) -> dict:
+    """Several files' (or prepared directories') counts of `keys`, and their reasons, summed
+    (in the order first met; a shard an earlier version wrote has no reasons)."""
+    return {**{key: sum(c.get(key, 0) for c in counts) for key in keys},
+            "reasons": dict(sum((Counter(c.get("reasons", {})) for c in counts), Counter()))}
 
 
 def reason_of(why: str) -> str:

@@ -51,8 +51,7 @@ def permute(indices, n, key) -> np.ndarray:
     bits = _bit_length(n - _ONE)
     low = bits // np.uint64(2)
     high = bits - low
-    x = _feistel(x, high, low, key)
-    walk = np.flatnonzero(x >= n)
+    walk = np.arange(len(x))  # all once, then those still >= n
     while len(walk):
         x[walk] = _feistel(x[walk], high[walk], low[walk], key[walk])
         walk = walk[x[walk] >= n[walk]]
@@ -75,8 +74,7 @@ def _mask(width: np.ndarray) -> np.ndarray:
 def _bit_length(v: np.ndarray) -> np.ndarray:
     """Bits needed to write each v (0 for 0), exactly (a float log2 rounds near 2^53 and up)."""
     v, bits = v.copy(), np.zeros(v.shape, dtype=np.uint64)
-    for step in (32, 16, 8, 4, 2, 1):
-        s = np.uint64(step)
+    for s in map(np.uint64, (32, 16, 8, 4, 2, 1)):
         big = (v >> s) != 0
         v[big] >>= s
         bits[big] += s

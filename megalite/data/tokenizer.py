@@ -61,8 +61,7 @@ class TokenizerInfo:
 
     @property
     def bos_id(self) -> int | None:
-        bos = self.names.get("bos_token")
-        return None if bos is None else self.tokenizer.token_to_id(bos)
+        return self.tokenizer.token_to_id(self.names["bos_token"]) if "bos_token" in self.names else None
 
     @property
     def pad_id(self) -> int:
@@ -145,27 +144,26 @@ def load_tokenizer(path: Path, eos_token: str | None = None) -> TokenizerInfo:
                               f"name one of its tokens")
         if name is None and key == "eos_token" and (not found[key] or
                                                      (len(found[key]) > 1 and source_files)):
-            raise ConfigError(_no_eos(path, found[key]))
-        name = name if name is not None else next(iter(found[key]), None)
-        if name is not None:
-            names[key] = name
+            what = (f"several end-of-document tokens ({', '.join(found[key])}) and no "
+                    f"tokenizer_config.json or special_tokens_map.json naming one" if found[key] else
+                    f"no end-of-document token megalite knows ({', '.join(KNOWN['eos_token'])})")
+            raise ConfigError(f"tokenizer '{path}' has {what}: name the one that ends a document "
+                              f"with data.eos_token=NAME (--eos-token NAME for prepare-data and import)")
+        if name is not None or found[key]:  # else the tokenizer has none
+            names[key] = found[key][0] if name is None else name
     file_hash = hashlib.sha256(text).hexdigest()
     # Its eos is the one its tokenizer.json alone gives (the first known name it holds), and
     # its post-processor adds no ids around a text.
     plain = found["eos_token"][:1] == [names["eos_token"]] and not tokenizer.encode("").ids
     digest = file_hash if plain else \
         hashlib.sha256(f"{file_hash}|eos={names['eos_token']}".encode()).hexdigest()
-    return TokenizerInfo(tokenizer, file, names, source_files, digest,
-                         _own_chat_template(beside, source_files))
-
-
-def _own_chat_template(beside: Path | None, source_files: dict) -> str | None:
-    if beside is not None and (beside / "chat_template.jinja").is_file():
-        return (beside / "chat_template.jinja").read_text()
-    source = source_files.get("tokenizer_config.json", {}).get("chat_template")
-    if isinstance(source, list):  # named templates: the default one
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    return source or None
+    # Its chat template: chat_template.jinja beside it, else tokenizer_config.json's.
+    jinja = file.parent / "chat_template.jinja"
+    template = source_files.get("tokenizer_config.json", {}).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    template = jinja.read_text() if beside is not None and jinja.is_file() else template or None
+    return TokenizerInfo(tokenizer, file, names, source_files, digest, template)
 
 
 def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
@@ -182,11 +180,3 @@ def save_tokenizer(info: TokenizerInfo, directory: Path) -> None:
     for name, content in zip(FILES, (config, special_map, None)):
         write_atomic(directory / name, info.file.read_bytes() if content is None else
                      json.dumps(content, indent=1))
-
-
-def _no_eos(path: Path, found: list[str]) -> str:
-    what = (f"several end-of-document tokens ({', '.join(found)}) and no tokenizer_config.json "
-            f"or special_tokens_map.json naming one" if found else
-            f"no end-of-document token megalite knows ({', '.join(KNOWN['eos_token'])})")
-    return (f"tokenizer '{path}' has {what}: name the one that ends a document with "
-            f"data.eos_token=NAME (--eos-token NAME for prepare-data and import)")

@@ -1,5 +1,5 @@
 """Raw files given as a run's data path, prepared once into data.cache_dir/<key>/ (the key:
-data/prepared.raw_target) by prepare-data's streaming code.
+data/prepared._raw) by prepare-data's streaming code.
 
 The preparations of a node take turns on a lock in its temporary directory: one builds (saying so
 on stderr), the others then find it built, or meet the same error themselves. The lock only saves

@@ -34,7 +34,7 @@ from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx
                                    token_dtype, write_atomic)
 from megalite.prep.locks import lock_waiting
 from megalite.data.prepared import FORMAT
-from megalite.data.record_counts import COUNT_KEYS, Counts, sum_reasons
+from megalite.data.record_counts import COUNT_KEYS, Counts, summed
 from megalite.prep.shard_records import whole_shards
 from megalite.prep.sources import RawChunk, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
@@ -119,9 +119,7 @@ def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
                               "vocab_size": info.vocab_size, "eos_id": info.eos_id,
                               "bos_id": info.bos_id, "pad_id": info.pad_id},
                 "text_key": settings.text_key, "shards": records,
-                **{key: sum(r[key] for r in records) for key in ("tokens",) + COUNT_KEYS},
-                # (a shard an earlier version wrote has none)
-                "reasons": sum_reasons(r.get("reasons", {}) for r in records)}
+                **summed(records, ("tokens",) + COUNT_KEYS)}
         write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return meta
 
