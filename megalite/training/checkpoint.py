@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,10 +44,6 @@ from megalite.training.sharded_state import (Piece, blocks, check_state_names,
                                              weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
-
-HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
-StateNames = Callable[[torch.nn.Parameter], tuple[str, ...]]
-
 
 def _agree(error: BaseException | None, pstate: ParallelState, what: str, where: Path) -> None:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
@@ -71,12 +68,15 @@ def _described(error: BaseException, where: Path) -> str:
     return text
 
 
-def _attempt(action) -> BaseException | None:
+@contextmanager
+def _agreed(pstate: ParallelState, what: str, where: Path):
+    """The block's error, if any, told to every rank and raised on each (`_agree`)."""
+    error = None
     try:
-        action()
+        yield
     except Exception as err:  # reported to every rank by _agree, then raised
-        return err
-    return None
+        error = err
+    _agree(error, pstate, what, where)
 
 
 def _fsync(path: Path) -> None:
@@ -135,27 +135,23 @@ class CheckpointWriter:
         final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
         what = f"writing checkpoint step {step}"
 
-        def start():
-            for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
-                shutil.rmtree(stale)
-            (tmp / "rng").mkdir(parents=True)
-        _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory", tmp)
+        with _agreed(pstate, "creating the checkpoint directory", tmp):
+            if pstate.is_main:
+                for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
+                    shutil.rmtree(stale)
+                (tmp / "rng").mkdir(parents=True)
 
         # Small, and every rank's own: written and agreed here, so that rank 0 can publish
         # the checkpoint from its thread without asking the other ranks again.
-        def write_rng():
+        with _agreed(pstate, what, tmp):
             rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
             # Not safetensors' save_file: it creates the file 0600, unreadable to colleagues.
             rng_file.write_bytes(save({k: v.cpu() for k, v in rng_state.items()}))
             _fsync(rng_file)
-        _agree(_attempt(write_rng), pstate, what, tmp)
 
-        pieces: list[Piece] = []
-
-        def stage():
-            pieces.extend(Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
-                          for piece in written_pieces(model, engine, pstate) for b in blocks(piece))
-        _agree(_attempt(stage), pstate, what, tmp)
+        with _agreed(pstate, what, tmp):
+            pieces = [Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
+                      for piece in written_pieces(model, engine, pstate) for b in blocks(piece)]
         copied = None
         if pstate.device.type == "cuda":
             copied = torch.cuda.Event()
@@ -306,8 +302,8 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             p.copy_(full[tuple(index)])
 
 
-def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: HeldRows,
-                         state_names: StateNames) -> list[tuple[torch.nn.Parameter, dict]]:
+def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable,
+                         state_names: Callable) -> list[tuple[torch.nn.Parameter, dict]]:
     """(parameter, {name: rows `held_rows(p)` of this rank's slice}) for each parameter with
     stored optimizer state (none in an imported checkpoint), whose names must be
     `state_names(p)`; a collective, as `load_checkpoint`."""
@@ -320,7 +316,7 @@ def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: HeldRows
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 
 
-def _read_whole_state(path: Path, model, held_rows: HeldRows, state_names: StateNames) -> Iterator[tuple]:
+def _read_whole_state(path: Path, model, held_rows: Callable, state_names: Callable) -> Iterator[tuple]:
     """The format before sharded checkpoints, written by AdamW alone."""
     with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
         keys = set(f.keys())

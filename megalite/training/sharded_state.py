@@ -54,15 +54,6 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def weight_key(name: str) -> str:
-    return f"model/{name}"
-
-
-def state_key(name: str, state: str) -> str:
-    """An optimizer's per-parameter state by name: AdamW's exp_avg, Muon's momentum_buffer."""
-    return f"optimizer/{name}.{state}"
-
-
 def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
     """`rows`, which are rows `first_row`... of p's local tensor (its TP slice), placed in the
     global tensor."""
@@ -81,8 +72,7 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
     every parameter on every rank, in the same order."""
     for name, p in model.named_parameters():
         state = engine.optimizer_state(p)
-        shard = shard_of(p)
-        copies = pstate.tp_size // shard.count if shard is not None else pstate.tp_size
+        copies = pstate.tp_size // getattr(shard_of(p), "count", 1)
         if getattr(p, "pipeline_copy", False):
             continue
         held = engine.held_rows(p)
@@ -98,14 +88,14 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.detach().narrow(0, start - held[0], stop - start)
-        yield _rows_piece(weight_key(name), p, rows(engine.master(p)), start)
-        for key, t in state.items():
-            yield _rows_piece(state_key(name, key), p, rows(t), start)
+        yield _rows_piece(f"model/{name}", p, rows(engine.master(p)), start)
+        for key, t in state.items():  # AdamW's exp_avg..., Muon's momentum_buffer
+            yield _rows_piece(f"optimizer/{name}.{key}", p, rows(t), start)
 
 
 def weight_pieces(model: torch.nn.Module) -> list[Piece]:
     """Each parameter's whole TP slice, to load in place."""
-    return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
+    return [_rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()]
 
 
 def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
@@ -136,7 +126,7 @@ def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Calla
         check_state_names(source, name, saved[name], names)
         start, stop = held_rows(p)
         shape = (stop - start, *p.shape[1:])
-        out.append((p, {key: _rows_piece(state_key(name, key), p,
+        out.append((p, {key: _rows_piece(f"optimizer/{name}.{key}", p,
                                          torch.zeros(shape, dtype=torch.float32, device=p.device), start)
                         for key in names}))
     return out
