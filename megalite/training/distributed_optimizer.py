@@ -26,7 +26,6 @@ TP slices), runs on the whole matrix, and keeps the rows (optimizers/matrices.py
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Callable
 
@@ -61,8 +60,9 @@ class ShardedBucket:
                  rank: int, size: int):
         self.params, self.rank, self.size = params, rank, size
         self.shards = [shards[id(p)] for p in params]  # whose .grad takes this rank's sums
-        # counts[k][i]: elements of params[i] that rank k holds
-        self.counts = [[_held_elements(p, k, size) for p in params] for k in range(size)]
+        # counts[k][i]: elements of params[i] that rank k holds (its rows of it)
+        self.counts = [[p.shape[1:].numel() * len(range(*row_range(p.shape[0], k, size))) for p in params]
+                       for k in range(size)]
         self.region = max(sum(c) for c in self.counts)
         self.pieces = [[*c, self.region - sum(c)] for c in self.counts]  # a region's split
         self.sums: list[torch.Tensor | None] = [None] * len(params)  # bf16 parameters' fp32 sums
@@ -188,11 +188,6 @@ class DistributedOptimizer(NativeEngine):
                 in_flight.pop(0)()
         for finish in in_flight:
             finish()
-
-
-def _held_elements(p: torch.Tensor, rank: int, size: int) -> int:
-    start, stop = row_range(p.shape[0], rank, size)
-    return (stop - start) * math.prod(p.shape[1:])
 
 
 def _rows_of(p: nn.Parameter, start: int, stop: int) -> nn.Parameter:

@@ -109,7 +109,7 @@ class Snapshots:
             if self.pstate.rank == q:
                 self._swap(self.path(step, r).read_bytes(), to=r, source=None)
             elif self.pstate.rank == r:
-                self._publish(self.path(step), self._swap(None, to=None, source=q))
+                publish(self.path(step), self._swap(None, to=None, source=q))
 
     def drop_after(self, step: int) -> None:
         """At a start: this node's files of steps after `step`, the one the run starts from (a
@@ -174,17 +174,10 @@ class Snapshots:
 
     def _write(self, step: int, tensors: dict, meta: dict) -> None:
         data = save(tensors, metadata=meta)
-        self._publish(self.path(step), data)
+        publish(self.path(step), data)
         if self.replicated:  # every rank sends its own and receives its source's
-            self._publish(self.path(step, self.source),
+            publish(self.path(step, self.source),
                           self._swap(data, to=self.partner, source=self.source))
-
-    @staticmethod
-    def _publish(final: Path, data: bytes) -> None:
-        """Written under a temporary name, then renamed: a file that exists is whole."""
-        tmp = final.with_name(f".{final.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
 
     def finish(self) -> None:
         """Wait for the write in flight (its error, a full memory say, is raised here)."""
@@ -234,6 +227,13 @@ class Snapshots:
         self._pool.shutdown()
         with contextlib.suppress(OSError):
             self.root.rmdir()  # once every rank's files are gone
+
+
+def publish(final: Path, data: bytes) -> None:
+    """Written under a temporary name, then renamed: a file that exists is whole."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, final)
 
 
 def _under(tensors: dict, prefix: str) -> dict:

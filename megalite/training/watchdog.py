@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megalite.failures import ERROR_PREFIX
 from megalite.training.peers import process_state
+from megalite.training.snapshots import publish
 
 WATCHDOG_EXIT = 1
 
@@ -47,9 +48,7 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """Step `step` is finished (or a long evaluation or save after it)."""
         self.step, self.last = step, time.monotonic()
-        tmp = self.beats / f".{self.rank}.tmp"
-        tmp.write_text(str(step))
-        os.replace(tmp, self.beats / str(self.rank))
+        publish(self.beats / str(self.rank), str(step).encode())
 
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.limit / 4)):
