@@ -236,8 +236,6 @@ class DeepSpeedEngine(EngineBase):
 
 def _lookup(config: dict, dotted: str):
     for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return None
-        config = config[part]
+        config = config.get(part) if isinstance(config, dict) else None
     return config
 

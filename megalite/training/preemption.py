@@ -35,7 +35,6 @@ class StopRequest:
         self.signal_name = ""
         self.saved = False  # the stop's checkpoint is whole and the launcher told (the_stop_is_saved)
         self.signals = signals
-        self.previous = {}
         self._pending: torch.Tensor | None = None
 
     def __enter__(self) -> "StopRequest":
