@@ -39,9 +39,8 @@ from megalite.parallel.mappings import gather_over_ranks
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
-from megalite.training.sharded_state import (Piece, blocks, check_state_names,
-                                             load_pieces, read_metadata, save_pieces, state_pieces,
-                                             weight_pieces, written_pieces)
+from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_metadata, rows_piece,
+                                             save_pieces, weight_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
@@ -310,9 +309,33 @@ def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable
     if _whole_tensors(path):
         return list(_read_whole_state(path, model, held_rows, state_names))
     metadata = read_metadata(path)
-    wanted = state_pieces(model, held_rows, state_names, metadata.state_dict_metadata, str(path))
+    saved: dict[str, set[str]] = {}  # the state names stored for each parameter
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optimizer/"):
+            name, _, state = key.removeprefix("optimizer/").rpartition(".")
+            saved.setdefault(name, set()).add(state)
+    # Zeroed fp32 tensors of the rows held, filled in place; state of other names (another
+    # optimizer's) is a ConfigError.
+    wanted = []
+    for name, p in model.named_parameters():
+        if name in saved:
+            check_state_names(str(path), name, saved[name], state_names(p))
+            start, stop = held_rows(p)
+            zeros = torch.zeros((stop - start, *p.shape[1:]), dtype=torch.float32, device=p.device)
+            wanted.append((p, {m: rows_piece(f"optimizer/{name}.{m}", p, zeros.clone(), start)
+                               for m in state_names(p)}))
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
+
+
+def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
+    """The state a checkpoint holds for parameter `name` is the state this run's optimizer keeps
+    for it, or a ConfigError naming both."""
+    if saved != set(names):
+        raise ConfigError(
+            f"'{source}' holds optimizer state {sorted(saved)} for {name}, where this run's "
+            f"optimizer keeps {list(names)}: it was saved by another train.optimizer. Resume with "
+            f"that optimizer, or set train.load_optimizer=false to load the weights alone")
 
 
 def _read_whole_state(path: Path, model, held_rows: Callable, state_names: Callable) -> Iterator[tuple]:

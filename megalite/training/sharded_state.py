@@ -21,7 +21,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
+def rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
     """`rows`, which are rows `first_row`... of p's local tensor (its TP slice), placed in the
     global tensor."""
     offsets = [0] * p.dim()
@@ -88,48 +88,14 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.detach().narrow(0, start - held[0], stop - start)
-        yield _rows_piece(f"model/{name}", p, rows(engine.master(p)), start)
+        yield rows_piece(f"model/{name}", p, rows(engine.master(p)), start)
         for key, t in state.items():  # AdamW's exp_avg..., Muon's momentum_buffer
-            yield _rows_piece(f"optimizer/{name}.{key}", p, rows(t), start)
+            yield rows_piece(f"optimizer/{name}.{key}", p, rows(t), start)
 
 
 def weight_pieces(model: torch.nn.Module) -> list[Piece]:
     """Each parameter's whole TP slice, to load in place."""
-    return [_rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()]
-
-
-def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
-    """The state a checkpoint holds for parameter `name` is the state this run's optimizer keeps
-    for it, or a ConfigError naming both."""
-    if saved != set(names):
-        raise ConfigError(
-            f"'{source}' holds optimizer state {sorted(saved)} for {name}, where this run's "
-            f"optimizer keeps {list(names)}: it was saved by another train.optimizer. Resume with "
-            f"that optimizer, or set train.load_optimizer=false to load the weights alone")
-
-
-def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Callable,
-                 stored: dict, source: str) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
-    """Zeroed fp32 tensors for the optimizer state `state_names(p)` of the rows `held_rows(p)`
-    of each parameter whose state is `stored` (a checkpoint's metadata; none in an imported
-    one). State of other names (another optimizer's) is a ConfigError."""
-    saved: dict[str, set[str]] = {}
-    for key in stored:
-        if key.startswith("optimizer/"):
-            name, _, state = key.removeprefix("optimizer/").rpartition(".")
-            saved.setdefault(name, set()).add(state)
-    out = []
-    for name, p in model.named_parameters():
-        names = state_names(p)
-        if name not in saved:
-            continue
-        check_state_names(source, name, saved[name], names)
-        start, stop = held_rows(p)
-        shape = (stop - start, *p.shape[1:])
-        out.append((p, {key: _rows_piece(f"optimizer/{name}.{key}", p,
-                                         torch.zeros(shape, dtype=torch.float32, device=p.device), start)
-                        for key in names}))
-    return out
+    return [rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()]
 
 
 def blocks(piece: Piece) -> Iterator[Piece]:
