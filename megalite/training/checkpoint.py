@@ -40,7 +40,7 @@ from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
 from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_metadata, rows_piece,
-                                             save_pieces, weight_pieces, written_pieces)
+                                             save_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
@@ -151,10 +151,7 @@ class CheckpointWriter:
         with _agreed(pstate, what, tmp):
             pieces = [Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
                       for piece in written_pieces(model, engine, pstate) for b in blocks(piece)]
-        copied = None
-        if pstate.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
+        copied = torch.cuda.current_stream().record_event() if pstate.device.type == "cuda" else None
 
         def write_and_publish():
             if copied is not None:
@@ -233,7 +230,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
             load_full_weights(f, model, str(path))
     else:
         with torch.no_grad():
-            load_pieces(weight_pieces(model), path, read_metadata(path))
+            # Each parameter's whole TP slice, loaded in place.
+            load_pieces([rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()],
+                        path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == layout_of(pstate)
     return meta, (load_file(rng_file) if same_layout and rng_file.is_file() else None)

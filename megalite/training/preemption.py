@@ -71,8 +71,7 @@ class StopRequest:
         done = None
         if pstate.device.type == "cuda":
             flag = torch.empty(1, pin_memory=True).copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            done = torch.cuda.current_stream().record_event()
         previous, self._pending = self._pending, (flag, done)
         if previous is not None and previous[1] is not None:
             previous[1].synchronize()

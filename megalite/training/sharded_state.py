@@ -93,11 +93,6 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
             yield rows_piece(f"optimizer/{name}.{key}", p, rows(t), start)
 
 
-def weight_pieces(model: torch.nn.Module) -> list[Piece]:
-    """Each parameter's whole TP slice, to load in place."""
-    return [rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()]
-
-
 def blocks(piece: Piece) -> Iterator[Piece]:
     """The piece cut into blocks of whole rows."""
     rows = piece.shape[0]
