@@ -78,9 +78,7 @@ class ShardedBucket:
 
     def _regions(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """[k][i]: rank k's elements of params[i] in a rank-major buffer (one split)."""
-        parts = buffer.split([n for pieces in self.pieces for n in pieces])
-        width = len(self.params) + 1
-        return [parts[k * width:(k + 1) * width - 1] for k in range(self.size)]
+        return [row.split(pieces)[:-1] for row, pieces in zip(buffer.view(self.size, -1), self.pieces)]
 
     def _rows(self, flat: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
         """Each rank's rows of params[index], from a flat tensor of its numel."""
