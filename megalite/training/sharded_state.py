@@ -73,24 +73,20 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
     for name, p in model.named_parameters():
         state = engine.optimizer_state(p)
         copies = pstate.tp_size // getattr(shard_of(p), "count", 1)
-        if getattr(p, "pipeline_copy", False):
-            continue
         held = engine.held_rows(p)
         start, stop = row_range(p.shape[0], *replica_rank(p, pstate))
         first, last = row_range(stop - start, pstate.tp_rank % copies, copies)  # TP copies split them
         start, stop = start + first, start + last
-        if start == stop:
+        if start == stop or getattr(p, "pipeline_copy", False):  # a tied embedding's last-stage copy
             continue
         # An engine holds all the rows, or (ZeRO-1) row_range's of its replica; a rank writing
         # rows it does not hold would save another rank's state as its own.
         if not held[0] <= start <= stop <= held[1]:
             raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().narrow(0, start - held[0], stop - start)
-        yield rows_piece(f"model/{name}", p, rows(engine.master(p)), start)
-        for key, t in state.items():  # AdamW's exp_avg..., Muon's momentum_buffer
-            yield rows_piece(f"optimizer/{name}.{key}", p, rows(t), start)
+        # AdamW's exp_avg..., Muon's momentum_buffer
+        named = {f"model/{name}": engine.master(p), **{f"optimizer/{name}.{k}": t for k, t in state.items()}}
+        for key, t in named.items():
+            yield rows_piece(key, p, t.detach().narrow(0, start - held[0], stop - start), start)
 
 
 def blocks(piece: Piece) -> Iterator[Piece]:
