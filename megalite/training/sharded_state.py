@@ -91,12 +91,10 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
 
 def blocks(piece: Piece) -> Iterator[Piece]:
     """The piece cut into blocks of whole rows."""
-    rows = piece.shape[0]
     row_bytes = piece.tensor[:1].numel() * piece.tensor.element_size()
-    step = max(-(-rows // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
+    step = max(-(-piece.shape[0] // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
     for start in range(0, piece.tensor.shape[0], step):
-        block = piece.tensor[start:start + step]
-        yield dataclasses.replace(piece, tensor=block,
+        yield dataclasses.replace(piece, tensor=piece.tensor[start:start + step],
                                   offsets=(piece.offsets[0] + start, *piece.offsets[1:]))
 
 
@@ -114,12 +112,11 @@ class _SavePieces(DefaultSavePlanner):
         self.pieces = {(p.key, p.offsets): p for p in pieces}
 
     def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(
-                               chunk=_chunk(p), properties=TensorProperties.create_from_tensor(p.tensor),
-                               size=p.shape))
-                 for p in self.pieces.values()]
-        self.plan = SavePlan(items)
+        self.plan = SavePlan([WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
+                                        tensor_data=TensorWriteData(
+                                            chunk=_chunk(p), size=p.shape,
+                                            properties=TensorProperties.create_from_tensor(p.tensor)))
+                              for p in self.pieces.values()])
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:

@@ -85,6 +85,13 @@ class Snapshots:
             return []
         return sorted((int(m[1]), int(m[2])) for m in map(FILE.match, names) if m)
 
+    def _drop(self, which) -> None:
+        """This node's files of the steps `which` picks (its ranks share the directory: any
+        may drop any)."""
+        for step, rank in self.held():
+            if which(step):
+                self.path(step, rank).unlink(missing_ok=True)
+
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
         return gather_over_ranks([(s, r) for s, r in self.held() if self._matches(self.path(s, r))],
@@ -116,9 +123,7 @@ class Snapshots:
         collective: none is written meanwhile). They are of the run before the restart, and
         mixed with this one's they could make a snapshot complete from two histories (which
         differ wherever a kernel is not deterministic)."""
-        for later, rank in self.held():
-            if later > step:
-                self.path(later, rank).unlink(missing_ok=True)
+        self._drop(lambda later: later > step)
         if self.pstate.world_size > 1:
             dist.barrier(group=self._group)
 
@@ -153,9 +158,7 @@ class Snapshots:
         and each drops its older files."""
         self.finish()
         complete = reduce_over_ranks(self._written, self.pstate, dist.ReduceOp.MIN)
-        for old, rank in self.held():  # this node's ranks share the directory: any may drop any
-            if old < complete:
-                self.path(old, rank).unlink(missing_ok=True)
+        self._drop(lambda old: old < complete)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
         for name, p in model.named_parameters():
@@ -222,8 +225,7 @@ class Snapshots:
         self.finish()
         if self.pstate.world_size > 1:
             dist.barrier(group=self._group)
-        for step, rank in self.held():
-            self.path(step, rank).unlink(missing_ok=True)
+        self._drop(lambda step: True)
         self._pool.shutdown()
         with contextlib.suppress(OSError):
             self.root.rmdir()  # once every rank's files are gone
