@@ -116,11 +116,10 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
 
 
 def deepspeed_config(train: TrainConfig, dp: int) -> dict:
-    accumulation = train.global_batch_size // (train.micro_batch_size * dp)
     # Set by megalite from train.*; a passthrough value for one of them must agree.
     derived = {"train_batch_size": train.global_batch_size,
                "train_micro_batch_size_per_gpu": train.micro_batch_size,
-               "gradient_accumulation_steps": accumulation,
+               "gradient_accumulation_steps": train.global_batch_size // (train.micro_batch_size * dp),
                "gradient_clipping": train.grad_clip,
                "gradient_allreduce_op": "sum"}
     for key, value in derived.items():
