@@ -339,12 +339,11 @@ def check_state_names(source: str, name: str, saved: set[str], names: tuple[str,
 
 def _read_whole_state(path: Path, model, held_rows: Callable, state_names: Callable) -> Iterator[tuple]:
     """The format before sharded checkpoints, written by AdamW alone."""
-    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
-        for name, p in model.named_parameters():
-            if f"{name}.exp_avg" in keys:
-                check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
-                start, stop = held_rows(p)
-                # A copy: a view would keep the whole tensor alive in the optimizer's state.
-                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
-                          for m in state_names(p)}
+    stored = CheckpointTensors(path, "optimizer")
+    for name, p in model.named_parameters():
+        if f"{name}.exp_avg" in stored.shapes:
+            check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
+            start, stop = held_rows(p)
+            # A copy: a view would keep the whole tensor alive in the optimizer's state.
+            yield p, {m: local_slice(stored.read(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
+                      for m in state_names(p)}

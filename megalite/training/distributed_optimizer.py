@@ -187,6 +187,4 @@ class DistributedOptimizer(NativeEngine):
 
 def _rows_of(p: nn.Parameter, start: int, stop: int) -> nn.Parameter:
     """A leaf parameter viewing rows [start, stop) of p (updating it updates p), with p's marks."""
-    rows = nn.Parameter(p.detach()[start:stop], requires_grad=p.requires_grad)
-    copy_marks(rows, p)
-    return rows
+    return copy_marks(nn.Parameter(p.detach()[start:stop], requires_grad=p.requires_grad), p)
