@@ -252,8 +252,8 @@ class CheckpointTensors:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
-            self.shapes = {k.removeprefix(f"{part}/"): md.size for k, md in self.dcp.state_dict_metadata.items()
-                           if k.startswith(f"{part}/")}
+            self.shapes = {k.removeprefix(f"{part}/"): md.size
+                           for k, md in self.dcp.state_dict_metadata.items() if k.startswith(f"{part}/")}
 
     def _open(self):
         return safe_open(str(self.path / f"{self.part}.safetensors"), framework="pt")

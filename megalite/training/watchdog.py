@@ -75,9 +75,8 @@ class Watchdog:
         who = (", ".join(f"rank {r} (pid {self.table[r][1]} on {self.table[r][0]}, after step "
                          f"{steps[r]})" for r in hung) + " hung" if hung else
                "no rank is behind or stopped here: a collective hangs")
-        done = "killed, " if here else ""
         print(f"{ERROR_PREFIX}rank {self.rank}: no step finished in {self.limit:g} s after step "
-              f"{self.step} (train.watchdog_s): {who}; {done}this rank stops so that the launcher "
-              f"restarts the ranks (from the newest snapshot or checkpoint)", file=sys.stderr,
-              flush=True)
+              f"{self.step} (train.watchdog_s): {who}; {'killed, ' if here else ''}this rank stops so "
+              f"that the launcher restarts the ranks (from the newest snapshot or checkpoint)",
+              file=sys.stderr, flush=True)
         os._exit(WATCHDOG_EXIT)
