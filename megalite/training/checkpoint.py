@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -38,15 +39,10 @@ from megalite.parallel.mappings import gather_over_ranks
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
-from megalite.training.sharded_state import (Piece, blocks, check_state_names,
-                                             load_pieces, read_metadata, save_pieces, state_pieces,
-                                             weight_pieces, written_pieces)
+from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_metadata, rows_piece,
+                                             save_pieces, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
-
-HeldRows = Callable[[torch.nn.Parameter], tuple[int, int]]
-StateNames = Callable[[torch.nn.Parameter], tuple[str, ...]]
-
 
 def _agree(error: BaseException | None, pstate: ParallelState, what: str, where: Path) -> None:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
@@ -71,12 +67,15 @@ def _described(error: BaseException, where: Path) -> str:
     return text
 
 
-def _attempt(action) -> BaseException | None:
+@contextmanager
+def _agreed(pstate: ParallelState, what: str, where: Path):
+    """The block's error, if any, told to every rank and raised on each (`_agree`)."""
+    error = None
     try:
-        action()
+        yield
     except Exception as err:  # reported to every rank by _agree, then raised
-        return err
-    return None
+        error = err
+    _agree(error, pstate, what, where)
 
 
 def _fsync(path: Path) -> None:
@@ -135,31 +134,24 @@ class CheckpointWriter:
         final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
         what = f"writing checkpoint step {step}"
 
-        def start():
-            for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
-                shutil.rmtree(stale)
-            (tmp / "rng").mkdir(parents=True)
-        _agree(_attempt(start) if pstate.is_main else None, pstate, "creating the checkpoint directory", tmp)
+        with _agreed(pstate, "creating the checkpoint directory", tmp):
+            if pstate.is_main:
+                for stale in root.glob(".tmp_step_*"):  # left by a save that was killed
+                    shutil.rmtree(stale)
+                (tmp / "rng").mkdir(parents=True)
 
         # Small, and every rank's own: written and agreed here, so that rank 0 can publish
         # the checkpoint from its thread without asking the other ranks again.
-        def write_rng():
+        with _agreed(pstate, what, tmp):
             rng_file = tmp / "rng" / f"rank_{pstate.rank}.safetensors"
             # Not safetensors' save_file: it creates the file 0600, unreadable to colleagues.
             rng_file.write_bytes(save({k: v.cpu() for k, v in rng_state.items()}))
             _fsync(rng_file)
-        _agree(_attempt(write_rng), pstate, what, tmp)
 
-        pieces: list[Piece] = []
-
-        def stage():
-            pieces.extend(Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
-                          for piece in written_pieces(model, engine, pstate) for b in blocks(piece))
-        _agree(_attempt(stage), pstate, what, tmp)
-        copied = None
-        if pstate.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
+        with _agreed(pstate, what, tmp):
+            pieces = [Piece(b.key, self._to_host((b.key, b.offsets), b.tensor), b.shape, b.offsets)
+                      for piece in written_pieces(model, engine, pstate) for b in blocks(piece)]
+        copied = torch.cuda.current_stream().record_event() if pstate.device.type == "cuda" else None
 
         def write_and_publish():
             if copied is not None:
@@ -238,7 +230,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
             load_full_weights(f, model, str(path))
     else:
         with torch.no_grad():
-            load_pieces(weight_pieces(model), path, read_metadata(path))
+            # Each parameter's whole TP slice, loaded in place.
+            load_pieces([rows_piece(f"model/{name}", p, p.data, 0) for name, p in model.named_parameters()],
+                        path, read_metadata(path))
     rng_file = path / "rng" / f"rank_{pstate.rank}.safetensors"
     same_layout = meta.get("layout") == layout_of(pstate)
     return meta, (load_file(rng_file) if same_layout and rng_file.is_file() else None)
@@ -258,9 +252,8 @@ class CheckpointTensors:
             with self._open() as f:
                 self.shapes = {k: torch.Size(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
-            prefix = f"{part}/"
-            self.shapes = {k.removeprefix(prefix): md.size for k, md in self.dcp.state_dict_metadata.items()
-                           if k.startswith(prefix)}
+            self.shapes = {k.removeprefix(f"{part}/"): md.size
+                           for k, md in self.dcp.state_dict_metadata.items() if k.startswith(f"{part}/")}
 
     def _open(self):
         return safe_open(str(self.path / f"{self.part}.safetensors"), framework="pt")
@@ -306,8 +299,8 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
             p.copy_(full[tuple(index)])
 
 
-def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: HeldRows,
-                         state_names: StateNames) -> list[tuple[torch.nn.Parameter, dict]]:
+def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable,
+                         state_names: Callable) -> list[tuple[torch.nn.Parameter, dict]]:
     """(parameter, {name: rows `held_rows(p)` of this rank's slice}) for each parameter with
     stored optimizer state (none in an imported checkpoint), whose names must be
     `state_names(p)`; a collective, as `load_checkpoint`."""
@@ -315,19 +308,42 @@ def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: HeldRows
     if _whole_tensors(path):
         return list(_read_whole_state(path, model, held_rows, state_names))
     metadata = read_metadata(path)
-    wanted = state_pieces(model, held_rows, state_names, metadata.state_dict_metadata, str(path))
+    saved: dict[str, set[str]] = {}  # the state names stored for each parameter
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optimizer/"):
+            name, _, state = key.removeprefix("optimizer/").rpartition(".")
+            saved.setdefault(name, set()).add(state)
+    # Zeroed fp32 tensors of the rows held, filled in place; state of other names (another
+    # optimizer's) is a ConfigError.
+    wanted = []
+    for name, p in model.named_parameters():
+        if name in saved:
+            check_state_names(str(path), name, saved[name], state_names(p))
+            start, stop = held_rows(p)
+            zeros = torch.zeros((stop - start, *p.shape[1:]), dtype=torch.float32, device=p.device)
+            wanted.append((p, {m: rows_piece(f"optimizer/{name}.{m}", p, zeros.clone(), start)
+                               for m in state_names(p)}))
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 
 
-def _read_whole_state(path: Path, model, held_rows: HeldRows, state_names: StateNames) -> Iterator[tuple]:
+def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
+    """The state a checkpoint holds for parameter `name` is the state this run's optimizer keeps
+    for it, or a ConfigError naming both."""
+    if saved != set(names):
+        raise ConfigError(
+            f"'{source}' holds optimizer state {sorted(saved)} for {name}, where this run's "
+            f"optimizer keeps {list(names)}: it was saved by another train.optimizer. Resume with "
+            f"that optimizer, or set train.load_optimizer=false to load the weights alone")
+
+
+def _read_whole_state(path: Path, model, held_rows: Callable, state_names: Callable) -> Iterator[tuple]:
     """The format before sharded checkpoints, written by AdamW alone."""
-    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
-        keys = set(f.keys())
-        for name, p in model.named_parameters():
-            if f"{name}.exp_avg" in keys:
-                check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
-                start, stop = held_rows(p)
-                # A copy: a view would keep the whole tensor alive in the optimizer's state.
-                yield p, {m: local_slice(f.get_tensor(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
-                          for m in state_names(p)}
+    stored = CheckpointTensors(path, "optimizer")
+    for name, p in model.named_parameters():
+        if f"{name}.exp_avg" in stored.shapes:
+            check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
+            start, stop = held_rows(p)
+            # A copy: a view would keep the whole tensor alive in the optimizer's state.
+            yield p, {m: local_slice(stored.read(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
+                      for m in state_names(p)}

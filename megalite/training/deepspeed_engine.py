@@ -42,9 +42,6 @@ from megalite.training.optimizers.build import adamw
 from megalite.training.optimizers.chained import ADAMW_STATE, load_state, state_by_name
 from megalite.typed_config import ConfigError, failing
 
-# Set by megalite from train.*; a passthrough value for one of them must agree.
-DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-           "gradient_clipping", "gradient_allreduce_op")
 # Would change the arithmetic the parity with the native engine rests on. (DeepSpeed sees fp32
 # weights, so ZeRO ignores data_types.grad_accum_dtype and stage 0 fails on any value but fp32,
 # only once the processes are up.)
@@ -119,19 +116,18 @@ def deepspeed_problems(train: TrainConfig, model: ModelConfig, parallel: Paralle
 
 
 def deepspeed_config(train: TrainConfig, dp: int) -> dict:
-    accumulation = train.global_batch_size // (train.micro_batch_size * dp)
+    # Set by megalite from train.*; a passthrough value for one of them must agree.
     derived = {"train_batch_size": train.global_batch_size,
                "train_micro_batch_size_per_gpu": train.micro_batch_size,
-               "gradient_accumulation_steps": accumulation,
+               "gradient_accumulation_steps": train.global_batch_size // (train.micro_batch_size * dp),
                "gradient_clipping": train.grad_clip,
-               "gradient_allreduce_op": "sum",
-               "steps_per_print": 2**31 - 1}
-    for key in DERIVED:
+               "gradient_allreduce_op": "sum"}
+    for key, value in derived.items():
         given = train.deepspeed.get(key)
-        if given is not None and given != derived[key]:
+        if given is not None and given != value:
             raise ConfigError(f"train.deepspeed.{key}={given!r} disagrees with the value megalite "
-                              f"derives from train.* ({derived[key]!r}): remove it")
-    return {**derived, **train.deepspeed,
+                              f"derives from train.* ({value!r}): remove it")
+    return {**derived, "steps_per_print": 2**31 - 1, **train.deepspeed,
             "zero_optimization": {**train.deepspeed.get("zero_optimization", {}),
                                   "stage": train.zero_stage}}
 
@@ -239,8 +235,6 @@ class DeepSpeedEngine(EngineBase):
 
 def _lookup(config: dict, dotted: str):
     for part in dotted.split("."):
-        if not isinstance(config, dict) or part not in config:
-            return None
-        config = config[part]
+        config = config.get(part) if isinstance(config, dict) else None
     return config
 

@@ -26,7 +26,6 @@ TP slices), runs on the whole matrix, and keeps the rows (optimizers/matrices.py
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Callable
 
@@ -61,8 +60,9 @@ class ShardedBucket:
                  rank: int, size: int):
         self.params, self.rank, self.size = params, rank, size
         self.shards = [shards[id(p)] for p in params]  # whose .grad takes this rank's sums
-        # counts[k][i]: elements of params[i] that rank k holds
-        self.counts = [[_held_elements(p, k, size) for p in params] for k in range(size)]
+        # counts[k][i]: elements of params[i] that rank k holds (its rows of it)
+        self.counts = [[p.shape[1:].numel() * len(range(*row_range(p.shape[0], k, size))) for p in params]
+                       for k in range(size)]
         self.region = max(sum(c) for c in self.counts)
         self.pieces = [[*c, self.region - sum(c)] for c in self.counts]  # a region's split
         self.sums: list[torch.Tensor | None] = [None] * len(params)  # bf16 parameters' fp32 sums
@@ -76,15 +76,17 @@ class ShardedBucket:
             self.sums[index] = p.grad.float() if total is None else total.add_(p.grad)
             p.grad = None
 
-    def _regions(self, buffer: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """[k][i]: rank k's elements of params[i] in a rank-major buffer (one split)."""
-        parts = buffer.split([n for pieces in self.pieces for n in pieces])
-        width = len(self.params) + 1
-        return [parts[k * width:(k + 1) * width - 1] for k in range(self.size)]
-
-    def _rows(self, flat: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
-        """Each rank's rows of params[index], from a flat tensor of its numel."""
-        return flat.split([c[index] for c in self.counts])
+    def _pairs(self, buffer: torch.Tensor, flats: list) -> tuple[list, list]:
+        """For each rank k and each flats[i] given (a flat tensor of params[i]'s numel, or None):
+        rank k's region's part for params[i] in the rank-major `buffer`, and rank k's rows of
+        flats[i]; what one foreach copy moves, either way."""
+        regions = [row.split(pieces)[:-1] for row, pieces in zip(buffer.view(self.size, -1), self.pieces)]
+        parts, rows = [], []
+        for i, flat in enumerate(flats):
+            if flat is not None:
+                parts += [region[i] for region in regions]
+                rows += flat.split([c[i] for c in self.counts])
+        return parts, rows
 
     def start(self, group, reduce_dtype: torch.dtype | None) -> Callable[[], None]:
         """Start the reduce-scatter of the accumulated gradients (a missing one counts as zeros)
@@ -92,16 +94,13 @@ class ShardedBucket:
         dtype = reduce_dtype or torch.float32
         device = self.params[0].device
         send = torch.zeros(self.size * self.region, dtype=dtype, device=device)
-        regions = self._regions(send)
-        dst, src = [], []
-        for i, p in enumerate(self.params):
-            grad = p.grad if p.dtype == torch.float32 else self.sums[i]
-            if grad is not None:
-                dst += [region[i] for region in regions]
-                src += self._rows(grad.reshape(-1), i)
-            p.grad, self.sums[i] = None, None
-        if dst:
-            torch._foreach_copy_(dst, src)
+        grads = [p.grad if p.dtype == torch.float32 else total for p, total in zip(self.params, self.sums)]
+        parts, rows = self._pairs(send, [None if g is None else g.reshape(-1) for g in grads])
+        if parts:
+            torch._foreach_copy_(parts, rows)
+        for p in self.params:
+            p.grad = None
+        self.sums = [None] * len(self.params)
         recv = torch.empty(self.region, dtype=dtype, device=device)
         work = dist.reduce_scatter_tensor(recv, send, group=group, async_op=True)
 
@@ -125,12 +124,8 @@ class ShardedBucket:
 
         def finish(send=send) -> None:
             work.wait()
-            regions = self._regions(recv)
-            dst, src = [], []
-            for i, p in enumerate(self.params):
-                dst += self._rows(p.detach().view(-1), i)
-                src += [region[i] for region in regions]
-            torch._foreach_copy_(dst, src)
+            parts, rows = self._pairs(recv, [p.detach().view(-1) for p in self.params])
+            torch._foreach_copy_(rows, parts)
         return finish
 
 
@@ -190,13 +185,6 @@ class DistributedOptimizer(NativeEngine):
             finish()
 
 
-def _held_elements(p: torch.Tensor, rank: int, size: int) -> int:
-    start, stop = row_range(p.shape[0], rank, size)
-    return (stop - start) * math.prod(p.shape[1:])
-
-
 def _rows_of(p: nn.Parameter, start: int, stop: int) -> nn.Parameter:
     """A leaf parameter viewing rows [start, stop) of p (updating it updates p), with p's marks."""
-    rows = nn.Parameter(p.detach()[start:stop], requires_grad=p.requires_grad)
-    copy_marks(rows, p)
-    return rows
+    return copy_marks(nn.Parameter(p.detach()[start:stop], requires_grad=p.requires_grad), p)

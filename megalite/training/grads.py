@@ -25,7 +25,6 @@ from megalite.parallel.sharding import expert_shard_of, shard_of
 from megalite.parallel.state import ParallelState
 
 MIB = 1024 * 1024
-REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradients' own dtype
 
 
 def bucket_params(params: list[torch.nn.Parameter], cap_bytes: float) -> list[list]:
@@ -115,7 +114,7 @@ class DataParallelGradSync:
     def __init__(self, model: torch.nn.Module, pstate: ParallelState, bucket_mb: float = 25.0,
                  reduce_dtype: str = "fp32", hooks: bool = True,
                  make_bucket: Callable[[list], Bucket] = Bucket):
-        self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+        self.reduce_dtype = {"fp32": None, "bf16": torch.bfloat16}[reduce_dtype]  # None: the gradients' own
         self.active = False
         params = [p for p in model.parameters()
                   if p.requires_grad and group_size(replica_group(p, pstate)) > 1]

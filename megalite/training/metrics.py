@@ -20,12 +20,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     """N of the PaLM formula: every weight used in a matmul, the LM head once even if tied;
     embedding and position lookups excluded. MoE layers count what a token uses: the router,
     its top-k experts and the shared ones."""
-    attention = attention_params(cfg)
     per_width = (3 if cfg.gated else 2) * cfg.hidden
     moe = cfg.moe and (cfg.hidden * cfg.n_experts + per_width * (cfg.moe.top_k * cfg.expert_ffn + cfg.shared_ffn)
                        + cfg.hidden * cfg.moe.shared_gate)
     mlps = sum(moe if cfg.is_moe_layer(i) else per_width * cfg.ffn for i in range(cfg.n_layers))
-    return cfg.n_layers * attention + mlps + cfg.vocab_size * cfg.hidden
+    return cfg.n_layers * attention_params(cfg) + mlps + cfg.vocab_size * cfg.hidden
 
 
 def attention_params(cfg: ModelConfig) -> int:

@@ -39,8 +39,7 @@ class MasterWeights(nn.Module):
         self.params = nn.ParameterList()
         for p in self.model_params:
             start, stop = (0, p.shape[0]) if rows is None else rows(p)
-            master = nn.Parameter(p.detach()[start:stop].float().clone())
-            copy_marks(master, p)
+            master = copy_marks(nn.Parameter(p.detach()[start:stop].float().clone()), p)
             if rows is None:
                 master.grad = torch.zeros_like(master)
             self.params.append(master)
@@ -65,13 +64,14 @@ class MasterWeights(nn.Module):
             p.copy_(master)
 
 
-def copy_marks(tensor: torch.Tensor, p: torch.Tensor) -> None:
+def copy_marks(tensor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Give `tensor` (p's master, or a block of p's rows) p's TP or EP shard and tied-copy marks,
-    which the clipping norm reads."""
+    which the clipping norm reads; return it."""
     for mark in ("tp_shard", "ep_shard"):
         if hasattr(p, mark):
             setattr(tensor, mark, getattr(p, mark))
     tensor.pipeline_copy = getattr(p, "pipeline_copy", False)
+    return tensor
 
 
 def _accumulate(master: nn.Parameter, then: Callable[[nn.Parameter], None],

@@ -35,7 +35,6 @@ class StopRequest:
         self.signal_name = ""
         self.saved = False  # the stop's checkpoint is whole and the launcher told (the_stop_is_saved)
         self.signals = signals
-        self.previous = {}
         self._pending: torch.Tensor | None = None
 
     def __enter__(self) -> "StopRequest":
@@ -72,8 +71,7 @@ class StopRequest:
         done = None
         if pstate.device.type == "cuda":
             flag = torch.empty(1, pin_memory=True).copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            done = torch.cuda.current_stream().record_event()
         previous, self._pending = self._pending, (flag, done)
         if previous is not None and previous[1] is not None:
             previous[1].synchronize()

@@ -21,7 +21,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,16 +54,7 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def weight_key(name: str) -> str:
-    return f"model/{name}"
-
-
-def state_key(name: str, state: str) -> str:
-    """An optimizer's per-parameter state by name: AdamW's exp_avg, Muon's momentum_buffer."""
-    return f"optimizer/{name}.{state}"
-
-
-def _rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
+def rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) -> Piece:
     """`rows`, which are rows `first_row`... of p's local tensor (its TP slice), placed in the
     global tensor."""
     offsets = [0] * p.dim()
@@ -81,75 +72,29 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
     every parameter on every rank, in the same order."""
     for name, p in model.named_parameters():
         state = engine.optimizer_state(p)
-        shard = shard_of(p)
-        copies = pstate.tp_size // shard.count if shard is not None else pstate.tp_size
-        if getattr(p, "pipeline_copy", False):
-            continue
+        copies = pstate.tp_size // getattr(shard_of(p), "count", 1)
         held = engine.held_rows(p)
         start, stop = row_range(p.shape[0], *replica_rank(p, pstate))
         first, last = row_range(stop - start, pstate.tp_rank % copies, copies)  # TP copies split them
         start, stop = start + first, start + last
-        if start == stop:
+        if start == stop or getattr(p, "pipeline_copy", False):  # a tied embedding's last-stage copy
             continue
         # An engine holds all the rows, or (ZeRO-1) row_range's of its replica; a rank writing
         # rows it does not hold would save another rank's state as its own.
         if not held[0] <= start <= stop <= held[1]:
             raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().narrow(0, start - held[0], stop - start)
-        yield _rows_piece(weight_key(name), p, rows(engine.master(p)), start)
-        for key, t in state.items():
-            yield _rows_piece(state_key(name, key), p, rows(t), start)
-
-
-def weight_pieces(model: torch.nn.Module) -> list[Piece]:
-    """Each parameter's whole TP slice, to load in place."""
-    return [_rows_piece(weight_key(name), p, p.data, 0) for name, p in model.named_parameters()]
-
-
-def check_state_names(source: str, name: str, saved: set[str], names: tuple[str, ...]) -> None:
-    """The state a checkpoint holds for parameter `name` is the state this run's optimizer keeps
-    for it, or a ConfigError naming both."""
-    if saved != set(names):
-        raise ConfigError(
-            f"'{source}' holds optimizer state {sorted(saved)} for {name}, where this run's "
-            f"optimizer keeps {list(names)}: it was saved by another train.optimizer. Resume with "
-            f"that optimizer, or set train.load_optimizer=false to load the weights alone")
-
-
-def state_pieces(model: torch.nn.Module, held_rows: Callable, state_names: Callable,
-                 stored: dict, source: str) -> list[tuple[torch.nn.Parameter, dict[str, Piece]]]:
-    """Zeroed fp32 tensors for the optimizer state `state_names(p)` of the rows `held_rows(p)`
-    of each parameter whose state is `stored` (a checkpoint's metadata; none in an imported
-    one). State of other names (another optimizer's) is a ConfigError."""
-    saved: dict[str, set[str]] = {}
-    for key in stored:
-        if key.startswith("optimizer/"):
-            name, _, state = key.removeprefix("optimizer/").rpartition(".")
-            saved.setdefault(name, set()).add(state)
-    out = []
-    for name, p in model.named_parameters():
-        names = state_names(p)
-        if name not in saved:
-            continue
-        check_state_names(source, name, saved[name], names)
-        start, stop = held_rows(p)
-        shape = (stop - start, *p.shape[1:])
-        out.append((p, {key: _rows_piece(state_key(name, key), p,
-                                         torch.zeros(shape, dtype=torch.float32, device=p.device), start)
-                        for key in names}))
-    return out
+        # AdamW's exp_avg..., Muon's momentum_buffer
+        named = {f"model/{name}": engine.master(p), **{f"optimizer/{name}.{k}": t for k, t in state.items()}}
+        for key, t in named.items():
+            yield rows_piece(key, p, t.detach().narrow(0, start - held[0], stop - start), start)
 
 
 def blocks(piece: Piece) -> Iterator[Piece]:
     """The piece cut into blocks of whole rows."""
-    rows = piece.shape[0]
     row_bytes = piece.tensor[:1].numel() * piece.tensor.element_size()
-    step = max(-(-rows // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
+    step = max(-(-piece.shape[0] // BLOCKS), -(-MIN_BLOCK_BYTES // max(row_bytes, 1)))
     for start in range(0, piece.tensor.shape[0], step):
-        block = piece.tensor[start:start + step]
-        yield dataclasses.replace(piece, tensor=block,
+        yield dataclasses.replace(piece, tensor=piece.tensor[start:start + step],
                                   offsets=(piece.offsets[0] + start, *piece.offsets[1:]))
 
 
@@ -167,12 +112,11 @@ class _SavePieces(DefaultSavePlanner):
         self.pieces = {(p.key, p.offsets): p for p in pieces}
 
     def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(
-                               chunk=_chunk(p), properties=TensorProperties.create_from_tensor(p.tensor),
-                               size=p.shape))
-                 for p in self.pieces.values()]
-        self.plan = SavePlan(items)
+        self.plan = SavePlan([WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
+                                        tensor_data=TensorWriteData(
+                                            chunk=_chunk(p), size=p.shape,
+                                            properties=TensorProperties.create_from_tensor(p.tensor)))
+                              for p in self.pieces.values()])
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:

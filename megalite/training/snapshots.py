@@ -85,6 +85,13 @@ class Snapshots:
             return []
         return sorted((int(m[1]), int(m[2])) for m in map(FILE.match, names) if m)
 
+    def _drop(self, which) -> None:
+        """This node's files of the steps `which` picks (its ranks share the directory: any
+        may drop any)."""
+        for step, rank in self.held():
+            if which(step):
+                self.path(step, rank).unlink(missing_ok=True)
+
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
         return gather_over_ranks([(s, r) for s, r in self.held() if self._matches(self.path(s, r))],
@@ -109,16 +116,14 @@ class Snapshots:
             if self.pstate.rank == q:
                 self._swap(self.path(step, r).read_bytes(), to=r, source=None)
             elif self.pstate.rank == r:
-                self._publish(self.path(step), self._swap(None, to=None, source=q))
+                publish(self.path(step), self._swap(None, to=None, source=q))
 
     def drop_after(self, step: int) -> None:
         """At a start: this node's files of steps after `step`, the one the run starts from (a
         collective: none is written meanwhile). They are of the run before the restart, and
         mixed with this one's they could make a snapshot complete from two histories (which
         differ wherever a kernel is not deterministic)."""
-        for later, rank in self.held():
-            if later > step:
-                self.path(later, rank).unlink(missing_ok=True)
+        self._drop(lambda later: later > step)
         if self.pstate.world_size > 1:
             dist.barrier(group=self._group)
 
@@ -153,9 +158,7 @@ class Snapshots:
         and each drops its older files."""
         self.finish()
         complete = reduce_over_ranks(self._written, self.pstate, dist.ReduceOp.MIN)
-        for old, rank in self.held():  # this node's ranks share the directory: any may drop any
-            if old < complete:
-                self.path(old, rank).unlink(missing_ok=True)
+        self._drop(lambda old: old < complete)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
         for name, p in model.named_parameters():
@@ -174,17 +177,10 @@ class Snapshots:
 
     def _write(self, step: int, tensors: dict, meta: dict) -> None:
         data = save(tensors, metadata=meta)
-        self._publish(self.path(step), data)
+        publish(self.path(step), data)
         if self.replicated:  # every rank sends its own and receives its source's
-            self._publish(self.path(step, self.source),
+            publish(self.path(step, self.source),
                           self._swap(data, to=self.partner, source=self.source))
-
-    @staticmethod
-    def _publish(final: Path, data: bytes) -> None:
-        """Written under a temporary name, then renamed: a file that exists is whole."""
-        tmp = final.with_name(f".{final.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
 
     def finish(self) -> None:
         """Wait for the write in flight (its error, a full memory say, is raised here)."""
@@ -229,11 +225,17 @@ class Snapshots:
         self.finish()
         if self.pstate.world_size > 1:
             dist.barrier(group=self._group)
-        for step, rank in self.held():
-            self.path(step, rank).unlink(missing_ok=True)
+        self._drop(lambda step: True)
         self._pool.shutdown()
         with contextlib.suppress(OSError):
             self.root.rmdir()  # once every rank's files are gone
+
+
+def publish(final: Path, data: bytes) -> None:
+    """Written under a temporary name, then renamed: a file that exists is whole."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, final)
 
 
 def _under(tensors: dict, prefix: str) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megalite.failures import ERROR_PREFIX
 from megalite.training.peers import process_state
+from megalite.training.snapshots import publish
 
 WATCHDOG_EXIT = 1
 
@@ -47,9 +48,7 @@ class Watchdog:
     def beat(self, step: int) -> None:
         """Step `step` is finished (or a long evaluation or save after it)."""
         self.step, self.last = step, time.monotonic()
-        tmp = self.beats / f".{self.rank}.tmp"
-        tmp.write_text(str(step))
-        os.replace(tmp, self.beats / str(self.rank))
+        publish(self.beats / str(self.rank), str(step).encode())
 
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.limit / 4)):
@@ -76,9 +75,8 @@ class Watchdog:
         who = (", ".join(f"rank {r} (pid {self.table[r][1]} on {self.table[r][0]}, after step "
                          f"{steps[r]})" for r in hung) + " hung" if hung else
                "no rank is behind or stopped here: a collective hangs")
-        done = "killed, " if here else ""
         print(f"{ERROR_PREFIX}rank {self.rank}: no step finished in {self.limit:g} s after step "
-              f"{self.step} (train.watchdog_s): {who}; {done}this rank stops so that the launcher "
-              f"restarts the ranks (from the newest snapshot or checkpoint)", file=sys.stderr,
-              flush=True)
+              f"{self.step} (train.watchdog_s): {who}; {'killed, ' if here else ''}this rank stops so "
+              f"that the launcher restarts the ranks (from the newest snapshot or checkpoint)",
+              file=sys.stderr, flush=True)
         os._exit(WATCHDOG_EXIT)
