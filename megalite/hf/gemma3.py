@@ -24,7 +24,7 @@ LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     scalar = cfg.attention.query_pre_attn_scalar or cfg.head_size
     # transformers' config class takes query_pre_attn_scalar as an int (every release's is)
-    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
+    out = {**llama.config_to_hf(cfg, special, NAME, "gemma3_text"),
            "hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,

@@ -20,8 +20,10 @@ FREE = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta
                   "positions.scaling", "tie_embeddings"})
 
 
-def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {"architectures": [NAME], "model_type": "llama",
+def config_to_hf(cfg: ModelConfig, special: dict[str, int], name: str = NAME,
+                 model_type: str = "llama") -> dict:
+    """config.json of a Llama-shaped model, named `name` (the family's class) and `model_type`."""
+    return {"architectures": [name], "model_type": model_type,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,

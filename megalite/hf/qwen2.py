@@ -11,8 +11,7 @@ NEEDS, FREE = {**llama.NEEDS, "attention.qkv_bias": True}, llama.FREE | SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen2",
-           **llama.sliding_to_hf(cfg)}
+    out = {**llama.config_to_hf(cfg, special, NAME, "qwen2"), **llama.sliding_to_hf(cfg)}
     del out["attention_bias"], out["mlp_bias"]  # Qwen2's biases are fixed: on q, k and v
     return out
 

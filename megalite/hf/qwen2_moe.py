@@ -23,9 +23,8 @@ def problems(cfg: ModelConfig) -> list[str]:
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen2_moe",
-            "qkv_bias": True, **qwen_moe_to_hf(cfg), "shared_expert_intermediate_size": cfg.shared_ffn,
-            "use_sliding_window": False}
+    return {**llama.config_to_hf(cfg, special, NAME, "qwen2_moe"), "qkv_bias": True, **qwen_moe_to_hf(cfg),
+            "shared_expert_intermediate_size": cfg.shared_ffn, "use_sliding_window": False}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

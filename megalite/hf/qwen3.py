@@ -11,8 +11,7 @@ NEEDS, FREE = {**llama.NEEDS, "attention.qk_norm": True}, llama.FREE | qwen2.SLI
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen3",
-            **llama.sliding_to_hf(cfg)}
+    return {**llama.config_to_hf(cfg, special, NAME, "qwen3"), **llama.sliding_to_hf(cfg)}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
