@@ -48,9 +48,9 @@ class SafetensorsWriter:
         self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self.written >= len(self.specs) or self.specs[self.written][0] != name:
-            expected = self.specs[self.written][0] if self.written < len(self.specs) else "nothing"
-            raise ValueError(f"{self.path}: wrote {name}, expected {expected}")
+        expected = self.specs[self.written][0] if self.written < len(self.specs) else None
+        if name != expected:
+            raise ValueError(f"{self.path}: wrote {name}, expected {expected or 'nothing'}")
         shape, dtype = self.specs[self.written][1]
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise ValueError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, its "
