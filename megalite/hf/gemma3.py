@@ -12,9 +12,8 @@ NAME = "Gemma3ForCausalLM"
 NEEDS = {**llama.NEEDS, "mlp.activation": "geglu_tanh", "norms.weight_offset": 1.0,
          "norms.post_norms": True, "scale_embeddings": True, "attention.qk_norm": True,
          "tie_embeddings": True}
-FREE = (llama.FREE - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
-                                         "attention.sliding_window_pattern", "positions.local_theta",
-                                         "final_logit_softcap"}
+FREE = (llama.FREE - {"tie_embeddings"}) | llama.SLIDING | {"attention.query_pre_attn_scalar",
+                                                         "positions.local_theta", "final_logit_softcap"}
 # Llama's names, the norm before the MLP renamed, and the norms after attention and MLP
 LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
          "attn_post_norm.weight": "post_attention_layernorm.weight",

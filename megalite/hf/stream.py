@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +26,7 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(AbstractContextManager):
     """`with SafetensorsWriter(path, {name: (shape, dtype)}, metadata) as writer:`, then
     `writer.write(name, tensor)` for each, in that order; the file is closed (synced to disk, and
     checked complete, when no error is on its way) when the block ends."""
@@ -59,9 +59,6 @@ class SafetensorsWriter:
             flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
             self.file.write(memoryview(flat.numpy()))
         self.written += 1
-
-    def __enter__(self) -> "SafetensorsWriter":
-        return self
 
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
