@@ -78,7 +78,7 @@ def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = []
     total = 0
     for name, size in sizes.items():
-        if not shards or (total + size > max_bytes and shards[-1]):
+        if not shards or total + size > max_bytes:  # a shard is never left empty here
             shards.append([])
             total = 0
         shards[-1].append(name)

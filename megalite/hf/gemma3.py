@@ -61,9 +61,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # rope_local_base_freq
     ropes = hf.get("rope_parameters") or {}
     full = ropes.get("full_attention", ropes or hf.get("rope_scaling") or {})
-    local = ropes.get("sliding_attention")
-    if local is None:
-        local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    local = (ropes.get("sliding_attention")
+             or {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]})
     rope, problems = llama.rope_from_hf(hf, problems, full)
     # Sliding layers turning as the global ones (an export's, without a base of their own):
     # no local base.

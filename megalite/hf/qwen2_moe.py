@@ -28,9 +28,8 @@ def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    problems = []
-    if hf.get("use_sliding_window"):
-        problems.append("use_sliding_window (megalite's Qwen2-MoE attends to the whole context)")
+    problems = (["use_sliding_window (megalite's Qwen2-MoE attends to the whole context)"]
+                if hf.get("use_sliding_window") else [])
     shared, width = hf["shared_expert_intermediate_size"], hf["moe_intermediate_size"]
     if shared % width:
         problems.append(f"shared_expert_intermediate_size {shared} is not a multiple of "
