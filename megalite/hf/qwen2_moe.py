@@ -10,7 +10,6 @@ from __future__ import annotations
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf
-from megalite.hf.layout import Recipe
 
 NAME = "Qwen2MoeForCausalLM"
 NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qkv_bias": True, "mlp.router": "softmax",
@@ -40,7 +39,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
                                      "shared_gate": True})
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    """Llama's recipe with q, k and v biases, each MoE layer's MLP replaced by the router, the
-    stacked experts and the gated shared expert."""
-    return moe_recipe(cfg, shared="shared_expert")
+# Llama's recipe with q, k and v biases, each MoE layer's MLP replaced by the router, the stacked
+# experts and the gated shared expert
+recipe = moe_recipe
