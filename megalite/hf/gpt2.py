@@ -27,7 +27,7 @@ def problems(cfg: ModelConfig) -> list[str]:
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+    return {"architectures": [NAME], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.hidden,
             "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn,
             "activation_function": ACTIVATIONS[cfg.mlp.activation],

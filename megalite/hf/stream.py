@@ -55,9 +55,8 @@ class SafetensorsWriter(AbstractContextManager):
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise ValueError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, its "
                              f"header says {tuple(shape)} {dtype}")
-        if tensor.numel():
-            flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            self.file.write(memoryview(flat.numpy()))
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # empty: no bytes
+        self.file.write(memoryview(flat.numpy()))
         self.written += 1
 
     def __exit__(self, kind, *exc) -> None:
