@@ -56,17 +56,14 @@ def saved_model_config(meta: dict) -> ModelConfig:
 def exportable_as(cfg: ModelConfig) -> tuple[str, object]:
     """(name, module) of model.architecture, or without one of the first architecture that
     holds the config; a ConfigError with each one's reasons if none does."""
-    candidates = ARCHITECTURES
-    if cfg.architecture is not None:
-        if cfg.architecture not in ARCHITECTURES:
-            raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
-                              f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
-        candidates = {cfg.architecture: ARCHITECTURES[cfg.architecture]}
+    if cfg.architecture not in (None, *ARCHITECTURES):
+        raise ConfigError(f"model.architecture={cfg.architecture!r} is not one megalite "
+                          f"writes: use one of {', '.join(ARCHITECTURES)}, or null")
     errors = []
-    for name, arch in candidates.items():
-        wrong = check_expressible(cfg, arch)
+    for name in [cfg.architecture] if cfg.architecture else ARCHITECTURES:
+        wrong = check_expressible(cfg, ARCHITECTURES[name])
         if not wrong:
-            return name, arch
+            return name, ARCHITECTURES[name]
         errors.append(f"not exportable as {name}: " + "; ".join(wrong))
     raise ConfigError("; ".join(errors))
 
@@ -81,7 +78,7 @@ def shard_names(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = []
     total = 0
     for name, size in sizes.items():
-        if not shards or (total + size > max_bytes and shards[-1]):
+        if not shards or total + size > max_bytes:  # a shard is never left empty here
             shards.append([])
             total = 0
         shards[-1].append(name)
@@ -131,9 +128,9 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
             for k in names:
                 writer.write(k, plan.make(k, dtype))
     if len(shards) > 1:
-        count = sum(math.prod(shape) for shape in plan.shapes.values())
+        total = sum(sizes.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(sizes.values()), "total_parameters": count},
+            {"metadata": {"total_size": total, "total_parameters": total // dtype.itemsize},
              "weight_map": {k: file for file, names in zip(files, shards) for k in names}},
             indent=1))
     dtype_name = str(dtype).removeprefix("torch.")

@@ -36,9 +36,8 @@ def problems(cfg: ModelConfig) -> list[str]:
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     a, m = cfg.attention, cfg.mlp
-    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "deepseek_v3",
-           **{k: getattr(a, k) for k in MLA}, "head_dim": a.qk_rope_head_dim,
-           "num_key_value_heads": cfg.n_heads, "rope_interleave": True,
+    out = {**llama.config_to_hf(cfg, special, NAME, "deepseek_v3"), **{k: getattr(a, k) for k in MLA},
+           "head_dim": a.qk_rope_head_dim, "num_key_value_heads": cfg.n_heads, "rope_interleave": True,
            "n_routed_experts": cfg.n_experts, "num_experts_per_tok": m.top_k,
            "moe_intermediate_size": cfg.expert_ffn, "n_shared_experts": m.shared_experts,
            "n_group": m.groups, "topk_group": m.topk_groups,

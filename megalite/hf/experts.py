@@ -19,12 +19,12 @@ MOE = frozenset({"mlp.experts", "mlp.top_k", "mlp.expert_ffn_hidden", "mlp.aux_l
 
 
 def moe_recipe(cfg: ModelConfig, moe: str = "mlp", names: dict[str, str] = QWEN,
-               shared: str | None = None, bias: str | None = None, **dense) -> Recipe:
+               shared: str = "shared_expert", bias: str | None = None, **dense) -> Recipe:
     """Llama's recipe (`dense`: llama.recipe's layer names and attention) of the model with
     every MLP dense (of the dense layers' width), each MoE layer's MLP then replaced: `moe` is
     the layer's MoE module in the files (Mixtral: block_sparse_moe, Qwen: mlp), its router
     `gate`, its experts `experts.{e}.{names[ours]}.weight`; its shared experts (if the model has
-    them) `shared` (Qwen2-MoE: shared_expert, gated by shared_expert_gate; DeepSeek-V3:
+    them) `shared` (Qwen2-MoE's shared_expert, gated by shared_expert_gate; DeepSeek-V3:
     shared_experts), with Qwen's names; the expert bias `bias` (DeepSeek-V3:
     gate.e_score_correction_bias)."""
     mlp = Dense(ffn_hidden=cfg.mlp.ffn_hidden, activation=cfg.mlp.activation)
@@ -40,7 +40,7 @@ def moe_recipe(cfg: ModelConfig, moe: str = "mlp", names: dict[str, str] = QWEN,
         out.update({m + "router.weight": whole(l + "gate.weight", cfg.n_experts),
                     m + "router.expert_bias": (whole(l + bias, cfg.n_experts) if bias
                                                else (Rows(None, 0, cfg.n_experts),))})
-        if shared and cfg.mlp.shared_experts:
+        if cfg.mlp.shared_experts:
             for ours, theirs in QWEN.items():
                 width = cfg.hidden if ours == "down" else cfg.shared_ffn
                 out[f"{m}shared.{ours}.weight"] = whole(f"{l}{shared}.{theirs}.weight", width)

@@ -12,9 +12,8 @@ NAME = "Gemma3ForCausalLM"
 NEEDS = {**llama.NEEDS, "mlp.activation": "geglu_tanh", "norms.weight_offset": 1.0,
          "norms.post_norms": True, "scale_embeddings": True, "attention.qk_norm": True,
          "tie_embeddings": True}
-FREE = (llama.FREE - {"tie_embeddings"}) | {"attention.query_pre_attn_scalar", "attention.sliding_window",
-                                         "attention.sliding_window_pattern", "positions.local_theta",
-                                         "final_logit_softcap"}
+FREE = (llama.FREE - {"tie_embeddings"}) | llama.SLIDING | {"attention.query_pre_attn_scalar",
+                                                         "positions.local_theta", "final_logit_softcap"}
 # Llama's names, the norm before the MLP renamed, and the norms after attention and MLP
 LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
          "attn_post_norm.weight": "post_attention_layernorm.weight",
@@ -24,7 +23,7 @@ LAYER = {**llama.LAYER, "mlp_norm.weight": "pre_feedforward_layernorm.weight",
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
     scalar = cfg.attention.query_pre_attn_scalar or cfg.head_size
     # transformers' config class takes query_pre_attn_scalar as an int (every release's is)
-    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "gemma3_text",
+    out = {**llama.config_to_hf(cfg, special, NAME, "gemma3_text"),
            "hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
            "final_logit_softcapping": cfg.final_logit_softcap, "attn_logit_softcapping": None,
@@ -62,9 +61,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # rope_local_base_freq
     ropes = hf.get("rope_parameters") or {}
     full = ropes.get("full_attention", ropes or hf.get("rope_scaling") or {})
-    local = ropes.get("sliding_attention")
-    if local is None:
-        local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    local = (ropes.get("sliding_attention")
+             or {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]})
     rope, problems = llama.rope_from_hf(hf, problems, full)
     # Sliding layers turning as the global ones (an export's, without a base of their own):
     # no local base.

@@ -27,7 +27,7 @@ def problems(cfg: ModelConfig) -> list[str]:
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+    return {"architectures": [NAME], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.hidden,
             "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn,
             "activation_function": ACTIVATIONS[cfg.mlp.activation],
@@ -56,27 +56,25 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        tie_embeddings=True, init_std=hf.get("initializer_range", 0.02))
 
 
-# megalite name in a block -> (GPT-2 name in a block, stored transposed as Conv1D, rows in megalite).
-LAYER = {"attn_norm.weight": ("ln_1.weight", False, "h"), "attn_norm.bias": ("ln_1.bias", False, "h"),
-         "attn.out_proj.weight": ("attn.c_proj.weight", True, "h"),
-         "attn.out_proj.bias": ("attn.c_proj.bias", False, "h"),
-         "mlp_norm.weight": ("ln_2.weight", False, "h"), "mlp_norm.bias": ("ln_2.bias", False, "h"),
-         "mlp.up.weight": ("mlp.c_fc.weight", True, "ffn"), "mlp.up.bias": ("mlp.c_fc.bias", False, "ffn"),
-         "mlp.down.weight": ("mlp.c_proj.weight", True, "h"), "mlp.down.bias": ("mlp.c_proj.bias", False, "h")}
+# megalite module in a block -> GPT-2's (each with a weight and a bias); the c_* are Conv1D, their
+# weights stored transposed.
+LAYER = {"attn_norm": "ln_1", "attn.out_proj": "attn.c_proj", "mlp_norm": "ln_2", "mlp.up": "mlp.c_fc",
+         "mlp.down": "mlp.c_proj"}
 
 
 def recipe(cfg: ModelConfig) -> Recipe:
     """Each megalite tensor as rows of GPT-2's (see layout.py); c_attn's output columns are
     [q | k | v], each head-major."""
     h, d, kv = cfg.hidden, cfg.head_size, cfg.kv_heads
-    rows = {"h": h, "ffn": cfg.ffn}
     t = "transformer."
     out = {"embed.weight": padded(t + "wte.weight", cfg.vocab_size, cfg.padded_vocab),
            "positions.weight": whole(t + "wpe.weight", cfg.max_seq_len)}
     for i in range(cfg.n_layers):
         m, g = f"blocks.{i}.", f"{t}h.{i}."
-        out.update({m + ours: whole(g + theirs, rows[n], transposed)
-                    for ours, (theirs, transposed, n) in LAYER.items()})
+        for ours, theirs in LAYER.items():
+            for kind in ("weight", "bias"):
+                out[f"{m}{ours}.{kind}"] = whole(f"{g}{theirs}.{kind}", cfg.ffn if ours == "mlp.up" else h,
+                                                 kind == "weight" and ".c_" in theirs)
         for kind in ("weight", "bias"):
             c_attn, conv = g + f"attn.c_attn.{kind}", kind == "weight"
             out[m + f"attn.q_proj.{kind}"] = whole(c_attn, cfg.n_heads * d, conv)

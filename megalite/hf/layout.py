@@ -123,15 +123,14 @@ class MegaliteView:
         first, last = index[0].indices(shape[0])[:2]
         rest = index[1:]
         rest_shape = [len(range(*s.indices(n))) for s, n in zip(rest, shape[1:])]
-        pieces: list[torch.Tensor | int] = []  # a tensor, or a count of zero rows
-        offset = 0
+        pieces, offset = [], 0
         for part in self.recipe[name]:
             # The overlap of rows first:last with this part's rows offset:offset + count.
             lo, hi = max(first, offset), min(last, offset + part.count)
             if lo < hi:
                 start, stop = part.start + lo - offset, part.start + hi - offset
-                if part.name is None:
-                    pieces.append(hi - lo)
+                if part.name is None:  # zeros: after the stored rows (vocab padding), or alone
+                    pieces.append(torch.zeros(hi - lo, *rest_shape))
                 elif part.stacked:
                     pieces.append(self.source.read(part.name, rest).unsqueeze(0))
                 elif part.transposed:
@@ -139,10 +138,10 @@ class MegaliteView:
                 else:
                     pieces.append(self.source.read(part.name, (slice(start, stop), *rest)))
             offset += part.count
-        dtype = self.dtype or next((p.dtype for p in pieces if isinstance(p, torch.Tensor)),
-                                   torch.float32)
-        pieces = [torch.zeros(p, *rest_shape, dtype=dtype) if isinstance(p, int) else p.to(dtype)
-                  for p in pieces or [0]]  # no rows: an empty tensor of the rectangle's shape
+        if not pieces:  # no rows: an empty tensor of the rectangle's shape
+            pieces.append(torch.zeros(0, *rest_shape))
+        # as stored (dtype None): as the stored rows are, which come first
+        pieces = [p.to(self.dtype or pieces[0].dtype) for p in pieces]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 

@@ -18,10 +18,14 @@ NEEDS = {"attention.kind": "gqa", "positions.kind": "rotary", "norms.kind": "rms
          "mlp.kind": "dense", "mlp.activation": "swiglu", "bias": False}
 FREE = frozenset({"attention.n_kv_heads", "attention.head_dim", "positions.theta",
                   "positions.scaling", "tie_embeddings"})
+# Windows on some layers (Qwen2/3, Gemma 3; hf/expressible.py)
+SLIDING = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
 
 
-def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {"architectures": [NAME], "model_type": "llama",
+def config_to_hf(cfg: ModelConfig, special: dict[str, int], name: str = NAME,
+                 model_type: str = "llama") -> dict:
+    """config.json of a Llama-shaped model, named `name` (the family's class) and `model_type`."""
+    return {"architectures": [name], "model_type": model_type,
             "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
             "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -86,14 +90,16 @@ def one_window(hf: dict) -> dict:
     return {} if hf.get("sliding_window") is None else {"sliding_window": int(hf["sliding_window"])}
 
 
-def qwen_window(hf: dict) -> tuple[dict, list[str]]:
-    """Qwen2/3's rule: no window unless use_sliding_window; then by layer_types, or without
+def qwen_from_hf(hf: dict, family: str, **attention) -> ModelConfig:
+    """The ModelConfig of a Qwen2/3 config.json (`attention`: the family's settings), by Qwen's
+    sliding-window rule: no window unless use_sliding_window; then by layer_types, or without
     them on the layers from max_window_layers on."""
-    if not hf.get("use_sliding_window"):
-        return {}, []
-    start = hf.get("max_window_layers", 0)
-    return sliding_from_hf(hf, ["sliding_attention" if i >= start else "full_attention"
-                                for i in range(hf["num_hidden_layers"])])
+    sliding, problems = {}, []
+    if hf.get("use_sliding_window"):
+        start = hf.get("max_window_layers", 0)
+        sliding, problems = sliding_from_hf(hf, ["sliding_attention" if i >= start else "full_attention"
+                                                 for i in range(hf["num_hidden_layers"])])
+    return config_from_hf(hf, family, problems, attention={**attention, **sliding})
 
 
 def sliding_to_hf(cfg: ModelConfig) -> dict:

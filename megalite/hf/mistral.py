@@ -11,7 +11,7 @@ NEEDS, FREE = llama.NEEDS, llama.FREE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "mistral",
+    return {**llama.config_to_hf(cfg, special, NAME, "mistral"),
             "sliding_window": cfg.attention.sliding_window}
 
 

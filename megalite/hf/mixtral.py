@@ -18,8 +18,7 @@ FREE = llama.FREE | MOE | {"attention.sliding_window"}
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME],
-            "model_type": "mixtral", "intermediate_size": cfg.expert_ffn,
+    return {**llama.config_to_hf(cfg, special, NAME, "mixtral"), "intermediate_size": cfg.expert_ffn,
             "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.mlp.top_k,
             "router_aux_loss_coef": cfg.mlp.aux_loss_coeff, "output_router_logits": False,
             "sliding_window": cfg.attention.sliding_window}

@@ -6,20 +6,17 @@ from megalite.config import ModelConfig
 from megalite.hf import llama
 
 NAME = "Qwen2ForCausalLM"
-SLIDING = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
-NEEDS, FREE = {**llama.NEEDS, "attention.qkv_bias": True}, llama.FREE | SLIDING
+NEEDS, FREE = {**llama.NEEDS, "attention.qkv_bias": True}, llama.FREE | llama.SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    out = {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen2",
-           **llama.sliding_to_hf(cfg)}
+    out = {**llama.config_to_hf(cfg, special, NAME, "qwen2"), **llama.sliding_to_hf(cfg)}
     del out["attention_bias"], out["mlp_bias"]  # Qwen2's biases are fixed: on q, k and v
     return out
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.qwen_window(hf)
-    return llama.config_from_hf(hf, "Qwen2", problems, attention={"qkv_bias": True, **sliding})
+    return llama.qwen_from_hf(hf, "Qwen2", qkv_bias=True)
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -10,7 +10,6 @@ from __future__ import annotations
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf
-from megalite.hf.layout import Recipe
 
 NAME = "Qwen2MoeForCausalLM"
 NEEDS = {**llama.NEEDS, "mlp.kind": "moe", "attention.qkv_bias": True, "mlp.router": "softmax",
@@ -23,15 +22,13 @@ def problems(cfg: ModelConfig) -> list[str]:
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen2_moe",
-            "qkv_bias": True, **qwen_moe_to_hf(cfg), "shared_expert_intermediate_size": cfg.shared_ffn,
-            "use_sliding_window": False}
+    return {**llama.config_to_hf(cfg, special, NAME, "qwen2_moe"), "qkv_bias": True, **qwen_moe_to_hf(cfg),
+            "shared_expert_intermediate_size": cfg.shared_ffn, "use_sliding_window": False}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    problems = []
-    if hf.get("use_sliding_window"):
-        problems.append("use_sliding_window (megalite's Qwen2-MoE attends to the whole context)")
+    problems = (["use_sliding_window (megalite's Qwen2-MoE attends to the whole context)"]
+                if hf.get("use_sliding_window") else [])
     shared, width = hf["shared_expert_intermediate_size"], hf["moe_intermediate_size"]
     if shared % width:
         problems.append(f"shared_expert_intermediate_size {shared} is not a multiple of "
@@ -42,7 +39,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
                                      "shared_gate": True})
 
 
-def recipe(cfg: ModelConfig) -> Recipe:
-    """Llama's recipe with q, k and v biases, each MoE layer's MLP replaced by the router, the
-    stacked experts and the gated shared expert."""
-    return moe_recipe(cfg, shared="shared_expert")
+# Llama's recipe with q, k and v biases, each MoE layer's MLP replaced by the router, the stacked
+# experts and the gated shared expert
+recipe = moe_recipe

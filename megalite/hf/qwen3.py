@@ -4,20 +4,18 @@ hidden 1024 with 16 heads), no biases; small models tie the head."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig
-from megalite.hf import llama, qwen2
+from megalite.hf import llama
 
 NAME = "Qwen3ForCausalLM"
-NEEDS, FREE = {**llama.NEEDS, "attention.qk_norm": True}, llama.FREE | qwen2.SLIDING
+NEEDS, FREE = {**llama.NEEDS, "attention.qk_norm": True}, llama.FREE | llama.SLIDING
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen3",
-            **llama.sliding_to_hf(cfg)}
+    return {**llama.config_to_hf(cfg, special, NAME, "qwen3"), **llama.sliding_to_hf(cfg)}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    sliding, problems = llama.qwen_window(hf)
-    return llama.config_from_hf(hf, "Qwen3", problems, attention={"qk_norm": True, **sliding})
+    return llama.qwen_from_hf(hf, "Qwen3", qk_norm=True)
 
 
 recipe = llama.recipe  # Llama's tensors and names

@@ -15,9 +15,9 @@ FREE = llama.FREE | MOE | {"attention.sliding_window", "mlp.renormalize", "mlp.e
 
 
 def config_to_hf(cfg: ModelConfig, special: dict[str, int]) -> dict:
-    return {**llama.config_to_hf(cfg, special), "architectures": [NAME], "model_type": "qwen3_moe",
-            **qwen_moe_to_hf(cfg), "sliding_window": cfg.attention.sliding_window,
-            "use_sliding_window": cfg.attention.sliding_window is not None}
+    window = cfg.attention.sliding_window
+    return {**llama.config_to_hf(cfg, special, NAME, "qwen3_moe"), **qwen_moe_to_hf(cfg),
+            "sliding_window": window, "use_sliding_window": window is not None}
 
 
 def config_from_hf(hf: dict) -> ModelConfig:

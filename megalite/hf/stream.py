@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +26,7 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(AbstractContextManager):
     """`with SafetensorsWriter(path, {name: (shape, dtype)}, metadata) as writer:`, then
     `writer.write(name, tensor)` for each, in that order; the file is closed (synced to disk, and
     checked complete, when no error is on its way) when the block ends."""
@@ -48,20 +48,16 @@ class SafetensorsWriter:
         self.file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self.written >= len(self.specs) or self.specs[self.written][0] != name:
-            expected = self.specs[self.written][0] if self.written < len(self.specs) else "nothing"
-            raise ValueError(f"{self.path}: wrote {name}, expected {expected}")
+        expected = self.specs[self.written][0] if self.written < len(self.specs) else None
+        if name != expected:
+            raise ValueError(f"{self.path}: wrote {name}, expected {expected or 'nothing'}")
         shape, dtype = self.specs[self.written][1]
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise ValueError(f"{self.path}: {name} is {tuple(tensor.shape)} {tensor.dtype}, its "
                              f"header says {tuple(shape)} {dtype}")
-        if tensor.numel():
-            flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            self.file.write(memoryview(flat.numpy()))
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # empty: no bytes
+        self.file.write(memoryview(flat.numpy()))
         self.written += 1
-
-    def __enter__(self) -> "SafetensorsWriter":
-        return self
 
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
