@@ -91,11 +91,7 @@ def main(argv: list[str]) -> int:
         if args.workers < 0:
             raise ConfigError(f"--workers {args.workers} must be >= 0 (0: tokenize in this process)")
         check_eos_token(args.tokenizer, args.eos_token)
-        settings = PrepareSettings(args.tokenizer, args.eos_token, args.workers, args.text_key,
-                                   args.strict, args.bpe_vocab_size, args.bpe_sample_mb, args.dtype,
-                                   shard_size_gb=args.shard_size_gb,
-                                   chat_template=args.chat_template, train_on=args.train_on)
-        meta = prepare_directory(expand_inputs(args.input), Path(args.out), settings)
+        meta = prepare_directory(expand_inputs(args.input), Path(args.out), PrepareSettings.named_in(args))
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
         skipped = skipped_records(meta, f"{args.out}/meta.json")
         if skipped:

@@ -22,15 +22,6 @@ from megalite.run_config import DataConfig
 from megalite.typed_config import ConfigError
 
 
-def settings_of(cfg: DataConfig, progress: bool = False) -> PrepareSettings:
-    """What prepare-data is given for a run's data section."""
-    return PrepareSettings(tokenizer=None if cfg.tokenizer == "bpe" else cfg.tokenizer,
-                           eos_token=cfg.eos_token, workers=cfg.workers, text_key=cfg.text_key,
-                           strict=cfg.strict, bpe_vocab_size=cfg.bpe_vocab_size,
-                           bpe_sample_mb=cfg.bpe_sample_mb, progress=progress,
-                           chat_template=cfg.chat_template, train_on=cfg.train_on)
-
-
 def build_raw(need: RawBuild, cfg: DataConfig) -> None:
     target, rank = need.target, os.environ.get("RANK", "0")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +34,10 @@ def build_raw(need: RawBuild, cfg: DataConfig) -> None:
               f"{size / 1e6:,.1f} MB) into {target}; the other ranks wait", file=sys.stderr, flush=True)
         # (not mkdtemp: its mode would be 0700 whatever the umask, and the cache is shared)
         partial = target.parent / f".{target.name}.partial-{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
-        meta = prepare_directory(need.files, partial, settings_of(cfg), lock=node_lock(partial))
+        # (a run's data section names tokenizer "bpe" where prepare-data is given none)
+        settings = PrepareSettings.named_in(cfg, tokenizer=None if cfg.tokenizer == "bpe" else cfg.tokenizer,
+                                            progress=False)
+        meta = prepare_directory(need.files, partial, settings, lock=node_lock(partial))
         if meta["documents"] == 0:
             shutil.rmtree(partial, ignore_errors=True)
             raise ConfigError(f"data path '{', '.join(map(str, need.files))}' holds "

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from itertools import chain, count
 from pathlib import Path
 from typing import Iterator
@@ -66,6 +66,13 @@ class PrepareSettings:
     # chat template, each token a target or not (data/chat.py): chat_template None: documents
     chat_template: str | None = None  # "auto": the tokenizer's own; else a template or a .jinja file
     train_on: str = "assistant"  # assistant | last | all
+
+    @classmethod
+    def named_in(cls, given, **more) -> PrepareSettings:
+        """The settings that `given` (prepare-data's arguments, a run's data section) holds under
+        these fields' names, `more` over them."""
+        named = {f.name: getattr(given, f.name) for f in fields(cls) if hasattr(given, f.name)}
+        return cls(**{**named, **more})
 
 
 def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
