@@ -18,8 +18,8 @@ from megalite.prep.locks import lock_waiting, node_lock
 
 def write_missing_facts(shards: list, cache_dir: str, max_id: bool, longer_than: int | None) -> None:
     rank, world = int(os.environ.get("RANK", "0")), max(int(os.environ.get("WORLD_SIZE", "1")), 1)
-    n = len(shards)
-    for shard in (shards[(rank * n // world + k) % n] for k in range(n)):
+    start = rank * len(shards) // world
+    for shard in shards[start:] + shards[:start]:
         path = facts_file(shard, cache_dir)
         with lock_waiting(node_lock(path), f"data: rank {rank} waits for another process "
                                            f"scanning shard {bin_path(shard.prefix)}"):

@@ -55,9 +55,9 @@ class Workers:
             raise
         if n == 0:
             _init_worker(*init)
-        self.idle = deque(range(n))
+        self.idle = deque(self.conns)  # the pipes of the workers waiting for a chunk
         self.queued: deque = deque()  # (ticket, chunk, name) not yet sent
-        self.busy: dict[int, int] = {}  # worker -> the ticket it works on
+        self.busy: dict = {}  # a worker's pipe -> the ticket it works on
         self.done: dict[int, tuple] = {}  # ticket -> (ok, the result or the error)
         self.tickets = 0
 
@@ -81,23 +81,22 @@ class Workers:
             ticket, chunk, name = self.queued.popleft()
             self.done[ticket] = (True, _encode(chunk, name))
         while self.idle and self.queued:
-            worker = self.idle.popleft()
+            conn = self.idle.popleft()
             ticket, *task = self.queued.popleft()
             try:
-                self.conns[worker].send(task)
+                conn.send(task)
             except OSError:  # a broken pipe: it died
                 raise WorkerDied from None
-            self.busy[worker] = ticket
-        waiting = {self.conns[w]: w for w in self.busy}
-        ready = connection.wait([*waiting, *(p.sentinel for p in self.procs)], timeout)
+            self.busy[conn] = ticket
+        ready = connection.wait([*self.busy, *(p.sentinel for p in self.procs)], timeout)
         if any(p.sentinel in ready for p in self.procs):
             raise WorkerDied
         for conn in ready:
             try:
-                self.done[self.busy.pop(waiting[conn])] = conn.recv()
+                self.done[self.busy.pop(conn)] = conn.recv()
             except (EOFError, OSError):  # it died while sending
                 raise WorkerDied from None
-            self.idle.append(waiting[conn])
+            self.idle.append(conn)
 
     def close(self) -> None:
         """Kill every worker: the run is over, finished or failed, and needs nothing of them."""
