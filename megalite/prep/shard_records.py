@@ -46,13 +46,10 @@ def _shard_done(out: Path, name: str, files: list[Path], first: int, made_with: 
     if not marker.is_file():
         return None
     record = json.loads(marker.read_text())
-    held = held_files(record)
-    if len(held) > len(files) - first or any(record.get(k) != v for k, v in made_with.items()):
+    held = [(source["source"], source["bytes"], source["mtime_ns"]) for source in held_files(record)]
+    now = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files[first:first + len(held)]]
+    if held != now or any(record.get(k) != v for k, v in made_with.items()):  # (fewer files: unequal)
         return None
-    for source, f in zip(held, files[first:first + len(held)]):
-        stat = f.stat()
-        if (source["source"], source["bytes"], source["mtime_ns"]) != (str(f), stat.st_size, stat.st_mtime_ns):
-            return None
     prefix = out / name
     whole = not record["documents"] or (is_indexed(prefix) and bin_path(prefix).stat().st_size ==
                                          record["tokens"] * np.dtype(record["dtype"]).itemsize)

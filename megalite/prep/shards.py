@@ -312,10 +312,9 @@ class _Progress(Progress):
     compression: MB/s of text as decompressed, tokens/s; documents so far."""
 
     def __init__(self, total_bytes: int, enabled: bool):
-        mb = total_bytes / 1e6
         super().__init__(
-            total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {mb:,.1f} MB of input read "
-                                      f"({read / max(total_bytes, 1):.0%})",
+            total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {total_bytes / 1e6:,.1f} MB of "
+                                      f"input read ({read / max(total_bytes, 1):.0%})",
             file=sys.stderr, every_s=LINE_EVERY_S, enabled=enabled, desc="prepare", unit="B",
             unit_scale=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}{postfix}]")
         self.start = time.perf_counter()

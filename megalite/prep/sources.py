@@ -76,10 +76,9 @@ def _refuse_conversations(path: Path, text_key: str, names: list[str]) -> None:
 
 def _first_keys(path: Path) -> list[str]:
     """The keys of a jsonl file's first record (none where it is not a JSON object)."""
-    with open(path, "rb") as raw, _decompressed(raw, kind_of(path)) as stream, _damage_named(path):
-        line = next((line for line in stream if line.strip()), b"")
+    line = next((line for chunk in read_chunks(path, "") for line in chunk.records if line.strip()), b"")
     try:
-        record = json.loads(line.removeprefix(BOM))
+        record = json.loads(line)
     except ValueError:
         return []
     return list(record) if isinstance(record, dict) else []
@@ -138,7 +137,7 @@ def read_chunks(path: Path, text_key: str, conversations: bool = False) -> Itera
         with _damage_named(path):
             yield from _parquet_chunks(path, text_key, conversations)
         return
-    with open(path, "rb") as raw, _decompressed(raw, kind) as stream, _damage_named(path):
+    with open(path, "rb") as raw, _STREAMS.get(kind, nullcontext)(raw) as stream, _damage_named(path):
         yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
 
 
@@ -151,11 +150,6 @@ def documents(path: Path, text_key: str = "text", strict: bool = False,
         if counts is not None:
             counts.add(seen)
         yield from texts
-
-
-def _decompressed(raw, kind: str):
-    """The file's bytes as a stream of lines: decompressed, or as they are."""
-    return _STREAMS.get(kind, nullcontext)(raw)
 
 
 class _ZstdStream(io.RawIOBase):
@@ -190,6 +184,7 @@ class _ZstdStream(io.RawIOBase):
         return n
 
 
+# The file's bytes as a stream of lines: decompressed, or as they are.
 _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lzma.LZMAFile,
             ".jsonl.zst": lambda raw: io.BufferedReader(_ZstdStream(raw))}
 
@@ -197,8 +192,8 @@ _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lz
 def _json_chunks(stream, raw) -> Iterator[RawChunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
-        if number == 1 and line.startswith(BOM):
-            line = line[len(BOM):]
+        if number == 1:
+            line = line.removeprefix(BOM)
         lines.append(line)
         size += len(line)
         if size >= CHUNK_BYTES:
