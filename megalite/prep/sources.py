@@ -23,7 +23,7 @@ import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from megalite.data.chat import ChatError, conversation_of
 from megalite.data.raw_files import kind_of
@@ -238,24 +238,24 @@ class _Skipped(Exception):
 
 
 def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
-          conversations: bool = False) -> tuple[list, Counts]:
+          render: Callable[[list], tuple] | None = None) -> tuple[list, Counts]:
     """The chunk's documents and its counts; whitespace-only documents are skipped.
-    conversations: each JSON record's (line, messages) instead (data/chat.conversation_of), so
-    that one the template refuses later is named by its line (parquet: its row)."""
+    render: conversations instead (data/chat.conversation_of), each record's messages made
+    (tokens, targets) by it; one it refuses (ChatError) is counted by its line (parquet: row)."""
     counts, texts = Counts(), []
     records = chunk.records.to_pylist() if chunk.kind in ("arrow", "rows") else chunk.records
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
         try:
-            text = _document(chunk.kind, record, text_key, conversations, counts)
+            text = _document(chunk.kind, record, text_key, render is not None, counts)
+            if isinstance(text, list):  # a conversation's messages
+                text = render(text)
         except ChatError as err:
             counts.count_bad(*place(chunk, name, number), str(err), "no_text", strict)
         except _Skipped as skipped:
             counts.count_bad(*place(chunk, name, number), *skipped.args, strict)
         else:
-            if isinstance(text, list):  # a conversation's messages
-                texts.append((number, text))
-            elif text.strip():
+            if isinstance(text, tuple) or text.strip():  # a conversation's (tokens, targets), or text
                 texts.append(text)
             else:
                 counts.empty += 1

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.chat import ChatError, ChatTemplate, conversation_tokens
+from megalite.data.chat import ChatTemplate, conversation_tokens
 from megalite.data.record_counts import Counts
-from megalite.prep.sources import RawChunk, parse, place
-from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
+from megalite.prep.sources import RawChunk, parse
+from megalite.data.tokenizer import load_tokenizer
 from megalite.typed_config import ConfigError
 
 
@@ -120,8 +120,10 @@ def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool,
         # Ctrl-C reaches the whole process group: the main process stops its workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     info = load_tokenizer(Path(tokenizer))
-    _worker.update(info=info, dtype=np.dtype(dtype), text_key=text_key, strict=strict,
-                   chat=None if chat is None else (ChatTemplate(chat[0], info.names), chat[1]))
+    _worker.update(info=info, dtype=np.dtype(dtype), text_key=text_key, strict=strict, render=None)
+    if chat is not None:  # render: a conversation's messages made (tokens, targets)
+        template = ChatTemplate(chat[0], info.names)
+        _worker["render"] = lambda messages: conversation_tokens(template, info, messages, chat[1])
 
 
 def _serve(conn, init: tuple) -> None:
@@ -141,25 +143,14 @@ def _serve(conn, init: tuple) -> None:
 
 def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts, np.ndarray | None]:
     """(tokens, document lengths, counts, targets) of one chunk: each document's ids, ending
-    with eos; for conversations, which tokens are targets (else None): each (line,
-    conversation)'s ids and targets (conversation_tokens); one the template refuses is counted
-    as bad, by its line."""
-    chat = _worker["chat"]
-    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, chat is not None)
-    info: TokenizerInfo = _worker["info"]
-    if chat is None:
+    with eos; for conversations, which tokens are targets (else None): each conversation's ids
+    and targets (conversation_tokens); one the template refuses is counted as bad, by its line."""
+    info, render = _worker["info"], _worker["render"]
+    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, render)
+    if render is None:
         ids, targets = info.encode_documents(texts), None
     else:
-        ids, targets = [], []
-        for number, conversation in texts:
-            try:
-                tokens, wanted = conversation_tokens(chat[0], info, conversation, chat[1])
-            except ChatError as err:
-                counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
-                counts.documents -= 1
-                continue
-            ids.append(tokens)
-            targets.append(wanted)
+        ids, targets = [tokens for tokens, _ in texts], [wanted for _, wanted in texts]
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
