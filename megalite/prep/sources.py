@@ -107,14 +107,6 @@ class RawChunk:
         return sum(map(len, self.records))
 
 
-def place(chunk: "RawChunk", name: str, number: int) -> tuple[str, str]:
-    """(where an error names record `number` of file `name`, how a listing names it): by line
-    of a jsonl file (1-based), by row of a parquet file (0-based)."""
-    if chunk.kind == "json":
-        return f"{name}:{number}", f"line {number}"
-    return f"{name} row {number}", f"row {number}"
-
-
 # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
 DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
 
@@ -250,10 +242,12 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
             text = _document(chunk.kind, record, text_key, render is not None, counts)
             if isinstance(text, list):  # a conversation's messages
                 text = render(text)
-        except ChatError as err:
-            counts.count_bad(*place(chunk, name, number), str(err), "no_text", strict)
-        except _Skipped as skipped:
-            counts.count_bad(*place(chunk, name, number), *skipped.args, strict)
+        except (ChatError, _Skipped) as bad:
+            why, kind = bad.args if isinstance(bad, _Skipped) else (str(bad), "no_text")
+            # named by line of a jsonl file (1-based), by row of a parquet file (0-based)
+            listed = f"line {number}" if chunk.kind == "json" else f"row {number}"
+            counts.count_bad(f"{name}:{number}" if chunk.kind == "json" else f"{name} {listed}",
+                             listed, why, kind, strict)
         else:
             if isinstance(text, tuple) or text.strip():  # a conversation's (tokens, targets), or text
                 texts.append(text)
