@@ -38,40 +38,37 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
     or whose footer is lost; conversations, known by their shape), or conversations (jsonl
     records, or parquet conversation_columns)."""
-    if conversations and kind_of(path) == ".txt":
+    kind = kind_of(path)
+    if conversations and kind == ".txt":
         raise ConfigError(f"'{path}': conversations are read from jsonl records or parquet rows "
                           f"(`messages`, or `prompt` and `completion`), not from text")
-    if kind_of(path) == ".parquet":
+    if kind == ".parquet":
         import pyarrow.parquet as pq
         with _damage_named(path):
             schema = pq.ParquetFile(path).schema_arrow
-        if conversations:
-            if conversation_columns(schema.names) is None:
-                raise ConfigError(f"parquet file '{path}' has neither a 'messages' column nor "
-                                  f"'prompt' and 'completion' (its columns: "
-                                  f"{', '.join(schema.names)}): conversations need one of them")
-            return
-        _refuse_conversations(path, text_key, schema.names)
-        if text_key not in schema.names:
-            raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
-                              f"{', '.join(schema.names)}): name the text column with --text-key "
-                              f"(data.text_key)")
-        kind = str(schema.field(text_key).type)
-        if kind not in ("string", "large_string", "string_view"):
-            raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
-    elif not conversations and kind_of(path) != ".txt":
-        _refuse_conversations(path, text_key, _first_keys(path))
-
-
-def _refuse_conversations(path: Path, text_key: str, names: list[str]) -> None:
-    """Read as text, a file whose columns (or first record's keys) are a conversation's and not
-    the text field would fail record by record: say what it is instead."""
+        if conversations and conversation_columns(schema.names) is None:
+            raise ConfigError(f"parquet file '{path}' has neither a 'messages' column nor "
+                              f"'prompt' and 'completion' (its columns: "
+                              f"{', '.join(schema.names)}): conversations need one of them")
+    if conversations or kind == ".txt":
+        return
+    # Read as text, a file whose columns (or first record's keys) are a conversation's and not
+    # the text field would fail record by record: say what it is instead.
+    names = schema.names if kind == ".parquet" else _first_keys(path)
     shape = None if text_key in names else conversation_columns(names)
     if shape is not None:
         raise ConfigError(f"'{path}': these are conversations ({' and '.join(map(repr, shape))}, "
                           f"no text field '{text_key}'): add --chat-template auto "
                           f"(data.chat_template=auto) to render them with the --tokenizer's "
                           f"chat template")
+    if kind == ".parquet":
+        if text_key not in names:
+            raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
+                              f"{', '.join(names)}): name the text column with --text-key "
+                              f"(data.text_key)")
+        kind = str(schema.field(text_key).type)
+        if kind not in ("string", "large_string", "string_view"):
+            raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
 
 
 def _first_keys(path: Path) -> list[str]:
