@@ -236,9 +236,7 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
         try:
-            text = _document(chunk.kind, record, text_key, render is not None, counts)
-            if isinstance(text, list):  # a conversation's messages
-                text = render(text)
+            text = _document(chunk.kind, record, text_key, render, counts)
         except (ChatError, _Skipped) as bad:
             why, kind = bad.args if isinstance(bad, _Skipped) else (str(bad), "no_text")
             # named by line of a jsonl file (1-based), by row of a parquet file (0-based)
@@ -254,14 +252,14 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
     return texts, counts
 
 
-def _document(kind: str, record, text_key: str, conversations: bool, counts: Counts) -> str | list:
-    """One record's text (its bytes not UTF-8 counted), or its conversation's messages (kind
-    "rows", or conversations); raises _Skipped or ChatError for a bad record."""
+def _document(kind: str, record, text_key: str, render, counts: Counts) -> str | tuple:
+    """One record's text (its bytes not UTF-8 counted), or its conversation rendered (kind
+    "rows", or a JSON record given `render`); raises _Skipped or ChatError for a bad record."""
     if kind == "rows":
         # A parquet column of messages has every field any message has, null where one lacks
         # it: absent again, as in the record written (a template asks `is defined`); content stays.
-        return [{k: v for k, v in m.items() if v is not None or k == "content"}
-                for m in conversation_of(record)]
+        return render([{k: v for k, v in m.items() if v is not None or k == "content"}
+                       for m in conversation_of(record)])
     if kind == "arrow":
         if record is None:
             raise _Skipped(f"'{text_key}' is null", "no_text")
@@ -279,8 +277,8 @@ def _document(kind: str, record, text_key: str, conversations: bool, counts: Cou
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise _Skipped(f"not JSON ({err.msg})", "not_json") from None
-    if conversations:
-        return conversation_of(value if isinstance(value, dict) else {})
+    if render is not None:
+        return render(conversation_of(value if isinstance(value, dict) else {}))
     text = value.get(text_key) if isinstance(value, dict) else None
     if not isinstance(text, str):
         keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""
