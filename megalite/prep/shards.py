@@ -205,8 +205,7 @@ class _Shard:
     def __init__(self, prefix: Path, first: int, dtype: np.dtype, made_with: dict):
         self.prefix, self.first, self.made_with = prefix, first, made_with
         self.writer = ShardWriter(prefix, dtype, targets="chat_template_sha256" in made_with)
-        self.counts, self.tokens = Counts(), 0
-        self.sources: list[dict] = []
+        self.counts, self.tokens, self.sources = Counts(), 0, []  # sources: each file's record
         self.file_counts, self.read = Counts(), 0  # of the file being read
 
     def add(self, chunk: RawChunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts,

@@ -40,8 +40,7 @@ class Workers:
 
     def __init__(self, n: int, init: tuple):
         spawn = multiprocessing.get_context("spawn")
-        self.conns: list = []
-        self.procs: list = []
+        self.conns, self.procs = [], []  # each worker's pipe and process
         try:
             for _ in range(n):
                 ours, theirs = spawn.Pipe()
