@@ -252,7 +252,7 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
     return texts, counts
 
 
-def _document(kind: str, record, text_key: str, render, counts: Counts) -> str | tuple:
+def _document(kind: str, record, text_key: str, render: Callable | None, counts: Counts) -> str | tuple:
     """One record's text (its bytes not UTF-8 counted), or its conversation rendered (kind
     "rows", or a JSON record given `render`); raises _Skipped or ChatError for a bad record."""
     if kind == "rows":
