@@ -30,7 +30,7 @@ def node_lock(path: Path) -> Path:
 @contextmanager
 def lock_waiting(path: Path, waiting_for: str) -> Iterator[None]:
     """Holds `path`'s lock, waiting for it; a wait past WAIT_NOTE_S prints `waiting_for` (stderr)."""
-    with open(path, "a") as f:
+    with open(path, "a") as f:  # closed, however the body ends: that releases the lock
         note = threading.Timer(WAIT_NOTE_S, print, (waiting_for,), {"file": sys.stderr, "flush": True})
         note.daemon = True
         note.start()
@@ -38,7 +38,4 @@ def lock_waiting(path: Path, waiting_for: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX)
         finally:
             note.cancel()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from itertools import chain, count
 from pathlib import Path
 from typing import Iterator
@@ -30,12 +30,11 @@ from typing import Iterator
 import numpy as np
 
 from megalite.data.chat import TRAIN_ON, load_chat_template
-from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, targets_path,
-                                   token_dtype, write_atomic)
+from megalite.data.indexed import (ShardWriter, bin_path, check_dtype_holds, idx_path, is_indexed,
+                                   targets_path, token_dtype, write_atomic)
 from megalite.prep.locks import lock_waiting
 from megalite.data.prepared import FORMAT
 from megalite.data.record_counts import COUNT_KEYS, Counts, summed
-from megalite.prep.shard_records import whole_shards
 from megalite.prep.sources import RawChunk, check_readable, documents, read_chunks
 from megalite.data.tokenizer import TokenizerInfo, load_tokenizer, save_tokenizer, train_bpe
 from megalite.prep import workers
@@ -66,6 +65,13 @@ class PrepareSettings:
     # chat template, each token a target or not (data/chat.py): chat_template None: documents
     chat_template: str | None = None  # "auto": the tokenizer's own; else a template or a .jinja file
     train_on: str = "assistant"  # assistant | last | all
+
+    @classmethod
+    def named_in(cls, given, **more) -> PrepareSettings:
+        """The settings that `given` (prepare-data's arguments, a run's data section) holds under
+        these fields' names, `more` over them."""
+        named = {f.name: getattr(given, f.name) for f in fields(cls) if hasattr(given, f.name)}
+        return cls(**{**named, **more})
 
 
 def prepare_directory(files: list[Path], out: Path, settings: PrepareSettings,
@@ -196,8 +202,7 @@ class _Shard:
     def __init__(self, prefix: Path, first: int, dtype: np.dtype, made_with: dict):
         self.prefix, self.first, self.made_with = prefix, first, made_with
         self.writer = ShardWriter(prefix, dtype, targets="chat_template_sha256" in made_with)
-        self.counts, self.tokens = Counts(), 0
-        self.sources: list[dict] = []
+        self.counts, self.tokens, self.sources = Counts(), 0, []  # sources: each file's record
         self.file_counts, self.read = Counts(), 0  # of the file being read
 
     def add(self, chunk: RawChunk, tokens: np.ndarray, lengths: np.ndarray, counts: Counts,
@@ -239,6 +244,54 @@ class _Shard:
                   **asdict(self.counts)}
         write_atomic(self.prefix.with_name(f"{self.prefix.name}.json"), json.dumps(record, indent=1))
         return record
+
+
+# Which shards of a prepared directory an earlier run left whole. A shard holds the documents
+# of one input file, or of consecutive ones (--shard-size-gb), and is named for its first; its
+# marker, NNNNN-<name>.json (_Shard.finish), written last, records the files it holds as they
+# were read (name, size, modification time), the settings that make its tokens, and its counts.
+# A re-run keeps each shard whose files and settings are unchanged and prepares the rest:
+# resumable by input file, at the cost of redoing the whole shard that a changed or unfinished
+# file belongs to.
+
+
+def whole_shards(out: Path, files: list[Path], names: list[str],
+                 made_with: dict) -> tuple[dict[int, dict], list[int]]:
+    """({first file: record} of the shards an earlier run left whole, met walking the files in
+    order, and the files, in order, that no such shard holds)."""
+    kept, todo, i = {}, [], 0
+    while i < len(files):
+        record = _shard_done(out, names[i], files, i, made_with)
+        if record is None:
+            todo.append(i)
+            i += 1
+        else:
+            kept[i] = record
+            i += len(held_files(record))
+    return kept, todo
+
+
+def held_files(record: dict) -> list[dict]:
+    """The input files a shard holds, as they were read: a one-file shard names its file
+    inline (as before merging existed, so earlier directories stay whole)."""
+    return record.get("sources") or [{key: record[key] for key in ("source", "bytes", "mtime_ns")}]
+
+
+def _shard_done(out: Path, name: str, files: list[Path], first: int, made_with: dict) -> dict | None:
+    """The record of shard `name` if an earlier run wrote it whole, with the settings of this
+    run, from files `first`, `first` + 1, ... as they are now."""
+    marker = out / f"{name}.json"
+    if not marker.is_file():
+        return None
+    record = json.loads(marker.read_text())
+    held = [(source["source"], source["bytes"], source["mtime_ns"]) for source in held_files(record)]
+    now = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files[first:first + len(held)]]
+    if held != now or any(record.get(k) != v for k, v in made_with.items()):  # (fewer files: unequal)
+        return None
+    prefix = out / name
+    whole = not record["documents"] or (is_indexed(prefix) and bin_path(prefix).stat().st_size ==
+                                         record["tokens"] * np.dtype(record["dtype"]).itemsize)
+    return record if whole else None
 
 
 def _run(todo: list[int], files: list[Path], names: list[str], out: Path,
@@ -303,10 +356,9 @@ class _Progress(Progress):
     compression: MB/s of text as decompressed, tokens/s; documents so far."""
 
     def __init__(self, total_bytes: int, enabled: bool):
-        mb = total_bytes / 1e6
         super().__init__(
-            total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {mb:,.1f} MB of input read "
-                                      f"({read / max(total_bytes, 1):.0%})",
+            total_bytes, lambda read: f"prepare: {read / 1e6:,.1f} of {total_bytes / 1e6:,.1f} MB of "
+                                      f"input read ({read / max(total_bytes, 1):.0%})",
             file=sys.stderr, every_s=LINE_EVERY_S, enabled=enabled, desc="prepare", unit="B",
             unit_scale=True, bar_format="{l_bar}{bar}| {n_fmt}B/{total_fmt}B [{elapsed}<{remaining}{postfix}]")
         self.start = time.perf_counter()

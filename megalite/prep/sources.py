@@ -23,7 +23,7 @@ import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from megalite.data.chat import ChatError, conversation_of
 from megalite.data.raw_files import kind_of
@@ -38,48 +38,44 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
     """Fail before any work on a file that cannot hold the text (a parquet without the column,
     or whose footer is lost; conversations, known by their shape), or conversations (jsonl
     records, or parquet conversation_columns)."""
-    if conversations and kind_of(path) == ".txt":
+    kind = kind_of(path)
+    if conversations and kind == ".txt":
         raise ConfigError(f"'{path}': conversations are read from jsonl records or parquet rows "
                           f"(`messages`, or `prompt` and `completion`), not from text")
-    if kind_of(path) == ".parquet":
+    if kind == ".parquet":
         import pyarrow.parquet as pq
         with _damage_named(path):
             schema = pq.ParquetFile(path).schema_arrow
-        if conversations:
-            if conversation_columns(schema.names) is None:
-                raise ConfigError(f"parquet file '{path}' has neither a 'messages' column nor "
-                                  f"'prompt' and 'completion' (its columns: "
-                                  f"{', '.join(schema.names)}): conversations need one of them")
-            return
-        _refuse_conversations(path, text_key, schema.names)
-        if text_key not in schema.names:
-            raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
-                              f"{', '.join(schema.names)}): name the text column with --text-key "
-                              f"(data.text_key)")
-        kind = str(schema.field(text_key).type)
-        if kind not in ("string", "large_string", "string_view"):
-            raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
-    elif not conversations and kind_of(path) != ".txt":
-        _refuse_conversations(path, text_key, _first_keys(path))
-
-
-def _refuse_conversations(path: Path, text_key: str, names: list[str]) -> None:
-    """Read as text, a file whose columns (or first record's keys) are a conversation's and not
-    the text field would fail record by record: say what it is instead."""
+        if conversations and conversation_columns(schema.names) is None:
+            raise ConfigError(f"parquet file '{path}' has neither a 'messages' column nor "
+                              f"'prompt' and 'completion' (its columns: "
+                              f"{', '.join(schema.names)}): conversations need one of them")
+    if conversations or kind == ".txt":
+        return
+    # Read as text, a file whose columns (or first record's keys) are a conversation's and not
+    # the text field would fail record by record: say what it is instead.
+    names = schema.names if kind == ".parquet" else _first_keys(path)
     shape = None if text_key in names else conversation_columns(names)
     if shape is not None:
         raise ConfigError(f"'{path}': these are conversations ({' and '.join(map(repr, shape))}, "
                           f"no text field '{text_key}'): add --chat-template auto "
                           f"(data.chat_template=auto) to render them with the --tokenizer's "
                           f"chat template")
+    if kind == ".parquet":
+        if text_key not in names:
+            raise ConfigError(f"parquet file '{path}' has no column '{text_key}' (its columns: "
+                              f"{', '.join(names)}): name the text column with --text-key "
+                              f"(data.text_key)")
+        kind = str(schema.field(text_key).type)
+        if kind not in ("string", "large_string", "string_view"):
+            raise ConfigError(f"parquet file '{path}': column '{text_key}' is {kind}, not text")
 
 
 def _first_keys(path: Path) -> list[str]:
     """The keys of a jsonl file's first record (none where it is not a JSON object)."""
-    with open(path, "rb") as raw, _decompressed(raw, kind_of(path)) as stream, _damage_named(path):
-        line = next((line for line in stream if line.strip()), b"")
+    line = next((line for chunk in read_chunks(path, "") for line in chunk.records if line.strip()), b"")
     try:
-        record = json.loads(line.removeprefix(BOM))
+        record = json.loads(line)
     except ValueError:
         return []
     return list(record) if isinstance(record, dict) else []
@@ -108,14 +104,6 @@ class RawChunk:
         return sum(map(len, self.records))
 
 
-def place(chunk: "RawChunk", name: str, number: int) -> tuple[str, str]:
-    """(where an error names record `number` of file `name`, how a listing names it): by line
-    of a jsonl file (1-based), by row of a parquet file (0-based)."""
-    if chunk.kind == "json":
-        return f"{name}:{number}", f"line {number}"
-    return f"{name} row {number}", f"row {number}"
-
-
 # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
 DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
 
@@ -138,7 +126,7 @@ def read_chunks(path: Path, text_key: str, conversations: bool = False) -> Itera
         with _damage_named(path):
             yield from _parquet_chunks(path, text_key, conversations)
         return
-    with open(path, "rb") as raw, _decompressed(raw, kind) as stream, _damage_named(path):
+    with open(path, "rb") as raw, _STREAMS.get(kind, nullcontext)(raw) as stream, _damage_named(path):
         yield from (_text_chunks if kind == ".txt" else _json_chunks)(stream, raw)
 
 
@@ -151,11 +139,6 @@ def documents(path: Path, text_key: str = "text", strict: bool = False,
         if counts is not None:
             counts.add(seen)
         yield from texts
-
-
-def _decompressed(raw, kind: str):
-    """The file's bytes as a stream of lines: decompressed, or as they are."""
-    return _STREAMS.get(kind, nullcontext)(raw)
 
 
 class _ZstdStream(io.RawIOBase):
@@ -190,6 +173,7 @@ class _ZstdStream(io.RawIOBase):
         return n
 
 
+# The file's bytes as a stream of lines: decompressed, or as they are.
 _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lzma.LZMAFile,
             ".jsonl.zst": lambda raw: io.BufferedReader(_ZstdStream(raw))}
 
@@ -197,8 +181,8 @@ _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lz
 def _json_chunks(stream, raw) -> Iterator[RawChunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
-        if number == 1 and line.startswith(BOM):
-            line = line[len(BOM):]
+        if number == 1:
+            line = line.removeprefix(BOM)
         lines.append(line)
         size += len(line)
         if size >= CHUNK_BYTES:
@@ -243,24 +227,24 @@ class _Skipped(Exception):
 
 
 def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
-          conversations: bool = False) -> tuple[list, Counts]:
+          render: Callable[[list], tuple] | None = None) -> tuple[list, Counts]:
     """The chunk's documents and its counts; whitespace-only documents are skipped.
-    conversations: each JSON record's (line, messages) instead (data/chat.conversation_of), so
-    that one the template refuses later is named by its line (parquet: its row)."""
+    render: conversations instead (data/chat.conversation_of), each record's messages made
+    (tokens, targets) by it; one it refuses (ChatError) is counted by its line (parquet: row)."""
     counts, texts = Counts(), []
     records = chunk.records.to_pylist() if chunk.kind in ("arrow", "rows") else chunk.records
     for number, record in enumerate(records, chunk.first):
         counts.records += 1
         try:
-            text = _document(chunk.kind, record, text_key, conversations, counts)
-        except ChatError as err:
-            counts.count_bad(*place(chunk, name, number), str(err), "no_text", strict)
-        except _Skipped as skipped:
-            counts.count_bad(*place(chunk, name, number), *skipped.args, strict)
+            text = _document(chunk.kind, record, text_key, render, counts)
+        except (ChatError, _Skipped) as bad:
+            why, kind = bad.args if isinstance(bad, _Skipped) else (str(bad), "no_text")
+            # named by line of a jsonl file (1-based), by row of a parquet file (0-based)
+            listed = f"line {number}" if chunk.kind == "json" else f"row {number}"
+            counts.count_bad(f"{name}:{number}" if chunk.kind == "json" else f"{name} {listed}",
+                             listed, why, kind, strict)
         else:
-            if isinstance(text, list):  # a conversation's messages
-                texts.append((number, text))
-            elif text.strip():
+            if isinstance(text, tuple) or text.strip():  # a conversation's (tokens, targets), or text
                 texts.append(text)
             else:
                 counts.empty += 1
@@ -268,14 +252,14 @@ def parse(chunk: RawChunk, text_key: str, strict: bool, name: str,
     return texts, counts
 
 
-def _document(kind: str, record, text_key: str, conversations: bool, counts: Counts) -> str | list:
-    """One record's text (its bytes not UTF-8 counted), or its conversation's messages (kind
-    "rows", or conversations); raises _Skipped or ChatError for a bad record."""
+def _document(kind: str, record, text_key: str, render: Callable | None, counts: Counts) -> str | tuple:
+    """One record's text (its bytes not UTF-8 counted), or its conversation rendered (kind
+    "rows", or a JSON record given `render`); raises _Skipped or ChatError for a bad record."""
     if kind == "rows":
         # A parquet column of messages has every field any message has, null where one lacks
         # it: absent again, as in the record written (a template asks `is defined`); content stays.
-        return [{k: v for k, v in m.items() if v is not None or k == "content"}
-                for m in conversation_of(record)]
+        return render([{k: v for k, v in m.items() if v is not None or k == "content"}
+                       for m in conversation_of(record)])
     if kind == "arrow":
         if record is None:
             raise _Skipped(f"'{text_key}' is null", "no_text")
@@ -293,8 +277,8 @@ def _document(kind: str, record, text_key: str, conversations: bool, counts: Cou
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise _Skipped(f"not JSON ({err.msg})", "not_json") from None
-    if conversations:
-        return conversation_of(value if isinstance(value, dict) else {})
+    if render is not None:
+        return render(conversation_of(value if isinstance(value, dict) else {}))
     text = value.get(text_key) if isinstance(value, dict) else None
     if not isinstance(text, str):
         keys = f" (its keys: {', '.join(list(value)[:8])})" if isinstance(value, dict) else ""

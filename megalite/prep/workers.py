@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.chat import ChatError, ChatTemplate, conversation_tokens
+from megalite.data.chat import ChatTemplate, conversation_tokens
 from megalite.data.record_counts import Counts
-from megalite.prep.sources import RawChunk, parse, place
-from megalite.data.tokenizer import TokenizerInfo, load_tokenizer
+from megalite.prep.sources import RawChunk, parse
+from megalite.data.tokenizer import load_tokenizer
 from megalite.typed_config import ConfigError
 
 
@@ -40,8 +40,7 @@ class Workers:
 
     def __init__(self, n: int, init: tuple):
         spawn = multiprocessing.get_context("spawn")
-        self.conns: list = []
-        self.procs: list = []
+        self.conns, self.procs = [], []  # each worker's pipe and process
         try:
             for _ in range(n):
                 ours, theirs = spawn.Pipe()
@@ -55,9 +54,9 @@ class Workers:
             raise
         if n == 0:
             _init_worker(*init)
-        self.idle = deque(range(n))
+        self.idle = deque(self.conns)  # the pipes of the workers waiting for a chunk
         self.queued: deque = deque()  # (ticket, chunk, name) not yet sent
-        self.busy: dict[int, int] = {}  # worker -> the ticket it works on
+        self.busy: dict = {}  # a worker's pipe -> the ticket it works on
         self.done: dict[int, tuple] = {}  # ticket -> (ok, the result or the error)
         self.tickets = 0
 
@@ -81,23 +80,22 @@ class Workers:
             ticket, chunk, name = self.queued.popleft()
             self.done[ticket] = (True, _encode(chunk, name))
         while self.idle and self.queued:
-            worker = self.idle.popleft()
+            conn = self.idle.popleft()
             ticket, *task = self.queued.popleft()
             try:
-                self.conns[worker].send(task)
+                conn.send(task)
             except OSError:  # a broken pipe: it died
                 raise WorkerDied from None
-            self.busy[worker] = ticket
-        waiting = {self.conns[w]: w for w in self.busy}
-        ready = connection.wait([*waiting, *(p.sentinel for p in self.procs)], timeout)
+            self.busy[conn] = ticket
+        ready = connection.wait([*self.busy, *(p.sentinel for p in self.procs)], timeout)
         if any(p.sentinel in ready for p in self.procs):
             raise WorkerDied
         for conn in ready:
             try:
-                self.done[self.busy.pop(waiting[conn])] = conn.recv()
+                self.done[self.busy.pop(conn)] = conn.recv()
             except (EOFError, OSError):  # it died while sending
                 raise WorkerDied from None
-            self.idle.append(waiting[conn])
+            self.idle.append(conn)
 
     def close(self) -> None:
         """Kill every worker: the run is over, finished or failed, and needs nothing of them."""
@@ -121,8 +119,10 @@ def _init_worker(tokenizer: str, dtype: str, text_key: str, strict: bool,
         # Ctrl-C reaches the whole process group: the main process stops its workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     info = load_tokenizer(Path(tokenizer))
-    _worker.update(info=info, dtype=np.dtype(dtype), text_key=text_key, strict=strict,
-                   chat=None if chat is None else (ChatTemplate(chat[0], info.names), chat[1]))
+    _worker.update(info=info, dtype=np.dtype(dtype), text_key=text_key, strict=strict, render=None)
+    if chat is not None:  # render: a conversation's messages made (tokens, targets)
+        template = ChatTemplate(chat[0], info.names)
+        _worker["render"] = lambda messages: conversation_tokens(template, info, messages, chat[1])
 
 
 def _serve(conn, init: tuple) -> None:
@@ -142,25 +142,14 @@ def _serve(conn, init: tuple) -> None:
 
 def _encode(chunk: RawChunk, name: str) -> tuple[np.ndarray, np.ndarray, Counts, np.ndarray | None]:
     """(tokens, document lengths, counts, targets) of one chunk: each document's ids, ending
-    with eos; for conversations, which tokens are targets (else None): each (line,
-    conversation)'s ids and targets (conversation_tokens); one the template refuses is counted
-    as bad, by its line."""
-    chat = _worker["chat"]
-    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, chat is not None)
-    info: TokenizerInfo = _worker["info"]
-    if chat is None:
+    with eos; for conversations, which tokens are targets (else None): each conversation's ids
+    and targets (conversation_tokens); one the template refuses is counted as bad, by its line."""
+    info, render = _worker["info"], _worker["render"]
+    texts, counts = parse(chunk, _worker["text_key"], _worker["strict"], name, render)
+    if render is None:
         ids, targets = info.encode_documents(texts), None
     else:
-        ids, targets = [], []
-        for number, conversation in texts:
-            try:
-                tokens, wanted = conversation_tokens(chat[0], info, conversation, chat[1])
-            except ChatError as err:
-                counts.count_bad(*place(chunk, name, number), str(err), "no_text", _worker["strict"])
-                counts.documents -= 1
-                continue
-            ids.append(tokens)
-            targets.append(wanted)
+        ids, targets = [tokens for tokens, _ in texts], [wanted for _, wanted in texts]
     lengths = np.fromiter((len(d) for d in ids), dtype=np.int32, count=len(ids))
     tokens = np.fromiter(chain.from_iterable(ids), dtype=_worker["dtype"], count=int(lengths.sum()))
     if targets is not None:
