@@ -29,10 +29,11 @@ def set_init(param: torch.nn.Parameter, init: Init) -> torch.nn.Parameter:
     return param
 
 
-def new_param(*shape: int, device: torch.device, std: float | None = None) -> torch.nn.Parameter:
-    """An uninitialised parameter that init_parameters_ draws from normal(0, std), or zeros
-    without a std (biases)."""
-    return set_init(torch.nn.Parameter(torch.empty(shape, device=device)), Init(std=std))
+def new_param(*shape: int, device: torch.device, std: float | None = None,
+              fill: float = 0.0) -> torch.nn.Parameter:
+    """An uninitialised parameter that init_parameters_ draws from normal(0, std), or fills with
+    `fill` without a std (zeros for biases)."""
+    return set_init(torch.nn.Parameter(torch.empty(shape, device=device)), Init(std, fill))
 
 
 def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tensor:
