@@ -121,10 +121,8 @@ class MoE(nn.Module):
         out = exchange.combine(self.experts(rows, exchange.per_expert, sp))
         outputs = out.new_zeros(flat.shape[0] * k, hidden).index_copy(0, copies, out).view(-1, k, hidden)
         weights = route.weights.to(out.dtype)
-        y = outputs[:, 0] * weights[:, :1]
-        for j in range(1, k):  # a fixed order, whatever the layout
-            y = y + outputs[:, j] * weights[:, j:j + 1]
-        y = y.view(batch, seq, hidden)
+        # Choice by choice, a fixed order whatever the layout (0 + the first is exact).
+        y = sum(outputs[:, j] * weights[:, j:j + 1] for j in range(k)).view(batch, seq, hidden)
         if self.shared is not None:
             shared = self.shared(x, sp)
             if self.shared_gate is not None:
