@@ -10,7 +10,6 @@ ordinary case (empty splits). A first all-to-all of the counts sizes the second.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite.parallel.mappings import all_to_all, group_size
 
@@ -26,10 +25,8 @@ class ExpertExchange:
         local = counts.numel() // ep
         self.group = group
         self.sent = counts.view(ep, local).sum(1).tolist()  # rows to each EP rank
-        received = counts.view(ep, local)  # [source rank, local expert]
-        if ep > 1:
-            received = torch.empty_like(received)
-            dist.all_to_all_single(received, counts.view(ep, local).contiguous(), group=group)
+        # [source rank, local expert]: one row of counts to and from each rank
+        received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
         self.received = received.sum(1).tolist()  # rows from each EP rank
         self.per_expert = received.sum(0).tolist()  # rows for each local expert
         # Received rows are source-major; position k of the expert-major order takes row
