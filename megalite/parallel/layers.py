@@ -26,7 +26,7 @@ from megalite.parallel.mappings import (
     group_size, reduce_partial_sums, reduce_scatter, scatter_to_tensor_parallel_region,
     sum_grad_over_shards)
 from megalite.parallel.linear_parts import LinearParts, cut
-from megalite.parallel.sharding import full_shape, interleaved_of, mark_sharded
+from megalite.parallel.sharding import interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
 
 
@@ -110,14 +110,7 @@ class _GatheredLinear(torch.autograd.Function):
                 grad.sum(0) if ctx.has_bias else None, None, None)
 
 
-class _ParallelLinear(nn.Module):
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        """The whole weight's shape, of which this rank holds a slice."""
-        return tuple(full_shape(self.weight))
-
-
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by output columns; the input passes through f (or, sequence
     parallel, the SP paper's g: column_parallel_linears).
 
@@ -168,7 +161,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
         return self.matmul.linear(x, self.weight, None, self.splits)
 
-class RowParallelLinear(_ParallelLinear):
+
+class RowParallelLinear(nn.Module):
     """Z = X B + b with B split by input rows; partial products summed by g, then b added once.
 
     Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
