@@ -29,16 +29,13 @@ class ExpertExchange:
         received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
         self.received = received.sum(1).tolist()  # rows from each EP rank
         self.per_expert = received.sum(0).tolist()  # rows for each local expert
-        # Received rows are source-major; position k of the expert-major order takes row
-        # order[k] (expert by expert, source by source): each (expert, source) segment's start
-        # in the received rows, plus k's place in its segment. The sizes are known on the host
-        # already, so no further sync.
-        n = sum(self.received)
-        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep, local).t().flatten()
-        lengths = received.t().flatten()
-        segment_of = lambda t: torch.repeat_interleave(t, lengths, output_size=n)  # noqa: E731
-        place = torch.arange(n, device=counts.device) - segment_of(lengths.cumsum(0) - lengths)
-        self.order = segment_of(starts) + place
+        # Received rows are source-major, each source's sorted by expert; position k of the
+        # expert-major order takes row order[k]: a stable sort of the rows by expert keeps
+        # them by source, then in each source's order. The sizes are known on the host
+        # already (output_size), so no further sync.
+        expert = torch.arange(local, device=counts.device).repeat(ep)  # of each received segment
+        rows_expert = torch.repeat_interleave(expert, received.flatten(), output_size=sum(self.received))
+        self.order = torch.argsort(rows_expert, stable=True)
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's copies sorted by expert -> its experts' rows, expert-major."""
