@@ -186,6 +186,5 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
         z = reduce_partial_sums(self.matmul.linear(x, self.weight, None, self.splits),
                                 self.tp_group, sequence_parallel)
-        if self.bias is None:
-            return z
-        return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)
+        return z if self.bias is None else z + sum_grad_over_shards(self.bias, self.tp_group,
+                                                                     sequence_parallel)
