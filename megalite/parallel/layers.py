@@ -149,9 +149,8 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
-        weight = copy_to_tensor_parallel_region(self.weight, self.replica_group)
-        bias = None if self.bias is None else copy_to_tensor_parallel_region(self.bias, self.replica_group)
-        return weight, bias
+        return tuple(None if p is None else copy_to_tensor_parallel_region(p, self.replica_group)
+                     for p in (self.weight, self.bias))
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         y, = fused_column_parallel(x, sequence_parallel, self)
