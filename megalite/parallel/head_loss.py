@@ -153,9 +153,8 @@ class _HeadTokenLosses(torch.autograd.Function):
     def forward(ctx, x, weight, labels, shard: HeadShard):
         dtype = matmul_dtype(x)
         w = weight.to(dtype)
-        n = x.shape[0]
-        z_max, sum_exp, losses = (torch.empty(n, device=x.device) for _ in range(3))
-        for rows in shard.chunks(n):
+        z_max, sum_exp, losses = (torch.empty(x.shape[0], device=x.device) for _ in range(3))
+        for rows in shard.chunks(x.shape[0]):
             stats = softmax_stats_(shard.logits(x[rows].to(dtype), w), labels[rows],
                                    shard.vocab_start, shard.group)
             z_max[rows], sum_exp[rows], losses[rows] = stats.z_max, stats.sum_exp, stats.loss
