@@ -42,7 +42,7 @@ def cut(t: torch.Tensor, layouts: Layouts, dim: int) -> Iterator[torch.Tensor]:
 class LinearParts(torch.autograd.Function):
     """The parts of g(X) [A_1 A_2 ..] + [b_1 b_2 ..] (see the module): `group` None, X as it
     is; else X is this rank's sequence shard, all-gathered (SP's g: reduce-scattered backward)
-    and stored as the shard, as layers._GatheredLinear does. The matmuls in the tensors' dtype
+    and stored as the shard, as layers.GatheredLinear does. The matmuls in the tensors' dtype
     (autocast's under autocast), as parallel/matmul.HIGH computes them. The parts are views of
     one output: autograd refuses an in-place op on them (use out-of-place ops after them)."""
 
