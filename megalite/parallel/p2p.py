@@ -21,12 +21,13 @@ from megalite.parallel.state import ParallelState
 
 
 class Message:
-    """A tensor to send, or the shape of one to receive; `peer` is a global rank."""
+    """A tensor to send (contiguous, as the wire takes it), or the shape of one to receive;
+    `peer` is a global rank."""
 
     def __init__(self, peer: int, tag: int, tensor: torch.Tensor | None = None,
                  shape: torch.Size | None = None, dtype: torch.dtype | None = None):
-        self.peer, self.tag, self.tensor = peer, tag, tensor
-        self.shape, self.dtype = shape, dtype
+        self.peer, self.tag, self.shape, self.dtype = peer, tag, shape, dtype
+        self.tensor = None if tensor is None else tensor.contiguous()
 
 
 class PipeComm:
@@ -41,8 +42,6 @@ class PipeComm:
 
     def exchange(self, sends: list[Message], recvs: list[Message]) -> list["Received"]:
         """Post `sends` and `recvs`; one handle per receive waits for its tensor."""
-        for send in sends:
-            send.tensor = send.tensor.contiguous()
         buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
         pg = self.process_group
         if self.batched:
