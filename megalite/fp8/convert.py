@@ -9,6 +9,7 @@ from torch import nn
 from megalite.model.moe import Experts
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.matmul import HIGH
+from megalite.parallel.sharding import full_shape
 from megalite.typed_config import ConfigError
 
 
@@ -17,7 +18,7 @@ def _shapes(module: nn.Module) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     if isinstance(module, Experts):
         return [(tuple(w.shape[1:]),) * 2 for w in (module.gate, module.up, module.down)
                 if w is not None]
-    return [(module.logical_shape, tuple(module.weight.shape))]
+    return [(tuple(full_shape(module.weight)), tuple(module.weight.shape))]
 
 
 def _size_filter(fp8):

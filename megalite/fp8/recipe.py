@@ -20,6 +20,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megalite.parallel.layers import GatheredLinear
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.matmul import Splits
 
@@ -86,10 +87,10 @@ class Float8Matmul:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                splits: Splits) -> torch.Tensor:
-        device = x.device.type
-        if torch.is_autocast_enabled(device):  # as Float8Linear: the output in autocast's dtype
-            x = x.to(torch.get_autocast_dtype(device))
-        y = _Float8Linear.apply(x, weight, self, splits)
+        # X W^T in FP8 forward and backward (torchao's matmul_with_hp_or_float8_args, with the
+        # amax reductions of `cast`); X read in autocast's dtype, as Float8Linear reads it, so
+        # that the output is in that dtype.
+        y = GatheredLinear.apply(x, None, weight, None, self, splits)
         return y if bias is None else y + bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -124,21 +125,3 @@ class Float8Matmul:
         an expert with no rows here still joins the reductions."""
         return torch.cat([self.linear(part, weight[e], None, splits)
                           for e, part in enumerate(x.split(per_expert))])
-
-
-class _Float8Linear(torch.autograd.Function):
-    """X W^T in FP8 forward and backward (torchao's matmul_with_hp_or_float8_args, with the
-    amax reductions of Float8Matmul.cast)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, recipe: Float8Matmul, splits: Splits):
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.splits = recipe, splits
-        return recipe.forward(x, weight, None, splits)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        recipe, splits = ctx.recipe, ctx.splits
-        return (recipe.grad_input(grad, weight, splits),
-                recipe.grad_weight(grad.flatten(0, -2), x.flatten(0, -2), splits), None, None)

@@ -16,7 +16,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.head_loss import HeadShard, head_loss_sum, head_token_losses, soft_cap
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.layers import column_parallel_linears
 from megalite.parallel.mappings import (copy_to_tensor_parallel_region,
                                         gather_from_sequence_parallel_region)
@@ -34,9 +34,8 @@ class LMHead(nn.Module):
         local = cfg.padded_vocab // pstate.tp_size
         self._tied = (tied,)  # a tuple: the embedding stays registered where it is, once
         if tied is None:
-            self.weight = set_init(nn.Parameter(torch.empty(local, cfg.hidden, device=pstate.device)),
-                                   Init(std=cfg.init_std))
-            mark_sharded(self.weight, 0, pstate.tp_rank, pstate.tp_size)
+            self.weight = mark_sharded(new_param(local, cfg.hidden, device=pstate.device, std=cfg.init_std),
+                                       0, pstate.tp_rank, pstate.tp_size)
         # Columns past the real vocabulary get -inf logits: no probability mass, no gradient.
         # They are the last columns of the last ranks.
         start = pstate.tp_rank * local

@@ -25,7 +25,7 @@ from megalite.model.inputs import HiddenTokens
 from megalite.model.mlp import MLP, activate, down_init_std
 from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.mappings import all_reduce_over, sum_grad_over_shards
 from megalite.parallel.matmul import HIGH, Splits
 from megalite.parallel.random import TensorParallelRNG
@@ -42,9 +42,9 @@ class Experts(nn.Module):
         self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
 
         def stacked(out: int, into: int, std: float) -> nn.Parameter:
-            p = nn.Parameter(torch.empty(cfg.n_experts // pstate.ep_size, out, into, device=pstate.device))
+            p = new_param(cfg.n_experts // pstate.ep_size, out, into, device=pstate.device, std=std)
             mark_expert_sharded(p, pstate.ep_rank, pstate.ep_size)
-            return set_init(p, Init(std=std))
+            return p
 
         ffn, hidden = cfg.expert_ffn, cfg.hidden
         self.gate = stacked(ffn, hidden, cfg.init_std) if cfg.gated else None
@@ -92,8 +92,8 @@ class MoE(nn.Module):
         self.router = Router(cfg, pstate)
         self.experts = Experts(cfg, pstate)
         self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.mlp.shared_experts else None
-        self.shared_gate = (set_init(nn.Parameter(torch.empty(1, cfg.hidden, device=pstate.device)),
-                                     Init(std=cfg.init_std)) if cfg.mlp.shared_gate else None)
+        self.shared_gate = (new_param(1, cfg.hidden, device=pstate.device, std=cfg.init_std)
+                            if cfg.mlp.shared_gate else None)
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
@@ -121,10 +121,8 @@ class MoE(nn.Module):
         out = exchange.combine(self.experts(rows, exchange.per_expert, sp))
         outputs = out.new_zeros(flat.shape[0] * k, hidden).index_copy(0, copies, out).view(-1, k, hidden)
         weights = route.weights.to(out.dtype)
-        y = outputs[:, 0] * weights[:, :1]
-        for j in range(1, k):  # a fixed order, whatever the layout
-            y = y + outputs[:, j] * weights[:, j:j + 1]
-        y = y.view(batch, seq, hidden)
+        # Choice by choice, a fixed order whatever the layout (0 + the first is exact).
+        y = sum(outputs[:, j] * weights[:, j:j + 1] for j in range(k)).view(batch, seq, hidden)
         if self.shared is not None:
             shared = self.shared(x, sp)
             if self.shared_gate is not None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.mappings import sum_grad_over_shards
 from megalite.parallel.state import ParallelState
 
@@ -25,9 +25,8 @@ class Norm(nn.Module):
         self.eps = cfg.norms.eps if eps is None else eps
         self.tp_group = pstate.tp_group
         width = cfg.hidden if width is None else width
-        self.weight = set_init(nn.Parameter(torch.empty(width, device=pstate.device)),
-                               Init(fill=1.0 - self.offset))
-        self.bias = (set_init(nn.Parameter(torch.empty(width, device=pstate.device)), Init())
+        self.weight = new_param(width, device=pstate.device, fill=1.0 - self.offset)
+        self.bias = (new_param(width, device=pstate.device)
                      if cfg.norms.kind == "layernorm" and cfg.bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megalite.config import Llama3Scaling, ModelConfig, YarnScaling
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.mappings import sum_grad_over_shards
 from megalite.parallel.state import ParallelState
 
@@ -19,8 +19,7 @@ class LearnedPositions(nn.Module):
     def __init__(self, max_seq_len: int, hidden: int, pstate: ParallelState, init_std: float):
         super().__init__()
         self.pstate = pstate
-        self.weight = set_init(nn.Parameter(torch.empty(max_seq_len, hidden, device=pstate.device)),
-                               Init(std=init_std))
+        self.weight = new_param(max_seq_len, hidden, device=pstate.device, std=init_std)
 
     def forward(self, positions: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """positions: [batch, seq] of the whole rows (sequence parallel: this rank takes its shard's)."""

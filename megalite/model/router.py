@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.parallel.init import Init, set_init
+from megalite.parallel.init import new_param
 from megalite.parallel.mappings import all_gather, all_reduce_over, group_size, sum_grad_over_shards
 from megalite.parallel.state import ParallelState
 
@@ -64,13 +64,12 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState):
         super().__init__()
         self.cfg, self.pstate = cfg, pstate
-        self.weight = set_init(nn.Parameter(torch.empty(cfg.n_experts, cfg.hidden, device=pstate.device)),
-                               Init(std=cfg.init_std))
+        self.weight = new_param(cfg.n_experts, cfg.hidden, device=pstate.device, std=cfg.init_std)
         # Added to the scores to pick experts, never to weigh them; moved by the trainer after
         # each step (update_expert_bias), not by gradients. A parameter so that checkpoints
         # hold it like every weight.
-        self.expert_bias = set_init(nn.Parameter(torch.zeros(cfg.n_experts, device=pstate.device),
-                                                 requires_grad=False), Init())
+        self.expert_bias = nn.init.zeros_(new_param(cfg.n_experts, device=pstate.device))
+        self.expert_bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor, sp: bool,
                 loss_scale: torch.Tensor | float | None) -> Routing:

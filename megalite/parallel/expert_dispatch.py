@@ -10,7 +10,6 @@ ordinary case (empty splits). A first all-to-all of the counts sizes the second.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megalite.parallel.mappings import all_to_all, group_size
 
@@ -26,22 +25,17 @@ class ExpertExchange:
         local = counts.numel() // ep
         self.group = group
         self.sent = counts.view(ep, local).sum(1).tolist()  # rows to each EP rank
-        received = counts.view(ep, local)  # [source rank, local expert]
-        if ep > 1:
-            received = torch.empty_like(received)
-            dist.all_to_all_single(received, counts.view(ep, local).contiguous(), group=group)
+        # [source rank, local expert]: one row of counts to and from each rank
+        received = all_to_all(counts.view(ep, local), group, [1] * ep, [1] * ep)
         self.received = received.sum(1).tolist()  # rows from each EP rank
         self.per_expert = received.sum(0).tolist()  # rows for each local expert
-        # Received rows are source-major; position k of the expert-major order takes row
-        # order[k] (expert by expert, source by source): each (expert, source) segment's start
-        # in the received rows, plus k's place in its segment. The sizes are known on the host
-        # already, so no further sync.
-        n = sum(self.received)
-        starts = (received.flatten().cumsum(0) - received.flatten()).view(ep, local).t().flatten()
-        lengths = received.t().flatten()
-        segment_of = lambda t: torch.repeat_interleave(t, lengths, output_size=n)  # noqa: E731
-        place = torch.arange(n, device=counts.device) - segment_of(lengths.cumsum(0) - lengths)
-        self.order = segment_of(starts) + place
+        # Received rows are source-major, each source's sorted by expert; position k of the
+        # expert-major order takes row order[k]: a stable sort of the rows by expert keeps
+        # them by source, then in each source's order. The sizes are known on the host
+        # already (output_size), so no further sync.
+        expert = torch.arange(local, device=counts.device).repeat(ep)  # of each received segment
+        rows_expert = torch.repeat_interleave(expert, received.flatten(), output_size=sum(self.received))
+        self.order = torch.argsort(rows_expert, stable=True)
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's copies sorted by expert -> its experts' rows, expert-major."""

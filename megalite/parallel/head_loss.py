@@ -24,7 +24,7 @@ autocast is on (as F.linear would), the softmax in fp32.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -101,15 +101,23 @@ def loss_and_grad_(product: torch.Tensor, labels: torch.Tensor, weights: torch.T
     return stats.loss, product.copy_(grad)
 
 
-def _add_chunk_grads(grad_z: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     grad_x: torch.Tensor, grad_w: torch.Tensor) -> None:
-    """dX = dZ E_r into grad_x (the chunk's rows), dE_r += dZ^T X into the fp32 grad_w."""
-    grad_z = grad_z.to(weight.dtype)
-    grad_x.copy_(torch.mm(grad_z, weight))
-    if grad_w.dtype == weight.dtype:
-        grad_w.addmm_(grad_z.t(), x)
-    else:
-        grad_w.add_(torch.mm(grad_z.t(), x))
+def _chunk_grads(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, shard: HeadShard,
+                 grad_of: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dE_r in fp32) of tokens x and head rows weight, chunk by chunk of tokens:
+    grad_of(rows, x_chunk, w) is the chunk's gradient of the logits (x_chunk and w in `dtype`,
+    the matmuls'); dX = dZ E_r into the chunk's rows, dE_r += dZ^T X."""
+    w = weight.to(dtype)
+    grad_x, grad_w = torch.empty_like(x), torch.zeros(weight.shape, device=weight.device)
+    for rows in shard.chunks(x.shape[0]):
+        xc = x[rows].to(dtype)
+        grad_z = grad_of(rows, xc, w).to(dtype)
+        grad_x[rows] = torch.mm(grad_z, w)
+        if grad_w.dtype == dtype:
+            grad_w.addmm_(grad_z.t(), xc)
+        else:
+            grad_w.add_(torch.mm(grad_z.t(), xc))
+        del grad_z  # before the next chunk's logits
+    return grad_x, grad_w
 
 
 class _HeadLossSum(torch.autograd.Function):
@@ -118,16 +126,14 @@ class _HeadLossSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, weights, shard: HeadShard):
-        dtype = matmul_dtype(x)
-        w = weight.to(dtype)
-        losses, grad_x = torch.empty(x.shape[0], device=x.device), torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, device=weight.device)
-        for rows in shard.chunks(x.shape[0]):
-            xc = x[rows].to(dtype)
+        losses = torch.empty(x.shape[0], device=x.device)
+
+        def grad_of(rows, xc, w):
             losses[rows], grad_z = shard.loss_and_grad(torch.mm(xc, w.t()), labels[rows],
                                                        weights[rows])
-            _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
-            del grad_z
+            return grad_z
+
+        grad_x, grad_w = _chunk_grads(x, weight, matmul_dtype(x), shard, grad_of)
         ctx.save_for_backward(grad_x, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(losses)
         return (losses * weights).sum(), losses
@@ -147,9 +153,8 @@ class _HeadTokenLosses(torch.autograd.Function):
     def forward(ctx, x, weight, labels, shard: HeadShard):
         dtype = matmul_dtype(x)
         w = weight.to(dtype)
-        n = x.shape[0]
-        z_max, sum_exp, losses = (torch.empty(n, device=x.device) for _ in range(3))
-        for rows in shard.chunks(n):
+        z_max, sum_exp, losses = (torch.empty(x.shape[0], device=x.device) for _ in range(3))
+        for rows in shard.chunks(x.shape[0]):
             stats = softmax_stats_(shard.logits(x[rows].to(dtype), w), labels[rows],
                                    shard.vocab_start, shard.group)
             z_max[rows], sum_exp[rows], losses[rows] = stats.z_max, stats.sum_exp, stats.loss
@@ -161,20 +166,17 @@ class _HeadTokenLosses(torch.autograd.Function):
     def backward(ctx, grad_loss):
         x, weight, labels, z_max, sum_exp = ctx.saved_tensors
         shard = ctx.shard
-        w = weight.to(ctx.dtype)
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(weight.shape, device=weight.device)
-        for rows in shard.chunks(x.shape[0]):
-            xc = x[rows].to(ctx.dtype)
+
+        def grad_of(rows, xc, w):
             z = shard.logits(xc, w)
             slope = cap_slope(z, shard.cap)
             z.sub_(z_max[rows].unsqueeze(-1)).exp_()
             # What softmax_grad_ reads, from the saved max and sum of exp: no collective.
             stats = SoftmaxStats(z_max[rows], sum_exp[rows], None,
                                  *label_columns(labels[rows], shard.vocab_start, z.shape[-1]))
-            grad_z = uncapped_grad_(softmax_grad_(z, stats, grad_loss[rows]), slope)
-            _add_chunk_grads(grad_z, xc, w, grad_x[rows], grad_w)
-            del z
+            return uncapped_grad_(softmax_grad_(z, stats, grad_loss[rows]), slope)
+
+        grad_x, grad_w = _chunk_grads(x, weight, ctx.dtype, shard, grad_of)
         return grad_x, grad_w.to(weight.dtype), None, None
 
 

@@ -24,15 +24,13 @@ class Init:
     fill: float = 0.0
 
 
-def set_init(param: torch.nn.Parameter, init: Init) -> torch.nn.Parameter:
-    param.megalite_init = init
+def new_param(*shape: int, device: torch.device, std: float | None = None,
+              fill: float = 0.0) -> torch.nn.Parameter:
+    """An uninitialised parameter that init_parameters_ draws from normal(0, std), or fills with
+    `fill` without a std (zeros for biases)."""
+    param = torch.nn.Parameter(torch.empty(shape, device=device))
+    param.megalite_init = Init(std, fill)
     return param
-
-
-def new_param(*shape: int, device: torch.device, std: float | None = None) -> torch.nn.Parameter:
-    """An uninitialised parameter that init_parameters_ draws from normal(0, std), or zeros
-    without a std (biases)."""
-    return set_init(torch.nn.Parameter(torch.empty(shape, device=device)), Init(std=std))
 
 
 def draw_full(init: Init, shape: torch.Size, name: str, seed: int) -> torch.Tensor:

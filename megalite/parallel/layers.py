@@ -9,7 +9,7 @@ Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) keeps X and Z spli
 sequence between the pairs: the SP paper's g all-gathers X before A (reduce-scatter backward),
 and its g-bar reduce-scatters the partial products after B (all-gather backward): each
 all-reduce becomes a reduce-scatter and an all-gather, the same bytes, plus one all-gather in
-backward (_GatheredLinear). In exchange the norms and dropouts around the pair run on 1/t of
+backward (GatheredLinear). In exchange the norms and dropouts around the pair run on 1/t of
 the tokens and store 1/t of the activations.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megalite.parallel.mappings import (
     group_size, reduce_partial_sums, reduce_scatter, scatter_to_tensor_parallel_region,
     sum_grad_over_shards)
 from megalite.parallel.linear_parts import LinearParts, cut
-from megalite.parallel.sharding import full_shape, interleaved_of, mark_sharded
+from megalite.parallel.sharding import interleaved_of, mark_sharded
 from megalite.parallel.state import ParallelState
 
 
@@ -45,7 +45,7 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
 
     X replicated: through f (identity forward, all-reduce backward). X split along the sequence
     (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
-    backward), storing only this rank's shard for backward (_GatheredLinear).
+    backward), storing only this rank's shard for backward (GatheredLinear).
 
     matmul: the precision recipe (parallel/matmul.py); splits: its view of the operands (by
     default N split over `group`, X's rows whole). interleaved: per layer, (parts, size) for a
@@ -62,7 +62,7 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     weight = weights[0] if len(layers) == 1 else torch.cat(weights)
     bias = biases[0] if len(layers) == 1 or biases[0] is None else torch.cat(biases)
     splits = splits or Splits(outer=group)
-    y = (_GatheredLinear.apply(x, group, weight, bias, matmul, splits) if gathered
+    y = (GatheredLinear.apply(x, group, weight, bias, matmul, splits) if gathered
          else matmul.linear(copy_to_tensor_parallel_region(x, group), weight, bias, splits))
     # A scaled recipe (FP8) scales the whole output gradient at once: one matmul backward.
     return list(cut(y, layouts, -1))
@@ -79,8 +79,9 @@ def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
                                    interleaved=[interleaved_of(layer.weight) for layer in layers])
 
 
-class _GatheredLinear(torch.autograd.Function):
-    """Y = g(X_r) A + b with g the all-gather of the sequence shards X_r.
+class GatheredLinear(torch.autograd.Function):
+    """Y = g(X_r) A + b with g the all-gather of the sequence shards X_r (group None: no g,
+    Y = X A + b, for a recipe's own matmul in the autograd graph: fp8/recipe.py).
 
     Autograd would store the gathered g(X_r), a whole [batch, seq, hidden] per layer on every
     rank: the very activation sequence parallelism splits. This stores X_r and gathers it again
@@ -95,29 +96,24 @@ class _GatheredLinear(torch.autograd.Function):
         # what is gathered and stored, and gives the same values.
         x = x.to(matmul_dtype(x))
         ctx.save_for_backward(x, weight)
-        return matmul.forward(all_gather(x, SEQ_DIM, group), weight, bias, splits)
+        full = x if group is None else all_gather(x, SEQ_DIM, group)
+        return matmul.forward(full, weight, bias, splits)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        full = all_gather(x, SEQ_DIM, ctx.group)
+        full = x if ctx.group is None else all_gather(x, SEQ_DIM, ctx.group)
         # The input gradient in the matmul's dtype, reduced in X's (fp32 under autocast), as
         # autograd and f do without sequence parallelism.
-        grad_full = ctx.matmul.grad_input(grad, weight, ctx.splits).to(ctx.input_dtype)
+        grad_x = ctx.matmul.grad_input(grad, weight, ctx.splits).to(ctx.input_dtype)
+        if ctx.group is not None:
+            grad_x = reduce_scatter(grad_x, SEQ_DIM, ctx.group)
         grad = grad.reshape(-1, grad.shape[-1])
         grad_weight = ctx.matmul.grad_weight(grad, full.reshape(-1, full.shape[-1]), ctx.splits)
-        return (reduce_scatter(grad_full, SEQ_DIM, ctx.group), None, grad_weight,
-                grad.sum(0) if ctx.has_bias else None, None, None)
+        return grad_x, None, grad_weight, grad.sum(0) if ctx.has_bias else None, None, None
 
 
-class _ParallelLinear(nn.Module):
-    @property
-    def logical_shape(self) -> tuple[int, int]:
-        """The whole weight's shape, of which this rank holds a slice."""
-        return tuple(full_shape(self.weight))
-
-
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by output columns; the input passes through f (or, sequence
     parallel, the SP paper's g: column_parallel_linears).
 
@@ -156,9 +152,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
-        weight = copy_to_tensor_parallel_region(self.weight, self.replica_group)
-        bias = None if self.bias is None else copy_to_tensor_parallel_region(self.bias, self.replica_group)
-        return weight, bias
+        return tuple(None if p is None else copy_to_tensor_parallel_region(p, self.replica_group)
+                     for p in (self.weight, self.bias))
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         y, = fused_column_parallel(x, sequence_parallel, self)
@@ -168,7 +163,8 @@ class ColumnParallelLinear(_ParallelLinear):
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
         return self.matmul.linear(x, self.weight, None, self.splits)
 
-class RowParallelLinear(_ParallelLinear):
+
+class RowParallelLinear(nn.Module):
     """Z = X B + b with B split by input rows; partial products summed by g, then b added once.
 
     Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
@@ -192,6 +188,5 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
         z = reduce_partial_sums(self.matmul.linear(x, self.weight, None, self.splits),
                                 self.tp_group, sequence_parallel)
-        if self.bias is None:
-            return z
-        return z + sum_grad_over_shards(self.bias, self.tp_group, sequence_parallel)
+        return z if self.bias is None else z + sum_grad_over_shards(self.bias, self.tp_group,
+                                                                     sequence_parallel)

@@ -39,23 +39,10 @@ def cut(t: torch.Tensor, layouts: Layouts, dim: int) -> Iterator[torch.Tensor]:
             yield from matrices.unbind(dim + 1 if dim >= 0 else dim - 1)  # the parts' dim
 
 
-def join_rows(pieces: Sequence[torch.Tensor], layouts: Layouts) -> list[torch.Tensor]:
-    """Each layer's rows (dim 0) from its parts: cut(.., dim=0) undone, flattened per part."""
-    pieces, joined = iter(pieces), []
-    for _, interleave in layouts:
-        if interleave is None:
-            joined.append(next(pieces))
-        else:
-            parts, size = interleave
-            matrices = [next(pieces).unflatten(0, (-1, size)) for _ in range(parts)]
-            joined.append(torch.stack(matrices, 1).flatten(0, 2))
-    return joined
-
-
 class LinearParts(torch.autograd.Function):
     """The parts of g(X) [A_1 A_2 ..] + [b_1 b_2 ..] (see the module): `group` None, X as it
     is; else X is this rank's sequence shard, all-gathered (SP's g: reduce-scattered backward)
-    and stored as the shard, as layers._GatheredLinear does. The matmuls in the tensors' dtype
+    and stored as the shard, as layers.GatheredLinear does. The matmuls in the tensors' dtype
     (autocast's under autocast), as parallel/matmul.HIGH computes them. The parts are views of
     one output: autograd refuses an in-place op on them (use out-of-place ops after them)."""
 
@@ -77,18 +64,26 @@ class LinearParts(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         full = x if ctx.group is None else all_gather(x, SEQ_DIM, ctx.group)
         tokens = full.reshape(-1, full.shape[-1])
-        grad_x, grad_w, grad_b = None, [], []
-        parts = (part for w, layout in zip(weights, ctx.layouts) for part in cut(w, [layout], 0))
-        for grad, rows in zip(grads, parts):
+
+        def parts(tensors):  # each layer's rows (dim 0) cut as its outputs are: views
+            return (part for t, layout in zip(tensors, ctx.layouts) for part in cut(t, [layout], 0))
+
+        # The weights' (and biases') gradients, written part by part into their rows.
+        grad_w = [torch.empty(w.shape, dtype=grads[0].dtype, device=w.device) for w in weights]
+        grad_b = [torch.empty(w.shape[0], dtype=grads[0].dtype, device=w.device) for w in weights]
+        grad_x = None
+        for grad, rows, into_w, into_b in zip(grads, parts(weights), parts(grad_w), parts(grad_b)):
             rows = rows.reshape(-1, rows.shape[-1])  # an interleaved matrix: a weight-sized copy
             grad = grad.reshape(tokens.shape[0], rows.shape[0])  # a copy only if not so laid out
             rows = rows.to(grad.dtype)
             grad_x = grad.mm(rows) if grad_x is None else grad_x.addmm_(grad, rows)
-            grad_w.append(grad.t().mm(tokens.to(grad.dtype)))
+            if into_w.dim() == 2:  # a plain layer's whole gradient: made in place
+                torch.mm(grad.t(), tokens.to(grad.dtype), out=into_w)
+            else:  # one matrix of an interleaved layer: a weight-sized copy into its rows
+                into_w.copy_(grad.t().mm(tokens.to(grad.dtype)).view_as(into_w))
             if ctx.has_bias:
-                grad_b.append(grad.sum(0))
+                into_b.copy_(grad.sum(0).view_as(into_b))
         grad_x = grad_x.view(full.shape).to(ctx.input_dtype)
         if ctx.group is not None:
             grad_x = reduce_scatter(grad_x, SEQ_DIM, ctx.group)
-        grad_b = join_rows(grad_b, ctx.layouts) if ctx.has_bias else [None] * len(weights)
-        return grad_x, None, None, *join_rows(grad_w, ctx.layouts), *grad_b
+        return grad_x, None, None, *grad_w, *(grad_b if ctx.has_bias else [None] * len(weights))

@@ -168,12 +168,9 @@ def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: 
     return out
 
 
-def _all_to_all_back(grad: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
-    return _all_to_all(grad, group, input_splits, output_splits)
-
-
 # all_to_all(x, group, output_splits, input_splits): rows of x to the group's ranks: the first
 # input_splits[0] to rank 0, and so on; rank r's rows for this rank arrive in its order,
 # output_splits[r] of them. Backward sends the gradients back the same way (uneven splits,
 # zero rows included).
-all_to_all = primitive("all_to_all", _all_to_all, _all_to_all_back)
+all_to_all = primitive("all_to_all", _all_to_all,
+                       lambda grad, group, outputs, inputs: _all_to_all(grad, group, inputs, outputs))

@@ -56,13 +56,13 @@ def token_groups(pstate) -> tuple:
 
 class HighPrecision:
     """The matmul in the operands' dtype: F.linear, and the two backward products of a layer
-    that writes its own backward (layers._GatheredLinear)."""
+    that writes its own backward (layers.GatheredLinear)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                splits: Splits) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    # Inside an autograd function that writes its own backward (layers._GatheredLinear).
+    # Inside an autograd function that writes its own backward (layers.GatheredLinear).
     forward = linear
 
     def grad_input(self, grad: torch.Tensor, weight: torch.Tensor, splits: Splits) -> torch.Tensor:

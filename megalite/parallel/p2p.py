@@ -21,12 +21,13 @@ from megalite.parallel.state import ParallelState
 
 
 class Message:
-    """A tensor to send, or the shape of one to receive; `peer` is a global rank."""
+    """A tensor to send (contiguous, as the wire takes it), or the shape of one to receive;
+    `peer` is a global rank."""
 
     def __init__(self, peer: int, tag: int, tensor: torch.Tensor | None = None,
                  shape: torch.Size | None = None, dtype: torch.dtype | None = None):
-        self.peer, self.tag, self.tensor = peer, tag, tensor
-        self.shape, self.dtype = shape, dtype
+        self.peer, self.tag, self.shape, self.dtype = peer, tag, shape, dtype
+        self.tensor = None if tensor is None else tensor.contiguous()
 
 
 class PipeComm:
@@ -41,47 +42,40 @@ class PipeComm:
 
     def exchange(self, sends: list[Message], recvs: list[Message]) -> list["Received"]:
         """Post `sends` and `recvs`; one handle per receive waits for its tensor."""
-        for send in sends:
-            send.tensor = send.tensor.contiguous()
         buffers = [torch.empty(r.shape, dtype=r.dtype, device=self.device) for r in recvs]
         pg = self.process_group
         if self.batched:
             ops = [dist.P2POp(dist.isend, s.tensor, s.peer, pg, tag=s.tag) for s in sends] + \
                   [dist.P2POp(dist.irecv, b, r.peer, pg, tag=r.tag) for b, r in zip(buffers, recvs)]
             # NCCL runs the exchange as one group, and torch returns one work for all of it:
-            # each receive, and the sends, wait for that group.
-            group = Together(dist.batch_isend_irecv(ops) if ops else [])
+            # each receive, and the sends, wait for that group (one list, shared).
+            group = dist.batch_isend_irecv(ops) if ops else []
             self.sends += [(group, s.tensor) for s in sends]
             return [Received(b, group, pg) for b in buffers]
-        self.sends += [(dist.isend(s.tensor, s.peer, group=pg, tag=s.tag), s.tensor) for s in sends]
-        return [Received(b, dist.irecv(b, r.peer, group=pg, tag=r.tag), pg)
+        self.sends += [([dist.isend(s.tensor, s.peer, group=pg, tag=s.tag)], s.tensor) for s in sends]
+        return [Received(b, [dist.irecv(b, r.peer, group=pg, tag=r.tag)], pg)
                 for b, r in zip(buffers, recvs)]
 
     def finish(self) -> None:
         """Wait until every send of the step has left (its tensor may then be freed)."""
-        for work, _ in self.sends:
-            work.wait()
+        for works, _ in self.sends:
+            _wait(works)
         self.sends.clear()
+
+
+def _wait(works: list) -> None:
+    """Wait for each of `works` once: a batched exchange's list is shared by all its receives
+    and sends, and a work is not waited for twice."""
+    while works:
+        works.pop(0).wait()
 
 
 class Received:
     """A posted receive: `wait` returns its tensor once it has arrived."""
 
-    def __init__(self, buffer: torch.Tensor, work, process_group=None):
-        self.buffer, self.work, self.process_group = buffer, work, process_group
+    def __init__(self, buffer: torch.Tensor, works: list, process_group=None):
+        self.buffer, self.works, self.process_group = buffer, works, process_group
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        _wait(self.works)
         return self.buffer
-
-
-class Together:
-    """The works of one batched exchange, waited for as one, once (each receive and send of the
-    exchange asks; a work is not waited for twice)."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> None:
-        while self.works:
-            self.works.pop(0).wait()

@@ -14,7 +14,7 @@ stage its own way: with one seed, stage 1's first layer would drop the same patt
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +63,7 @@ class TensorParallelRNG:
     def dropout(self, x: torch.Tensor, p: float, training: bool, split: bool) -> torch.Tensor:
         """F.dropout of replicated activations (split=False: the default generator, the same
         mask on every TP rank) or of activations split across TP ranks (the tracked stream)."""
-        if not split or not training or p == 0:
-            return F.dropout(x, p, training)
-        with self.fork():
+        with self.fork() if split and training and p > 0 else nullcontext():
             return F.dropout(x, p, training)
 
     def recompute_contexts(self):

@@ -62,7 +62,8 @@ def _ring_blocks(ring: Ring, q, k, v, mask, seq: int, scale: float):
     """What each ring step computes, this rank's own K/V block first, then the rank before's,
     and so on, the next block in flight while the caller works on this one: the step's query
     slice, its key slice, the block's K and V there in fp32, and the [b, h, nq, nk] fp32
-    scores, -inf where masked."""
+    scores, -inf where masked. Once the caller is done with the last block, every send of the
+    pass (also the caller's) has left."""
     kv = torch.cat((k, v), dim=1)
     for step in range(ring.cp):
         incoming = ring.pass_on(kv, KV_TAG) if step < ring.cp - 1 else None
@@ -73,6 +74,7 @@ def _ring_blocks(ring: Ring, q, k, v, mask, seq: int, scale: float):
         yield qs, ks, bk, bv, scores.masked_fill(~mask[:, :, qs][..., cols], float("-inf"))
         if incoming is not None:
             kv = incoming.wait()
+    ring.comm.finish()
 
 
 def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -94,7 +96,6 @@ class RingAttention(torch.autograd.Function):
             out[:, :, qs] = (out[:, :, qs] * torch.exp(lse[:, :, qs] - merged).unsqueeze(-1)
                              + p @ _per_query_head(bv, q.shape[1]))
             lse[:, :, qs] = merged
-        ring.comm.finish()
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.ring, ctx.seq, ctx.scale = ring, seq, scale
         return out.to(q.dtype)
@@ -126,7 +127,6 @@ class RingAttention(torch.autograd.Function):
             dkv = share if dkv is None else dkv.wait() + share
             dkv = ring.pass_on(dkv, GRAD_TAG)
         dk, dv = dkv.wait().chunk(2, dim=1)
-        ring.comm.finish()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -111,8 +111,9 @@ class ParallelState:
             torch.tensor(rank), grid.shape))
 
         def groups(ranks: torch.Tensor, size: int):
-            """One group per `size` ranks of `ranks` (its last dims, flattened), in order."""
-            return _new_groups(ranks.reshape(-1, size).tolist(), rank, timeout)
+            """One group per `size` ranks of `ranks` (its last dims, flattened), in order (every
+            rank creates each); the one holding this rank."""
+            return dist.new_subgroups_by_enumeration(ranks.reshape(-1, size).tolist(), timeout=timeout)[0]
 
         def over(*dims: int):
             """The groups of the ranks that differ only in `dims` (the first dim major)."""
@@ -163,18 +164,8 @@ class ParallelState:
             return self.tp_group
         if size not in self._blocks:
             blocks = torch.arange(self.world_size).view(-1, size).tolist()
-            self._blocks[size] = _new_groups(blocks, self.rank, self.timeout)
+            self._blocks[size] = dist.new_subgroups_by_enumeration(blocks, timeout=self.timeout)[0]
         return self._blocks[size]
-
-
-def _new_groups(members: list[list[int]], rank: int, timeout: timedelta):
-    """Create one group per list, in order (every rank must); return the one holding `rank`."""
-    mine = None
-    for ranks in members:
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine = group
-    return mine
 
 
 def init_parallel(parallel: ParallelConfig) -> ParallelState:
