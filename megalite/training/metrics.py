@@ -6,7 +6,6 @@ import resource
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megalite.config import ModelConfig
 from megalite.parallel.mappings import all_reduce_over, reduce_over_ranks
