@@ -1,6 +1,4 @@
 """`megalite <command> ...`: the console script (and `python -m megalite`)."""
-from __future__ import annotations
-
 import difflib
 import json
 import os

@@ -3,8 +3,6 @@ torch, in a module that does not: `megalite <command> --help` and bad arguments 
 before the command's module loads (torch alone takes seconds to import on a busy machine).
 Each such command parses its argv with the parser made here; megalite/cli.py parses it first,
 before the import."""
-from __future__ import annotations
-
 import argparse
 import ast
 import importlib.util

@@ -6,8 +6,6 @@ functions are then traced into its graph); an eager one gets it here, per functi
 stay plain: inductor's CPU build would cost each process seconds, and the CPU runs are the
 exactness tests (tests/test_compiled.py compiles them on CPU to show them equal).
 """
-from __future__ import annotations
-
 import functools
 from typing import Callable
 

@@ -20,8 +20,6 @@ it, eos appended; each is a piece, and the loss is the mean over its target toke
 the assistant's turns by default), what training on them minimises. DP rank d takes every
 dp-th conversation.
 """
-from __future__ import annotations
-
 import json
 import math
 from contextlib import nullcontext

@@ -2,8 +2,6 @@
 `model.rope_theta`, ...), each with its place now. A checkpoint's meta.json holding them is read
 as the sections it means; a config giving them is translated once, with a note naming the new
 keys (docs/config.md, "Keys of earlier versions")."""
-from __future__ import annotations
-
 import typing
 import warnings
 

@@ -15,8 +15,6 @@ first rank, so that all stop together (the all-to-alls pair every rank's forward
 `prompt`) rendered with the checkpoint tokenizer's chat template (or --chat-template) with the
 generation prompt, so the model answers as the assistant; the answer stops at eos.
 """
-from __future__ import annotations
-
 import json
 from contextlib import nullcontext
 from pathlib import Path

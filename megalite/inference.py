@@ -1,7 +1,5 @@
 """What the commands that run a checkpoint forward share (generate, eval): the layout flags and
 the checkpoint's model on that layout, its process group destroyed on the way out."""
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import os

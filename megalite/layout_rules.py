@@ -1,7 +1,5 @@
 """The rules a model config and a parallel layout must satisfy together, checked on every rank
 before any collective runs: one ConfigError naming each value and its fix."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.typed_config import at_least_one, failing
 

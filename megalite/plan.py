@@ -8,8 +8,6 @@ in layout_rules.py, FP8's in fp8/convert.py, DeepSpeed's in training/deepspeed_e
 training settings' here. Every rank checks the same files, so a bad run stops everywhere with the
 same message and no rank waits in a collective.
 """
-from __future__ import annotations
-
 import importlib.util
 import math
 from dataclasses import dataclass

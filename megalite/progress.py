@@ -5,8 +5,6 @@ keeps as one line growing by the whole bar at every update, with whatever else i
 glued to it. Off a terminal each update is a line of its own instead, at most one every
 `every_s` seconds (the last one always).
 """
-from __future__ import annotations
-
 import sys
 import time
 from contextlib import contextmanager

@@ -6,8 +6,6 @@ Dotted overrides are parsed as YAML values and type-checked like the file; an un
 error naming the nearest valid one. `model` is a preset name, or a mapping whose optional
 `preset` key names the preset its other keys override.
 """
-from __future__ import annotations
-
 import dataclasses
 import json
 import warnings

@@ -5,8 +5,6 @@ run resumes from and the schedule it keeps; and run.dir writable.
 Each runs on every rank from the same files, so a bad run stops everywhere with the same
 ConfigError and no rank is left waiting in a collective.
 """
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

@@ -4,8 +4,6 @@ Every check that can fail on bad input (the config, the data, the batch arithmet
 the process group exists, on every rank, so a bad run stops everywhere with one message instead
 of leaving ranks waiting in a collective.
 """
-from __future__ import annotations
-
 import os
 import sys
 import time

@@ -8,8 +8,6 @@ A section may be one of several variants (`attention: GroupedQuery | Latent`): d
 with a `kind` literal, the mapping's `kind` choosing (absent: the first, the field's default). A
 variant has only its own keys, so a key of a variant not chosen is refused naming the one that has it.
 """
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import difflib

@@ -15,8 +15,6 @@ every layout, any step can be read directly (resume mid-epoch needs only the ste
 ranks read disjoint rows.
 `Prefetcher` reads step k + 1's batches in a thread while the device runs step k.
 """
-from __future__ import annotations
-
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Callable, Generic, Iterator, TypeVar

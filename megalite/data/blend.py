@@ -8,8 +8,6 @@ two of n x its weight at every n, and the assignment of a position is a pure, ve
 function of the position: no table to build, cache or keep in step with resume. (Megatron's
 BlendedDataset reaches the same bound with a greedy table it builds in C++ up front.)
 """
-from __future__ import annotations
-
 import numpy as np
 
 

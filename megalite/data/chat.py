@@ -13,8 +13,6 @@ assistant turn as the template renders it, found by rendering the conversation p
 prefix (from the end of the prompt before the turn to the end of the turn: its end-of-turn
 token included); `last`: the last assistant turn only; `all`: every token.
 """
-from __future__ import annotations
-
 import json
 import re
 from dataclasses import dataclass

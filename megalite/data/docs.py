@@ -7,8 +7,6 @@ file, or many megalite shards). `DocSet` is a subset of a store's documents, as 
 token stream (its documents joined, each followed by eos) for packed rows. Nothing here loops
 over documents in Python: every lookup is a vectorised search over the shards' indexes.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import numpy as np

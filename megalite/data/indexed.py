@@ -13,8 +13,6 @@ megalite writes one sequence per document (the text's tokens, then eos), as Mega
 Everything is memory-mapped: opening a shard allocates nothing that grows with its documents,
 and a bounded number of shards is open at once (OPEN_SHARDS), whatever the corpus holds.
 """
-from __future__ import annotations
-
 import mmap
 import os
 import uuid

@@ -17,8 +17,6 @@ which `megalite prepare-data` (megalite/prep/) makes, ahead of the run or starte
 Validation documents are data.val_path's, or a held-out fraction of each source chosen by
 document number (evenly spread, the same for any sharding), read in place like the rest.
 """
-from __future__ import annotations
-
 import glob
 import hashlib
 import json

@@ -1,7 +1,5 @@
 """Which raw files a data path names: the supported kinds, directories and globs expanded in a
 stable order (a run keys its cache by them; prepare-data reads them: megalite/prep/)."""
-from __future__ import annotations
-
 import glob
 import sys
 from pathlib import Path

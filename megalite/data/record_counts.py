@@ -1,8 +1,6 @@
 """What became of a file's records: written, or skipped as empty, not JSON or without the text
 (or conversation), each bad one counted under its kind and its reason and the first KEEP_BAD
 listed by place (data/sources.parse counts them, prepare-data and the trainer say them)."""
-from __future__ import annotations
-
 import re
 from collections import Counter
 from dataclasses import dataclass, field, fields

@@ -11,8 +11,6 @@ A run only reads them: those missing are computed by the preparation (megalite/p
 Documents held in memory (data.path=synthetic) have no files to key a cache by: a run counts
 their facts itself.
 """
-from __future__ import annotations
-
 import hashlib
 import json
 from dataclasses import dataclass, field

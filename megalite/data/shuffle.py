@@ -12,8 +12,6 @@ indices of [0, n) the walks' lengths sum to at most 2^k, each domain element bei
 The round function is splitmix64's finaliser (a strong 64-bit mixer) of the half XOR a round
 key. All arithmetic is on uint64 arrays, where numpy wraps silently as the mixer needs.
 """
-from __future__ import annotations
-
 import numpy as np
 
 ROUNDS = 6  # even (the halves' widths are back in place); 4 already mixes well

@@ -13,8 +13,6 @@ first start by reading at most PIECE_BYTES from each nominal start of its block 
 holds a newline, then streams its pieces one at a time: it reads its own pieces plus at most
 PIECE_BYTES per nominal piece of its block, never the whole file unless it owns all of it.
 """
-from __future__ import annotations
-
 import math
 from pathlib import Path
 from typing import BinaryIO, Iterator

@@ -17,8 +17,6 @@ megalite's BPE puts its special tokens first, eos = 0, bos = 1, pad = 2: the pad
 deliberately not 0, and 0 is a real token, so a collate that pads with 0 instead of the pad id
 is caught by the tests.
 """
-from __future__ import annotations
-
 import hashlib
 import json
 from dataclasses import dataclass

@@ -2,8 +2,6 @@
 experts, chosen by name and size as torchtitan's float8 converter chooses nn.Linear modules
 (filter_fqns, auto_filter_small_kn); the LM head, the router (fp32 logits) and the embeddings
 keep their precision."""
-from __future__ import annotations
-
 from torch import nn
 
 from megalite.model.moe import Experts

@@ -12,8 +12,6 @@ megalite's layers are neither.
     grad_input  = dY [M, N] . W   [N, K]   dY over N or M, N; W over N or K, N
     grad_weight = dY^T      . X            both over M (rowwise) or as above
 """
-from __future__ import annotations
-
 import dataclasses
 import logging
 

@@ -10,8 +10,6 @@ Face tensors; all three follow it, one tensor at a time, without a process group
 - export: one megalite tensor read at a time from the checkpoint, one Hugging Face tensor
   made at a time, streamed into sharded safetensors files (bf16 unless asked for fp32).
 """
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

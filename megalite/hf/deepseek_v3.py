@@ -10,8 +10,6 @@ rotation (q and k permuted alike: the same scores). Files hold one tensor per ex
 multi-token-prediction layers (num_nextn_predict_layers) are not read: transformers does not
 run them either; export writes none.
 """
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe

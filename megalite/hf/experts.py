@@ -3,8 +3,6 @@ Qwen3-MoE and DeepSeek-V3: each MoE layer's dense MLP replaced by its router and
 which files hold one tensor each and megalite stacks, and its shared experts where it has them.
 megalite's expert bias, which all but DeepSeek-V3 lack, reads as zeros there. And the Qwen
 mixtures' config.json keys, both ways."""
-from __future__ import annotations
-
 import dataclasses
 
 from megalite.config import Dense, ModelConfig

@@ -5,8 +5,6 @@ other setting of the variants chosen must be at its default, or the export would
 it. A variant an architecture does not take is one NEEDS entry (`mlp.kind: dense`), whatever
 keys it has.
 """
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.typed_config import leaves
 

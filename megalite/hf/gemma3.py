@@ -2,8 +2,6 @@
 RMSNorms scaling by (1 + weight), four of them a layer (before and after attention and MLP),
 q/k norms, GeGLU with tanh GeLU, scores scaled by query_pre_attn_scalar ** -0.5, sliding-window
 layers (`layer_types`, 5 of 6 by default) with a rotary base of their own, a tied head."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.layout import Recipe

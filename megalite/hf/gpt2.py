@@ -3,8 +3,6 @@
 GPT-2 keeps its linear weights as Conv1D, [in, out] (the transpose of nn.Linear), and fuses Q, K
 and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head-major.
 """
-from __future__ import annotations
-
 from megalite.config import Dense, ModelConfig, Norms
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
 from megalite.typed_config import ConfigError

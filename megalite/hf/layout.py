@@ -15,8 +15,6 @@ those rows of Hugging Face tensors stacked along dim 0. The layouts this covers:
 (a TP slice) reading only the parts of the Hugging Face tensors it covers; `HFPlan` writes Hugging
 Face tensors from whole megalite tensors. Both follow the same recipe.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Callable
 

@@ -3,8 +3,6 @@
 Llama's q/k/v/o and gate/up/down are nn.Linear ([out, in], like megalite's); its rotary
 embedding uses the rotate-half convention, as megalite does, so Q and K need no permutation.
 """
-from __future__ import annotations
-
 from typing import Callable
 
 from megalite.config import ModelConfig

@@ -1,8 +1,6 @@
 """megalite <-> Hugging Face MistralForCausalLM: Llama's tensors and names, a head width of its
 own (Mistral-Nemo: 128 at hidden 5120 with 32 heads) and a sliding window on every layer where
 its config sets one (v0.1: 4096; null later)."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 

@@ -5,8 +5,6 @@ Files hold one tensor per expert, `block_sparse_moe.experts.{e}.w1` (gate), `w3`
 (down), nn.Linear's [out, in] (what Mistral published and transformers writes; in memory
 transformers 5 fuses them), which megalite stacks; the router is `block_sparse_moe.gate`.
 """
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe

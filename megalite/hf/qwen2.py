@@ -1,7 +1,5 @@
 """megalite <-> Hugging Face Qwen2ForCausalLM (Qwen2, Qwen2.5): Llama with biases on q, k and v
 (o_proj without), sliding-window layers where its config turns them on."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 

@@ -5,8 +5,6 @@ norm_topk_prob; one shared SwiGLU MLP every token passes, scaled by sigmoid(shar
 Files hold one tensor per expert (`mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`), which
 megalite stacks; the shared expert's width is megalite's mlp.shared_experts x mlp.expert_ffn_hidden.
 """
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf

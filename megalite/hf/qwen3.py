@@ -1,8 +1,6 @@
 """megalite <-> Hugging Face Qwen3ForCausalLM: Llama with an RMSNorm over each head's q and k
 before rotary (`q_norm`, `k_norm`, of head_dim), a head width free of hidden / heads (128 at
 hidden 1024 with 16 heads), no biases; small models tie the head."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 

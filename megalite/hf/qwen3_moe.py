@@ -2,8 +2,6 @@
 width), mixtures of experts without a shared expert: a softmax router, top-k renormalised when
 norm_topk_prob; layers listed in mlp_only_layers, and those off the decoder_sparse_step, dense
 (of intermediate_size). Files hold one tensor per expert, `mlp.experts.{e}.gate_proj` etc."""
-from __future__ import annotations
-
 from megalite.config import ModelConfig
 from megalite.hf import llama
 from megalite.hf.experts import MOE, moe_recipe, qwen_moe_from_hf, qwen_moe_to_hf

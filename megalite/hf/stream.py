@@ -6,8 +6,6 @@ with spaces to a multiple of 8 bytes), then the tensors' bytes back to back. The
 only the shapes and dtypes, so it is written first and each tensor's bytes follow as soon as the
 tensor is made: a file of any size is written holding one tensor at a time.
 """
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -5,8 +5,6 @@ their list to RUN_ROOT/<sweep>/configs.txt, and ONE sbatch script, RUN_ROOT/<swe
 whose array task i trains config i (megalite/launch/sbatch.template), then submits it; --dry-run prints
 the script and the runs and writes nothing.
 """
-from __future__ import annotations
-
 import dataclasses
 import json
 import shutil

@@ -11,8 +11,6 @@
 Every point is resolved and checked (unknown keys, the TP x DP layout of nodes x processes)
 before anything is written or submitted.
 """
-from __future__ import annotations
-
 import dataclasses
 import itertools
 import re

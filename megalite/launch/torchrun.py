@@ -13,8 +13,6 @@ stopped ranks or a traceback:
   stops them at once, unsaved, exit status 130.
 Plain torchrun prints rank 0's line, then its report or its signal's traceback, and exits 1.
 """
-from __future__ import annotations
-
 import logging
 import os
 import sys

@@ -24,8 +24,6 @@ training, CP, packed rows and decoding alike; the window layers' own rotary base
 Kernels: SDPA, causal with no mask where that is exact (flash on GPU) or with the layout's dense
 mask; packed documents on GPU, FlexAttention with the layout's BlockMask (model/doc_attention.py).
 """
-from __future__ import annotations
-
 from contextlib import nullcontext
 from functools import partial
 

@@ -19,8 +19,6 @@ other shape (an evaluation's last batch), and the symbolic kernel would serve tr
 then on. Widths that vary (padded rows' windows, prompts) keep the default, which goes symbolic
 once rather than compiling each width until its recompile limit leaves flex uncompiled.
 """
-from __future__ import annotations
-
 from typing import Callable
 
 import torch

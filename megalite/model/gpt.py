@@ -37,8 +37,6 @@ checkpoints are those of the whole model. The first virtual stage embeds, the la
 final norm and the head; with tied embeddings the last stage holds its own copy of the
 embedding, identical at init (drawn by name), whose gradient is summed with the first stage's.
 """
-from __future__ import annotations
-
 from functools import cached_property, partial
 from typing import Callable
 

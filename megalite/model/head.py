@@ -8,8 +8,6 @@
 x enters the TP region through f, or sequence parallel through the SP paper's g (all-gather of
 the shards); the rows padded to SP's shards are cut from the logits and ignored by the loss.
 """
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -7,8 +7,6 @@ a multiple of tp tokens so they cut into equal shards; causal attention hides th
 every real token and the head cuts it off, so it is exact. Decoding with a KV cache: the new
 tokens after the cached ones, never split.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Callable

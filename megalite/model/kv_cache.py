@@ -3,8 +3,6 @@
 Preallocated for max_len tokens; a forward writes its new keys/values at [offset, offset + n)
 and attends everything up to there, as the layout's mask allows (model/layout.cached_layout).
 """
-from __future__ import annotations
-
 import torch
 
 

@@ -17,8 +17,6 @@ Context parallel: what moves between CP ranks is the latent and the rotary key,
 up-projects the whole row's latent for its heads. Generation: the KV cache holds the same,
 the latent and the rotated rotary key of each token (KVCache's keys and values).
 """
-from __future__ import annotations
-
 from functools import partial
 
 import torch

@@ -6,8 +6,6 @@ otherwise it is a boolean [batch, 1, seq, seq] mask, True where a query may atte
 documents on GPU carry the same rule as a FlexAttention BlockMask instead (model/doc_attention.py).
 Left-padded rows, prompts and KV-cache decoding keep the dense mask: generation, not training.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 import torch

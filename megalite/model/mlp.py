@@ -5,8 +5,6 @@ all-reduce forward (g, in B) and one backward (the shared f on the input); seque
 the SP paper's g and g-bar in their place. SwiGLU (Llama) computes silu(X A_gate) * (X A_up),
 both column-parallel with the same split (GeGLU, Gemma: tanh GeLU in place of silu).
 """
-from __future__ import annotations
-
 import math
 
 import torch

@@ -14,8 +14,6 @@ layer to matrices already small (Megatron recommends expert TP = 1). Expert grad
 over the ranks holding the same experts (ParallelState.expert_grad_group) and, under sequence
 parallelism, over TP (each TP rank ran its own tokens).
 """
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

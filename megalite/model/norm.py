@@ -3,8 +3,6 @@
 
 Sequence parallel, each rank normalises its own shard of the tokens (a norm is per token) and
 the weight's gradient is summed over TP (sum_grad_over_shards)."""
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

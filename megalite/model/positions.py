@@ -1,6 +1,4 @@
 """Position information: a learned table (GPT-2) or rotary embeddings (Llama)."""
-from __future__ import annotations
-
 import math
 
 import torch

@@ -16,8 +16,6 @@ step's tokens), so summing micro-batches and ranks gives the same total on every
 Each rank adds the part its own tokens' scores make (counts are all-reduced, with no gradient),
 so the parts add up to the micro-batch's loss.
 """
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

@@ -21,8 +21,6 @@ GQA, whose K/V are small). In Megatron's mapping style:
 Parameters are replicated over CP, and each rank's loss covers its tokens: their gradients are
 summed over CP with DP's (ParallelState.grad_group).
 """
-from __future__ import annotations
-
 import torch
 
 from megalite.parallel.mappings import all_gather, along, group_size, primitive, reduce_scatter

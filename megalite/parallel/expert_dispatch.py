@@ -7,8 +7,6 @@ ordered by (source rank, source order) within an expert: an expert sees the same
 same order however many ranks share the work, and a rank or an expert with no rows is an
 ordinary case (empty splits). A first all-to-all of the counts sizes the second.
 """
-from __future__ import annotations
-
 import torch
 
 from megalite.parallel.mappings import all_to_all, group_size

@@ -22,8 +22,6 @@ Vocab padding (columns past the real vocabulary, on the last ranks) is set to -i
 chunk in place: no mass, no gradient, no copy. The matmuls run in the autocast dtype when
 autocast is on (as F.linear would), the softmax in fp32.
 """
-from __future__ import annotations
-
 from typing import Callable, Iterator
 
 import torch

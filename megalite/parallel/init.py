@@ -6,8 +6,6 @@ frees the full tensor before drawing the next one. Bit-identical to TP=1, at the
 the full tensor on every rank (as Megatron's CPU-init path and picotron do; Megatron's GPU path
 draws only the slice and is only statistically equivalent).
 """
-from __future__ import annotations
-
 import hashlib
 from dataclasses import dataclass
 

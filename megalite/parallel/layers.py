@@ -12,8 +12,6 @@ all-reduce becomes a reduce-scatter and an all-gather, the same bytes, plus one 
 backward (GatheredLinear). In exchange the norms and dropouts around the pair run on 1/t of
 the tokens and store 1/t of the activations.
 """
-from __future__ import annotations
-
 from typing import Sequence
 
 import torch

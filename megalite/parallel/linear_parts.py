@@ -9,8 +9,6 @@ gradient, the profile's cat/stack layout copy). Here each part's gradient feeds 
 matmuls as it comes: dX = sum_i dY_i A_i accumulated in one buffer (addmm), dA_i = dY_i^T X.
 The same FLOPs; the copies left are of the weights' size (an interleaved matrix's rows).
 """
-from __future__ import annotations
-
 from typing import Iterator, Sequence
 
 import torch

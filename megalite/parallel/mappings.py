@@ -21,8 +21,6 @@ the SP paper's g fused with the column-parallel matmuls after it (layers.py), so
 keeps the shard rather than the gathered input; gather_from_sequence_parallel_region serves the
 LM head + loss, which keeps nothing of its input for backward when training.
 """
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 

@@ -11,8 +11,6 @@ this rank's operands out of the logical ones, so that whatever it derives from a
     W [N, K]   N split over Splits.outer (column-parallel), K over Splits.inner
     dY [M, N]  M over Splits.tokens, N over Splits.outer
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

@@ -12,8 +12,6 @@ schedules.plan at once:
   NCCL ignores tags and runs a rank's groups in order: the plan puts both ends of every
   message in the same tick's exchange, so each group can complete.
 """
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 

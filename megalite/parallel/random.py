@@ -12,8 +12,6 @@ stage its own way: with one seed, stage 1's first layer would drop the same patt
 0's first layer on every micro-batch. Activation recomputation replays both
 (`recompute_contexts`), and checkpoints save and restore both (`get_state` / `set_state`).
 """
-from __future__ import annotations
-
 from contextlib import contextmanager, nullcontext
 
 import torch

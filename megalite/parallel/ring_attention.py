@@ -14,8 +14,6 @@ halves are skipped. The dense mask rows of the layout (padding, documents) apply
 is computed. Math kernels in fp32 here (exact on CPU); a fused kernel returning the
 log-sum-exp would serve GPUs (not yet done: docs/parallelism.md).
 """
-from __future__ import annotations
-
 import math
 
 import torch

@@ -4,8 +4,6 @@ A parameter without a `Shard` is replicated: every TP rank holds the whole tenso
 holds slice `index` of `count` equal slices along `dim`. Usually count == tp; GQA with fewer KV
 heads than TP ranks has count < tp, and tp / count consecutive ranks hold the same slice.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

@@ -8,8 +8,6 @@ replicated over CP as over DP: their gradients are summed over both (`grad_group
 `sequence_parallel` says how activations are laid out over the TP group between its parallel
 regions: replicated, or split along the sequence (parallel.sequence_parallel).
 """
-from __future__ import annotations
-
 import math
 import os
 from dataclasses import dataclass, field

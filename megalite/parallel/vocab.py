@@ -5,8 +5,6 @@ Rank r owns vocab rows [r V/t, (r+1) V/t) of the (padded) vocabulary V. The LM h
 only those columns of the logits, and the loss is computed without ever gathering them: for a
 50k-128k vocabulary the full logits are the largest activation of the whole model.
 """
-from __future__ import annotations
-
 from typing import NamedTuple
 
 import torch

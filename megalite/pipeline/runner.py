@@ -6,8 +6,6 @@ back. The last virtual stage's forward is the fused head + loss, whose backward 
 incoming gradient. Every stage reads the whole micro-batch (token ids give each stage its
 positions and document mask; labels only matter on the last).
 """
-from __future__ import annotations
-
 from typing import Callable
 
 import torch

@@ -16,8 +16,6 @@ pipeline rank, under which tag. tests/test_pipeline_schedules.py plays every ran
 against them to show that each schedule completes (no rank waits forever), also when, as on
 NCCL, each group of messages between two actions must be matched as a whole, in order.
 """
-from __future__ import annotations
-
 import functools
 from dataclasses import dataclass
 

@@ -5,8 +5,6 @@ Narayanan et al. 2021, section 2.2: "interleaved"). Pipeline rank r holds virtua
 r, r + pp, r + 2 pp, ...: its model chunks, in the order data flows through them. Virtual stage
 0 starts with the embedding; the last ends with the final norm, the LM head and the loss.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 from itertools import accumulate
 

@@ -2,8 +2,6 @@
 lacks (raw paths into data.cache_dir, shard facts) into its cache, ahead of the run or started
 by it (data/prepared.data_for_run: the run's ranks only read).
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os

@@ -5,8 +5,6 @@ so no one waits forever for one that is gone. A run's preparations lock node-loc
 (node_lock: in the temporary directory, not beside data on a shared file system, where locks are
 the fragile part); preparations on several nodes meet only in atomic renames.
 """
-from __future__ import annotations
-
 import fcntl
 import hashlib
 import os

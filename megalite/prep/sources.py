@@ -13,8 +13,6 @@ UTF-16 surrogates in JSON escapes) are replaced and the documents holding them c
 that cannot be read to its end (truncated or corrupt compression) is an error naming it: never
 a silently short shard.
 """
-from __future__ import annotations
-
 import gzip
 import io
 import json

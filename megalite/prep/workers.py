@@ -3,8 +3,6 @@
 `Workers` runs them in spawned processes, or in this one (workers=0); it takes chunks with
 submit() and gives results, in the order submitted, with result().
 """
-from __future__ import annotations
-
 import ctypes
 import multiprocessing
 import os

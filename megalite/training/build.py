@@ -1,6 +1,4 @@
 """What a run trains: the model, and the engine `train.engine` picks (engine.py)."""
-from __future__ import annotations
-
 import torch
 
 from megalite.config import ParallelConfig

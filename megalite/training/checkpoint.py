@@ -17,8 +17,6 @@ one. `CheckpointWriter` writes the files in a background thread while training c
 Checkpoints written before this format (model.safetensors + optimizer.safetensors, whole
 tensors) still load: `load_checkpoint` and `read_optimizer_state` read them as before.
 """
-from __future__ import annotations
-
 import errno
 import json
 import os

@@ -1,7 +1,5 @@
 """Where a run's checkpoints live (RUN_DIR/checkpoints/step_NNNNNNNN, complete once meta.json
 is written): found without torch's DCP, which only saving and loading need."""
-from __future__ import annotations
-
 import re
 from pathlib import Path
 

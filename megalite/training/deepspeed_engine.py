@@ -25,8 +25,6 @@ sum(output * incoming gradient), whose gradient is the same; and the tied embedd
 sum their gradients before the reduction pass (the last stage's is `ds_pipe_replicated`, so
 ZeRO's norm counts it once).
 """
-from __future__ import annotations
-
 import importlib.util
 from types import SimpleNamespace
 

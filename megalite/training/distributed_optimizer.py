@@ -24,8 +24,6 @@ coefficient is the replicated update of those rows. Muon's momentum is element-w
 orthogonalisation all-gathers the rows of each matrix's update over the replica group (and the
 TP slices), runs on the whole matrix, and keeps the rows (optimizers/matrices.py).
 """
-from __future__ import annotations
-
 import warnings
 from typing import Callable
 

@@ -21,8 +21,6 @@ engine- and optimizer-independent. Which optimizer steps (AdamW, Muon) is traini
 train.precision=pure_bf16 (native only): the engine keeps fp32 masters of the then bf16 model
 (mixed_precision.py); `master(p)` is the fp32 weight a checkpoint saves for model parameter p.
 """
-from __future__ import annotations
-
 from contextlib import nullcontext
 from typing import Iterable
 

@@ -1,8 +1,6 @@
 """The next-token loss of micro-batches on any layout: training's validation and `megalite eval`
 both sum it here, so either runs at every TP x CP x PP x DP layout that training runs; and
 training's validation itself, what it reads and the loss it logs."""
-from __future__ import annotations
-
 import math
 
 import numpy as np

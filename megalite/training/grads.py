@@ -12,8 +12,6 @@ Norm: TP slices of one weight are disjoint parts of it, so their squared norms a
 the TP group; replicated parameters are identical on every TP rank and count once; a slice
 held by c copies (GQA's KV heads) counts 1/c per copy.
 """
-from __future__ import annotations
-
 from contextlib import contextmanager
 from typing import Callable
 

@@ -8,8 +8,6 @@ it holds: measured, the distributed optimizer peaked 241 MB above the replicated
 it holds 316 MB less (benchmarks/optimizer-memory). Setting the threshold fixes it, and stops
 the adjustment. (GPU tensors are the CUDA caching allocator's: nothing to do there.)
 """
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import platform

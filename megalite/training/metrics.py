@@ -1,6 +1,4 @@
 """Throughput, MFU (PaLM, Chowdhery et al. 2022, appendix B), metrics.jsonl and the loss plot."""
-from __future__ import annotations
-
 import json
 import resource
 from pathlib import Path

@@ -8,8 +8,6 @@ soon as backward has accumulated it, then freed, so micro-batches accumulate in 
 all-reduce and the clipping norm see fp32 sums. After each step the model takes the masters
 rounded to bf16.
 """
-from __future__ import annotations
-
 from functools import partial
 from typing import Callable
 

@@ -1,6 +1,4 @@
 """The warmup + cosine learning-rate schedule (the optimizers themselves: optimizers/)."""
-from __future__ import annotations
-
 import math
 
 from megalite.run_config import TrainConfig

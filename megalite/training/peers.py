@@ -5,8 +5,6 @@ fails looks up which peers on its own host are gone (no process, or a zombie not
 and says so in one line with the step; where none is within a second, the dead rank was on
 another node.
 """
-from __future__ import annotations
-
 import os
 import socket
 import time

@@ -9,8 +9,6 @@ same checkpoint and exit together. The agreement lags one step, so that it never
 wait for the device (see `agreed`). The exit status PREEMPTED and the file RUN_DIR/PREEMPTED
 tell the launcher (megalite/launch/sbatch.template) to requeue the job, which then resumes.
 """
-from __future__ import annotations
-
 import os
 import signal
 import sys

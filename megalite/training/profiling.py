@@ -4,8 +4,6 @@ run.dir/profile/steps{A}-{B}_rank{R}.json (chrome://tracing or ui.perfetto.dev),
 it holds (a run stopped and resumed inside the window writes two); each traced step is a span
 named `optimizer step N`, N as in metrics.jsonl. The trace runs on between the traced steps, so
 it also holds their logging, evaluation and checkpoint starts."""
-from __future__ import annotations
-
 import sys
 from contextlib import contextmanager
 from pathlib import Path

@@ -15,8 +15,6 @@ stage's copy of a tied embedding writes nothing.
 Pieces are cut into blocks of rows (`BLOCKS` per tensor at most), so that a reader wanting a
 few rows of a tensor (a distributed optimizer at another DP size) reads little more than those.
 """
-from __future__ import annotations
-
 import dataclasses
 import warnings
 from dataclasses import dataclass

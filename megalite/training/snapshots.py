@@ -20,8 +20,6 @@ file receives it from a rank whose node has it (fetch). Files are found by (step
 which node wrote them: a replaced node may take other ranks (torchrun orders its nodes anew).
 Not yet: DeepSpeed's engine.
 """
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

@@ -7,8 +7,6 @@ others' notes: the ranks furthest behind are the hung ones; those on this node a
 (SIGKILL reaches a stopped process), and the rank says so in one line and exits, so that the
 launcher restarts the ranks, from the in-memory snapshot (snapshots.py) or the disk.
 """
-from __future__ import annotations
-
 import contextlib
 import os
 import signal

@@ -5,8 +5,6 @@ weights) not. muon: the blocks' matrices (attention, MLP, router and expert weig
 the rest (embeddings, positions, LM head, norms, biases) to AdamW as above, the choice of every
 reference setup (torch.optim.Muon's docs, Moonlight, Megatron's muon).
 """
-from __future__ import annotations
-
 from typing import Callable
 
 import torch

@@ -1,8 +1,6 @@
 """Several torch optimizers over disjoint tensors, stepped as one (Megatron's ChainedOptimizer):
 what the engines hold as `optimizer`, and the one place that reads and sets per-parameter state
 by name, for checkpoints."""
-from __future__ import annotations
-
 from typing import Iterable
 
 import torch

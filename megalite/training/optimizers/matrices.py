@@ -15,8 +15,6 @@ weight holds one logical matrix, or several:
 `matrices` splits the whole weight into them, `join` puts their updates back, and `mine` cuts
 this rank's rows of its slice out again.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

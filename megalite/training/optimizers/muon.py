@@ -6,8 +6,6 @@ the iterations need the whole logical matrix, which `MatrixLayout.whole` gathers
 ZeRO-1 rows) and splits (fused K/V, stacked experts) and `MatrixLayout.mine` cuts back.
 Given the same gradients, a rank's rows of the update are those of one process's.
 """
-from __future__ import annotations
-
 import dataclasses
 import math
 
