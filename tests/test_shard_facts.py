@@ -18,7 +18,8 @@ from megalite.data import prepared, shard_facts
 from megalite.data.indexed import IndexedShard, ShardWriter, bin_path
 from megalite.data.shard_facts import known_facts
 from megalite.prep import command as prepare, locks
-from megalite.prep.command import prepare_for_run, write_missing_facts
+from megalite.prep.command import prepare_for_run
+from megalite.prep.facts import write_missing_facts
 from megalite.data.tokenizer import load_tokenizer, train_bpe
 from megalite.run_config import DataConfig
 from megalite.train import report_data

@@ -6,7 +6,7 @@ A path is one of
     made with (and data.eos_token, where its files do not name eos);
   - a glob of either (their shards joined in order);
   - raw files, directories or a glob of them (or "embedded"): prepared once into
-    data.cache_dir, by a preparation process the run starts (data_for_run; prep/command.py);
+    data.cache_dir, by a preparation process the run starts (data_for_run; prep/raw_cache.py);
   - "synthetic": random documents made in memory (Megatron's --mock-data).
 
 Megatron data is checked against the tokenizer given (its largest token id, scanned once per
@@ -110,7 +110,7 @@ class _Store:
 def data_for_run(cfg: DataConfig, tokenizer_from: str = "data.tokenizer") -> PreparedData:
     """The run's data, its missing parts prepared first by `megalite prepare-data` in a process
     of its own (the preparation's error is this call's): a training rank only reads."""
-    for attempt in range(3):  # another node's preparation may race ours (prep/command.py)
+    for attempt in range(3):  # another node's preparation may race ours (prep/facts.py)
         try:
             return load_data(cfg, tokenizer_from=tokenizer_from)
         except NotPrepared as need:

@@ -7,7 +7,7 @@
 
 Each shard's facts live in <cache_dir>/shard-facts/<key>.json, the key hashing its .idx and .bin
 by name, size and modification time (rewritten data is scanned again, nothing is read to key it).
-A run only reads them: those missing are computed by the preparation (megalite/prep/command.write_missing_facts).
+A run only reads them: those missing are computed by the preparation (megalite/prep/facts.py).
 Documents held in memory (data.path=synthetic) have no files to key a cache by: a run counts
 their facts itself.
 """

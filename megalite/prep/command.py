@@ -5,21 +5,17 @@ by it (data/prepared.data_for_run: the run's ranks only read).
 import argparse
 import json
 import os
-import shutil
-import socket
 import sys
-import uuid
 from pathlib import Path
 
 from megalite.command_args import command_parser
-from megalite.data.indexed import bin_path, write_atomic
 from megalite.data.prepared import (MissingFacts, NotPrepared, PreparedData, RawBuild,
                                     check_eos_token, load_data)
 from megalite.data.raw_files import expand_inputs
 from megalite.data.record_counts import skipped_records
-from megalite.data.shard_facts import computed, facts_file, read_facts
 from megalite.failures import ERROR_PREFIX
-from megalite.prep.locks import lock_waiting, node_lock
+from megalite.prep.facts import write_missing_facts
+from megalite.prep.raw_cache import build_raw
 from megalite.prep.shards import PrepareSettings, prepare_directory
 from megalite.run_config import DataConfig, load_config
 from megalite.typed_config import ConfigError, from_dict
@@ -43,74 +39,6 @@ def prepare_for_run(cfg: DataConfig, in_run: bool = True,
                     build_raw(part, cfg)
                 elif isinstance(part, MissingFacts):
                     write_missing_facts(part.shards, cfg.cache_dir, part.max_id, part.longer_than)
-
-
-def build_raw(need: RawBuild, cfg: DataConfig) -> None:
-    """Raw files given as a run's data path, prepared once into data.cache_dir/<key>/ (the
-    key: data/prepared._raw) by prepare-data's streaming code.
-
-    The preparations of a node take turns on a lock in its temporary directory: one builds
-    (saying so on stderr), the others then find it built, or meet the same error themselves.
-    The lock only saves work: each build writes a partial directory of its own (a temporary
-    directory may be a job's, not the node's, and other nodes share the cache), and the first
-    whole one is renamed into place; a later one that finds it there is dropped. A killed
-    build's partial directory is left behind."""
-    target, rank = need.target, os.environ.get("RANK", "0")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with lock_waiting(node_lock(target), f"data: rank {rank} waits for another process "
-                                         f"preparing data path '{need.path}' into {target}"):
-        if (target / "meta.json").is_file():
-            return
-        size = sum(f.stat().st_size for f in need.files)
-        print(f"data: rank {rank} prepares data path '{need.path}' ({len(need.files)} files, "
-              f"{size / 1e6:,.1f} MB) into {target}; the other ranks wait", file=sys.stderr, flush=True)
-        # (not mkdtemp: its mode would be 0700 whatever the umask, and the cache is shared)
-        partial = target.parent / f".{target.name}.partial-{socket.gethostname()}-{uuid.uuid4().hex[:12]}"
-        # (a run's data section names tokenizer "bpe" where prepare-data is given none)
-        settings = PrepareSettings.named_in(cfg, tokenizer=None if cfg.tokenizer == "bpe" else cfg.tokenizer,
-                                            progress=False)
-        meta = prepare_directory(need.files, partial, settings, lock=node_lock(partial))
-        if meta["documents"] == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise ConfigError(f"data path '{', '.join(map(str, need.files))}' holds "
-                              f"no text ({meta['records']} records, {meta['empty']} empty, "
-                              f"{meta['not_json'] + meta['no_text']} without text): give it "
-                              f"at least one non-empty document")
-        try:
-            partial.rename(target)
-        except OSError:  # another node's preparation renamed its own first: the same data
-            if not (target / "meta.json").is_file():
-                raise
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def write_missing_facts(shards: list, cache_dir: str, max_id: bool, longer_than: int | None) -> None:
-    """The shard facts a run needs and the cache lacks (data/shard_facts.py), computed and
-    written.
-
-    Every rank's preparation walks the shards from its own offset (RANK of WORLD_SIZE, as
-    torchrun sets them), so the ranks of a node share the passes; a shard another process of
-    this node is scanning is waited for (a node-local lock: locks.py), then read. Preparations
-    on other nodes may scan the same shard: each writes its facts under a name of its own and
-    renames it into place, keeping those it finds there (a lost update is made again by the
-    next preparation)."""
-    rank, world = int(os.environ.get("RANK", "0")), max(int(os.environ.get("WORLD_SIZE", "1")), 1)
-    start = rank * len(shards) // world
-    for shard in shards[start:] + shards[:start]:
-        path = facts_file(shard, cache_dir)
-        with lock_waiting(node_lock(path), f"data: rank {rank} waits for another process "
-                                           f"scanning shard {bin_path(shard.prefix)}"):
-            facts = read_facts(path)
-            if facts.holds(max_id, longer_than):
-                continue
-            facts = computed(shard, facts, max_id, longer_than)
-            # Another node's preparation may have written other facts meanwhile: kept too.
-            now = read_facts(path)
-            facts.max_id = facts.max_id if facts.max_id is not None else now.max_id
-            facts.longer_than = {**now.longer_than, **facts.longer_than}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"shard": str(bin_path(shard.prefix)), "max_id": facts.max_id,
-                                           "longer_than": {str(k): v for k, v in facts.longer_than.items()}}))
 
 
 def main(argv: list[str]) -> int:
