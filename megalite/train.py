@@ -57,16 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             peers = Peers(pstate)
             try:
-                return train(plan, pstate, stop, peers)
-            except RuntimeError as err:  # a failed collective: a dead peer is named, else it stands
-                raise peers.lost(err) or err
+                train(plan, pstate, stop, peers)
+            except RuntimeError as err:  # a failed collective: a dead peer is named
+                lost = peers.lost(err)
+                if lost is None:
+                    raise
+                raise lost from err
+        except Preempted:
+            return PREEMPTED
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+    return 0
 
 
-def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int:
-    """The run, to its end or to a stop agreed by every rank (PREEMPTED): the exit status."""
+def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> None:
     cfg, data, train_set, resume_from = plan.cfg, plan.data, plan.train_set, plan.resume_from
     run_dir, t = Path(cfg.run.dir), cfg.train
     model = build_model(cfg, ps, init=resume_from is None and not t.init_from)
@@ -90,7 +95,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int
     if start >= t.max_steps:
         if ps.is_main:
             print(f"nothing to do: the checkpoint is at step {start}, train.max_steps={t.max_steps}")
-        return 0
+        return
     val_set = sample_sets(data.val, cfg, data).nonempty()
     metrics = open_run(cfg, ps, data, start, model, val_set)
     order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
@@ -184,7 +189,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int
                     print(mark_preempted(run_dir, done, stop.signal_name or "another rank's signal"),
                           flush=True)
                 the_stop_is_saved(stop, ps.rank)
-                return PREEMPTED
+                raise Preempted()
         bar.close()
         if watchdog is not None:  # the last save, evaluation and samples may take longer
             watchdog.disarm()
@@ -197,7 +202,6 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> int
         plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
         if metrics.wandb_run is not None:
             metrics.wandb_run.finish()
-    return 0
 
 
 def open_run(cfg: Config, ps: ParallelState, data: PreparedData, start: int, model,
@@ -258,6 +262,10 @@ class TokenCount:
     def rate(self) -> float:
         """Tokens per second since the interval began (waits for the device)."""
         return (self.total - self.total_then).item() / (time.perf_counter() - self.since)
+
+
+class Preempted(Exception):
+    """Raised on every rank after the checkpoint of an agreed early stop."""
 
 
 def resume(path: Path | None, model, ps: ParallelState, cfg: Config) -> dict:

@@ -204,10 +204,11 @@ class IndexedShard:
         docs = np.asarray(docs, dtype=np.int64)
         inside = np.flatnonzero(docs < self.n_docs)
         out = np.full(docs.shape, self.n_tokens, dtype=np.int64)
-        maps = _LRU.get(self)
-        first = maps.doc_index[docs.ravel()[inside]]
-        has_seq = first < self.n_seq
-        out.ravel()[inside[has_seq]] = maps.pointers[first[has_seq]] // self.dtype.itemsize
+        if len(inside):  # (a shard none of `docs` is in is not opened: it costs no descriptor)
+            maps = _LRU.get(self)
+            first = maps.doc_index[docs.ravel()[inside]]
+            has_seq = first < self.n_seq
+            out.ravel()[inside[has_seq]] = maps.pointers[first[has_seq]] // self.dtype.itemsize
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ def node_lock(path: Path) -> Path:
 @contextmanager
 def lock_waiting(path: Path, waiting_for: str) -> Iterator[None]:
     """Holds `path`'s lock, waiting for it; a wait past WAIT_NOTE_S prints `waiting_for` (stderr)."""
-    with open(path, "a") as f:  # closed, however the body ends: that releases the lock
+    with open(path, "a") as f:
         note = threading.Timer(WAIT_NOTE_S, print, (waiting_for,), {"file": sys.stderr, "flush": True})
         note.daemon = True
         note.start()
@@ -36,4 +36,7 @@ def lock_waiting(path: Path, waiting_for: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX)
         finally:
             note.cancel()
-        yield
+        try:
+            yield
+        finally:  # (not left to close(): a forked child holding the file would keep the lock)
+            fcntl.flock(f, fcntl.LOCK_UN)

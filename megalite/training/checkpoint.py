@@ -42,6 +42,7 @@ from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_me
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
+
 def _agree(error: BaseException | None, pstate: ParallelState, what: str, where: Path) -> None:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
     whose disk is full does not leave the others waiting for it until the timeout, and each
@@ -238,10 +239,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
 
 class CheckpointTensors:
     """A checkpoint's weights (part="model", by parameter name) or optimizer state
-    ("optimizer", by "<name>.exp_avg"...), whole, one tensor at a time, in this one process: for tools
-    (export) and tests, not training. The sharded format through DCP, its metadata read once;
-    the whole-tensor one through safetensors, opened for each tensor (a tensor is a view of
-    the file's mapping, whose pages leave this process's memory with it)."""
+    ("optimizer", by "<name>.exp_avg"...), whole, one tensor at a time, in this one process: for
+    tools (export), tests and a resume from the whole-tensor format. The sharded format through
+    DCP, its metadata read once; the whole-tensor one through safetensors, opened for each
+    tensor (a tensor is a view of the file's mapping, whose pages leave this process's memory
+    with it)."""
 
     def __init__(self, path: Path, part: str = "model"):
         self.path, self.part = Path(path), part
@@ -318,8 +320,9 @@ def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable
         if name in saved:
             check_state_names(str(path), name, saved[name], state_names(p))
             start, stop = held_rows(p)
-            zeros = torch.zeros((stop - start, *p.shape[1:]), dtype=torch.float32, device=p.device)
-            wanted.append((p, {m: rows_piece(f"optimizer/{name}.{m}", p, zeros.clone(), start)
+            shape = (stop - start, *p.shape[1:])
+            wanted.append((p, {m: rows_piece(f"optimizer/{name}.{m}", p,
+                                             torch.zeros(shape, dtype=torch.float32, device=p.device), start)
                                for m in state_names(p)}))
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]

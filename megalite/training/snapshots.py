@@ -177,8 +177,7 @@ class Snapshots:
         data = save(tensors, metadata=meta)
         publish(self.path(step), data)
         if self.replicated:  # every rank sends its own and receives its source's
-            publish(self.path(step, self.source),
-                          self._swap(data, to=self.partner, source=self.source))
+            publish(self.path(step, self.source), self._swap(data, to=self.partner, source=self.source))
 
     def finish(self) -> None:
         """Wait for the write in flight (its error, a full memory say, is raised here)."""
