@@ -285,7 +285,8 @@ def _shard_done(out: Path, name: str, files: list[Path], first: int, made_with: 
         return None
     record = json.loads(marker.read_text())
     held = [(source["source"], source["bytes"], source["mtime_ns"]) for source in held_files(record)]
-    now = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files[first:first + len(held)]]
+    stats = [f.stat() for f in files[first:first + len(held)]]  # one stat per file
+    now = [(str(f), stat.st_size, stat.st_mtime_ns) for f, stat in zip(files[first:], stats)]
     if held != now or any(record.get(k) != v for k, v in made_with.items()):  # (fewer files: unequal)
         return None
     prefix = out / name
