@@ -66,11 +66,13 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
         forward_pipelined(model, [Batch(step_ids if use_cache else ids, labels=None)], nullcontext(),
                           lambda _, out: found.append(model.full_logits(out.logits[:, -1])),
                           attention_mask=mask, cache=cache)
-        # On the device (NCCL broadcasts device tensors): the tokens the last stage picked, on
-        # every stage; with expert parallelism, those of the EP group's first rank (its experts'
-        # matmuls group the ranks' rows differently, so a near tie could otherwise go two ways).
         tokens = (pick(found[0].float().cpu(), temperature, top_k, top_p, generator) if found
-                  else torch.empty(len(prompts), dtype=torch.long)).to(ps.device)
+                  else torch.empty(len(prompts), dtype=torch.long))
+        # The tokens the last stage picked, on every stage; with expert parallelism, those of the
+        # EP group's first rank (its experts' matmuls group the ranks' rows differently, so a near
+        # tie could otherwise go two ways). Alone, they stay on the CPU: no copy and sync per token.
+        if ps.pp_size > 1 or ps.ep_size > 1:
+            tokens = tokens.to(ps.device)  # NCCL broadcasts device tensors
         if ps.pp_size > 1:
             dist.broadcast(tokens, src=ps.stage_rank(ps.pp_size - 1), group=ps.pp_group)
         if ps.ep_size > 1:
@@ -81,7 +83,7 @@ def generate(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, pad_i
                 done[row] = token == eos_id
         if all(done):
             break
-        step_ids = tokens.unsqueeze(1)
+        step_ids = tokens.to(ps.device).unsqueeze(1)
         ids = torch.cat([ids, step_ids], dim=1)
         mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
     model.train(was_training)
