@@ -182,7 +182,7 @@ def test_ring_attention_mask_rows_are_built_once_and_shared_by_the_layers(flex):
 
 def check_ring_math_ignores_autocast() -> None:
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(cp=2, cp_comm="p2p"))
-    ring, local = Ring(ps.cp_group, ps), SEQ // 2
+    ring, local = Ring(ps.cp_group, ps.device), SEQ // 2
     index = zigzag_index(SEQ, 2, ps.cp_rank, torch.device("cpu"))
     causal = (torch.arange(SEQ) <= index[:, None]).view(1, 1, local, SEQ)
     generator = torch.Generator().manual_seed(ps.cp_rank)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megalite.fp8.convert import convert_to_fp8
 from megalite.fp8.recipe import RECIPES, Float8Matmul, float8_config
 from megalite.parallel import matmul
+from megalite.parallel.contexts import WHOLE
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.mappings import SEQ_DIM
 from megalite.parallel.state import ParallelState
@@ -46,17 +47,17 @@ def test_one_process_is_torchao_float8_linear(recipe, emulate):
             assert torch.equal(mine, theirs), (cls.__name__, recipe)
 
 
-def pair(ps, recipe):
-    up = build(ColumnParallelLinear, ps, 64, 96, bias=False, init_std=0.5)
-    down = build(RowParallelLinear, ps, 96, 64, bias=True, init_std=0.5)
+def pair(ps, recipe, sp=False):
+    up = build(ColumnParallelLinear, ps, 64, 96, bias=False, init_std=0.5, sequence_parallel=sp)
+    down = build(RowParallelLinear, ps, 96, 64, bias=True, init_std=0.5, sequence_parallel=sp)
     up.matmul = down.matmul = fp8(recipe)
     return up, down
 
 
 def run_pair(ps, recipe, x, grad, sp):
-    up, down = pair(ps, recipe)
+    up, down = pair(ps, recipe, sp)
     x = x.clone().requires_grad_()
-    y = down(F.gelu(up(x, sp)), sp)
+    y = down(F.gelu(up(x)))
     y.backward(grad)
     return y.detach(), x.grad, up, down
 
@@ -96,8 +97,8 @@ def test_layers_auto_keeps_small_layers_in_high_precision():
     from megalite.model.mlp import MLP
     from megalite.config import Dense, ModelConfig
     cfg = ModelConfig(hidden=64, n_heads=4, mlp=Dense(ffn_hidden=128))
-    assert convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise"), SINGLE) == []
-    chosen = convert_to_fp8(MLP(cfg, SINGLE), Fp8Config(recipe="rowwise", layers="all",
+    assert convert_to_fp8(MLP(cfg, WHOLE), Fp8Config(recipe="rowwise"), SINGLE) == []
+    chosen = convert_to_fp8(MLP(cfg, WHOLE), Fp8Config(recipe="rowwise", layers="all",
                                                          exclude=("down",)), SINGLE)
     assert chosen == ["up"]
 
@@ -108,20 +109,21 @@ def check_partial_gradients_refused():
     from megalite.config import GroupedQuery, Latent, ModelConfig, Rotary
     from megalite.model.attention import Attention
     from megalite.model.latent_attention import LatentAttention
+    from megalite.parallel.contexts import Contexts
     from megalite.parallel.random import TensorParallelRNG
     ps = ParallelState.from_world(2)
-    rng = TensorParallelRNG(0, ps)
+    rng, parallel = TensorParallelRNG(0, ps.tp_rank), Contexts.of(ps, False, "all_gather")
     fp8 = Fp8Config(recipe="tensorwise", layers="all")
     gqa = ModelConfig(hidden=64, n_heads=4, attention=GroupedQuery(n_kv_heads=1), positions=Rotary(), bias=False)
     with pytest.raises(ConfigError, match=r"on kv_proj: its slice is held by 2 TP ranks.*"
                                           r"'kv_proj' to train.fp8.exclude"):
-        convert_to_fp8(Attention(gqa, ps, rng, layer=0), fp8, ps)
+        convert_to_fp8(Attention(gqa, parallel.tp, parallel.cp, rng, layer=0), fp8, ps)
     mla = ModelConfig(hidden=64, n_heads=4, positions=Rotary(), bias=False,
                       attention=Latent(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=8,
                                        qk_rope_head_dim=16, v_head_dim=8))
     with pytest.raises(ConfigError, match=r"on q_down: its slice is held by 2 TP ranks"):
-        convert_to_fp8(LatentAttention(mla, ps, rng, layer=0), fp8, ps)
-    chosen = convert_to_fp8(LatentAttention(mla, ps, rng, layer=0),
+        convert_to_fp8(LatentAttention(mla, parallel.tp, parallel.cp, rng, layer=0), fp8, ps)
+    chosen = convert_to_fp8(LatentAttention(mla, parallel.tp, parallel.cp, rng, layer=0),
                             Fp8Config(recipe="tensorwise", layers="all", exclude=("down",)), ps)
     return chosen
 

@@ -210,7 +210,7 @@ def test_capacity_drops_by_place_in_the_batch():
     ids, mask, _ = padded_batch(cfg, "left", lengths=(12, 7, 3, 10))
     real, key = mask.bool().flatten(), torch.arange(ids.numel())
     x = torch.linspace(-1.0, 1.0, cfg.hidden).expand(ids.numel(), -1)  # what force_routing's norm gives
-    route = moe_layers(model)[0].router(x, real, key, sp=False, loss_scale=None)
+    route = moe_layers(model)[0].router(x, real, key, loss_scale=None)
     n_real = int(real.sum())  # 32 tokens, 2 copies each, 4 experts: capacity 8 per expert
     assert route.experts.tolist() == [[0, 1]] * len(x)
     kept_rows = route.kept[:, 0].nonzero().squeeze(1)

@@ -206,7 +206,7 @@ def check_batched_exchange() -> list:
     dist.batch_isend_irecv = lambda ops: [CoalescedWork([op.op(op.tensor, op.peer, tag=op.tag)
                                                          for op in ops])]
     ps = ParallelState.from_world(1, pipeline=ParallelConfig(pp=2))
-    comm = PipeComm(ps)
+    comm = PipeComm(ps.device)
     comm.batched = True
     peer = ps.stage_rank(ps.pp_rank + 1)
     sends = [Message(peer, k, tensor=torch.full((2,), 10.0 * ps.pp_rank + k)) for k in range(2)]

@@ -171,8 +171,7 @@ def test_gemma_norms_scale_by_one_plus_weight_in_fp32_under_bf16_weights():
     megalite compute the offset and the norm in fp32, then cast."""
     from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
-    from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norms=Norms(kind="rmsnorm", weight_offset=1.0), hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="rmsnorm", weight_offset=1.0), hidden=8))
     with torch.no_grad():
         norm.weight.fill_(0.003)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -186,8 +185,7 @@ def test_a_norm_offset_scales_a_layernorm_too():
     (it ran as an RMSNorm before)."""
     from megalite.config import ModelConfig, Norms
     from megalite.model.norm import Norm
-    from megalite.parallel.state import ParallelState
-    norm = Norm(ModelConfig(norms=Norms(kind="layernorm", weight_offset=1.0), hidden=8), ParallelState())
+    norm = Norm(ModelConfig(norms=Norms(kind="layernorm", weight_offset=1.0), hidden=8))
     with torch.no_grad():
         norm.weight.fill_(0.5)
         norm.bias.fill_(0.25)

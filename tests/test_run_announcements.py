@@ -9,6 +9,7 @@ import pytest
 from megalite.config import Dense, ModelConfig
 from megalite.fp8.convert import convert_to_fp8, describe_fp8
 from megalite.model.mlp import MLP
+from megalite.parallel.contexts import WHOLE
 from megalite.run_config import Fp8Config, TrainConfig
 from megalite.training.optim import describe_schedule
 from megalite.typed_config import ConfigError
@@ -42,12 +43,12 @@ def test_fp8_auto_says_it_converted_nothing_on_a_small_model_and_what_to_change(
 def test_fp8_names_the_layers_converted_and_why_the_others_stay():
     cfg = ModelConfig(hidden=64, n_heads=4, mlp=Dense(ffn_hidden=128))
     auto = Fp8Config(recipe="rowwise")
-    mlp = MLP(cfg, SINGLE)
+    mlp = MLP(cfg, WHOLE)
     assert describe_fp8(mlp, auto, convert_to_fp8(mlp, auto, SINGLE), SINGLE) == (
         "fp8 rowwise: 0 of 2 block layers in FP8; in high precision: 2 too small to gain "
         "(train.fp8.layers=auto, torchao's size filter; train.fp8.layers=all converts them)")
     chosen = Fp8Config(recipe="rowwise", layers="all", exclude=("down",))
-    mlp = MLP(cfg, SINGLE)
+    mlp = MLP(cfg, WHOLE)
     assert describe_fp8(mlp, chosen, convert_to_fp8(mlp, chosen, SINGLE), SINGLE) == (
         "fp8 rowwise: 1 of 2 block layers in FP8 (up); in high precision: 1 in train.fp8.exclude")
 

@@ -39,7 +39,7 @@ def linear(ps: ParallelState) -> torch.nn.Module:
     """A model as Snapshots sees one: its parameters, and its RNG to save and restore."""
     torch.manual_seed(ps.rank)
     model = torch.nn.Linear(3, 2)
-    model.rng = TensorParallelRNG(ps.rank, ps)
+    model.rng = TensorParallelRNG(ps.rank, ps.tp_rank)
     return model
 
 

@@ -43,7 +43,7 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fu
 from megalite.parallel.sharding import mark_interleaved
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.ring_attention import Ring, ring_attention
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import ContextParallel, TensorParallel
 
 
 class HeadsAttention(nn.Module):
@@ -51,14 +51,16 @@ class HeadsAttention(nn.Module):
     layer's sliding window and the attention itself (SDPA or FlexAttention, or ring attention
     under parallel.cp_comm=p2p), into the row-parallel out_proj of the subclass."""
 
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel,
+                 rng: TensorParallelRNG, layer: int):
         super().__init__()
         self.layer, self.rng, self.dropout = layer, rng, cfg.dropout
         # This rank's heads. Per-head weights (q/k norms) and MLA's replicated latent norms see
         # only their part (split_heads): their gradients are summed over TP.
-        self.heads, self.split_heads = cfg.n_heads // pstate.tp_size, pstate.tp_size > 1
+        self.heads, self.split_heads = cfg.n_heads // tp.size, tp.split_heads()
         self.window = cfg.window_of(layer)
-        self.cp_group, self.ring = pstate.cp_group, None
+        self.cp_group = cp.group
+        self.ring = Ring(cp.group, torch.get_default_device()) if cp.ring else None
 
     def _whole_rows(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                     dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +73,8 @@ class HeadsAttention(nn.Module):
             k, v = kv.split([k.shape[dim], v.shape[dim]], dim=dim)
         return k, v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout,
-                sequence_parallel: bool) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layout: SequenceLayout) -> torch.Tensor:
         """out_proj(softmax(q k^T x scale) v) over the layout's mask, narrowed to the window: this
         rank's heads ([b, heads, s, d]; k and v may have fewer heads, GQA). scale None: 1 / sqrt(d)."""
         if self.window is not None:
@@ -95,30 +97,29 @@ class HeadsAttention(nn.Module):
             with self.rng.fork() if dropout > 0 else nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                    dropout_p=dropout, enable_gqa=gqa, scale=self.scale)
-        return self.out_proj(y.transpose(1, 2).flatten(2), sequence_parallel)
+        return self.out_proj(y.transpose(1, 2).flatten(2))
 
 
 class Attention(HeadsAttention):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
-        super().__init__(cfg, pstate, rng, layer)
-        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // pstate.tp_size)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel,
+                 rng: TensorParallelRNG, layer: int):
+        super().__init__(cfg, tp, cp, rng, layer)
+        self.head_dim, self.kv_heads = cfg.head_size, max(1, cfg.kv_heads // tp.size)
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
-        if pstate.cp_size > 1 and pstate.cp_comm == "p2p":
-            self.ring = Ring(pstate.cp_group, pstate)
-        column = partial(ColumnParallelLinear, cfg.hidden, pstate=pstate, init_std=cfg.init_std,
+        column = partial(ColumnParallelLinear, cfg.hidden, tp=tp, init_std=cfg.init_std,
                          bias=cfg.bias or cfg.attention.qkv_bias)
         self.q_proj = column(cfg.n_heads * cfg.head_size)
         # Fused K and V, laid out per KV head as [k_0, v_0, k_1, v_1, ...], so that a
         # contiguous split hands each rank whole (k, v) pairs of the heads it needs.
-        self.kv_proj = column(2 * cfg.kv_heads * cfg.head_size, shards=min(pstate.tp_size, cfg.kv_heads))
+        self.kv_proj = column(2 * cfg.kv_heads * cfg.head_size, shards=min(tp.size, cfg.kv_heads))
         mark_interleaved(self.kv_proj.weight, 2, cfg.head_size)  # K and V: two matrices to Muon
         self.fused_linears = [("q_proj", "kv_proj")]  # one matmul (forward): one precision
-        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, pstate,
+        self.out_proj = RowParallelLinear(cfg.n_heads * cfg.head_size, cfg.hidden, tp,
                                           bias=cfg.bias, init_std=down_init_std(cfg))
-        self.q_norm = Norm(cfg, pstate, cfg.head_size) if cfg.attention.qk_norm else None
-        self.k_norm = Norm(cfg, pstate, cfg.head_size) if cfg.attention.qk_norm else None
+        self.q_norm = Norm(cfg, self.split_heads, cfg.head_size) if cfg.attention.qk_norm else None
+        self.k_norm = Norm(cfg, self.split_heads, cfg.head_size) if cfg.attention.qk_norm else None
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""
@@ -126,15 +127,15 @@ class Attention(HeadsAttention):
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
-                cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+                cache: KVCache | None = None) -> torch.Tensor:
         # K and V come as two outputs of the interleaved kv_proj, [batch, seq, kv_heads, head_dim].
-        q, k, v = fused_column_parallel(x, sequence_parallel, self.q_proj, self.kv_proj)
+        q, k, v = fused_column_parallel(x, self.q_proj, self.kv_proj)
         # [batch, seq, heads, head_dim]: the whole sequence, also when x is a shard of it
         q = q.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q, self.split_heads), self.k_norm(k, self.split_heads)
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
         k, v = self._whole_rows(k, v, cache, dim=1)
-        return self._attend(q, k, v, layout, sequence_parallel)
+        return self._attend(q, k, v, layout)

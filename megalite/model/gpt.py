@@ -9,7 +9,7 @@
                                                    fused with the head, in chunks of tokens:
                                                    the logits are never whole (head_loss.py)
 
-Sequence parallelism (pstate.sequence_parallel, Korthikanti et al. 2022) keeps x split along
+Sequence parallelism (TensorParallel.sharded, Korthikanti et al. 2022) keeps x split along
 the sequence, a 1/tp shard of the tokens per rank, wherever it is outside a TP region: the
 embedding's g becomes the SP paper's g-bar (reduce-scatter), every f becomes its g (all-gather
 the shards; reduce-scatter backward) and every g its g-bar, so norms, dropout and residual adds
@@ -53,6 +53,7 @@ from megalite.model.mlp import MLP
 from megalite.model.moe import MoE
 from megalite.model.norm import Norm
 from megalite.model.positions import LearnedPositions, Rotary
+from megalite.parallel.contexts import Contexts
 from megalite.parallel.init import init_parameters_
 from megalite.model.head import LMHead
 from megalite.parallel.mappings import all_gather
@@ -93,31 +94,32 @@ ATTENTIONS = {"gqa": Attention, "mla": LatentAttention}  # model.attention.kind 
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
+    def __init__(self, cfg: ModelConfig, parallel: Contexts, rng: TensorParallelRNG, layer: int):
         super().__init__()
-        self.attn_norm = Norm(cfg, pstate)
-        self.attn = ATTENTIONS[cfg.attention.kind](cfg, pstate, rng, layer)
-        self.attn_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
-        self.mlp_norm = Norm(cfg, pstate)
-        self.mlp = MoE(cfg, pstate, rng) if cfg.is_moe_layer(layer) else MLP(cfg, pstate)
-        self.mlp_post_norm = Norm(cfg, pstate) if cfg.norms.post_norms else None
-        self.rng, self.dropout = rng, cfg.dropout
+        tp = parallel.tp
+        self.attn_norm = Norm(cfg, tp)
+        self.attn = ATTENTIONS[cfg.attention.kind](cfg, tp, parallel.cp, rng, layer)
+        self.attn_post_norm = Norm(cfg, tp) if cfg.norms.post_norms else None
+        self.mlp_norm = Norm(cfg, tp)
+        self.mlp = MoE(cfg, tp, parallel.ep, rng) if cfg.is_moe_layer(layer) else MLP(cfg, tp)
+        self.mlp_post_norm = Norm(cfg, tp) if cfg.norms.post_norms else None
+        self.tp, self.rng, self.dropout = tp, rng, cfg.dropout
 
     def forward(self, x, inputs: RankInputs, rotary, cache: KVCache | None = None,
                 loss_scale: torch.Tensor | float | None = None):
-        """x: the residual stream, or this rank's sequence shard of it (inputs.sp). loss_scale:
+        """x: the residual stream, or this rank's sequence shard of it (tp.sharded). loss_scale:
         a training forward's (an MoE layer's balancing losses are scaled by it)."""
-        sp = inputs.sp
-        h = self.attn(self.attn_norm(x, sp), inputs.layout, rotary, cache, sp)
+        sp = self.tp.sharded
+        h = self.attn(self.attn_norm(x), inputs.layout, rotary, cache)
         if self.attn_post_norm is not None:
-            h = self.attn_post_norm(h, sp)
+            h = self.attn_post_norm(h)
         # Residual dropout: the same mask on every TP rank for the replicated stream, its own
         # mask on each rank's shard (rng.dropout).
         x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
-        h = self.mlp_norm(x, sp)
-        h = self.mlp(h, inputs.tokens, sp, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h, sp)
+        h = self.mlp_norm(x)
+        h = self.mlp(h, inputs.tokens, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h)
         if self.mlp_post_norm is not None:
-            h = self.mlp_post_norm(h, sp)
+            h = self.mlp_post_norm(h)
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
 
 
@@ -141,23 +143,26 @@ class GPT(nn.Module):
         tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
         super().__init__()
         self.cfg, self.pstate = cfg, pstate
-        self.split = RankSplit(pstate, cfg.max_seq_len)
-        self.rng = TensorParallelRNG(seed, pstate)
+        parallel = Contexts.of(pstate, pstate.sequence_parallel, pstate.cp_comm)
+        self.tp, self.split = parallel.tp, RankSplit(parallel.tp, parallel.cp, cfg.max_seq_len)
+        self.rng = TensorParallelRNG(seed, pstate.pp_rank * pstate.tp_size + pstate.tp_rank, pstate.device)
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 pstate.virtual_stages, pstate.pp_layers)
         embeds, ends = any(c.is_first for c in self.chunks), any(c.is_last for c in self.chunks)
-        self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, pstate, init_std=cfg.init_std)
-                      if embeds or (ends and cfg.tie_embeddings) else None)
+        tp = parallel.tp
+        with pstate.device:  # where the parts make their parameters and buffers
+            self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, tp, init_std=cfg.init_std)
+                          if embeds or (ends and cfg.tie_embeddings) else None)
+            self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, tp, cfg.init_std)
+                              if cfg.positions.kind == "learned" and embeds else None)
+            self.rotary = Rotary(cfg) if cfg.positions.kind == "rotary" else None
+            self.blocks = Layers({str(i): Block(cfg, parallel, self.rng, i)
+                                  for chunk in self.chunks for i in chunk.layers})
+            self.norm = Norm(cfg, tp) if ends else None
+            self.head = (LMHead(cfg, tp, self.embed if cfg.tie_embeddings else None,
+                                loss_chunk_tokens) if ends else None)
         if self.embed is not None and not embeds:
             self.embed.weight.pipeline_copy = True  # the first stage's counts in norms and saves
-        self.positions = (LearnedPositions(cfg.max_seq_len, cfg.hidden, pstate, cfg.init_std)
-                          if cfg.positions.kind == "learned" and embeds else None)
-        self.rotary = Rotary(cfg, pstate.device) if cfg.positions.kind == "rotary" else None
-        self.blocks = Layers({str(i): Block(cfg, pstate, self.rng, i)
-                              for chunk in self.chunks for i in chunk.layers})
-        self.norm = Norm(cfg, pstate) if ends else None
-        self.head = (LMHead(cfg, pstate, self.embed if cfg.tie_embeddings else None,
-                            loss_chunk_tokens) if ends else None)
         self.activation_checkpointing = activation_checkpointing
         if init:
             init_parameters_(self, seed)
@@ -176,29 +181,35 @@ class GPT(nn.Module):
         model."""
         stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
                                                                 labels, cache)
-        x = self._embed(inputs) if stage.is_first else hidden
-        rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
-        for block in (self.blocks[i] for i in stage.layers):
-            if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
-                               context_fn=self.rng.recompute_contexts)
-            else:
-                x = block(x, inputs, rotary, cache, loss_scale)
-        if cache is not None and chunk == len(self.chunks) - 1:
-            cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
-        if not stage.is_last:
-            return Output(hidden=x)
-        x = self.norm(x, inputs.sp)
-        losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, inputs.sp, loss_scale)
-        return Output(partial(self.head.logits, x, inputs.seq, inputs.sp), *losses)
+        with self.tp.splitting(inputs.sp):
+            x = self._embed(inputs) if stage.is_first else hidden
+            rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
+            for block in (self.blocks[i] for i in stage.layers):
+                if self.activation_checkpointing and self.training:
+                    # Recomputed in backward with tp.sharded at its default: a training forward's.
+                    x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
+                                   context_fn=self.rng.recompute_contexts)
+                else:
+                    x = block(x, inputs, rotary, cache, loss_scale)
+            if cache is not None and chunk == len(self.chunks) - 1:
+                cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
+            if not stage.is_last:
+                return Output(hidden=x)
+            x = self.norm(x)
+            losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, loss_scale)
+        return Output(partial(self._logits, x, inputs), *losses)
+
+    def _logits(self, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
+        with self.tp.splitting(inputs.sp):  # read after the forward: its layout again
+            return self.head.logits(x, inputs.seq)
 
     def _embed(self, inputs: RankInputs) -> torch.Tensor:
-        x = self.embed(inputs.ids, inputs.sp)
+        x = self.embed(inputs.ids)
         if self.cfg.scale_embeddings:  # Gemma: in the embeddings' dtype, as transformers does
             x = x * torch.tensor(self.cfg.hidden ** 0.5, dtype=x.dtype)
         if self.positions is not None:
-            x = x + self.positions(inputs.layout.positions, inputs.sp)
-        return self.rng.dropout(x, self.cfg.dropout, self.training, split=inputs.sp)
+            x = x + self.positions(inputs.layout.positions)
+        return self.rng.dropout(x, self.cfg.dropout, self.training, split=self.tp.sharded)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         """dtype: the keys' and values' (default: the parameters', as the projections make them)."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout, cached_layout, context_layout, sequence_layout
 from megalite.parallel.context import context_chunks, zigzag_index
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import ContextParallel, TensorParallel
 
 
 @dataclass
@@ -34,7 +34,7 @@ class RankInputs:
     labels: torch.Tensor | None  # the same tokens' labels, unpadded
     layout: SequenceLayout
     seq: int  # real tokens per row here: the ids past it pad to SP shards
-    sp: bool  # the forward runs on sequence shards
+    sp: bool  # the forward runs on sequence shards (TensorParallel.splitting)
     hidden_tokens: Callable[[], HiddenTokens]  # computed only if a layer asks (MoE)
 
     @cached_property
@@ -45,17 +45,15 @@ class RankInputs:
 class RankSplit:
     """How a rank cuts a batch: its CP share, SP's shards."""
 
-    def __init__(self, pstate: ParallelState, max_seq_len: int):
-        self.pstate, self.max_seq_len = pstate, max_seq_len
-        # At tp=1 there is nothing to split: the same model, on the default generator.
-        self.sequence_parallel = pstate.sequence_parallel and pstate.tp_size > 1
+    def __init__(self, tp: TensorParallel, cp: ContextParallel, max_seq_len: int):
+        self.tp, self.cp, self.max_seq_len = tp, cp, max_seq_len
 
     def inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                doc_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                cache: KVCache | None = None) -> RankInputs:
         """cache: the new tokens follow its cached ones; attention_mask, if given, then covers
         both (left-padded prompts)."""
-        ps = self.pstate
+        tp, cp = self.tp.size, self.cp
         start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
         if start + seq > self.max_seq_len:
             raise ValueError(f"sequence length {start + seq} exceeds "
@@ -63,18 +61,18 @@ class RankSplit:
                              f"raise max_seq_len")
         sp = self.splits_sequence(cache)
         whole, index = (input_ids, attention_mask), None  # HiddenTokens cut from the whole rows
-        if ps.cp_size > 1:
+        if cp.size > 1:
             self._check_context_cut(seq, cache)
-            index = zigzag_index(seq, ps.cp_size, ps.cp_rank, input_ids.device)
+            index = zigzag_index(seq, cp.size, cp.rank, input_ids.device)
             layout = context_layout(sequence_layout(input_ids, attention_mask, doc_ids), index,
-                                    input_ids.shape[0], seq, dense=ps.cp_comm == "p2p")
+                                    input_ids.shape[0], seq, dense=cp.ring)
             input_ids, seq = input_ids[:, index], len(index)
             labels = None if labels is None else labels[:, index]
         else:
             if sp:  # the mask, if any, marks the tokens appended as padding; a document of their own
-                input_ids = _pad_to_shards(input_ids, ps.tp_size, 0)
-                attention_mask = _pad_to_shards(attention_mask, ps.tp_size, 0)
-                doc_ids = _pad_to_shards(doc_ids, ps.tp_size, -1)
+                input_ids = _pad_to_shards(input_ids, tp, 0)
+                attention_mask = _pad_to_shards(attention_mask, tp, 0)
+                doc_ids = _pad_to_shards(doc_ids, tp, -1)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
         return RankInputs(input_ids, labels, layout, seq, sp,
@@ -93,36 +91,36 @@ class RankSplit:
         if index is not None:
             real, key = real[:, index], key[:, index]
         elif sp:
-            real = _pad_to_shards(real, self.pstate.tp_size, False)
-            key = _pad_to_shards(key, self.pstate.tp_size, -1)
+            real = _pad_to_shards(real, self.tp.size, False)
+            key = _pad_to_shards(key, self.tp.size, -1)
         if sp:
-            real, key = (t.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank] for t in (real, key))
+            real, key = (t.chunk(self.tp.size, dim=1)[self.tp.rank] for t in (real, key))
         return HiddenTokens(real, key)
 
     def splits_sequence(self, cache: KVCache | None) -> bool:
         """Sequence parallel, but not when decoding, which appends a token or a few to the
         cache (nothing to split)."""
-        return self.sequence_parallel and cache is None
+        return self.tp.sequence_parallel and cache is None
 
     def hidden_len(self, seq: int, cache: KVCache | None = None) -> int:
         """The sequence length of this rank's hidden states for rows of `seq` tokens: its
         context-parallel share, then its sequence-parallel shard (padded to shards)."""
-        if self.pstate.cp_size > 1:
+        if self.cp.size > 1:
             # Also on later pipeline stages, which size their receives by it: every stage
             # refuses a length the first stage cannot cut, instead of waiting for its message.
             self._check_context_cut(seq, cache)
-        seq //= self.pstate.cp_size
-        return -(-seq // self.pstate.tp_size) if self.splits_sequence(cache) else seq
+        seq //= self.cp.size
+        return -(-seq // self.tp.size) if self.splits_sequence(cache) else seq
 
     def _check_context_cut(self, seq: int, cache: KVCache | None) -> None:
-        cp = self.pstate.cp_size
+        cp = self.cp.size
         if cache is not None:
             raise ValueError(f"parallel.cp={cp}: decoding with a KV cache runs without context "
                              f"parallelism; generate from the checkpoint at parallel.cp=1")
-        chunks = context_chunks(cp, self.pstate.tp_size, self.sequence_parallel)
+        chunks = context_chunks(cp, self.tp.size, self.tp.sequence_parallel)
         if seq % chunks:
             raise ValueError(f"a sequence of {seq} tokens does not cut into {chunks} equal chunks "
-                             f"(2 x parallel.cp{' x parallel.tp' if self.sequence_parallel else ''}): "
+                             f"(2 x parallel.cp{' x parallel.tp' if self.tp.sequence_parallel else ''}): "
                              f"use a length that is a multiple of {chunks}")
 
 

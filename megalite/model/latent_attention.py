@@ -30,14 +30,15 @@ from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary, yarn_scale
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
 from megalite.parallel.random import TensorParallelRNG
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import ContextParallel, TensorParallel
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's latent RMSNorms keep their default epsilon, whatever the model's
 
 
 class LatentAttention(HeadsAttention):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG, layer: int):
-        super().__init__(cfg, pstate, rng, layer)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, cp: ContextParallel,
+                 rng: TensorParallelRNG, layer: int):
+        super().__init__(cfg, tp, cp, rng, layer)
         self.nope, self.rope, self.v_dim = cfg.attention.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, cfg.attention.v_head_dim
         self.rank = cfg.attention.kv_lora_rank
         # YaRN's checkpoints (DeepSeek-V3) also rescale the scores by the mscale_all_dim
@@ -47,19 +48,19 @@ class LatentAttention(HeadsAttention):
                   if yarn.kind == "yarn" and yarn.mscale_all_dim else 1.0)
         self.scale = (self.nope + self.rope) ** -0.5 * mscale * mscale
         rank = cfg.attention.q_lora_rank
-        column = partial(ColumnParallelLinear, pstate=pstate, bias=False, init_std=cfg.init_std)
+        column = partial(ColumnParallelLinear, tp=tp, bias=False, init_std=cfg.init_std)
         # shards=1: every TP rank holds the whole matrix, its gradient summed over them.
         self.q_down = column(cfg.hidden, rank, shards=1) if rank else None
-        self.q_norm = Norm(cfg, pstate, rank, eps=LATENT_NORM_EPS) if rank else None
+        self.q_norm = Norm(cfg, self.split_heads, rank, eps=LATENT_NORM_EPS) if rank else None
         self.q_up = column(rank or cfg.hidden, cfg.n_heads * (self.nope + self.rope))
         self.fused_linears = [("q_down" if rank else "q_up", "kv_down")]
         self.kv_down = column(cfg.hidden, self.rank + self.rope, shards=1)
-        self.kv_norm = Norm(cfg, pstate, self.rank, eps=LATENT_NORM_EPS)
+        self.kv_norm = Norm(cfg, self.split_heads, self.rank, eps=LATENT_NORM_EPS)
         self.kv_up = column(self.rank, cfg.n_heads * (self.nope + self.v_dim))
-        if pstate.cp_size > 1 and self.kv_up.partial_output_grad is None:
+        if cp.size > 1 and self.kv_up.partial_output_grad is None:
             self.kv_up.partial_output_grad = ("every CP rank reads the whole row's latents, with "
                                               "its own queries' part of the gradient")
-        self.out_proj = RowParallelLinear(cfg.n_heads * self.v_dim, cfg.hidden, pstate, bias=False,
+        self.out_proj = RowParallelLinear(cfg.n_heads * self.v_dim, cfg.hidden, tp, bias=False,
                                           init_std=down_init_std(cfg))
 
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -69,18 +70,18 @@ class LatentAttention(HeadsAttention):
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout,
                 rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                cache: KVCache | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-        q, latent = fused_column_parallel(x, sequence_parallel, self.q_down or self.q_up, self.kv_down)
+                cache: KVCache | None = None) -> torch.Tensor:
+        q, latent = fused_column_parallel(x, self.q_down or self.q_up, self.kv_down)
         if self.q_down is not None:
-            q = self.q_up.project(self.q_norm(q, self.split_heads))  # this rank's heads
+            q = self.q_up.project(self.q_norm(q))  # this rank's heads
         q = q.unflatten(-1, (self.heads, self.nope + self.rope)).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
-        c, k_rot = self.kv_norm(c, self.split_heads).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
+        c, k_rot = self.kv_norm(c).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
         q_rot, k_rot = apply_rotary(q_rot, *rotary["global"]), apply_rotary(k_rot, *rotary["global"])
         c, k_rot = self._whole_rows(c, k_rot, cache, dim=-1)  # the row's latents and rotary keys: small
         kv = self.kv_up.project(c.squeeze(1))
         kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
-        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout, sequence_parallel)
+        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout)

@@ -13,7 +13,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, fused_column_parallel
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import TensorParallel
 
 
 def activate(activation: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -31,24 +31,20 @@ def down_init_std(cfg: ModelConfig) -> float:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, ffn: int | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ffn: int | None = None):
         """ffn: the hidden width (default cfg.ffn; MoE's shared experts set their own)."""
         super().__init__()
         self.activation = cfg.mlp.activation
         ffn = cfg.ffn if ffn is None else ffn
 
         def column() -> ColumnParallelLinear:
-            return ColumnParallelLinear(cfg.hidden, ffn, pstate, bias=cfg.bias, init_std=cfg.init_std)
+            return ColumnParallelLinear(cfg.hidden, ffn, tp, bias=cfg.bias, init_std=cfg.init_std)
 
         self.gate = column() if cfg.gated else None
         self.up = column()
         self.fused_linears = [("gate", "up")] if self.gate is not None else []
-        self.down = RowParallelLinear(ffn, cfg.hidden, pstate, bias=cfg.bias,
-                                      init_std=down_init_std(cfg))
+        self.down = RowParallelLinear(ffn, cfg.hidden, tp, bias=cfg.bias, init_std=down_init_std(cfg))
 
-    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        if self.gate is not None:
-            gate, up = fused_column_parallel(x, sequence_parallel, self.gate, self.up)
-        else:
-            gate, up = None, self.up(x, sequence_parallel)
-        return self.down(activate(self.activation, up, gate), sequence_parallel)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = fused_column_parallel(x, self.gate, self.up) if self.gate is not None else (None, self.up(x))
+        return self.down(activate(self.activation, up, gate))

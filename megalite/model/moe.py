@@ -12,7 +12,7 @@ TP rank repeats it), sends each chosen copy to its expert's rank (parallel/exper
 and gets the outputs back. Splitting the experts over TP as well would add a TP all-reduce per
 layer to matrices already small (Megatron recommends expert TP = 1). Expert gradients are summed
 over the ranks holding the same experts (ParallelState.expert_grad_group) and, under sequence
-parallelism, over TP (each TP rank ran its own tokens).
+parallelism, over TP (each TP rank ran its own tokens: TensorParallel.sum_grad).
 """
 import torch
 import torch.nn.functional as F
@@ -24,24 +24,24 @@ from megalite.model.mlp import MLP, activate, down_init_std
 from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
 from megalite.parallel.init import new_param
-from megalite.parallel.mappings import all_reduce_over, sum_grad_over_shards
+from megalite.parallel.contexts import ExpertParallel, TensorParallel
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.matmul import HIGH, Splits
 from megalite.parallel.random import TensorParallelRNG
 from megalite.parallel.sharding import mark_expert_sharded
-from megalite.parallel.state import ParallelState
 
 
 class Experts(nn.Module):
     """This EP rank's experts, stacked: [local experts, out, in] (nn.Linear's layout), no biases."""
 
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel):
         super().__init__()
-        self.activation, self.pstate = cfg.mlp.activation, pstate
-        self.matmul, self.splits = HIGH, Splits(tokens=expert_token_groups(pstate))
+        self.activation, self.tp = cfg.mlp.activation, tp
+        self.matmul, self.splits = HIGH, Splits(tokens=ep.expert_tokens)
 
         def stacked(out: int, into: int, std: float) -> nn.Parameter:
-            p = new_param(cfg.n_experts // pstate.ep_size, out, into, device=pstate.device, std=std)
-            mark_expert_sharded(p, pstate.ep_rank, pstate.ep_size)
+            p = new_param(cfg.n_experts // ep.size, out, into, std=std)
+            mark_expert_sharded(p, ep.rank, ep.size)
             return p
 
         ffn, hidden = cfg.expert_ffn, cfg.hidden
@@ -49,23 +49,14 @@ class Experts(nn.Module):
         self.up = stacked(ffn, hidden, cfg.init_std)
         self.down = stacked(hidden, ffn, down_init_std(cfg))
 
-    def forward(self, rows: torch.Tensor, per_expert: list[int], sp: bool) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """rows: expert-major, per_expert[e] of them for local expert e."""
         def times(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
-            w = sum_grad_over_shards(w, self.pstate.tp_group, sp)
-            return self.matmul.grouped(x, w, per_expert, self.splits)
+            return self.matmul.grouped(x, self.tp.sum_grad(w), per_expert, self.splits)
 
         up = times(rows, self.up)
         gate = None if self.gate is None else times(rows, self.gate)
         return times(activate(self.activation, up, gate), self.down)
-
-
-def expert_token_groups(pstate) -> tuple:
-    """The groups over which an expert's rows, as one process would multiply them, are spread:
-    TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every CP
-    rank's rows to the expert (an EP group of whole CP groups)."""
-    shards = (pstate.tp_group,) if pstate.sequence_parallel else ()
-    return shards + ((pstate.cp_group,) if pstate.ep_size == 1 else ())
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -84,48 +75,45 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState, rng: TensorParallelRNG):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel, rng: TensorParallelRNG):
         super().__init__()
-        self.cfg, self.pstate, self.rng = cfg, pstate, rng
-        self.router = Router(cfg, pstate)
-        self.experts = Experts(cfg, pstate)
-        self.shared = MLP(cfg, pstate, cfg.shared_ffn) if cfg.mlp.shared_experts else None
-        self.shared_gate = (new_param(1, cfg.hidden, device=pstate.device, std=cfg.init_std)
-                            if cfg.mlp.shared_gate else None)
+        self.cfg, self.tp, self.ep_group, self.rng = cfg, tp, ep.group, rng
+        self.router = Router(cfg, tp, ep.token_group)
+        self.experts = Experts(cfg, tp, ep)
+        self.shared = MLP(cfg, tp, cfg.shared_ffn) if cfg.mlp.shared_experts else None
+        self.shared_gate = new_param(1, cfg.hidden, std=cfg.init_std) if cfg.mlp.shared_gate else None
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
         """Since the last reset: copies routed to each expert (the micro-batches' whole counts),
         this rank's part of the balancing losses and its copies dropped over capacity."""
-        device = self.pstate.device
+        device = self.router.weight.device
         self.load = torch.zeros(self.cfg.n_experts, dtype=torch.long, device=device)
         self.step_load = torch.zeros_like(self.load)  # since the last expert-bias update
         self.aux_loss = torch.zeros((), device=device)
         self.dropped = torch.zeros((), dtype=torch.long, device=device)
 
-    def forward(self, x: torch.Tensor, tokens: HiddenTokens, sp: bool,
+    def forward(self, x: torch.Tensor, tokens: HiddenTokens,
                 loss_scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """x: [batch, hidden_len, hidden], this rank's tokens (sequence shard under SP)."""
         batch, seq, hidden = x.shape
         flat, k = x.reshape(-1, hidden), self.cfg.mlp.top_k
-        route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), sp, loss_scale)
+        route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), loss_scale)
         # Kept copies (token t's choice j at t*k + j), sorted by expert, then by token and choice.
         copies = route.kept.flatten().nonzero().squeeze(1)
         expert_of = route.experts.flatten()[copies]
         copies = copies[torch.sort(expert_of, stable=True).indices]
-        exchange = ExpertExchange(torch.bincount(expert_of, minlength=self.cfg.n_experts),
-                                  self.pstate.ep_group)
+        exchange = ExpertExchange(torch.bincount(expert_of, minlength=self.cfg.n_experts), self.ep_group)
         rows = exchange.dispatch(flat[copies // k])
-        out = exchange.combine(self.experts(rows, exchange.per_expert, sp))
+        out = exchange.combine(self.experts(rows, exchange.per_expert))
         outputs = out.new_zeros(flat.shape[0] * k, hidden).index_copy(0, copies, out).view(-1, k, hidden)
         weights = route.weights.to(out.dtype)
         # Choice by choice, a fixed order whatever the layout (0 + the first is exact).
         y = sum(outputs[:, j] * weights[:, j:j + 1] for j in range(k)).view(batch, seq, hidden)
         if self.shared is not None:
-            shared = self.shared(x, sp)
+            shared = self.shared(x)
             if self.shared_gate is not None:
-                gate = sum_grad_over_shards(self.shared_gate, self.pstate.tp_group, sp)
-                shared = shared * torch.sigmoid(F.linear(x, gate))
+                shared = shared * torch.sigmoid(F.linear(x, self.tp.sum_grad(self.shared_gate)))
             y = y + shared
         self._record(route, tokens.real.flatten())
         return y if route.aux_loss is None else _AuxLossGrad.apply(y, route.aux_loss)
@@ -142,7 +130,7 @@ class MoE(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
+def update_expert_bias(model: nn.Module, dp_group) -> None:
     """After a step, DeepSeek-V3's auxiliary-loss-free balancing: each MoE layer's expert bias
     moves by model.mlp.bias_update_rate toward balance, by the sign of (mean load - load) over
     the step's whole batch (all DP ranks), the same on every rank and layout."""
@@ -151,7 +139,7 @@ def update_expert_bias(model: nn.Module, pstate: ParallelState) -> None:
     layers = [m for m in model.modules() if isinstance(m, MoE)] if rate else []
     if not layers:
         return
-    loads = all_reduce_over(torch.stack([m.step_load for m in layers]).float(), pstate.dp_group)
+    loads = all_reduce_over(torch.stack([m.step_load for m in layers]).float(), dp_group)
     for m, load in zip(layers, loads):
         m.router.expert_bias += rate * torch.sign(load.mean() - load)
         m.step_load.zero_()

@@ -6,25 +6,22 @@ from torch import nn
 
 from megalite.config import Llama3Scaling, ModelConfig, YarnScaling
 from megalite.parallel.init import new_param
-from megalite.parallel.mappings import sum_grad_over_shards
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import TensorParallel
 
 
 class LearnedPositions(nn.Module):
     """GPT-2's position table, replicated on every TP rank (it is small). Sequence parallel, a
     rank looks up the positions of its shard only, so the gradient is summed over TP."""
 
-    def __init__(self, max_seq_len: int, hidden: int, pstate: ParallelState, init_std: float):
+    def __init__(self, max_seq_len: int, hidden: int, tp: TensorParallel, init_std: float):
         super().__init__()
-        self.pstate = pstate
-        self.weight = new_param(max_seq_len, hidden, device=pstate.device, std=init_std)
+        self.tp, self.weight = tp, new_param(max_seq_len, hidden, std=init_std)
 
-    def forward(self, positions: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions: [batch, seq] of the whole rows (sequence parallel: this rank takes its shard's)."""
-        if sequence_parallel:
-            positions = positions.chunk(self.pstate.tp_size, dim=1)[self.pstate.tp_rank]
-        weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sequence_parallel)
-        return nn.functional.embedding(positions, weight)
+        if self.tp.sharded:
+            positions = positions.chunk(self.tp.size, dim=1)[self.tp.rank]
+        return nn.functional.embedding(positions, self.tp.sum_grad(self.weight))
 
 
 class Rotary(nn.Module):
@@ -33,13 +30,13 @@ class Rotary(nn.Module):
     KV-cache step) takes its tokens' angles from its positions. With model.positions.local_theta the
     sliding-window layers turn at a base of their own (Gemma 3)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(cfg, device), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
         self.factor = attention_factor(cfg)
         local = cfg.positions.local_theta
         self.register_buffer("local_inv_freq", None if local is None else
-                             inverse_frequencies(cfg, device, local), persistent=False)
+                             inverse_frequencies(cfg, local), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos and sin of shape [batch, 1, seq, head_dim], broadcast over heads: "global" for
@@ -56,12 +53,11 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor,
     return angles.cos() * factor, angles.sin() * factor
 
 
-def inverse_frequencies(cfg: ModelConfig, device: torch.device | None = None,
-                        local_theta: float | None = None) -> torch.Tensor:
+def inverse_frequencies(cfg: ModelConfig, local_theta: float | None = None) -> torch.Tensor:
     """The angle per position of each pair of head dimensions: theta^(-2i/head_dim), scaled by
     model.positions.scaling; at base local_theta, if given, unscaled (Gemma 3's local layers)."""
     d, scaling = cfg.rotary_dim, cfg.positions.scaling
-    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     inv_freq = 1.0 / (local_theta or cfg.positions.theta) ** exponents
     if local_theta is not None:
         return inv_freq

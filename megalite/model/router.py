@@ -5,7 +5,7 @@ Layout-independent by construction, so that every parallel layout routes every t
   lower expert index (a stable sort, not topk; DeepSeek-V3's group-limited routing ties as
   transformers' topk does);
 - what counts tokens (the capacity's queue, the load-balancing loss) counts the micro-batch's
-  real tokens over the ranks that share them (`token_group`: CP's shares, SP's shards), never
+  real tokens over the ranks that share them (ExpertParallel.token_group: CP's shares, SP's shards), never
   SP's padding, and orders them by their place in the batch.
 
 Losses are per micro-batch, weighted by its real tokens x the step's loss_scale (1 / the
@@ -26,8 +26,8 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.init import new_param
-from megalite.parallel.mappings import all_gather, all_reduce_over, group_size, sum_grad_over_shards
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import TensorParallel
+from megalite.parallel.mappings import all_gather, all_reduce_over, group_size
 
 
 @dataclass
@@ -59,21 +59,20 @@ def group_limited(scores: torch.Tensor, groups: int, keep: int, k: int) -> torch
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, pstate: ParallelState):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, token_group):
         super().__init__()
-        self.cfg, self.pstate = cfg, pstate
-        self.weight = new_param(cfg.n_experts, cfg.hidden, device=pstate.device, std=cfg.init_std)
+        self.cfg, self.tp, self.token_group = cfg, tp, token_group
+        self.weight = new_param(cfg.n_experts, cfg.hidden, std=cfg.init_std)
         # Added to the scores to pick experts, never to weigh them; moved by the trainer after
         # each step (update_expert_bias), not by gradients. A parameter so that checkpoints
         # hold it like every weight.
-        self.expert_bias = nn.init.zeros_(new_param(cfg.n_experts, device=pstate.device))
+        self.expert_bias = nn.init.zeros_(new_param(cfg.n_experts))
         self.expert_bias.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor, sp: bool,
+    def forward(self, x: torch.Tensor, real: torch.Tensor, key: torch.Tensor,
                 loss_scale: torch.Tensor | float | None) -> Routing:
         """x: [tokens, hidden] this rank's; real, key: HiddenTokens' (flattened)."""
-        cfg, group = self.cfg, self.pstate.token_group
-        weight = sum_grad_over_shards(self.weight, self.pstate.tp_group, sp)
+        cfg, group, weight = self.cfg, self.token_group, self.tp.sum_grad(self.weight)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), weight.float())
         scores = logits.softmax(-1) if cfg.mlp.router == "softmax" else logits.sigmoid()
@@ -100,7 +99,7 @@ class Router(nn.Module):
                         key: torch.Tensor) -> torch.Tensor:
         """[tokens, k] how many copies routed to the same expert come before each one in the
         micro-batch (ordered by token place, then choice rank), over the token group."""
-        group, (local, k) = self.pstate.token_group, experts.shape
+        group, (local, k) = self.token_group, experts.shape
         mine = torch.cat([experts, real.unsqueeze(1).long(), key.unsqueeze(1)], dim=1)
         every = all_gather(mine, 0, group) if group_size(group) > 1 else mine
         everyone = every[:, :k].masked_fill(every[:, k:k + 1] == 0, self.cfg.n_experts)  # padding: nowhere

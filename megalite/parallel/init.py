@@ -22,11 +22,11 @@ class Init:
     fill: float = 0.0
 
 
-def new_param(*shape: int, device: torch.device, std: float | None = None,
-              fill: float = 0.0) -> torch.nn.Parameter:
+def new_param(*shape: int, std: float | None = None, fill: float = 0.0) -> torch.nn.Parameter:
     """An uninitialised parameter that init_parameters_ draws from normal(0, std), or fills with
-    `fill` without a std (zeros for biases)."""
-    param = torch.nn.Parameter(torch.empty(shape, device=device))
+    `fill` without a std (zeros for biases). On the default device: the model builds its parts
+    under its rank's (GPT.__init__)."""
+    param = torch.nn.Parameter(torch.empty(shape))
     param.megalite_init = Init(std, fill)
     return param
 

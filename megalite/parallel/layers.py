@@ -18,17 +18,16 @@ import torch
 from torch import nn
 
 from megalite.parallel.init import new_param
-from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul, token_groups
+from megalite.parallel.matmul import HIGH, Splits, matmul_dtype, shared_matmul
 from megalite.parallel.mappings import (
     SEQ_DIM, all_gather, copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-    group_size, reduce_partial_sums, reduce_scatter, scatter_to_tensor_parallel_region,
-    sum_grad_over_shards)
+    reduce_scatter, scatter_to_tensor_parallel_region)
 from megalite.parallel.linear_parts import LinearParts, cut
 from megalite.parallel.sharding import interleaved_of, mark_sharded
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import TensorParallel
 
 
-def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
+def column_parallel_linears(x: torch.Tensor, tp: TensorParallel,
                             *layers: tuple[torch.Tensor, torch.Tensor | None], matmul=HIGH,
                             splits: Splits | None = None,
                             interleaved: Sequence[tuple[int, int] | None] = ()
@@ -42,16 +41,16 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     tensors' own precision take their gradients part by part (parallel/linear_parts.py).
 
     X replicated: through f (identity forward, all-reduce backward). X split along the sequence
-    (sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
+    (tp.sharded, sequence parallelism): through the SP paper's g (all-gather forward, reduce-scatter
     backward), storing only this rank's shard for backward (GatheredLinear).
 
     matmul: the precision recipe (parallel/matmul.py); splits: its view of the operands (by
-    default N split over `group`, X's rows whole). interleaved: per layer, (parts, size) for a
+    default N split over TP, X's rows whole). interleaved: per layer, (parts, size) for a
     layer whose rows interleave `parts` matrices in blocks of `size` (K/V), handed out as one
     output each, [..., rows / (parts x size), size]; None (the default): the layer's output.
     """
     layouts = [(w.shape[0], i) for (w, _), i in zip(layers, interleaved or [None] * len(layers))]
-    gathered = sequence_parallel and group_size(group) > 1
+    group, gathered = tp.group, tp.sharded
     weights, biases = zip(*layers)
     if len(layers) > 1 and matmul is HIGH:
         x = x if gathered else copy_to_tensor_parallel_region(x, group)
@@ -66,12 +65,10 @@ def column_parallel_linears(x: torch.Tensor, group, sequence_parallel: bool,
     return list(cut(y, layouts, -1))
 
 
-def fused_column_parallel(x: torch.Tensor, sequence_parallel: bool,
-                          *layers: "ColumnParallelLinear") -> list[torch.Tensor]:
+def fused_column_parallel(x: torch.Tensor, *layers: "ColumnParallelLinear") -> list[torch.Tensor]:
     """column_parallel_linears of ColumnParallelLinear modules, each's A_r (and b_r), the
     precision recipe they share, and their interleaves (sharding.mark_interleaved)."""
-    return column_parallel_linears(x, layers[0].tp_group, sequence_parallel,
-                                   *(layer.weight_and_bias() for layer in layers),
+    return column_parallel_linears(x, layers[0].tp, *(layer.weight_and_bias() for layer in layers),
                                    matmul=shared_matmul(layer.matmul for layer in layers),
                                    splits=layers[0].splits,
                                    interleaved=[interleaved_of(layer.weight) for layer in layers])
@@ -124,38 +121,37 @@ class ColumnParallelLinear(nn.Module):
     column_parallel_linears with their weight_and_bias() instead of forward: one f for all.
     """
 
-    def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *,
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *,
                  bias: bool, init_std: float, gather_output: bool = False,
                  shards: int | None = None):
         super().__init__()
-        shards = shards or pstate.tp_size
-        copies = pstate.tp_size // shards
+        shards = shards or tp.size
+        copies = tp.size // shards
         if gather_output and copies > 1:
             raise ValueError("gather_output needs one slice per rank (shards == tp): with "
                              "copies, the gathered output would repeat columns")
-        index = pstate.tp_rank // copies
-        self.tp_group = pstate.tp_group
-        self.matmul = HIGH
-        self.splits = Splits(token_groups(pstate), outer=pstate.tp_group)
+        index = tp.rank // copies
+        self.tp, self.matmul = tp, HIGH
+        self.splits = Splits(tp.token_groups, outer=tp.group)
         # Each copy's output gradient is a part of the whole (its ranks' heads'): a recipe that
         # scales by the whole gradient (FP8) could not equal one process (fp8/convert.py).
         self.partial_output_grad = (f"its slice is held by {copies} TP ranks, each with its own "
                                     f"heads' part of the gradient") if copies > 1 else None
-        self.replica_group = pstate.block_group(copies)
+        self.replica_group = tp.blocks(copies) if copies > 1 else None
         self.gather_output = gather_output
         local = out_features // shards
-        self.weight = new_param(local, in_features, device=pstate.device, std=init_std)
+        self.weight = new_param(local, in_features, std=init_std)
         mark_sharded(self.weight, 0, index, shards)
-        self.bias = mark_sharded(new_param(local, device=pstate.device), 0, index, shards) if bias else None
+        self.bias = mark_sharded(new_param(local), 0, index, shards) if bias else None
 
     def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(A_r, b_r) as the matmul reads them: a slice held by copies passes through f over them."""
         return tuple(None if p is None else copy_to_tensor_parallel_region(p, self.replica_group)
                      for p in (self.weight, self.bias))
 
-    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        y, = fused_column_parallel(x, sequence_parallel, self)
-        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, = fused_column_parallel(x, self)
+        return gather_from_tensor_parallel_region(y, self.tp.group) if self.gather_output else y
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """X A_r alone, for an input already in the TP region (no f, no bias)."""
@@ -168,23 +164,18 @@ class RowParallelLinear(nn.Module):
     Sequence parallel: summed by the SP paper's g-bar into this rank's sequence shard of Z, and b,
     added to that shard only, has its gradient summed over TP."""
 
-    def __init__(self, in_features: int, out_features: int, pstate: ParallelState, *,
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *,
                  bias: bool, init_std: float, input_is_parallel: bool = True):
         super().__init__()
-        self.tp_group = pstate.tp_group
-        self.input_is_parallel = input_is_parallel
-        self.matmul = HIGH
-        self.splits = Splits(token_groups(pstate), inner=pstate.tp_group)
-        local = in_features // pstate.tp_size
-        self.weight = new_param(out_features, local, device=pstate.device, std=init_std)
-        mark_sharded(self.weight, 1, pstate.tp_rank, pstate.tp_size)
+        self.tp, self.input_is_parallel, self.matmul = tp, input_is_parallel, HIGH
+        self.splits = Splits(tp.token_groups, inner=tp.group)
+        self.weight = new_param(out_features, in_features // tp.size, std=init_std)
+        mark_sharded(self.weight, 1, tp.rank, tp.size)
         # Replicated and added after the reduce: added before it, it would count t times.
-        self.bias = new_param(out_features, device=pstate.device) if bias else None
+        self.bias = new_param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        z = reduce_partial_sums(self.matmul.linear(x, self.weight, None, self.splits),
-                                self.tp_group, sequence_parallel)
-        return z if self.bias is None else z + sum_grad_over_shards(self.bias, self.tp_group,
-                                                                     sequence_parallel)
+            x = scatter_to_tensor_parallel_region(x, self.tp.group)
+        z = self.tp.reduce(self.matmul.linear(x, self.weight, None, self.splits))
+        return z if self.bias is None else z + self.tp.sum_grad(self.bias)

@@ -139,27 +139,6 @@ gather_from_sequence_parallel_region = primitive(
     along(all_gather, SEQ_DIM), along(reduce_scatter, SEQ_DIM))
 
 
-def reduce_partial_sums(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """The sum over TP ranks of their partial results (row-parallel products, vocab-split
-    embedding rows). Into the replicated residual stream: g (all-reduce forward, identity
-    backward). With sequence parallelism, into this rank's sequence shard of it: the SP paper's
-    g-bar (reduce-scatter forward, all-gather backward), the same bytes on the wire as the
-    all-reduce it replaces (an all-reduce is a reduce-scatter then an all-gather)."""
-    return (reduce_scatter_to_sequence_parallel_region(x, group) if sequence_parallel
-            else reduce_from_tensor_parallel_region(x, group))
-
-
-def sum_grad_over_shards(param: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """A replicated parameter (norm weight, row-parallel bias, position table) as applied to
-    this rank's activations. With sequence parallelism they are one shard of the tokens, so its
-    gradient here is only that shard's part: f on the parameter (identity forward, all-reduce
-    backward) sums the parts over TP, and every rank holds the whole gradient once backward
-    is done, whatever engine or accumulation follows (Megatron-LM all-reduces these gradients
-    once per step after backward instead: fewer, larger messages, but every engine must call
-    it, and ZeRO-2 has already partitioned the gradients by then)."""
-    return copy_to_tensor_parallel_region(param, group) if sequence_parallel else param
-
-
 def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)

@@ -42,16 +42,6 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def token_groups(pstate) -> tuple:
-    """The group over which the rows of one process's micro-batch are spread at a matmul: CP's
-    sequence chunks, and EP's ranks, whose micro-batches the experts take as one batch (one
-    process with EP x the micro-batch equals the EP run). EP's ranks hold whole CP groups, or
-    lie inside one (fp8/convert.check_fp8_layout refuses the rest): the larger group is the union."""
-    if group_size(pstate.ep_group) > 1 and pstate.ep_size % pstate.cp_size == 0:
-        return (pstate.ep_group,)
-    return (pstate.cp_group,) if group_size(pstate.cp_group) > 1 else ()
-
-
 class HighPrecision:
     """The matmul in the operands' dtype: F.linear, and the two backward products of a layer
     that writes its own backward (layers.GatheredLinear)."""

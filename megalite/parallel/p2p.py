@@ -15,8 +15,6 @@ schedules.plan at once:
 import torch
 import torch.distributed as dist
 
-from megalite.parallel.state import ParallelState
-
 
 class Message:
     """A tensor to send (contiguous, as the wire takes it), or the shape of one to receive;
@@ -29,11 +27,11 @@ class Message:
 
 
 class PipeComm:
-    def __init__(self, pstate: ParallelState, process_group=None):
+    def __init__(self, device: torch.device, process_group=None):
         """process_group: the group whose communicator carries the messages (default the
         world's: pipeline stages'; ring attention's: the CP group), so that NCCL never orders
         one kind of message behind the other."""
-        self.device, self.process_group = pstate.device, process_group
+        self.device, self.process_group = device, process_group
         # No process group at all in a single process, which never exchanges anything.
         self.batched = dist.is_initialized() and dist.get_backend() == "nccl"
         self.sends: list = []  # (work, tensor): kept alive until the step's end

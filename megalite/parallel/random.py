@@ -17,8 +17,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from megalite.parallel.state import ParallelState
-
 _TP_SEED_OFFSET = 2718
 
 
@@ -33,19 +31,20 @@ def _set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-def seed_replicated_dropout(seed: int, pstate: ParallelState) -> None:
+def seed_replicated_dropout(seed: int, stream: int) -> None:
     """Seeds the default generator for dropout on replicated activations: the same on the TP
-    ranks of a stage, its own for every DP replica (which holds other samples) and stage."""
-    torch.manual_seed(seed + pstate.pp_rank * pstate.dp_size + pstate.dp_rank)
+    ranks of a stage, its own for every DP replica (which holds other samples) and stage
+    (stream: pp_rank x dp + dp_rank)."""
+    torch.manual_seed(seed + stream)
 
 
 class TensorParallelRNG:
     """The generator state used inside TP-split regions, distinct per TP rank and stage."""
 
-    def __init__(self, seed: int, pstate: ParallelState):
-        self.device = pstate.device
-        offset = _TP_SEED_OFFSET + pstate.pp_rank * pstate.tp_size + pstate.tp_rank
-        self.state = torch.Generator(device=self.device).manual_seed(seed + offset).get_state()
+    def __init__(self, seed: int, stream: int = 0, device: torch.device = torch.device("cpu")):
+        """stream: this rank's among the TP ranks of every stage (pp_rank x tp + tp_rank)."""
+        self.device = device
+        self.state = torch.Generator(device=device).manual_seed(seed + _TP_SEED_OFFSET + stream).get_state()
         self.replaying = False  # inside activation checkpointing's recompute
 
     @contextmanager

@@ -28,11 +28,11 @@ KV_TAG, GRAD_TAG = 71, 72
 class Ring:
     """A rank's neighbours on the CP ring, as global ranks, and the P2P messages between them."""
 
-    def __init__(self, group, pstate):
+    def __init__(self, group, device: torch.device):
         ranks = dist.get_process_group_ranks(group)
-        self.cp, self.rank = len(ranks), pstate.cp_rank
+        self.cp, self.rank = len(ranks), dist.get_rank(group)
         self.next, self.prev = ranks[(self.rank + 1) % self.cp], ranks[(self.rank - 1) % self.cp]
-        self.comm = PipeComm(pstate, process_group=group)
+        self.comm = PipeComm(device, process_group=group)
 
     def pass_on(self, tensor: torch.Tensor, tag: int):
         """Send `tensor` to the next rank, receive the previous rank's (a handle to wait on)."""

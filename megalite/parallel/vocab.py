@@ -14,9 +14,9 @@ from torch import nn
 
 from megalite.compiled import fused
 from megalite.parallel.init import new_param
-from megalite.parallel.mappings import all_reduce_over, group_size, reduce_partial_sums
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.sharding import mark_sharded
-from megalite.parallel.state import ParallelState
+from megalite.parallel.contexts import TensorParallel
 
 IGNORE_INDEX = -100
 
@@ -25,22 +25,22 @@ class VocabParallelEmbedding(nn.Module):
     """Look up the ids this rank owns, zero the others, and sum over ranks: g, or with sequence
     parallelism the SP paper's g-bar, which leaves each rank its sequence shard of the sum."""
 
-    def __init__(self, vocab: int, hidden: int, pstate: ParallelState, *, init_std: float):
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel, *, init_std: float):
         super().__init__()
-        local = vocab // pstate.tp_size
-        self.vocab_start = pstate.tp_rank * local
+        local = vocab // tp.size
+        self.vocab_start = tp.rank * local
         self.vocab_end = self.vocab_start + local
-        self.tp_group = pstate.tp_group
-        self.weight = new_param(local, hidden, device=pstate.device, std=init_std)
-        mark_sharded(self.weight, 0, pstate.tp_rank, pstate.tp_size)
+        self.tp = tp
+        self.weight = new_param(local, hidden, std=init_std)
+        mark_sharded(self.weight, 0, tp.rank, tp.size)
 
-    def forward(self, ids: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        if group_size(self.tp_group) == 1:
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_partial_sums(rows, self.tp_group, sequence_parallel)
+        return self.tp.reduce(rows)
 
 
 class SoftmaxStats(NamedTuple):

@@ -25,7 +25,7 @@ class PipelineRun:
         self.model, self.batches, self.autocast = model, batches, autocast
         self.module = model if module is None else module
         self.forward_kwargs, self.ps = forward_kwargs, model.pstate
-        self.comm = PipeComm(self.ps)
+        self.comm = PipeComm(self.ps.device)
 
     def _address(self, route, a: Action) -> tuple[int, int]:
         """(global rank, tag) of a's message by `route` (schedules.message_in or message_out)."""

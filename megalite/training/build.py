@@ -15,7 +15,7 @@ from megalite.training.engine import NativeEngine
 def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
     """The model as a training run (or a benchmark of one) uses it (init=False: weights to be
     loaded, see GPT)."""
-    seed_replicated_dropout(cfg.run.seed, pstate)
+    seed_replicated_dropout(cfg.run.seed, pstate.pp_rank * pstate.dp_size + pstate.dp_rank)
     model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init,
                 activation_checkpointing=cfg.train.activation_checkpointing,
                 loss_chunk_tokens=cfg.train.loss_chunk_tokens)

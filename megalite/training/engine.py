@@ -146,5 +146,5 @@ def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
     schedule = pp_schedule if engine.pstate.pp_size > 1 else "1f1b"
     loss = train_pipelined(engine, batches, n_tokens, autocast, schedule)
     norm = engine.step()
-    update_expert_bias(engine.model, engine.pstate)
+    update_expert_bias(engine.model, engine.pstate.dp_group)
     return loss, norm

@@ -2,6 +2,7 @@
 layer built with the seeded init."""
 import torch
 
+from megalite.parallel.contexts import Contexts
 from megalite.parallel.init import init_parameters_
 from megalite.parallel.state import ParallelState
 
@@ -13,7 +14,8 @@ def randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def build(cls, ps, *args, **kwargs):
-    layer = cls(*args, ps, **kwargs)
+def build(cls, ps, *args, sequence_parallel: bool = False, **kwargs):
+    """A layer on mesh `ps`, built with the TP context a model on it would give it."""
+    layer = cls(*args, Contexts.of(ps, sequence_parallel, "all_gather").tp, **kwargs)
     init_parameters_(layer, seed=7)
     return layer
