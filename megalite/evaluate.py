@@ -54,7 +54,7 @@ def windows_loss(model: GPT, ids: list[int], pad_id: int,
     targets: whether each token is predicted (None: every one; all False: forwards that
     predict nothing, loss and count 0)."""
     ps, length = model.pstate, model.cfg.max_seq_len
-    chunks = context_chunks(ps.cp_size, ps.tp_size, ps.sequence_parallel)
+    chunks = context_chunks(ps.cp_size, ps.tp_size, model.tp.sequence_parallel)
     total = torch.zeros(2, dtype=torch.float64, device=ps.device)
     per_pass = WINDOWS_PER_PASS * length
     for first in range(0, len(ids), per_pass):  # windows of `length`, the last one shorter

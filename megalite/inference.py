@@ -33,7 +33,7 @@ def loaded(ckpt: Path, parallel: ParallelConfig) -> Iterator[tuple[GPT, Tokenize
     check_layout(cfg, parallel, int(os.environ.get("WORLD_SIZE", "1")))
     ps = init_parallel(parallel)
     try:
-        model = GPT(cfg, ps, init=False)
+        model = GPT(cfg, ps, init=False, parallel=parallel)
         load_checkpoint(ckpt, model, ps)
         yield model, tokenizer
     finally:

@@ -36,7 +36,7 @@ def check_compiled_model_matches_eager(tp: int, name: str, layout: ParallelConfi
     torch._dynamo.utils.counters.clear()
     results = []
     for compiled in (False, True):
-        model = GPT(cfg, ps, seed=3)
+        model = GPT(cfg, ps, seed=3, parallel=layout)
         assert fp8 == "none" or convert_to_fp8(model, Fp8Config(recipe=fp8, layers="all"), ps)
         if compiled:
             model.compile(backend="aot_eager")

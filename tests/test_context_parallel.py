@@ -59,11 +59,12 @@ def reference(cfg, ids, mask, docs, labels):
 
 def check_cp(config_name: str, kind: str, tp: int, cp: int, sp: bool, comm: str):
     cfg = {**CONFIGS, **CONFIGS_KV1}[config_name]
-    ps = ParallelState.from_world(tp, sequence_parallel=sp, pipeline=ParallelConfig(tp=tp, cp=cp, cp_comm=comm))
+    layout = ParallelConfig(tp=tp, cp=cp, cp_comm=comm, sequence_parallel=sp)
+    ps = ParallelState.from_world(tp, pipeline=layout)
     ids, mask, docs, labels = batch(kind, cfg)
     ref, ref_logits, ref_loss = reference(cfg, ids, mask, docs, labels)
 
-    model = GPT(cfg, ps, seed=3)
+    model = GPT(cfg, ps, seed=3, parallel=layout)
     rows = slice(ps.dp_rank * len(ids) // ps.dp_size, (ps.dp_rank + 1) * len(ids) // ps.dp_size)
     # Right-padded rows take no mask, as training does (causal alone is exact there).
     mine = [None if t is None else t[rows] for t in (ids, mask if kind == "packed" else None, docs, labels)]
@@ -159,7 +160,8 @@ def test_context_parallel_refuses_dropout_and_short_rows():
 
 def check_ring_mask_rows_are_built_once_per_forward(flex: bool) -> None:
     cfg = dataclasses.replace(config("gpt2", SEQ), n_layers=3)
-    model = GPT(cfg, ParallelState.from_world(1, pipeline=ParallelConfig(cp=2, cp_comm="p2p")), seed=3)
+    ring = ParallelConfig(cp=2, cp_comm="p2p")
+    model = GPT(cfg, ParallelState.from_world(1, pipeline=ring), seed=3, parallel=ring)
     ids, mask, docs, labels = packed_batch(cfg.vocab_size, SEQ)
     masks = set()
 

@@ -66,8 +66,8 @@ def total(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 
 def make_engine(cfg, ps, zero_stage: int, precision: str, reduce: str = "fp32",
-                optimizer: str = "adamw"):
-    model = GPT(cfg, ps, seed=3)
+                optimizer: str = "adamw", layout: ParallelConfig | None = None):
+    model = GPT(cfg, ps, seed=3, parallel=layout)
     train = TrainConfig(precision=precision, zero_stage=zero_stage, grad_clip=0.5,
                         optimizer=optimizer, muon=MuonConfig(ns_dtype="fp32"))
     return build_engine(model, train, ps, ParallelConfig(dp_bucket_mb=BUCKET_MB,
@@ -107,11 +107,10 @@ def check_same_training(name: str, world_layout: dict, micro: int, precision: st
                         reduce: str = "fp32", optimizer: str = "adamw") -> dict:
     cfg = MODELS[name]
     layout = ParallelConfig(**world_layout)
-    ps = ParallelState.from_world(layout.tp, sequence_parallel=layout.sequence_parallel,
-                                  pipeline=layout)
+    ps = ParallelState.from_world(layout.tp, pipeline=layout)
     runs, sizes = {}, {}
     for stage in (0, 1):
-        engine = make_engine(cfg, ps, stage, precision, reduce, optimizer)
+        engine = make_engine(cfg, ps, stage, precision, reduce, optimizer, layout)
         assert isinstance(engine, DistributedOptimizer) == (stage == 1)
         runs[stage] = train(engine, cfg, ps, STEPS, micro, layout.pp_schedule)
         sizes[stage] = state_bytes(engine)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 
+from megalite.config import ParallelConfig
 from megalite.model import GPT
 from megalite.model.layout import sequence_layout
 from megalite.parallel.state import ParallelState
@@ -117,7 +118,8 @@ def check_flex_equals_dense_at_tp2():
         cfg = config(name, 13)
         batch = packed_batch(cfg.vocab_size, 13)
         flex_equals_dense(cfg, ParallelState.from_world(2), batch)
-        flex_equals_dense(cfg, ParallelState.from_world(2, sequence_parallel=True), unmasked(batch))
+        flex_equals_dense(cfg, ParallelState.from_world(2), unmasked(batch),
+                          parallel=ParallelConfig(tp=2, sequence_parallel=True))
         flex_equals_dense(dataclasses.replace(cfg, dropout=0.2), ParallelState.from_world(2),
                           batch, exact=True)
 

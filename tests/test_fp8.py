@@ -68,7 +68,7 @@ def check_pair(recipe: str, sp: bool, reduce: bool):
     slices)."""
     if not reduce:
         matmul.Splits.of = lambda self, dims: ()
-    ps = ParallelState.from_world(2, sequence_parallel=sp)
+    ps = ParallelState.from_world(2)
     r = ps.tp_rank
     x, grad = randn(2, 16, 64, seed=1) * 3, randn(2, 16, 64, seed=2)
     ref = run_pair(SINGLE, recipe, x, grad, False)

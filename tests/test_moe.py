@@ -94,14 +94,13 @@ def total(x: torch.Tensor, *groups) -> torch.Tensor:
 def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: dict,
                    scores: list[float] | None = None, recompute: bool = False):
     cfg = with_changes(MOE[config], overrides)
-    ps = ParallelState.from_world(parallel.tp, sequence_parallel=parallel.sequence_parallel,
-                                  pipeline=parallel)
+    ps = ParallelState.from_world(parallel.tp, pipeline=parallel)
     ids, mask, labels = padded_batch(cfg, side, lengths=LENGTHS)
     scale = 1.0 / (labels != -100).sum()
     rows = len(ids) // ps.dp_size
     chunk = lambda d: tuple(t[d * rows:(d + 1) * rows] for t in (ids, mask, labels))  # noqa: E731
     single = GPT(cfg, ParallelState(), seed=3)
-    model = GPT(cfg, ps, seed=3, activation_checkpointing=recompute)
+    model = GPT(cfg, ps, seed=3, activation_checkpointing=recompute, parallel=parallel)
     if scores is not None:
         force_routing(single, scores)
         force_routing(model, scores)
@@ -113,7 +112,7 @@ def check_moe_step(config: str, parallel: ParallelConfig, side: str, overrides: 
     if group_size(ps.grad_group) > 1:
         dist.all_reduce(loss, group=ps.grad_group)
         dist.all_reduce(aux, group=ps.grad_group)
-    if ps.sequence_parallel and ps.tp_size > 1:  # each TP rank routed its own shard
+    if parallel.sequence_parallel and ps.tp_size > 1:  # each TP rank routed its own shard
         dist.all_reduce(aux, group=ps.tp_group)
     assert_close(loss, ref_loss, **TOL)
     assert_close(aux, ref_aux, **TOL)

@@ -72,8 +72,9 @@ def model_config(name: str):
     return CONFIGS[name].__class__(**{**vars(CONFIGS[name]), "n_layers": LAYERS})
 
 
-def engine_for(cfg, ps: ParallelState, recompute: bool = False, seed: int = 7) -> tuple[GPT, NativeEngine]:
-    model = GPT(cfg, ps, seed=seed, activation_checkpointing=recompute)
+def engine_for(cfg, ps: ParallelState, recompute: bool = False, seed: int = 7,
+               parallel: ParallelConfig | None = None) -> tuple[GPT, NativeEngine]:
+    model = GPT(cfg, ps, seed=seed, activation_checkpointing=recompute, parallel=parallel)
     return model, NativeEngine(model, TrainConfig(precision="fp32", grad_clip=1.0), ps)
 
 
@@ -102,10 +103,10 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp:
     cfg = model_config(name)
     layout = ParallelConfig(tp=tp, pp=pp, pp_schedule=schedule, virtual_stages=virtual,
                             sequence_parallel=sp)
-    ps = ParallelState.from_world(tp, sequence_parallel=sp, pipeline=layout)
+    ps = ParallelState.from_world(tp, pipeline=layout)
 
     # One step: logits on the last stage and every gradient on every stage.
-    model, engine = engine_for(cfg, ps, recompute)
+    model, engine = engine_for(cfg, ps, recompute, parallel=layout)
     batch = global_batch(cfg, 0, packed)
     n_tokens = batch.target_count().float()
     mine = micro_batches(batch, ps)
@@ -125,7 +126,7 @@ def check_pipeline(name: str, tp: int, pp: int, schedule: str, virtual: int, sp:
                      **TOL, msg=lambda m: f"{pname}: {m}")
 
     # STEPS optimizer steps from a fresh start: the same losses.
-    model, engine = engine_for(cfg, ps, recompute)
+    model, engine = engine_for(cfg, ps, recompute, parallel=layout)
     for step, (ref_loss, ref_norm) in enumerate(ref["steps"]):
         batch = global_batch(cfg, step, packed)
         engine.set_lr(3e-3)
@@ -173,7 +174,7 @@ def check_checkpoint_across_pipelines(directory: str) -> None:
     layouts = [(1, pp4), (1, ParallelConfig(pp=2)), (2, ParallelConfig(tp=2, pp=2)), (1, pp4)]
     for step, (tp, parallel) in enumerate(layouts):
         ps = ParallelState.from_world(tp, pipeline=parallel)
-        model, engine = engine_for(cfg, ps, seed=7 if step == 0 else 99)
+        model, engine = engine_for(cfg, ps, seed=7 if step == 0 else 99, parallel=parallel)
         if step:
             load_checkpoint(Path(directory) / "checkpoints" / f"step_{step:08d}", model, ps)
         for name, p in model.named_parameters():

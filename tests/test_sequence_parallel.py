@@ -69,9 +69,9 @@ def logits_loss_grads(model: GPT, batch, ps: ParallelState) -> tuple:
 def check_sequence_parallel_is_exact(config_name: str, tp: int, seed: int = 3):
     cfg = CONFIGS[config_name]
     layouts = {"single process": ParallelState(), "SP off": ParallelState.from_world(tp)}
-    sp = ParallelState.from_world(tp, sequence_parallel=True)
+    sp, on = ParallelState.from_world(tp), ParallelConfig(tp=tp, sequence_parallel=True)
     for batch_name, batch in batches(cfg).items():
-        logits, loss, grads = logits_loss_grads(GPT(cfg, sp, seed=seed), batch, sp)
+        logits, loss, grads = logits_loss_grads(GPT(cfg, sp, seed=seed, parallel=on), batch, sp)
         real = batch[3] != -100
         for ref_name, ps in layouts.items():
             ref_logits, ref_loss, ref_grads = logits_loss_grads(GPT(cfg, ps, seed=seed), batch, ps)
@@ -94,9 +94,9 @@ def test_sequence_parallel_equals_tensor_parallel_and_one_process(config_name, t
 
 
 def check_dropout_on_shards():
-    ps = ParallelState.from_world(2, sequence_parallel=True)
+    ps = ParallelState.from_world(2)
     cfg = dataclasses.replace(CONFIGS["llama"], dropout=0.5)  # rotary: no position table
-    model = GPT(cfg, ps, seed=4).train()
+    model = GPT(cfg, ps, seed=4, parallel=ParallelConfig(tp=2, sequence_parallel=True)).train()
     entering = []
     model.blocks[0].register_forward_pre_hook(lambda module, args: entering.append(args[0].detach()))
     # Both shards hold the same tokens, so they are equal up to the embedding's dropout.
@@ -119,13 +119,13 @@ def test_each_rank_drops_its_shard_with_its_own_mask():
 
 
 def check_recompute_replays_sequence_parallel_dropout(config_name: str):
-    ps = ParallelState.from_world(2, sequence_parallel=True)
+    ps, sp = ParallelState.from_world(2), ParallelConfig(tp=2, sequence_parallel=True)
     cfg = dataclasses.replace(CONFIGS[config_name], dropout=0.2)
     for name, (ids, mask, docs, labels) in batches(cfg).items():
         grads = []
         for recompute in (False, True):
             torch.manual_seed(1)
-            model = GPT(cfg, ps, seed=4, activation_checkpointing=recompute).train()
+            model = GPT(cfg, ps, seed=4, activation_checkpointing=recompute, parallel=sp).train()
             model(ids, attention_mask=mask, doc_ids=docs, labels=labels).token_losses.sum().backward()
             grads.append({n: p.grad for n, p in model.named_parameters()})
         for param, grad in grads[0].items():
@@ -134,7 +134,7 @@ def check_recompute_replays_sequence_parallel_dropout(config_name: str):
     # A few steps of training with dropout and recomputation: the replicated parameters stay
     # identical on both TP ranks (their gradients are whole on each), and the loss goes down.
     torch.manual_seed(1)
-    model = GPT(cfg, ps, seed=4, activation_checkpointing=True).train()
+    model = GPT(cfg, ps, seed=4, activation_checkpointing=True, parallel=sp).train()
     engine = NativeEngine(model, TrainConfig(lr=3e-3, warmup_steps=0), ps)
     ids, mask, _, labels = batches(cfg)["left, length 11"]
     losses = []
@@ -167,7 +167,8 @@ def check_bf16_autocast(config_name: str):
     ids, mask, _, labels = batches(cfg)["left, length 11"]
     results = []
     for sp in (False, True):
-        model = GPT(cfg, ParallelState.from_world(2, sequence_parallel=sp), seed=3)
+        model = GPT(cfg, ParallelState.from_world(2), seed=3,
+                    parallel=ParallelConfig(tp=2, sequence_parallel=sp))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(ids, attention_mask=mask, labels=labels).token_losses.sum()
         loss.backward()
@@ -189,18 +190,18 @@ def check_deepspeed_zero2_with_sequence_parallel():
     """ZeRO-2 with SP at TP2 x DP2 trains as the native engine without SP: the replicated
     parameters' gradients are summed over TP inside backward, before ZeRO partitions them."""
     from megalite.training.build import build_engine
-    sp = init_parallel(ParallelConfig(tp=2, sequence_parallel=True))
-    assert sp.sequence_parallel
-    plain = dataclasses.replace(sp, sequence_parallel=False)
+    sp = ParallelConfig(tp=2, sequence_parallel=True)
+    ps = init_parallel(sp)
     cfg = CONFIGS["gpt2"]
     train = TrainConfig(global_batch_size=4, micro_batch_size=1, grad_clip=0.05, warmup_steps=0)
-    engines = [NativeEngine(GPT(cfg, plain, seed=0), train, plain),
-               build_engine(GPT(cfg, sp, seed=0),
-                            dataclasses.replace(train, engine="deepspeed", zero_stage=2), sp)]
+    engines = [NativeEngine(GPT(cfg, ps, seed=0), train, ps),
+               build_engine(GPT(cfg, ps, seed=0, parallel=sp),
+                            dataclasses.replace(train, engine="deepspeed", zero_stage=2), ps)]
+    assert engines[1].model.tp.sharded and not engines[0].model.tp.sharded
     norms = [[], []]
     for step in range(3):
         for last in (False, True):
-            data = torch.Generator().manual_seed(100 * step + 10 * sp.dp_rank + last)
+            data = torch.Generator().manual_seed(100 * step + 10 * ps.dp_rank + last)
             ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=data)
             for engine in engines:
                 engine.backward(engine.module(ids, labels=ids).token_losses.sum() / 40, last=last)

@@ -37,8 +37,8 @@ VARIANTS = {**CONFIGS, "gpt2-gqa1": replaced(CONFIGS["gpt2"], "attention.n_kv_he
 
 def count_collectives(config_name: str, tp: int, sequence_parallel: bool = False) -> dict:
     cfg = VARIANTS[config_name]
-    ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel)
-    model = GPT(cfg, ps, seed=0)
+    ps = ParallelState.from_world(tp)
+    model = GPT(cfg, ps, seed=0, parallel=ParallelConfig(tp=tp, sequence_parallel=sequence_parallel))
     ids, mask, labels = padded_batch(cfg, "right")
     with CommLog(ps) as forward:
         loss = model(ids, labels=labels).token_losses.sum()

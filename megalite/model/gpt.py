@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
 from megalite.model.attention import Attention
 from megalite.model.latent_attention import LatentAttention
 from megalite.model.kv_cache import KVCache
@@ -135,21 +135,25 @@ class Layers(nn.ModuleDict):
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, pstate: ParallelState, seed: int = 0, init: bool = True,
-                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096):
+                 activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096,
+                 parallel: ParallelConfig | None = None):
         """init=False leaves the parameters unset, for a model whose every weight is loaded next
         (a checkpoint, Hugging Face weights): the TP-invariant init draws each full tensor on
         every rank, which is wasted there. activation_checkpointing: recompute each block's
         activations in backward instead of storing them (in training mode). loss_chunk_tokens:
-        tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp."""
+        tokens per chunk of the fused head + loss, whose logits are chunk x padded_vocab / tp.
+        parallel: the strategy on the mesh `pstate` (sequence parallelism, CP's K/V exchange,
+        the pipeline's stages); its sizes are the mesh's."""
         super().__init__()
         self.cfg, self.pstate = cfg, pstate
-        parallel = Contexts.of(pstate, pstate.sequence_parallel, pstate.cp_comm)
-        self.tp, self.split = parallel.tp, RankSplit(parallel.tp, parallel.cp, cfg.max_seq_len)
-        self.rng = TensorParallelRNG(seed, pstate.pp_rank * pstate.tp_size + pstate.tp_rank, pstate.device)
+        layout = parallel or ParallelConfig()
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
-                                pstate.virtual_stages, pstate.pp_layers)
+                                layout.virtual_stages, layout.pp_layers)
+        parallel = Contexts.of(pstate, layout.sequence_parallel, layout.cp_comm)
+        tp = self.tp = parallel.tp
+        self.split = RankSplit(tp, parallel.cp, cfg.max_seq_len)
+        self.rng = TensorParallelRNG(seed, pstate.pp_rank * pstate.tp_size + pstate.tp_rank, pstate.device)
         embeds, ends = any(c.is_first for c in self.chunks), any(c.is_last for c in self.chunks)
-        tp = parallel.tp
         with pstate.device:  # where the parts make their parameters and buffers
             self.embed = (VocabParallelEmbedding(cfg.padded_vocab, cfg.hidden, tp, init_std=cfg.init_std)
                           if embeds or (ends and cfg.tie_embeddings) else None)
@@ -219,7 +223,7 @@ class GPT(nn.Module):
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All vocab columns of `logits` (a collective over TP), the padding stripped."""
-        if self.pstate.tp_size > 1:
-            logits = all_gather(logits, -1, self.pstate.tp_group)
+        if self.tp.size > 1:
+            logits = all_gather(logits, -1, self.tp.group)
         return logits[..., : self.cfg.vocab_size]
 

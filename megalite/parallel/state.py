@@ -5,8 +5,8 @@ consecutive ranks, so with one process per GPU a TP group stays inside a node (N
 ranks of a TP rank are the next blocks (inside the node where tp x cp fits: their K/V traffic
 is every layer's), pipeline neighbours come after, and DP groups span the rest. Parameters are
 replicated over CP as over DP: their gradients are summed over both (`grad_group`).
-`sequence_parallel` says how activations are laid out over the TP group between its parallel
-regions: replicated, or split along the sequence (parallel.sequence_parallel).
+The mesh holds who is who and nothing of the strategy (sequence parallelism, CP's K/V
+exchange, the pipeline's stages): the model reads those from its ParallelConfig.
 """
 import math
 import os
@@ -30,22 +30,18 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: timedelta = timedelta(minutes=10)
-    sequence_parallel: bool = False
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
     # The first and last stage's ranks of this rank's pipeline, when it has more than one
     # stage: tied embeddings sum their two copies' gradients over it.
     embedding_group: dist.ProcessGroup | None = None
-    virtual_stages: int = 1
-    pp_layers: tuple[int, ...] | None = None
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
     # The CP x DP ranks of this TP rank and stage, over which gradients are summed (the DP
     # group when cp = 1).
     grad_group: dist.ProcessGroup | None = None
-    cp_comm: str = "all_gather"
     # Expert parallelism: blocks of ep consecutive ranks of grad_group each hold a share of
     # every MoE layer's experts (ep_group, tokens all-to-all); the ranks holding the same share
     # sum the experts' gradients (expert_grad_group: the CP x DP ranks / ep of them, and
@@ -73,14 +69,6 @@ class ParallelState:
         """This rank's index in `grad_group` (DP-major, CP-minor, as the group lists its ranks)."""
         return self.dp_rank * self.cp_size + self.cp_rank
 
-    @property
-    def token_group(self) -> dist.ProcessGroup | None:
-        """The ranks that hold parts of the same rows' tokens between the TP regions: CP's
-        shares, and with sequence parallelism TP's shards (consecutive ranks: tp x cp of them)."""
-        tp = self.tp_size if self.sequence_parallel else 1
-        # Without CP, tp x 1 consecutive ranks: block_group gives the TP group.
-        return self.cp_group if tp == 1 else self.block_group(tp * self.cp_size)
-
     def stage_rank(self, pp_rank: int) -> int:
         """The global rank that holds pipeline stage pp_rank (modulo pp) for this TP, CP and DP rank."""
         stage = self.dp_rank * self.pp_size + pp_rank % self.pp_size
@@ -92,7 +80,7 @@ class ParallelState:
 
     @classmethod
     def from_world(cls, tp: int, timeout: timedelta = timedelta(minutes=10),
-                   device: torch.device | None = None, sequence_parallel: bool = False,
+                   device: torch.device | None = None,
                    pipeline: ParallelConfig | None = None) -> "ParallelState":
         """Build the TP, DP and (pipeline's pp > 1) PP and (cp > 1) CP groups of an initialised
         torch.distributed world, on a layout the plan has checked (plan.py).
@@ -138,11 +126,8 @@ class ParallelState:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         return cls(tp_size=tp, tp_rank=tp_rank, dp_size=dp, dp_rank=dp_rank,
                    tp_group=tp_group, dp_group=dp_group, timeout=timeout, device=device,
-                   sequence_parallel=sequence_parallel, pp_size=pp, pp_rank=pp_rank,
-                   pp_group=pp_group, embedding_group=embedding_group,
-                   virtual_stages=pipeline.virtual_stages, pp_layers=pipeline.pp_layers,
+                   pp_size=pp, pp_rank=pp_rank, pp_group=pp_group, embedding_group=embedding_group,
                    cp_size=cp, cp_rank=cp_rank, cp_group=cp_group, grad_group=grad_group,
-                   cp_comm=pipeline.cp_comm,
                    ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
                    expert_grad_group=expert_grad_group)
 
@@ -185,14 +170,12 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
         torch.cuda.set_device(device)
     timeout = timedelta(minutes=parallel.timeout_minutes)
     if "WORLD_SIZE" not in os.environ:
-        return ParallelState(device=device, timeout=timeout,
-                             sequence_parallel=parallel.sequence_parallel)
+        return ParallelState(device=device, timeout=timeout)
     if not dist.is_initialized():
         check_restartable()
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout,
                                 device_id=device if use_cuda else None, **_attempt_store(timeout))
-    return ParallelState.from_world(parallel.tp, timeout, device, parallel.sequence_parallel,
-                                    parallel)
+    return ParallelState.from_world(parallel.tp, timeout, device, parallel)
 
 
 # torchrun's agents share one store with their workers unless this is set (torch 2.4+).

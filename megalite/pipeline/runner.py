@@ -29,7 +29,7 @@ class PipelineRun:
 
     def _address(self, route, a: Action) -> tuple[int, int]:
         """(global rank, tag) of a's message by `route` (schedules.message_in or message_out)."""
-        peer, tag = route(a, self.ps.pp_rank, self.ps.pp_size, self.ps.virtual_stages)
+        peer, tag = route(a, self.ps.pp_rank, self.ps.pp_size, len(self.model.chunks))
         return self.ps.stage_rank(peer), tag
 
     def incoming(self, a: Action) -> Message:
@@ -75,7 +75,7 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
     starts that chunk's DP buckets)."""
     run = PipelineRun(engine.model, batches, autocast, engine.module)
     ps = engine.model.pstate
-    steps = plan(schedule_name, ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches))
+    steps = plan(schedule_name, ps.pp_size, ps.pp_rank, len(engine.model.chunks), len(batches))
     last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
     held = {}  # (chunk, micro-batch) -> a forward's input and output, until its backward
     loss = torch.zeros((), device=n_tokens.device)
@@ -113,5 +113,5 @@ def forward_pipelined(model, batches: list, autocast, consume: Callable[[int, ob
         return out.hidden
 
     ps = model.pstate
-    run.run(plan("gpipe", ps.pp_size, ps.pp_rank, ps.virtual_stages, len(batches),
+    run.run(plan("gpipe", ps.pp_size, ps.pp_rank, len(model.chunks), len(batches),
                  forward_only=True), step)

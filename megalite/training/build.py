@@ -18,7 +18,7 @@ def build_model(cfg: Config, pstate: ParallelState, init: bool = True) -> GPT:
     seed_replicated_dropout(cfg.run.seed, pstate.pp_rank * pstate.dp_size + pstate.dp_rank)
     model = GPT(cfg.model, pstate, seed=cfg.run.seed, init=init,
                 activation_checkpointing=cfg.train.activation_checkpointing,
-                loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                loss_chunk_tokens=cfg.train.loss_chunk_tokens, parallel=cfg.parallel)
     chosen = convert_to_fp8(model, cfg.train.fp8, pstate)
     if cfg.train.fp8.recipe != "none" and pstate.is_main:  # 0 layers too: auto can keep them all
         print(describe_fp8(model, cfg.train.fp8, chosen, pstate), flush=True)

@@ -140,6 +140,6 @@ def moe_metrics(model, pstate: ParallelState, steps: int) -> dict:
     # load: whole micro-batches' counts, once per DP rank; parts: each rank's own tokens' share.
     all_reduce_over(load, pstate.dp_group, pstate.pp_group)
     all_reduce_over(parts, pstate.grad_group, pstate.pp_group,
-                    pstate.tp_group if pstate.sequence_parallel else None)
+                    model.tp.group if model.tp.sequence_parallel else None)
     return {"moe_aux_loss": parts[0].item() / steps, "moe_dropped": int(parts[1].item()),
             "moe_load": load.tolist()}

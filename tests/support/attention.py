@@ -82,13 +82,14 @@ def run(model: GPT, batch: tuple) -> tuple:
         name: p.grad for name, p in model.named_parameters()}
 
 
-def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False, seed: int = 3):
+def flex_equals_dense(cfg, ps: ParallelState, batch: tuple, exact: bool = False, seed: int = 3,
+                      parallel=None):
     """`exact`: bit for bit, for the dropout fallback, which runs the dense path itself."""
     results = []
     for flex in (False, True):
         with flex_on_cpu() if flex else nullcontext() as used:
             torch.manual_seed(seed)  # dropout: the same masks both times
-            results.append(run(GPT(cfg, ps, seed=seed), batch))
+            results.append(run(GPT(cfg, ps, seed=seed, parallel=parallel), batch))
         if flex:
             assert any(fn is torch_flex.flex_attention for fn, _ in used) == (not exact)
     (logits, losses, grads), (flex_logits, flex_losses, flex_grads) = results

@@ -16,11 +16,11 @@ NEW = 6  # tokens per generation: the prompt's forward, then 5 decoding steps of
 def check_cache_and_batching(tp: int, sequence_parallel: bool = False,
                              pipeline: ParallelConfig | None = None, n_layers: int = 2):
     distributed = tp > 1 or pipeline is not None
-    ps = (ParallelState.from_world(tp, sequence_parallel=sequence_parallel, pipeline=pipeline)
-          if distributed else ParallelState())
+    ps = ParallelState.from_world(tp, pipeline=pipeline) if distributed else ParallelState()
+    layout = dataclasses.replace(pipeline or ParallelConfig(), tp=tp, sequence_parallel=sequence_parallel)
     results = []
     for cfg in CONFIGS.values():
-        model = GPT(dataclasses.replace(cfg, n_layers=n_layers), ps, seed=3)
+        model = GPT(dataclasses.replace(cfg, n_layers=n_layers), ps, seed=3, parallel=layout)
         for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.9, 5, 0.9)):
             kw = dict(pad_id=PAD_ID, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
             cached = generate(model, PROMPTS[:1], NEW, **kw)
