@@ -120,7 +120,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
 
     watchdog = Watchdog(t.watchdog_s, run_dir, ps.rank, peers.table, peers.host) if t.watchdog_s else None
     with (CheckpointWriter(ps) as writer, Prefetcher(host_batches, range(start, t.max_steps)) as steps,
-          StepProfiler(t.profile_steps, run_dir, ps) as profiler, watchdog or nullcontext()):
+          StepProfiler(t.profile_steps, run_dir, ps.rank, ps.device) as profiler, watchdog or nullcontext()):
         def save(step: int) -> None:
             """Start saving step `step` (written in the background: see CheckpointWriter)."""
             meta = {"layout": layout_of(ps), "config": to_dict(cfg), **counted.counters(),

@@ -33,6 +33,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.doc_attention import FLEX_MIN_HEAD_DIM, block_mask_as_dense, flex
+from megalite.model.inputs import RankInputs
 from megalite.model.kv_cache import KVCache
 from megalite.model.layout import SequenceLayout
 from megalite.model.mlp import down_init_std
@@ -125,9 +126,7 @@ class Attention(HeadsAttention):
         """What a KV cache holds for this layer: this rank's K/V heads' keys and values."""
         return ((batch, self.kv_heads, max_len, self.head_dim),) * 2
 
-    def forward(self, x: torch.Tensor, layout: SequenceLayout,
-                rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
         # K and V come as two outputs of the interleaved kv_proj, [batch, seq, kv_heads, head_dim].
         q, k, v = fused_column_parallel(x, self.q_proj, self.kv_proj)
         # [batch, seq, heads, head_dim]: the whole sequence, also when x is a shard of it
@@ -135,7 +134,8 @@ class Attention(HeadsAttention):
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary[self.rope]), apply_rotary(k, *rotary[self.rope])
-        k, v = self._whole_rows(k, v, cache, dim=1)
-        return self._attend(q, k, v, layout)
+        if inputs.rotary is not None:
+            angles = inputs.rotary[self.rope]
+            q, k = apply_rotary(q, *angles), apply_rotary(k, *angles)
+        k, v = self._whole_rows(k, v, inputs.cache, dim=1)
+        return self._attend(q, k, v, inputs.layout)

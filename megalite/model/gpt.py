@@ -105,19 +105,17 @@ class Block(nn.Module):
         self.mlp_post_norm = Norm(cfg, tp) if cfg.norms.post_norms else None
         self.tp, self.rng, self.dropout = tp, rng, cfg.dropout
 
-    def forward(self, x, inputs: RankInputs, rotary, cache: KVCache | None = None,
-                loss_scale: torch.Tensor | float | None = None):
-        """x: the residual stream, or this rank's sequence shard of it (tp.sharded). loss_scale:
-        a training forward's (an MoE layer's balancing losses are scaled by it)."""
+    def forward(self, x, inputs: RankInputs):
+        """x: the residual stream, or this rank's sequence shard of it (tp.sharded)."""
         sp = self.tp.sharded
-        h = self.attn(self.attn_norm(x), inputs.layout, rotary, cache)
+        h = self.attn(self.attn_norm(x), inputs)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         # Residual dropout: the same mask on every TP rank for the replicated stream, its own
         # mask on each rank's shard (rng.dropout).
         x = x + self.rng.dropout(h, self.dropout, self.training, split=sp)
         h = self.mlp_norm(x)
-        h = self.mlp(h, inputs.tokens, loss_scale) if isinstance(self.mlp, MoE) else self.mlp(h)
+        h = self.mlp(h, inputs)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
         return x + self.rng.dropout(h, self.dropout, self.training, split=sp)
@@ -185,16 +183,17 @@ class GPT(nn.Module):
         model."""
         stage, inputs = self.chunks[chunk], self.split.inputs(input_ids, attention_mask, doc_ids,
                                                                 labels, cache)
+        inputs.loss_scale = loss_scale
+        inputs.rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
         with self.tp.splitting(inputs.sp):
             x = self._embed(inputs) if stage.is_first else hidden
-            rotary = self.rotary(inputs.layout.positions) if self.rotary is not None else None
             for block in (self.blocks[i] for i in stage.layers):
                 if self.activation_checkpointing and self.training:
                     # Recomputed in backward with tp.sharded at its default: a training forward's.
-                    x = checkpoint(block, x, inputs, rotary, loss_scale=loss_scale, use_reentrant=False,
+                    x = checkpoint(block, x, inputs, use_reentrant=False,
                                    context_fn=self.rng.recompute_contexts)
                 else:
-                    x = block(x, inputs, rotary, cache, loss_scale)
+                    x = block(x, inputs)
             if cache is not None and chunk == len(self.chunks) - 1:
                 cache.offset += inputs.seq  # every chunk of this rank has written at the same offset
             if not stage.is_last:

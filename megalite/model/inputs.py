@@ -30,12 +30,16 @@ class HiddenTokens:
 
 @dataclass
 class RankInputs:
+    """The one argument every part of a block takes besides the hidden states."""
     ids: torch.Tensor  # [batch, tokens]: this rank's (its CP share; padded to SP shards)
     labels: torch.Tensor | None  # the same tokens' labels, unpadded
     layout: SequenceLayout
     seq: int  # real tokens per row here: the ids past it pad to SP shards
     sp: bool  # the forward runs on sequence shards (TensorParallel.splitting)
     hidden_tokens: Callable[[], HiddenTokens]  # computed only if a layer asks (MoE)
+    cache: KVCache | None = None  # decoding: the keys and values before these tokens
+    loss_scale: torch.Tensor | float | None = None  # a training forward's (MoE's balancing losses)
+    rotary: dict | None = None  # cos and sin of the tokens' positions (model/positions.Rotary)
 
     @cached_property
     def tokens(self) -> HiddenTokens:
@@ -76,7 +80,7 @@ class RankSplit:
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
         return RankInputs(input_ids, labels, layout, seq, sp,
-                          partial(self._hidden_tokens, *whole, start, index, sp))
+                          partial(self._hidden_tokens, *whole, start, index, sp), cache)
 
     def _hidden_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        start: int, index: torch.Tensor | None, sp: bool) -> HiddenTokens:

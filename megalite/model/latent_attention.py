@@ -23,8 +23,7 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.model.attention import HeadsAttention
-from megalite.model.kv_cache import KVCache
-from megalite.model.layout import SequenceLayout
+from megalite.model.inputs import RankInputs
 from megalite.model.mlp import down_init_std
 from megalite.model.norm import Norm
 from megalite.model.positions import apply_rotary, yarn_scale
@@ -68,9 +67,7 @@ class LatentAttention(HeadsAttention):
         heads (GQA: kv_heads x head_dim twice)."""
         return (batch, 1, max_len, self.rank), (batch, 1, max_len, self.rope)
 
-    def forward(self, x: torch.Tensor, layout: SequenceLayout,
-                rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
         q, latent = fused_column_parallel(x, self.q_down or self.q_up, self.kv_down)
         if self.q_down is not None:
             q = self.q_up.project(self.q_norm(q))  # this rank's heads
@@ -78,10 +75,11 @@ class LatentAttention(HeadsAttention):
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = latent.split([self.rank, self.rope], dim=-1)
         c, k_rot = self.kv_norm(c).unsqueeze(1), k_rot.unsqueeze(1)  # [b, 1, s, .]
-        q_rot, k_rot = apply_rotary(q_rot, *rotary["global"]), apply_rotary(k_rot, *rotary["global"])
-        c, k_rot = self._whole_rows(c, k_rot, cache, dim=-1)  # the row's latents and rotary keys: small
+        angles = inputs.rotary["global"]
+        q_rot, k_rot = apply_rotary(q_rot, *angles), apply_rotary(k_rot, *angles)
+        c, k_rot = self._whole_rows(c, k_rot, inputs.cache, dim=-1)  # the row's latents and rotary keys: small
         kv = self.kv_up.project(c.squeeze(1))
         kv = kv.unflatten(-1, (self.heads, self.nope + self.v_dim)).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.heads, -1, -1)), dim=-1)
-        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, layout)
+        return self._attend(torch.cat((q_nope, q_rot), dim=-1), k, v, inputs.layout)

@@ -45,6 +45,7 @@ class MLP(nn.Module):
         self.fused_linears = [("gate", "up")] if self.gate is not None else []
         self.down = RowParallelLinear(ffn, cfg.hidden, tp, bias=cfg.bias, init_std=down_init_std(cfg))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs=None) -> torch.Tensor:
+        """inputs: this rank's (model/inputs.RankInputs), which a dense MLP does not read."""
         gate, up = fused_column_parallel(x, self.gate, self.up) if self.gate is not None else (None, self.up(x))
         return self.down(activate(self.activation, up, gate))

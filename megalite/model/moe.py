@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.model.inputs import HiddenTokens
+from megalite.model.inputs import RankInputs
 from megalite.model.mlp import MLP, activate, down_init_std
 from megalite.model.router import Router
 from megalite.parallel.expert_dispatch import ExpertExchange
@@ -93,12 +93,11 @@ class MoE(nn.Module):
         self.aux_loss = torch.zeros((), device=device)
         self.dropped = torch.zeros((), dtype=torch.long, device=device)
 
-    def forward(self, x: torch.Tensor, tokens: HiddenTokens,
-                loss_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
         """x: [batch, hidden_len, hidden], this rank's tokens (sequence shard under SP)."""
         batch, seq, hidden = x.shape
-        flat, k = x.reshape(-1, hidden), self.cfg.mlp.top_k
-        route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), loss_scale)
+        flat, k, tokens = x.reshape(-1, hidden), self.cfg.mlp.top_k, inputs.tokens
+        route = self.router(flat, tokens.real.flatten(), tokens.key.flatten(), inputs.loss_scale)
         # Kept copies (token t's choice j at t*k + j), sorted by expert, then by token and choice.
         copies = route.kept.flatten().nonzero().squeeze(1)
         expert_of = route.experts.flatten()[copies]

@@ -8,16 +8,14 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-
-from megalite.parallel.state import ParallelState
 
 
 class StepProfiler:
-    def __init__(self, window: tuple[int, int] | None, run_dir: Path, ps: ParallelState):
-        self.window, self.run_dir, self.rank = window, run_dir, ps.rank
-        cuda = ps.device.type == "cuda"
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    def __init__(self, window: tuple[int, int] | None, run_dir: Path, rank: int, device: torch.device):
+        self.window, self.run_dir, self.rank = window, run_dir, rank
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.tracing: profile | None = None
         self.steps: list[int] = []  # traced so far
 
