@@ -110,14 +110,13 @@ def train_with_amax_over(groups: str, argv: list[str]) -> int:
     """run_train with the amax reductions changed: 'none' (each rank its own amax), 'world'
     (every amax over the whole world), 'experts' (the experts' rows not reduced), 'tokens' (the
     dense layers' rows not reduced over CP or EP)."""
-    from megalite.model import moe
-    from megalite.parallel import layers
+    from megalite.parallel import contexts
     if groups in ("none", "world"):
         matmul.Splits.of = lambda self, dims: () if groups == "none" else (dist.group.WORLD,)
     elif groups == "experts":
-        moe.expert_token_groups = lambda pstate: ()
+        contexts.expert_token_groups = lambda pstate, sequence_parallel: ()
     else:
-        layers.token_groups = lambda pstate: ()
+        contexts.token_groups = lambda pstate: ()
     return run_train(argv)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from megalite.config import ParallelConfig
 from megalite.model import GPT
 from megalite.parallel.sharding import shard_of
 from megalite.parallel.state import ParallelState
@@ -35,7 +36,8 @@ def grads(model: GPT, ps: ParallelState) -> dict:
 
 def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False, **changes):
     cfg = dataclasses.replace(CONFIGS[config_name], **changes)
-    ps = ParallelState.from_world(tp, sequence_parallel=sequence_parallel) if tp > 1 else ParallelState()
+    ps = ParallelState.from_world(tp) if tp > 1 else ParallelState()
+    layout = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
     ids, mask, labels = padded_batch(cfg, "right")
     count = (labels != -100).sum()
     uniform = torch.full(labels.shape, 1.0 / count)
@@ -49,7 +51,7 @@ def check_head_loss(config_name: str, tp: int, sequence_parallel: bool = False, 
 
     tokens = ids.numel()
     for chunk in (7, 10 * tokens):  # uneven chunks; one chunk larger than the batch
-        model = GPT(cfg, ps, seed=1, loss_chunk_tokens=chunk)
+        model = GPT(cfg, ps, seed=1, loss_chunk_tokens=chunk, parallel=layout)
         out = model(ids, attention_mask=mask, labels=labels, loss_scale=1.0 / count)
         out.loss.backward()
         assert not out.token_losses.requires_grad

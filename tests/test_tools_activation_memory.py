@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, ParallelConfig
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
 from tests.support.harness import run_distributed
@@ -21,7 +21,8 @@ def measure_activation_bytes(tp: int) -> dict:
     ids = torch.randint(0, 128, (SHAPE["batch"], SHAPE["seq"]), generator=torch.Generator().manual_seed(0))
     per_layer = {}
     for sp in (False, True):
-        model = GPT(cfg, ParallelState.from_world(tp, sequence_parallel=sp), seed=0).train()
+        model = GPT(cfg, ParallelState.from_world(tp), seed=0,
+                    parallel=ParallelConfig(tp=tp, sequence_parallel=sp)).train()
         per_layer[sp] = saved_bytes_per_block(model, ids, labels=ids)
     return per_layer
 

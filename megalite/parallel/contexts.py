@@ -82,10 +82,7 @@ class ExpertParallel:
     # The ranks holding parts of the same rows' tokens between the TP regions (CP's shares, SP's
     # shards): the router counts tokens over them.
     token_group: object = None
-    # The groups over which an expert's rows, as one process would multiply them, are spread:
-    # TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every
-    # CP rank's rows to the expert (an EP group of whole CP groups).
-    expert_tokens: tuple = ()
+    expert_tokens: tuple = ()  # expert_token_groups
 
 
 @dataclass(frozen=True)
@@ -96,20 +93,29 @@ class Contexts:
 
     @classmethod
     def of(cls, ps, sequence_parallel: bool, cp_comm: str) -> "Contexts":
-        """The model's contexts on mesh `ps`. The rows of one process's micro-batch are spread at
-        a matmul over CP's sequence chunks, and EP's ranks, whose micro-batches the experts take
-        as one batch (one process with EP x the micro-batch equals the EP run). EP's ranks hold
-        whole CP groups, or lie inside one (fp8/convert.check_fp8_layout refuses the rest): the
-        larger group is the union."""
-        if group_size(ps.ep_group) > 1 and ps.ep_size % ps.cp_size == 0:
-            tokens = (ps.ep_group,)
-        else:
-            tokens = (ps.cp_group,) if group_size(ps.cp_group) > 1 else ()
-        tp = TensorParallel(ps.tp_group, ps.tp_rank, sequence_parallel, tokens, ps.block_group)
+        """The model's contexts on mesh `ps`."""
+        tp = TensorParallel(ps.tp_group, ps.tp_rank, sequence_parallel, token_groups(ps), ps.block_group)
         # Without CP, tp x 1 consecutive ranks: block_group gives the TP group.
         token_group = ps.block_group(ps.tp_size * ps.cp_size) if tp.sequence_parallel else ps.cp_group
-        shards = (ps.tp_group,) if sequence_parallel else ()
         ep = ExpertParallel(ps.ep_group, ps.ep_size, ps.ep_rank, token_group,
-                            shards + ((ps.cp_group,) if ps.ep_size == 1 else ()))
+                            expert_token_groups(ps, sequence_parallel))
         return cls(tp, ContextParallel(ps.cp_group, ps.cp_size, ps.cp_rank,
-                                               ps.cp_size > 1 and cp_comm == "p2p"), ep)
+                                       ps.cp_size > 1 and cp_comm == "p2p"), ep)
+
+
+def token_groups(ps) -> tuple:
+    """The group over which the rows of one process's micro-batch are spread at a matmul: CP's
+    sequence chunks, and EP's ranks, whose micro-batches the experts take as one batch (one
+    process with EP x the micro-batch equals the EP run). EP's ranks hold whole CP groups, or
+    lie inside one (fp8/convert.check_fp8_layout refuses the rest): the larger group is the union."""
+    if group_size(ps.ep_group) > 1 and ps.ep_size % ps.cp_size == 0:
+        return (ps.ep_group,)
+    return (ps.cp_group,) if group_size(ps.cp_group) > 1 else ()
+
+
+def expert_token_groups(ps, sequence_parallel: bool) -> tuple:
+    """The groups over which an expert's rows, as one process would multiply them, are spread:
+    TP's sequence shards under SP, and CP's chunks unless EP's dispatch already brings every CP
+    rank's rows to the expert (an EP group of whole CP groups)."""
+    shards = (ps.tp_group,) if sequence_parallel else ()
+    return shards + ((ps.cp_group,) if ps.ep_size == 1 else ())
