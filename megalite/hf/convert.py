@@ -40,8 +40,7 @@ ARCHITECTURES = {arch.NAME: arch for arch in (gpt2, llama, mistral, qwen2, qwen3
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     from megalite.training.checkpoint_dirs import not_a_checkpoint
-    wrong = not_a_checkpoint(ckpt)
-    if wrong:
+    if wrong := not_a_checkpoint(ckpt):
         raise ConfigError(wrong)
     return saved_model_config(json.loads((Path(ckpt) / "meta.json").read_text()))
 
@@ -172,8 +171,7 @@ def import_hf(hf_dir: Path, ckpt: Path, eos_token: str | None = None) -> ModelCo
         tokenizer = load_tokenizer(hf_dir, eos_token)
         check_tokenizer_matches(tokenizer, cfg, hf_dir)
         present = set(weights.keys())
-        missing = [k for k in weights.recipe if k not in present]
-        if missing:
+        if missing := [k for k in weights.recipe if k not in present]:
             raise ConfigError(f"'{hf_dir}' lacks the tensors of {missing[:4]}: it does not hold "
                               f"the model its config.json describes")
         ckpt.mkdir(parents=True, exist_ok=True)

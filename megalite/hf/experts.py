@@ -27,9 +27,7 @@ def moe_recipe(cfg: ModelConfig, moe: str = "mlp", names: dict[str, str] = QWEN,
     gate.e_score_correction_bias)."""
     mlp = Dense(ffn_hidden=cfg.mlp.ffn_hidden, activation=cfg.mlp.activation)
     out = llama.recipe(dataclasses.replace(cfg, mlp=mlp), **dense)
-    for i in range(cfg.n_layers):
-        if not cfg.is_moe_layer(i):
-            continue
+    for i in filter(cfg.is_moe_layer, range(cfg.n_layers)):
         m, l = f"blocks.{i}.mlp.", f"model.layers.{i}.{moe}."
         for ours, theirs in names.items():
             del out[f"{m}{ours}.weight"]

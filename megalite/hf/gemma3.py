@@ -42,9 +42,9 @@ DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_windo
 def config_from_hf(hf: dict) -> ModelConfig:
     hf = {**DEFAULTS, **hf}
     # transformers' rule without layer_types: every sliding_window_pattern-th layer global
-    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    # (DEFAULTS give every config.json a sliding_window_pattern)
     sliding, problems = llama.sliding_from_hf(hf, [
-        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        "full_attention" if (i + 1) % hf["sliding_window_pattern"] == 0 else "sliding_attention"
         for i in range(hf["num_hidden_layers"])])
     if not hf["tie_word_embeddings"]:
         problems.append("tie_word_embeddings=false (Gemma 3's head is its embedding)")

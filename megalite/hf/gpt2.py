@@ -5,7 +5,7 @@ and V into one c_attn of [h, 3h] whose output columns are [q | k | v], each head
 """
 from megalite.config import Dense, ModelConfig, Norms
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
-from megalite.typed_config import ConfigError
+from megalite.typed_config import ConfigError, failing
 
 ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 
@@ -38,13 +38,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     # gelu_pytorch_tanh is gelu_new computed by a fused kernel: the same function.
     names = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
     activation = names.get(hf.get("activation_function", "gelu_new"))
-    problems = [] if activation else [f"activation_function {hf['activation_function']!r}"]
-    if hf.get("scale_attn_by_inverse_layer_idx"):
-        problems.append("scale_attn_by_inverse_layer_idx (attention scaled per layer)")
-    if not hf.get("scale_attn_weights", True):
-        problems.append("scale_attn_weights=false (unscaled attention)")
-    if not hf.get("tie_word_embeddings", True):
-        problems.append("tie_word_embeddings=false")
+    problems = failing(
+        (activation, f"activation_function {hf.get('activation_function')!r}"),
+        (not hf.get("scale_attn_by_inverse_layer_idx"),
+         "scale_attn_by_inverse_layer_idx (attention scaled per layer)"),
+        (hf.get("scale_attn_weights", True), "scale_attn_weights=false (unscaled attention)"),
+        (hf.get("tie_word_embeddings", True), "tie_word_embeddings=false"))
     if problems:
         raise ConfigError("unsupported GPT-2 checkpoint: " + "; ".join(problems))
     return ModelConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],

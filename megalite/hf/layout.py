@@ -96,9 +96,7 @@ class MegaliteView:
         """The whole megalite tensor's shape; a ConfigError if the Hugging Face tensors do not
         have the shapes the config gives them."""
         rest = None
-        for part in self.recipe[name]:
-            if part.name is None:
-                continue
+        for part in (p for p in self.recipe[name] if p.name is not None):  # zeros have no shape
             stored = self.source.shape(part.name)
             if part.stacked:
                 other, fits = tuple(stored), True

@@ -7,7 +7,7 @@ from typing import Callable
 
 from megalite.config import ModelConfig
 from megalite.hf.layout import Recipe, kv_interleaved, padded, whole
-from megalite.typed_config import ConfigError, from_dict, merged
+from megalite.typed_config import ConfigError, failing, from_dict, merged
 
 NAME = "LlamaForCausalLM"
 # Llama's shape, which the decoders below start from (hf/expressible.py): GQA, rotary (and its
@@ -39,14 +39,12 @@ def config_from_hf(hf: dict, family: str = "Llama", problems: list[str] = (), **
     mappings, merged into Llama's); a ConfigError naming what megalite cannot compute, `problems`
     first."""
     rope, problems = rope_from_hf(hf, list(problems))
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        problems.append("attention_bias / mlp_bias")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r}")
-    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's released fp8 blocks and their scales
-        method = hf["quantization_config"].get("quant_method", "?")
-        problems.append(f"quantization_config ({method}: megalite reads unquantized weights; "
-                        f"dequantize to bf16 first)")
+    quantized = hf.get("quantization_config") or {}  # e.g. DeepSeek-V3's released fp8 blocks and their scales
+    problems += failing(
+        (not (hf.get("attention_bias") or hf.get("mlp_bias")), "attention_bias / mlp_bias"),
+        (hf.get("hidden_act", "silu") == "silu", f"hidden_act {hf.get('hidden_act')!r}"),
+        (not quantized, f"quantization_config ({quantized.get('quant_method', '?')}: megalite reads "
+                        f"unquantized weights; dequantize to bf16 first)"))
     if problems:
         raise ConfigError(f"unsupported {family} checkpoint: " + "; ".join(problems))
     heads = hf["num_attention_heads"]
@@ -68,11 +66,9 @@ def sliding_from_hf(hf: dict, default_types: list[str]) -> tuple[dict, list[str]
     of a config.json: its `layer_types`, or where it has none the family's `default_types`
     (transformers' rule for its older configs)."""
     window = hf.get("sliding_window")
-    if window is None:
-        return {}, []
     types = hf.get("layer_types") or default_types
     sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding):
+    if window is None or not any(sliding):
         return {}, []
     # the first full-attention layer's number (a first layer of full attention fails the check)
     pattern = 1 if all(sliding) else sliding.index(False) + 1
