@@ -207,7 +207,7 @@ class Experts:
             (g >= 1 and e % g == 0 and (g == 1 or e // g >= 2),
              f"model.mlp.groups={g} must divide model.mlp.experts={e} into groups of 2 "
              f"or more (a group is ranked by its two best scores), or be 1"),
-            # (groups >= 1 here: the first test)
+            # e // g is read only where 1 <= topk_groups <= g already holds: g >= 1
             (1 <= self.topk_groups <= g and (g == 1 or self.top_k <= self.topk_groups * (e // g)),
              f"model.mlp.topk_groups={self.topk_groups} must be in [1, model.mlp.groups="
              f"{g}] and its groups hold model.mlp.top_k={self.top_k} experts"),
