@@ -6,7 +6,8 @@ import sys
 import time
 
 from megalite.command_args import PARSERS
-from megalite.failures import ERROR_PREFIX
+from megalite.failures import ERROR_PREFIX, CheckpointError, PeerLost
+from megalite.typed_config import ConfigError
 
 # name: (module, function, what it does in one line)
 COMMANDS = {
@@ -39,8 +40,7 @@ QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return dispatch("megalite", COMMANDS, sys.argv[1:] if argv is None else argv, MOVED, PARSERS,
-                    COMPUTING)
+    return dispatch("megalite", COMMANDS, sys.argv[1:] if argv is None else argv, MOVED, PARSERS, COMPUTING)
 
 
 def dispatch(prog: str, commands: dict, argv: list[str], moved: dict | None = None,
@@ -110,8 +110,6 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
     """Bad input is the user's to fix, not a crash: one line naming the value and the fix, and
     exit status 2. Every rank meets the same checks before any collective, so one rank's line
     says it for all (see report_error)."""
-    from megalite.failures import CheckpointError, PeerLost
-    from megalite.typed_config import ConfigError
     try:
         return entry(argv)
     except (ConfigError, CheckpointError) as err:  # CheckpointError: every rank, the failing one's reason

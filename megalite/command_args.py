@@ -20,8 +20,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     every option that has one (not None, False or empty) after its help."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        default = action.default
+        help_text, default = action.help or "", action.default
         if ("%(default)" not in help_text and default not in (None, argparse.SUPPRESS)
                 and default is not False and default != []):
             help_text += " (default: %(default)s)"

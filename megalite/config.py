@@ -199,18 +199,18 @@ class Experts:
     shared_gate: bool = False  # the shared experts scaled by sigmoid(g x) (Qwen2-MoE)
 
     def problems(self, model: ModelConfig) -> list[str]:
-        e, cf = self.experts, self.capacity_factor
+        e, g, cf = self.experts, self.groups, self.capacity_factor
         return failing(
             (e >= 1, f"model.mlp.experts={e} must be >= 1 (a dense model: model.mlp.kind=dense)"),
             (1 <= self.top_k <= e, f"model.mlp.top_k={self.top_k} must be in [1, model.mlp.experts={e}]"),
             (self.every >= 1, f"model.mlp.every={self.every} must be >= 1"),
-            (self.groups >= 1 and e % self.groups == 0 and (self.groups == 1 or e // self.groups >= 2),
-             f"model.mlp.groups={self.groups} must divide model.mlp.experts={e} into groups of 2 "
+            (g >= 1 and e % g == 0 and (g == 1 or e // g >= 2),
+             f"model.mlp.groups={g} must divide model.mlp.experts={e} into groups of 2 "
              f"or more (a group is ranked by its two best scores), or be 1"),
-            (1 <= self.topk_groups <= self.groups and (
-                self.groups == 1 or self.top_k <= self.topk_groups * (e // max(self.groups, 1))),
+            # e // g is read only where 1 <= topk_groups <= g already holds: g >= 1
+            (1 <= self.topk_groups <= g and (g == 1 or self.top_k <= self.topk_groups * (e // g)),
              f"model.mlp.topk_groups={self.topk_groups} must be in [1, model.mlp.groups="
-             f"{self.groups}] and its groups hold model.mlp.top_k={self.top_k} experts"),
+             f"{g}] and its groups hold model.mlp.top_k={self.top_k} experts"),
             (self.routed_scaling > 0, f"model.mlp.routed_scaling={self.routed_scaling} must be > 0"),
             (all(0 <= i < model.n_layers for i in self.dense_layers),
              f"model.mlp.dense_layers={list(self.dense_layers)} must name layers in "

@@ -35,8 +35,7 @@ def layout_problems(model: ModelConfig, parallel: ParallelConfig, world_size: in
     splittable = None if bad_values else model  # a model whose sizes are valid: what tp must divide
     problems += bad_values or _model_split_problems(model)
     if tp >= 1 and pp >= 1 and cp >= 1:
-        problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1,
-                                vocab)
+        problems += _tp_problem(splittable, tp, world_size, cp * pp, world_misfit and cp == pp == 1, vocab)
     if splittable is not None and tp >= 1 and parallel.sequence_parallel and model.max_seq_len % tp:
         # Inputs are padded to a multiple of tp to split them (model/gpt.py); the padded
         # length must still have positions.

@@ -6,10 +6,9 @@ Dotted overrides are parsed as YAML values and type-checked like the file; an un
 error naming the nearest valid one. `model` is a preset name, or a mapping whose optional
 `preset` key names the preset its other keys override.
 """
-import dataclasses
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -271,7 +270,7 @@ def flat(tree, prefix: str = "") -> dict:
 
 def to_dict(cfg: Config) -> dict:
     """As a checkpoint's meta.json holds it: tuples are lists there, so compare like with like."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    return json.loads(json.dumps(asdict(cfg)))
 
 
 def _resolve_preset(model) -> dict:

@@ -5,7 +5,6 @@ run resumes from and the schedule it keeps; and run.dir writable.
 Each runs on every rank from the same files, so a bad run stops everywhere with the same
 ConfigError and no rank is left waiting in a collective.
 """
-import dataclasses
 import json
 import math
 import os
@@ -57,10 +56,9 @@ def with_pretrained(cfg: Config, given: frozenset[str]) -> Config:
                           f"{', '.join(TRAINING_SETTINGS)} are this run's to choose")
     for key in set(named) & set(TRAINING_SETTINGS):
         model = replaced(model, key, ours[key])
-    data, tokenizer = cfg.data, source / "tokenizer.json"
-    if data.tokenizer == "bpe" and tokenizer.is_file():
-        data = dataclasses.replace(data, tokenizer=str(tokenizer))
-    return dataclasses.replace(cfg, model=model, data=data)
+    if cfg.data.tokenizer == "bpe" and (source / "tokenizer.json").is_file():
+        cfg = replaced(cfg, "data.tokenizer", str(source / "tokenizer.json"))
+    return replaced(cfg, "model", model)
 
 
 def with_tokenizer_vocab(cfg: Config, data: PreparedData) -> Config:

@@ -64,26 +64,22 @@ def variants(annotation: Any) -> dict[str, type]:
     return {typing.get_args(typing.get_type_hints(o)["kind"])[0]: o for o in options}
 
 
-def _variant(choices: dict[str, type], value: Any, key: str):
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping with a kind ({', '.join(choices)}), got {value!r}")
-    # Absent: the first variant, which is every variant section's default (config.py).
-    kind = value.get("kind", next(iter(choices)))
-    if kind not in choices:
-        raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")
-    for name in value:
-        owners = [k for k, cls in choices.items() if name in field_names(cls)]
-        if name not in field_names(choices[kind]) and owners:
-            raise ConfigError(f"{key}.{name} is a key of {key}.kind={' or '.join(owners)}, and "
-                              f"{key}.kind={kind}: set {key}.kind={owners[0]}, or leave it out")
-    return from_dict(choices[kind], {"kind": kind, **value}, f"{key}.")
-
-
 def coerce(annotation: Any, value: Any, key: str) -> Any:
     """Return `value` as `annotation`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(annotation)
     if choices := variants(annotation):
-        return _variant(choices, value, key)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping with a kind ({', '.join(choices)}), got {value!r}")
+        # Absent: the first variant, which is every variant section's default (config.py).
+        kind = value.get("kind", next(iter(choices)))
+        if kind not in choices:
+            raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(map(repr, choices))}")
+        for name in value:
+            owners = [k for k, cls in choices.items() if name in field_names(cls)]
+            if name not in field_names(choices[kind]) and owners:
+                raise ConfigError(f"{key}.{name} is a key of {key}.kind={' or '.join(owners)}, and "
+                                  f"{key}.kind={kind}: set {key}.kind={owners[0]}, or leave it out")
+        return from_dict(choices[kind], {"kind": kind, **value}, f"{key}.")
     if dataclasses.is_dataclass(annotation):
         return from_dict(annotation, value, f"{key}.")
     if origin is Literal:
