@@ -30,7 +30,6 @@ from megalite.data.docs import ArrayShard, DocSet, TokenStore
 from megalite.fp8.convert import fp8_layers
 from megalite.model import GPT
 from bench.activation_memory import formula_bytes_per_layer, saved_bytes_per_block
-from megalite.parallel.mappings import reduce_over_ranks
 from megalite.parallel.state import ParallelState, init_parallel
 from megalite.run_config import Config, load_config
 from megalite.training.build import build_engine, build_model, compile_settings
@@ -73,7 +72,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
     # The peak is that of the timed steps on CUDA (time_steps resets the counter before
     # them); on CPU, the process's peak RSS, model building and warm-up included.
     step_s, _ = time_steps(step, ps.device, warmup, steps, lambda: _barrier(ps))
-    step_s = reduce_over_ranks(step_s, ps)
+    step_s = ps.reduce_over_ranks(step_s)
     peak_bytes = peak_memory_bytes(ps)
 
     with CommLog(ps) as log:
@@ -86,7 +85,7 @@ def measure(cfg: Config, ps: ParallelState, warmup: int, steps: int, batch: str 
         activations = activation_bytes(cfg, model, batches[0], autocast)
         head_loss = head_loss_memory(model, step, ps.device)
     if ps.pp_size > 1:  # measured where the head is, on the last stage (None elsewhere: -1)
-        head_loss = {k: reduce_over_ranks(-1 if v is None else v, ps) for k, v in head_loss.items()}
+        head_loss = {k: ps.reduce_over_ranks(-1 if v is None else v) for k, v in head_loss.items()}
         head_loss = {k: None if v < 0 else int(v) for k, v in head_loss.items()}
 
     tokens_per_s = t.global_batch_size * seq / step_s

@@ -40,26 +40,6 @@ def all_reduce_over(x: torch.Tensor, *groups, op=dist.ReduceOp.SUM) -> torch.Ten
     return x
 
 
-def reduce_over_ranks(value: float, ps, op=dist.ReduceOp.MAX) -> float:
-    """The largest (or by `op`, say MIN) of every rank's value (ps: a ParallelState; a collective
-    over all ranks, when there are several): the slowest rank sets a step's time, the fullest
-    device its memory."""
-    x = torch.tensor([float(value)], dtype=torch.float64, device=ps.device)
-    if dist.is_initialized() and ps.world_size > 1:
-        dist.all_reduce(x, op=op)
-    return x.item()
-
-
-def gather_over_ranks(value, ps) -> list:
-    """Every rank's `value` (any picklable object), by rank (ps: a ParallelState; a collective
-    over all ranks, when there are several)."""
-    if not (dist.is_initialized() and ps.world_size > 1):
-        return [value]
-    everyone = [None] * ps.world_size
-    dist.all_gather_object(everyone, value)
-    return everyone
-
-
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     # Out of place: autograd may hand the same gradient tensor to several branches (an add
     # passes one tensor to both inputs), so reducing it in place would corrupt the others.

@@ -131,6 +131,24 @@ class ParallelState:
                    ep_size=ep, ep_rank=(dp_rank * cp + cp_rank) % ep, ep_group=ep_group,
                    expert_grad_group=expert_grad_group)
 
+    def reduce_over_ranks(self, value: float, op=dist.ReduceOp.MAX) -> float:
+        """The largest (or by `op`, say MIN) of every rank's value (a collective over all ranks,
+        when there are several): the slowest rank sets a step's time, the fullest device its
+        memory."""
+        x = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(x, op=op)
+        return x.item()
+
+    def gather_over_ranks(self, value) -> list:
+        """Every rank's `value` (any picklable object), by rank (a collective over all ranks,
+        when there are several)."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            return [value]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, value)
+        return everyone
+
     def block_group(self, size: int) -> dist.ProcessGroup | None:
         """The group of `size` consecutive ranks that contains this rank (size dividing the TP
         size, or a multiple of it).

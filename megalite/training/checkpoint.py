@@ -33,7 +33,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
-from megalite.parallel.mappings import gather_over_ranks
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
@@ -47,7 +46,7 @@ def _agree(error: BaseException | None, pstate: ParallelState, what: str, where:
     """A barrier that also tells every rank which rank failed its part and why, so that a rank
     whose disk is full does not leave the others waiting for it until the timeout, and each
     says the same thing."""
-    told = gather_over_ranks(_described(error, where) if error is not None else "", pstate)
+    told = pstate.gather_over_ranks(_described(error, where) if error is not None else "")
     for rank, said in enumerate(told):
         if said:  # the first rank that failed
             raise CheckpointError(f"{what} into '{where}' failed on rank {rank}: {said}; the previous "

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from megalite.config import ModelConfig
-from megalite.parallel.mappings import all_reduce_over, reduce_over_ranks
+from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.state import ParallelState
 
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name().
@@ -53,7 +53,7 @@ def peak_memory_bytes(ps: ParallelState) -> float:
         torch.cuda.reset_peak_memory_stats(ps.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return reduce_over_ranks(peak, ps)
+    return ps.reduce_over_ranks(peak)
 
 
 def peak_flops(device: torch.device) -> float | None:

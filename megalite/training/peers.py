@@ -13,7 +13,6 @@ from pathlib import Path
 from megalite.parallel.state import ParallelState
 from megalite.cli import forget_left, left_a_line
 from megalite.failures import PeerLost
-from megalite.parallel.mappings import gather_over_ranks
 
 
 class Peers:
@@ -21,7 +20,7 @@ class Peers:
         """A collective over the world: every rank's (host, pid)."""
         forget_left(pstate.rank)  # before the exchange: no peer looks before it is done
         self.host = socket.gethostname()
-        self.table: list[tuple[str, int]] = gather_over_ranks((self.host, os.getpid()), pstate)
+        self.table: list[tuple[str, int]] = pstate.gather_over_ranks((self.host, os.getpid()))
         self.step: int | None = None  # the step being trained (set by the loop), None: before
 
     def gone(self) -> list[int]:

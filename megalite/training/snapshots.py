@@ -37,7 +37,6 @@ from safetensors.torch import save
 
 from megalite.parallel.random import restore_run_rng
 from megalite.parallel.state import ParallelState
-from megalite.parallel.mappings import gather_over_ranks, reduce_over_ranks
 
 FILE = re.compile(r"step_(\d{8})\.rank_(\d+)\.safetensors$")
 
@@ -92,8 +91,8 @@ class Snapshots:
 
     def _holders(self) -> list[list[tuple[int, int]]]:
         """Every rank's whole files of this run, by rank (a collective)."""
-        return gather_over_ranks([(s, r) for s, r in self.held() if self._matches(self.path(s, r))],
-                                 self.pstate)
+        return self.pstate.gather_over_ranks([(s, r) for s, r in self.held()
+                                              if self._matches(self.path(s, r))])
 
     def newest_complete(self, holders: list[list[tuple[int, int]]] | None = None) -> int | None:
         """The newest step of which every rank's file is whole on some node (a collective
@@ -155,7 +154,7 @@ class Snapshots:
         cost, in a line. A collective: the ranks first agree on the newest complete snapshot,
         and each drops its older files."""
         self.finish()
-        complete = reduce_over_ranks(self._written, self.pstate, dist.ReduceOp.MIN)
+        complete = self.pstate.reduce_over_ranks(self._written, dist.ReduceOp.MIN)
         self._drop(lambda old: old < complete)
         tensors = {f"rng/{k}": v for k, v in rng.items()}
         tensors.update({f"model/{k}": v for k, v in model.state_dict().items()})
