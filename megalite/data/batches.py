@@ -138,9 +138,8 @@ class Mixture:
         """(source, sample) picks for evaluation: every sample of every source once (count None),
         or about `count` in proportion to the weights, each source's first samples in order and
         none twice (a small source is not repeated)."""
-        take = self.leading_counts(count)
         return np.concatenate([np.stack([np.full(t, s), np.arange(t)], axis=1)
-                               for s, t in enumerate(take)]).astype(np.int64)
+                               for s, t in enumerate(self.leading_counts(count))]).astype(np.int64)
 
     def leading_counts(self, count: int | None = None) -> list[int]:
         """How many of each source's samples leading_picks(count) takes."""
