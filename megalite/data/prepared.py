@@ -164,7 +164,15 @@ def load_data(cfg: DataConfig, in_run: bool = True,
     for s, (_, path) in zip(every, entries + [(0, cfg.val_path)]):
         for shard in s.store.shards:
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
-    _check_ids([s for s in every if s.tokenizer is None], info, cfg)
+    # Megatron data does not name its tokenizer: an id the given one lacks would train without
+    # a word. Each shard's largest id is scanned once and cached. Prepared directories need no
+    # scan: they carry the tokenizer they were made with.
+    for shard, facts in _facts([s for s in every if s.tokenizer is None], cfg, max_id=True):
+        if facts.max_id >= info.vocab_size:
+            raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
+                              f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
+                              f"{info.vocab_size} tokens (ids 0..{info.vocab_size - 1}): give "
+                              f"data.tokenizer=the tokenizer the data was made with")
     total = sum(w for w, _ in entries)
     train, val, dropped = [], [], [0]
     for (weight, path), s in zip(entries, stores):
@@ -227,18 +235,6 @@ def summary(info: TokenizerInfo, train: list[Source], val: list[Source]) -> dict
         sizes[f"{split}_documents"] = sum(len(s.docs) for s in sources)
         sizes[f"{split}_tokens"] = sum(s.docs.n_tokens for s in sources)
     return {"content": hashlib.sha256("|".join(parts).encode()).hexdigest()[:16], **sizes}
-
-
-def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> None:
-    """Megatron data does not name its tokenizer: an id the given one lacks would train without
-    a word. Each shard's largest id is scanned once and cached. Prepared directories need no
-    scan: they carry the tokenizer they were made with."""
-    for shard, facts in _facts(megatron, cfg, max_id=True):
-        if facts.max_id >= info.vocab_size:
-            raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
-                              f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
-                              f"{info.vocab_size} tokens (ids 0..{info.vocab_size - 1}): give "
-                              f"data.tokenizer=the tokenizer the data was made with")
 
 
 def _facts(stores: list[_Store], cfg: DataConfig, max_id: bool = False,

@@ -91,8 +91,7 @@ def main(argv: list[str]) -> int:
         check_eos_token(args.tokenizer, args.eos_token)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), PrepareSettings.named_in(args))
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
-        skipped = skipped_records(meta, f"{args.out}/meta.json")
-        if skipped:
+        if skipped := skipped_records(meta, f"{args.out}/meta.json"):
             print(f"prepare-data: {skipped}", file=sys.stderr)
         return 0
     data = prepare_for_run(load_config(args.config, args.overrides).data, in_run=False)
