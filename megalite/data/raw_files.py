@@ -12,8 +12,7 @@ SUPPORTED = ", ".join(SUFFIXES)
 
 
 def kind_of(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in SUFFIXES if name.endswith(s)), None)
+    return next((s for s in SUFFIXES if path.name.lower().endswith(s)), None)
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:

@@ -102,17 +102,14 @@ class RawChunk:
         return sum(map(len, self.records))
 
 
-# ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
-DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
-
-
 @contextmanager
 def _damage_named(path: Path):
     """A truncated or corrupt file's read error as one that names the file and the fix (only
     the readers' own errors reach it: a generator's consumer raises outside it)."""
     try:
         yield
-    except DAMAGED as err:
+    # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
+    except (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as err:
         raise ConfigError(f"'{path}' cannot be read to its end ({type(err).__name__}: {err}): "
                           f"the file is truncated or corrupt; fetch it again, or leave it out") from None
 
