@@ -181,8 +181,7 @@ class BatchOrder:
         its epoch q // n)."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
         n = np.asarray(self.sizes, dtype=np.int64)[source]
-        sample = permute(q % n, n, key_of(self.seed, q // n, source))
-        return np.stack([source, sample], axis=1)
+        return np.stack([source, permute(q % n, n, key_of(self.seed, q // n, source))], axis=1)
 
     def global_batch_picks(self, step: int) -> np.ndarray:
         return self.picks(np.arange(step * self.global_batch, (step + 1) * self.global_batch))

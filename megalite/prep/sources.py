@@ -53,8 +53,7 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
     # Read as text, a file whose columns (or first record's keys) are a conversation's and not
     # the text field would fail record by record: say what it is instead.
     names = schema.names if kind == ".parquet" else _first_keys(path)
-    shape = None if text_key in names else conversation_columns(names)
-    if shape is not None:
+    if text_key not in names and (shape := conversation_columns(names)) is not None:
         raise ConfigError(f"'{path}': these are conversations ({' and '.join(map(repr, shape))}, "
                           f"no text field '{text_key}'): add --chat-template auto "
                           f"(data.chat_template=auto) to render them with the --tokenizer's "
