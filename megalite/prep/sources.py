@@ -175,10 +175,8 @@ _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lz
 def _json_chunks(stream, raw) -> Iterator[RawChunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
-        if number == 1:
-            line = line.removeprefix(BOM)
-        lines.append(line)
-        size += len(line)
+        lines.append(line.removeprefix(BOM) if number == 1 else line)
+        size += len(lines[-1])
         if size >= CHUNK_BYTES:
             yield RawChunk(first, "json", lines, raw.tell())
             lines, size, first = [], 0, number + 1
