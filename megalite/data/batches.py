@@ -138,9 +138,8 @@ class Mixture:
         """(source, sample) picks for evaluation: every sample of every source once (count None),
         or about `count` in proportion to the weights, each source's first samples in order and
         none twice (a small source is not repeated)."""
-        take = self.leading_counts(count)
         return np.concatenate([np.stack([np.full(t, s), np.arange(t)], axis=1)
-                               for s, t in enumerate(take)]).astype(np.int64)
+                               for s, t in enumerate(self.leading_counts(count))]).astype(np.int64)
 
     def leading_counts(self, count: int | None = None) -> list[int]:
         """How many of each source's samples leading_picks(count) takes."""
@@ -182,8 +181,7 @@ class BatchOrder:
         its epoch q // n)."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
         n = np.asarray(self.sizes, dtype=np.int64)[source]
-        sample = permute(q % n, n, key_of(self.seed, q // n, source))
-        return np.stack([source, sample], axis=1)
+        return np.stack([source, permute(q % n, n, key_of(self.seed, q // n, source))], axis=1)
 
     def global_batch_picks(self, step: int) -> np.ndarray:
         return self.picks(np.arange(step * self.global_batch, (step + 1) * self.global_batch))

@@ -16,16 +16,15 @@ def assign(positions: np.ndarray, weights: list[float]) -> tuple[np.ndarray, np.
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
     source = np.full(positions.shape, len(w) - 1, dtype=np.int64)
     index = np.asarray(positions, dtype=np.int64).copy()
-    open_ = np.ones(positions.shape, dtype=bool)
+    where = np.arange(index.size)  # the positions no source has taken yet
     remaining = 1.0
     for s in range(len(w) - 1):
         share = min(1.0, w[s] / remaining)
-        q = index[open_]
+        q = index[where]
         before, after = np.floor(q * share), np.floor((q + 1) * share)
         take = after > before
-        where = np.flatnonzero(open_)
         source[where[take]] = s
         index[where] = np.where(take, before, q - after).astype(np.int64)
-        open_[where[take]] = False
+        where = where[~take]
         remaining -= w[s]
     return source, index

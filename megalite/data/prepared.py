@@ -68,8 +68,13 @@ class PreparedData:
     meta: dict
 
 
-@dataclass
-class RawBuild:
+class NotPrepared(Exception):
+    """A part of the data the cache lacks (RawBuild, MissingFacts), raised by load_data for
+    `megalite prepare-data` to make (prep/command.prepare_for_run)."""
+
+
+@dataclass(eq=False)  # (exceptions: each equal to itself alone, and hashable)
+class RawBuild(NotPrepared):
     """Raw files (data path `path`) to prepare into `target` in data.cache_dir."""
     files: list[Path]
     path: str
@@ -79,8 +84,8 @@ class RawBuild:
         return f"data path '{self.path}' prepared into {self.target}"
 
 
-@dataclass
-class MissingFacts:
+@dataclass(eq=False)
+class MissingFacts(NotPrepared):
     """Shards whose facts (shard_facts.py) the cache lacks."""
     shards: list
     max_id: bool
@@ -89,12 +94,6 @@ class MissingFacts:
     def name(self) -> str:
         return (f"the facts of {len(self.shards)} shards ({bin_path(self.shards[0].prefix)}, ...; "
                 f"largest id: {self.max_id}, longer than: {self.longer_than})")
-
-
-class NotPrepared(Exception):
-    def __init__(self, missing: list):
-        super().__init__(f"{len(missing)} parts of the data are not prepared")
-        self.missing = missing
 
 
 @dataclass
@@ -114,9 +113,9 @@ def data_for_run(cfg: DataConfig, tokenizer_from: str = "data.tokenizer") -> Pre
         try:
             return load_data(cfg, tokenizer_from=tokenizer_from)
         except NotPrepared as need:
-            missing = need.missing
+            missing = need
         _prepare(cfg, tokenizer_from)
-    raise ConfigError(f"data: {missing[0].name()} is still not prepared after 3 preparations: is "
+    raise ConfigError(f"data: {missing.name()} is still not prepared after 3 preparations: is "
                       f"something rewriting it while the run starts?")
 
 
@@ -143,7 +142,7 @@ def _prepare(cfg: DataConfig, tokenizer_from: str) -> None:
 
 def load_data(cfg: DataConfig, in_run: bool = True,
               tokenizer_from: str = "data.tokenizer") -> PreparedData:
-    """The data, read where it is prepared; NotPrepared lists what is not (yet).
+    """The data, read where it is prepared; what is not (yet) is raised (NotPrepared).
     in_run False: for `megalite prepare-data --config`, which prepares raw data of any size.
     tokenizer_from: the setting data.tokenizer came from, as errors name it."""
     entries = blend_entries(cfg)
@@ -164,7 +163,15 @@ def load_data(cfg: DataConfig, in_run: bool = True,
     for s, (_, path) in zip(every, entries + [(0, cfg.val_path)]):
         for shard in s.store.shards:
             check_dtype_holds(shard.dtype, info.vocab_size, f"data '{path}'")
-    _check_ids([s for s in every if s.tokenizer is None], info, cfg)
+    # Megatron data does not name its tokenizer: an id the given one lacks would train without
+    # a word. Each shard's largest id is scanned once and cached. Prepared directories need no
+    # scan: they carry the tokenizer they were made with.
+    for shard, facts in _facts([s for s in every if s.tokenizer is None], cfg, max_id=True):
+        if facts.max_id >= info.vocab_size:
+            raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
+                              f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
+                              f"{info.vocab_size} tokens (ids 0..{info.vocab_size - 1}): give "
+                              f"data.tokenizer=the tokenizer the data was made with")
     total = sum(w for w, _ in entries)
     train, val, dropped = [], [], [0]
     for (weight, path), s in zip(entries, stores):
@@ -229,25 +236,13 @@ def summary(info: TokenizerInfo, train: list[Source], val: list[Source]) -> dict
     return {"content": hashlib.sha256("|".join(parts).encode()).hexdigest()[:16], **sizes}
 
 
-def _check_ids(megatron: list[_Store], info: TokenizerInfo, cfg: DataConfig) -> None:
-    """Megatron data does not name its tokenizer: an id the given one lacks would train without
-    a word. Each shard's largest id is scanned once and cached. Prepared directories need no
-    scan: they carry the tokenizer they were made with."""
-    for shard, facts in _facts(megatron, cfg, max_id=True):
-        if facts.max_id >= info.vocab_size:
-            raise ConfigError(f"Megatron data '{bin_path(shard.prefix)}' holds token id "
-                              f"{facts.max_id}, but data.tokenizer '{cfg.tokenizer}' has "
-                              f"{info.vocab_size} tokens (ids 0..{info.vocab_size - 1}): give "
-                              f"data.tokenizer=the tokenizer the data was made with")
-
-
 def _facts(stores: list[_Store], cfg: DataConfig, max_id: bool = False,
            longer_than: int | None = None) -> list[tuple]:
     """(shard, its Facts) for each shard of the stores; NotPrepared where the cache lacks some."""
     shards = [shard for s in stores for shard in s.store.shards]
     found, missing = known_facts(shards, cfg.cache_dir, max_id, longer_than)
     if missing:
-        raise NotPrepared([MissingFacts(missing, max_id, longer_than)])
+        raise MissingFacts(missing, max_id, longer_than)
     return list(zip(shards, found))
 
 
@@ -327,7 +322,7 @@ def _raw(files: list[Path], cfg: DataConfig, given: TokenizerInfo | None, in_run
                               f"cores, `{_prepare_command(path, cfg, target.resolve())}`, then "
                               f"train with data.path={target.resolve()} (or this data.path again: the "
                               f"run finds it prepared there)")
-        raise NotPrepared([RawBuild(files, path, target)])
+        raise RawBuild(files, path, target)
     return _prepared([target], key)
 
 

@@ -12,8 +12,7 @@ SUPPORTED = ", ".join(SUFFIXES)
 
 
 def kind_of(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in SUFFIXES if name.endswith(s)), None)
+    return next((s for s in SUFFIXES if path.name.lower().endswith(s)), None)
 
 
 def expand_inputs(inputs: list[str]) -> list[Path]:
@@ -31,8 +30,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
                 found = [p for p in inside if kind_of(p)]
                 if not found:
                     raise ConfigError(f"input directory '{match}' holds no {SUPPORTED} files")
-                others = [str(p) for p in inside if not kind_of(p)]
-                if others:
+                if others := [str(p) for p in inside if not kind_of(p)]:
                     print(f"prepare-data: skipping {len(others)} files of '{match}' that are "
                           f"not {SUPPORTED}: {', '.join(others[:5])}{' ...' * (len(others) > 5)}",
                           file=sys.stderr)

@@ -19,7 +19,7 @@ class Counts:
     no_text: int = 0
     invalid_utf8: int = 0
     bad: list = field(default_factory=list)  # "line N: why", at most KEEP_BAD
-    # bad records per reason (reason_of); a dict, not a Counter, which dataclasses.asdict mangles
+    # bad records per reason (count_bad's); a dict, not a Counter, which dataclasses.asdict mangles
     reasons: dict = field(default_factory=dict)
 
     def count_bad(self, where: str, listed: str, why: str, kind: str, strict: bool) -> None:
@@ -29,7 +29,9 @@ class Counts:
             raise ConfigError(f"{where}: {why}; fix or drop it, or leave out --strict "
                               f"(data.strict) to skip and count such records")
         setattr(self, kind, getattr(self, kind) + 1)
-        reason = reason_of(why)
+        # Counted under its why without the detail after ' (' or ': ' (a JSON error's position,
+        # a record's keys, the template's own message), so reasons stay few.
+        reason = re.split(r" \(|: ", why, maxsplit=1)[0]
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         if len(self.bad) < KEEP_BAD:
             self.bad.append(f"{listed}: {why}")
@@ -50,12 +52,6 @@ def summed(counts: list[dict], keys: tuple = COUNT_KEYS) -> dict:
     (in the order first met; a shard an earlier version wrote has no reasons)."""
     return {**{key: sum(c.get(key, 0) for c in counts) for key in keys},
             "reasons": dict(sum((Counter(c.get("reasons", {})) for c in counts), Counter()))}
-
-
-def reason_of(why: str) -> str:
-    """What a bad record is counted under: its why without the detail after ' (' or ': ' (a
-    JSON error's position, a record's keys, the template's own message), so reasons stay few."""
-    return re.split(r" \(|: ", why, maxsplit=1)[0]
 
 
 def skipped_records(meta: dict, listed_in: str) -> str | None:

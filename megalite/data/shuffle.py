@@ -43,7 +43,6 @@ def permute(indices, n, key) -> np.ndarray:
     indices, n and key broadcast together (each element may have its own n and key)."""
     indices, n, key = np.broadcast_arrays(np.asarray(indices, dtype=np.int64),
                                           np.asarray(n, dtype=np.int64), np.asarray(key, dtype=np.uint64))
-    shape = indices.shape
     x = indices.ravel().astype(np.uint64)
     n, key = n.ravel().astype(np.uint64), key.ravel()
     bits = _bit_length(n - _ONE)
@@ -53,7 +52,7 @@ def permute(indices, n, key) -> np.ndarray:
     while len(walk):
         x[walk] = _feistel(x[walk], high[walk], low[walk], key[walk])
         walk = walk[x[walk] >= n[walk]]
-    return x.astype(np.int64).reshape(shape)
+    return x.astype(np.int64).reshape(indices.shape)
 
 
 def _feistel(x: np.ndarray, high: np.ndarray, low: np.ndarray, key: np.ndarray) -> np.ndarray:

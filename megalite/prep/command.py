@@ -28,17 +28,16 @@ def prepare_for_run(cfg: DataConfig, in_run: bool = True,
     while True:
         try:
             return load_data(cfg, in_run=in_run, tokenizer_from=tokenizer_from)
-        except NotPrepared as need:
-            for part in need.missing:
-                what = part.name()
-                tries[what] = tries.get(what, 0) + 1
-                if tries[what] > 3:  # prepared, yet still missing (rewritten meanwhile?): never loop
-                    raise ConfigError(f"data: {what} is still not prepared after 3 preparations: is "
-                                      f"something rewriting it while the run starts?")
-                if isinstance(part, RawBuild):
-                    build_raw(part, cfg)
-                elif isinstance(part, MissingFacts):
-                    write_missing_facts(part.shards, cfg.cache_dir, part.max_id, part.longer_than)
+        except NotPrepared as part:
+            what = part.name()
+            tries[what] = tries.get(what, 0) + 1
+            if tries[what] > 3:  # prepared, yet still missing (rewritten meanwhile?): never loop
+                raise ConfigError(f"data: {what} is still not prepared after 3 preparations: is "
+                                  f"something rewriting it while the run starts?")
+            if isinstance(part, RawBuild):
+                build_raw(part, cfg)
+            elif isinstance(part, MissingFacts):
+                write_missing_facts(part.shards, cfg.cache_dir, part.max_id, part.longer_than)
 
 
 def main(argv: list[str]) -> int:
@@ -91,8 +90,7 @@ def main(argv: list[str]) -> int:
         check_eos_token(args.tokenizer, args.eos_token)
         meta = prepare_directory(expand_inputs(args.input), Path(args.out), PrepareSettings.named_in(args))
         print(json.dumps({k: v for k, v in meta.items() if k != "shards"}, indent=1))
-        skipped = skipped_records(meta, f"{args.out}/meta.json")
-        if skipped:
+        if skipped := skipped_records(meta, f"{args.out}/meta.json"):
             print(f"prepare-data: {skipped}", file=sys.stderr)
         return 0
     data = prepare_for_run(load_config(args.config, args.overrides).data, in_run=False)

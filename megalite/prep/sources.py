@@ -53,8 +53,7 @@ def check_readable(path: Path, text_key: str, conversations: bool = False) -> No
     # Read as text, a file whose columns (or first record's keys) are a conversation's and not
     # the text field would fail record by record: say what it is instead.
     names = schema.names if kind == ".parquet" else _first_keys(path)
-    shape = None if text_key in names else conversation_columns(names)
-    if shape is not None:
+    if text_key not in names and (shape := conversation_columns(names)) is not None:
         raise ConfigError(f"'{path}': these are conversations ({' and '.join(map(repr, shape))}, "
                           f"no text field '{text_key}'): add --chat-template auto "
                           f"(data.chat_template=auto) to render them with the --tokenizer's "
@@ -102,17 +101,14 @@ class RawChunk:
         return sum(map(len, self.records))
 
 
-# ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
-DAMAGED = (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError)
-
-
 @contextmanager
 def _damage_named(path: Path):
     """A truncated or corrupt file's read error as one that names the file and the fix (only
     the readers' own errors reach it: a generator's consumer raises outside it)."""
     try:
         yield
-    except DAMAGED as err:
+    # ValueError: pyarrow's ArrowInvalid (a parquet file without its footer, or a bad page header).
+    except (EOFError, OSError, ValueError, zlib.error, lzma.LZMAError) as err:
         raise ConfigError(f"'{path}' cannot be read to its end ({type(err).__name__}: {err}): "
                           f"the file is truncated or corrupt; fetch it again, or leave it out") from None
 
@@ -179,10 +175,8 @@ _STREAMS = {".jsonl.gz": lambda raw: gzip.GzipFile(fileobj=raw), ".jsonl.xz": lz
 def _json_chunks(stream, raw) -> Iterator[RawChunk]:
     lines, size, first = [], 0, 1
     for number, line in enumerate(stream, 1):
-        if number == 1:
-            line = line.removeprefix(BOM)
-        lines.append(line)
-        size += len(line)
+        lines.append(line.removeprefix(BOM) if number == 1 else line)
+        size += len(lines[-1])
         if size >= CHUNK_BYTES:
             yield RawChunk(first, "json", lines, raw.tell())
             lines, size, first = [], 0, number + 1

@@ -59,9 +59,12 @@ class Workers:
         self.tickets = 0
 
     def submit(self, chunk: RawChunk, name: str) -> int:
-        self.queued.append((self.tickets, chunk, name))
+        if self.procs:
+            self.queued.append((self.tickets, chunk, name))
+            self._pump(timeout=0)
+        else:  # workers=0: here, now
+            self.done[self.tickets] = (True, _encode(chunk, name))
         self.tickets += 1
-        self._pump(timeout=0)
         return self.tickets - 1
 
     def result(self, ticket: int) -> tuple:
@@ -74,9 +77,6 @@ class Workers:
 
     def _pump(self, timeout: float | None) -> None:
         """Hand queued chunks to idle workers, then take the results ready within `timeout`."""
-        while not self.procs and self.queued:  # workers=0: here, now
-            ticket, chunk, name = self.queued.popleft()
-            self.done[ticket] = (True, _encode(chunk, name))
         while self.idle and self.queued:
             conn = self.idle.popleft()
             ticket, *task = self.queued.popleft()
