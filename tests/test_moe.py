@@ -232,3 +232,31 @@ def test_expert_parallel_layout_is_checked():
         with pytest.raises(ConfigError, match=rf"^{key} is a key of model.mlp.kind=moe, and "
                                               rf"model.mlp.kind=dense: set model.mlp.kind=moe"):
             load_config(None, ["model=tiny", setting])
+
+
+def decoded_logits(model: GPT) -> torch.Tensor:
+    """A prompt's forward, then three greedy steps off the KV cache: every step's whole logits."""
+    ids = torch.randint(0, model.cfg.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1))
+    cache, steps = model.eval().new_cache(4, 12), []
+    with torch.no_grad():
+        for _ in range(4):
+            steps.append(model.full_logits(model(ids, cache=cache).logits))
+            ids = steps[-1][:, -1:].argmax(-1)
+    return torch.cat([s.flatten(1) for s in steps], 1)
+
+
+def check_capacity_while_decoding(parallel: ParallelConfig) -> torch.Tensor:
+    cfg = with_changes(MOE["top2"], {"mlp.capacity_factor": 0.6})
+    return decoded_logits(GPT(cfg, ParallelState.from_world(parallel.tp, pipeline=parallel), seed=3,
+                              parallel=parallel))
+
+
+@pytest.mark.exactness
+def test_decoding_under_sequence_parallelism_counts_each_token_once():
+    """Decoding splits no sequence: the TP ranks hold the same tokens, and the capacity's queue
+    counts them once (counted over TP, the copies past capacity were dropped differently)."""
+    single = decoded_logits(GPT(with_changes(MOE["top2"], {"mlp.capacity_factor": 0.6}),
+                                ParallelState(), seed=3))
+    for logits in run_distributed(check_capacity_while_decoding, 2,
+                                  ParallelConfig(tp=2, sequence_parallel=True)):
+        assert_close(logits, single, **TOL)

@@ -60,8 +60,7 @@ class HeadsAttention(nn.Module):
         # only their part (split_heads): their gradients are summed over TP.
         self.heads, self.split_heads = cfg.n_heads // tp.size, tp.split_heads()
         self.window = cfg.window_of(layer)
-        self.cp_group = cp.group
-        self.ring = Ring(cp.group, torch.get_default_device()) if cp.ring else None
+        self.cp_group, self.ring = cp.group, None
 
     def _whole_rows(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                     dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +108,8 @@ class Attention(HeadsAttention):
         self.rope = "local" if self.window is not None and cfg.rotary and cfg.rotary.local_theta is not None else "global"
         # None: SDPA's head_dim ** -0.5
         self.scale = None if cfg.attention.query_pre_attn_scalar is None else cfg.attention.query_pre_attn_scalar ** -0.5
+        if cp.ring:  # built inside the model's device (GPT.__init__): its receive buffers' too
+            self.ring = Ring(cp.group, torch.get_default_device())
         column = partial(ColumnParallelLinear, cfg.hidden, tp=tp, init_std=cfg.init_std,
                          bias=cfg.bias or cfg.attention.qkv_bias)
         self.q_proj = column(cfg.n_heads * cfg.head_size)

@@ -147,7 +147,7 @@ class GPT(nn.Module):
         layout = parallel or ParallelConfig()
         self.chunks = chunks_of(cfg.n_layers, pstate.pp_size, pstate.pp_rank,
                                 layout.virtual_stages, layout.pp_layers)
-        parallel = Contexts.of(pstate, layout.sequence_parallel, layout.cp_comm)
+        parallel = Contexts.of(pstate, layout.sequence_parallel, layout.cp_comm, cfg.moe is not None)
         tp = self.tp = parallel.tp
         self.split = RankSplit(tp, parallel.cp, cfg.max_seq_len)
         self.rng = TensorParallelRNG(seed, pstate.pp_rank * pstate.tp_size + pstate.tp_rank, pstate.device)

@@ -78,7 +78,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel, rng: TensorParallelRNG):
         super().__init__()
         self.cfg, self.tp, self.ep_group, self.rng = cfg, tp, ep.group, rng
-        self.router = Router(cfg, tp, ep.token_group)
+        self.router = Router(cfg, tp, ep)
         self.experts = Experts(cfg, tp, ep)
         self.shared = MLP(cfg, tp, cfg.shared_ffn) if cfg.mlp.shared_experts else None
         self.shared_gate = new_param(1, cfg.hidden, std=cfg.init_std) if cfg.mlp.shared_gate else None

@@ -26,7 +26,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.parallel.init import new_param
-from megalite.parallel.contexts import TensorParallel
+from megalite.parallel.contexts import ExpertParallel, TensorParallel
 from megalite.parallel.mappings import all_gather, all_reduce_over, group_size
 
 
@@ -59,9 +59,9 @@ def group_limited(scores: torch.Tensor, groups: int, keep: int, k: int) -> torch
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, token_group):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, ep: ExpertParallel):
         super().__init__()
-        self.cfg, self.tp, self.token_group = cfg, tp, token_group
+        self.cfg, self.tp, self.ep = cfg, tp, ep
         self.weight = new_param(cfg.n_experts, cfg.hidden, std=cfg.init_std)
         # Added to the scores to pick experts, never to weigh them; moved by the trainer after
         # each step (update_expert_bias), not by gradients. A parameter so that checkpoints
@@ -94,6 +94,11 @@ class Router(nn.Module):
         aux = (self._losses(logits, scores, real, load, n_tokens) * loss_scale
                if loss_scale is not None and torch.is_grad_enabled() else None)
         return Routing(experts, weights, kept, load, aux)
+
+    @property
+    def token_group(self):
+        """Decoding splits nothing: every TP rank holds the same tokens, counted once."""
+        return self.ep.sharded_token_group if self.tp.sharded else self.ep.token_group
 
     def _queue_position(self, experts: torch.Tensor, real: torch.Tensor,
                         key: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,12 @@ from megalite.parallel.mappings import (copy_to_tensor_parallel_region, group_si
 
 
 class TensorParallel:
-    def __init__(self, group=None, rank: int = 0, sequence_parallel: bool = False,
+    def __init__(self, group=None, size: int = 1, rank: int = 0, sequence_parallel: bool = False,
                  token_groups: tuple = (), blocks=None):
         """token_groups: the groups over which the rows one process would multiply are spread
         (parallel/matmul.token_groups). blocks(n): the group of n consecutive ranks holding
         this rank (ParallelState.block_group): a slice held by n ranks."""
-        self.group, self.size, self.rank = group, group_size(group), rank
+        self.group, self.size, self.rank = group, size, rank
         # At tp=1 there is nothing to split: the same model, on the default generator.
         self.sequence_parallel = sequence_parallel and self.size > 1
         self.sharded = self.sequence_parallel
@@ -31,7 +31,7 @@ class TensorParallel:
     def split_heads(self) -> "TensorParallel":
         """For replicated weights applied to this rank's heads only (q/k norms, MLA's latent
         norms): their gradient is always this rank's part, summed over TP."""
-        return TensorParallel(self.group, self.rank, True, self.token_groups, self.blocks)
+        return TensorParallel(self.group, self.size, self.rank, True, self.token_groups, self.blocks)
 
     @contextmanager
     def splitting(self, sharded: bool):
@@ -79,9 +79,10 @@ class ExpertParallel:
     group: object = None
     size: int = 1
     rank: int = 0
-    # The ranks holding parts of the same rows' tokens between the TP regions (CP's shares, SP's
-    # shards): the router counts tokens over them.
+    # The ranks holding parts of the same rows' tokens between the TP regions (CP's shares, and
+    # SP's shards when the call is sharded): the router counts tokens over them.
     token_group: object = None
+    sharded_token_group: object = None
     expert_tokens: tuple = ()  # expert_token_groups
 
 
@@ -92,12 +93,14 @@ class Contexts:
     ep: ExpertParallel
 
     @classmethod
-    def of(cls, ps, sequence_parallel: bool, cp_comm: str) -> "Contexts":
-        """The model's contexts on mesh `ps`."""
-        tp = TensorParallel(ps.tp_group, ps.tp_rank, sequence_parallel, token_groups(ps), ps.block_group)
-        # Without CP, tp x 1 consecutive ranks: block_group gives the TP group.
-        token_group = ps.block_group(ps.tp_size * ps.cp_size) if tp.sequence_parallel else ps.cp_group
-        ep = ExpertParallel(ps.ep_group, ps.ep_size, ps.ep_rank, token_group,
+    def of(cls, ps, sequence_parallel: bool, cp_comm: str, moe: bool = False) -> "Contexts":
+        """The model's contexts on mesh `ps` (moe: the model has MoE layers, on any stage)."""
+        tp = TensorParallel(ps.tp_group, ps.tp_size, ps.tp_rank, sequence_parallel, token_groups(ps),
+                            ps.block_group)
+        # Without CP, tp x 1 consecutive ranks: block_group gives the TP group. Made by every rank
+        # of a model with experts, once, here: not for a dense model (an unused communicator).
+        sharded = ps.block_group(ps.tp_size * ps.cp_size) if tp.sequence_parallel and moe else ps.cp_group
+        ep = ExpertParallel(ps.ep_group, ps.ep_size, ps.ep_rank, ps.cp_group, sharded,
                             expert_token_groups(ps, sequence_parallel))
         return cls(tp, ContextParallel(ps.cp_group, ps.cp_size, ps.cp_rank,
                                        ps.cp_size > 1 and cp_comm == "p2p"), ep)
