@@ -245,9 +245,12 @@ def decoded_logits(model: GPT) -> torch.Tensor:
     return torch.cat([s.flatten(1) for s in steps], 1)
 
 
+def capacity_limited():
+    return with_changes(MOE["top2"], {"mlp.capacity_factor": 0.6})
+
+
 def check_capacity_while_decoding(parallel: ParallelConfig) -> torch.Tensor:
-    cfg = with_changes(MOE["top2"], {"mlp.capacity_factor": 0.6})
-    return decoded_logits(GPT(cfg, ParallelState.from_world(parallel.tp, pipeline=parallel), seed=3,
+    return decoded_logits(GPT(capacity_limited(), ParallelState.from_world(parallel.tp, pipeline=parallel), seed=3,
                               parallel=parallel))
 
 
@@ -255,8 +258,7 @@ def check_capacity_while_decoding(parallel: ParallelConfig) -> torch.Tensor:
 def test_decoding_under_sequence_parallelism_counts_each_token_once():
     """Decoding splits no sequence: the TP ranks hold the same tokens, and the capacity's queue
     counts them once (counted over TP, the copies past capacity were dropped differently)."""
-    single = decoded_logits(GPT(with_changes(MOE["top2"], {"mlp.capacity_factor": 0.6}),
-                                ParallelState(), seed=3))
+    single = decoded_logits(GPT(capacity_limited(), ParallelState(), seed=3))
     for logits in run_distributed(check_capacity_while_decoding, 2,
                                   ParallelConfig(tp=2, sequence_parallel=True)):
         assert_close(logits, single, **TOL)

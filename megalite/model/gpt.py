@@ -189,8 +189,7 @@ class GPT(nn.Module):
             x = self._embed(inputs) if stage.is_first else hidden
             for block in (self.blocks[i] for i in stage.layers):
                 if self.activation_checkpointing and self.training:
-                    # Recomputed in backward with tp.sharded at its default: a training forward's.
-                    x = checkpoint(block, x, inputs, use_reentrant=False,
+                    x = checkpoint(self._in_layout, block, x, inputs, use_reentrant=False,
                                    context_fn=self.rng.recompute_contexts)
                 else:
                     x = block(x, inputs)
@@ -201,6 +200,11 @@ class GPT(nn.Module):
             x = self.norm(x)
             losses = () if labels is None else self.head(x, inputs.labels, inputs.seq, loss_scale)
         return Output(partial(self._logits, x, inputs), *losses)
+
+    def _in_layout(self, block: Block, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
+        """block(x, inputs) in this call's layout: recomputed in backward, outside the forward."""
+        with self.tp.splitting(inputs.sp):
+            return block(x, inputs)
 
     def _logits(self, x: torch.Tensor, inputs: RankInputs) -> torch.Tensor:
         with self.tp.splitting(inputs.sp):  # read after the forward: its layout again

@@ -57,7 +57,7 @@ class RankSplit:
                cache: KVCache | None = None) -> RankInputs:
         """cache: the new tokens follow its cached ones; attention_mask, if given, then covers
         both (left-padded prompts)."""
-        tp, cp = self.tp.size, self.cp
+        shards, cp = self.tp.size, self.cp
         start, seq = (0 if cache is None else cache.offset), input_ids.shape[1]
         if start + seq > self.max_seq_len:
             raise ValueError(f"sequence length {start + seq} exceeds "
@@ -74,9 +74,9 @@ class RankSplit:
             labels = None if labels is None else labels[:, index]
         else:
             if sp:  # the mask, if any, marks the tokens appended as padding; a document of their own
-                input_ids = _pad_to_shards(input_ids, tp, 0)
-                attention_mask = _pad_to_shards(attention_mask, tp, 0)
-                doc_ids = _pad_to_shards(doc_ids, tp, -1)
+                input_ids = _pad_to_shards(input_ids, shards, 0)
+                attention_mask = _pad_to_shards(attention_mask, shards, 0)
+                doc_ids = _pad_to_shards(doc_ids, shards, -1)
             layout = (sequence_layout(input_ids, attention_mask, doc_ids) if cache is None
                       else cached_layout(input_ids, attention_mask, start))
         return RankInputs(input_ids, labels, layout, seq, sp,

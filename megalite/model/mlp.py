@@ -47,5 +47,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs=None) -> torch.Tensor:
         """inputs: this rank's (model/inputs.RankInputs), which a dense MLP does not read."""
-        gate, up = fused_column_parallel(x, self.gate, self.up) if self.gate is not None else (None, self.up(x))
+        if self.gate is not None:
+            gate, up = fused_column_parallel(x, self.gate, self.up)
+        else:
+            gate, up = None, self.up(x)
         return self.down(activate(self.activation, up, gate))

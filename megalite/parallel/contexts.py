@@ -20,7 +20,7 @@ class TensorParallel:
     def __init__(self, group=None, size: int = 1, rank: int = 0, sequence_parallel: bool = False,
                  token_groups: tuple = (), blocks=None):
         """token_groups: the groups over which the rows one process would multiply are spread
-        (parallel/matmul.token_groups). blocks(n): the group of n consecutive ranks holding
+        (token_groups below). blocks(n): the group of n consecutive ranks holding
         this rank (ParallelState.block_group): a slice held by n ranks."""
         self.group, self.size, self.rank = group, size, rank
         # At tp=1 there is nothing to split: the same model, on the default generator.
@@ -79,8 +79,9 @@ class ExpertParallel:
     group: object = None
     size: int = 1
     rank: int = 0
-    # The ranks holding parts of the same rows' tokens between the TP regions (CP's shares, and
-    # SP's shards when the call is sharded): the router counts tokens over them.
+    # The ranks holding parts of the same rows' tokens between the TP regions, over which the
+    # router counts tokens: CP's shares (token_group), and with SP's shards too when the call is
+    # sharded (sharded_token_group).
     token_group: object = None
     sharded_token_group: object = None
     expert_tokens: tuple = ()  # expert_token_groups
