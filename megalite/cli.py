@@ -122,8 +122,11 @@ def run_reporting_errors(entry, argv: list[str]) -> int:
         # without the launcher's line.
         restarts_left = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < \
             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-        if not leave_for_launcher(line, 1) or restarts_left:
+        # Printed before it is left for the launcher: once the line is there, the agent stops
+        # this rank (SIGTERM, this run's handler gone by now) before a print after it.
+        if restarts_left or ERROR_DIR not in os.environ:
             print(line, file=sys.stderr, flush=True)
+        leave_for_launcher(line, 1)
         return 1
     except KeyboardInterrupt:  # Ctrl-C where no run handles it (a run: training/preemption.py)
         if os.environ.get("RANK", "0") == "0":
