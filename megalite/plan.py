@@ -157,6 +157,15 @@ def train_problems(t: TrainConfig) -> list[str]:
                   ("train.muon.weight_decay", m.weight_decay, m.weight_decay >= 0, f">= 0{muon}"),
                   ("train.muon.ns_steps", m.ns_steps, 1 <= m.ns_steps < 100, f"in [1, 100){muon}, e.g. 5"),
                   ("train.muon.eps", m.eps, m.eps > 0, f"> 0{muon}, e.g. 1e-7")]
+    a, ada = t.adafactor, " with train.optimizer=adafactor"
+    if t.optimizer == "adafactor":  # torch.optim.Adafactor's own bounds
+        rules += [("train.lr", t.lr, t.lr > 0, f"> 0{ada} (Adafactor's rate follows its schedule as a ratio)"),
+                  ("train.adafactor.lr", a.lr, a.lr > 0, f"> 0{ada}, e.g. 1e-2"),
+                  ("train.adafactor.beta2_decay", a.beta2_decay, a.beta2_decay <= 0, f"<= 0{ada}, e.g. -0.8"),
+                  ("train.adafactor.eps1", a.eps1, a.eps1 is None or a.eps1 >= 0, f"null or >= 0{ada}"),
+                  ("train.adafactor.eps2", a.eps2, a.eps2 >= 0, f">= 0{ada}, e.g. 1e-3"),
+                  ("train.adafactor.d", a.d, a.d >= 1, f">= 1{ada}, e.g. 1.0"),
+                  ("train.adafactor.weight_decay", a.weight_decay, a.weight_decay >= 0, f">= 0{ada}")]
     problems = [f"{key}={value} must be {need}" for key, value, ok, need in rules if not ok]  # NaN fails all
     p = t.profile_steps
     if p is not None and not 1 <= p[0] <= p[1] <= t.max_steps:

@@ -84,6 +84,18 @@ class MuonConfig:
 
 
 @dataclass(frozen=True)
+class AdafactorConfig:
+    """train.optimizer=adafactor: torch.optim.Adafactor for every matrix (its defaults), each
+    logical matrix stepped whole; biases and norm weights take AdamW."""
+    lr: float = 1e-2  # the cap of its relative step size min(lr, 1 / sqrt(step)), scaled by the schedule
+    beta2_decay: float = -0.8  # the second moments' rate at step t: t ** beta2_decay
+    eps1: Optional[float] = None  # floor of the row factors' mean (None: the dtype's eps)
+    eps2: float = 1e-3  # floor of the weight's RMS the step is scaled by
+    d: float = 1.0  # the update's RMS is clipped to d (>= 1)
+    weight_decay: float = 0.0  # decoupled: w -= lr x weight_decay x w
+
+
+@dataclass(frozen=True)
 class Fp8Config:
     """train.fp8: the blocks' matmuls in FP8 with torchao's float8 training (docs/fp8.md)."""
     # none; tensorwise (one scale per tensor), rowwise (per row of each matmul operand, scales
@@ -113,9 +125,11 @@ class TrainConfig:
     # new max_steps to stretch the decay instead.
     decay_steps: int = 0
     # adamw; or muon: Muon for the blocks' matrices (train.muon), AdamW (train.lr, beta1,
-    # beta2, weight_decay) for the rest (engine=native only). docs/optimizers.md says which when.
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    # beta2, weight_decay) for the rest; or adafactor: Adafactor for every matrix
+    # (train.adafactor), AdamW for the rest (engine=native only). docs/optimizers.md says which when.
+    optimizer: Literal["adamw", "muon", "adafactor"] = "adamw"
     muon: MuonConfig = field(default_factory=MuonConfig)
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
     # Resuming, load the checkpoint's optimizer state (false: its weights and step only, the
     # optimizer starting fresh: the way to resume with another train.optimizer).
     load_optimizer: bool = True

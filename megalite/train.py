@@ -82,7 +82,7 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
     engine = build_engine(model, t, ps, cfg.parallel)
     if resume_from is not None and t.load_optimizer:
         engine.load_optimizer_state(read_optimizer_state(resume_from, model, engine.held_rows,
-                                                         engine.state_names), saved["step"])
+                                                         engine.states), saved["step"])
     snapshots = None
     if t.snapshot_every:
         snapshots = Snapshots(snapshot_dir(t.snapshot_dir, run_dir), ps,

@@ -153,3 +153,15 @@ def test_snapshots_restart_pp2_ep2_with_the_distributed_optimizer_bit_for_bit(tm
     uninterrupted(4, args(cache, whole, *layout))
     out = snapshot_restart(cache, killed, tmp_path / "shm", 4, layout, "SIGKILL", victim=3)
     assert_continues_exactly(killed, whole, resumed_step(out))
+
+
+def test_snapshots_restart_adafactor_s_factors_bit_for_bit(tmp_path, cache):
+    """4 ranks, TP2 x DP2 with the distributed optimizer and train.optimizer=adafactor (each
+    rank its rows of the fp32 weights, every matrix's factors whole); a rank killed. The
+    restarted run ends as the uninterrupted one, bit for bit."""
+    layout = ["parallel.tp=2", "train.zero_stage=1", "model.dropout=0.0", "train.optimizer=adafactor",
+              "train.adafactor.lr=0.1", "train.micro_batch_size=2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uninterrupted(4, args(cache, whole, *layout))
+    out = snapshot_restart(cache, killed, tmp_path / "shm", 4, layout, "SIGKILL", victim=1)
+    assert_continues_exactly(killed, whole, resumed_step(out))

@@ -36,8 +36,10 @@ from megalite.data.tokenizer import TokenizerInfo, save_tokenizer
 from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
+from megalite.training.optimizers.chained import ADAMW_STATE, ROWS
+from megalite.training.optimizers.matrices import stacks_matrices
 from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_metadata, rows_piece,
-                                             save_pieces, written_pieces)
+                                             save_pieces, state_piece, written_pieces)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
@@ -299,30 +301,35 @@ def load_full_weights(tensors, model: torch.nn.Module, source: str) -> None:
 
 
 def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable,
-                         state_names: Callable) -> list[tuple[torch.nn.Parameter, dict]]:
-    """(parameter, {name: rows `held_rows(p)` of this rank's slice}) for each parameter with
-    stored optimizer state (none in an imported checkpoint), whose names must be
-    `state_names(p)`; a collective, as `load_checkpoint`."""
+                         states: Callable) -> list[tuple[torch.nn.Parameter, dict]]:
+    """(parameter, {name: this rank's part, as `states(p)` splits it: ROWS, rows `held_rows(p)`
+    of this rank's slice}) for each parameter with stored optimizer state (none in an imported
+    checkpoint), whose names must be those of `states(p)`; a collective, as `load_checkpoint`."""
     path = Path(path)
     if _whole_tensors(path):
-        return list(_read_whole_state(path, model, held_rows, state_names))
+        return list(_read_whole_state(path, model, held_rows, states))
     metadata = read_metadata(path)
     saved: dict[str, set[str]] = {}  # the state names stored for each parameter
     for key in metadata.state_dict_metadata:
         if key.startswith("optimizer/"):
             name, _, state = key.removeprefix("optimizer/").rpartition(".")
             saved.setdefault(name, set()).add(state)
-    # Zeroed fp32 tensors of the rows held, filled in place; state of other names (another
+    # Zeroed fp32 tensors of this rank's part, filled in place; state of other names (another
     # optimizer's) is a ConfigError.
     wanted = []
     for name, p in model.named_parameters():
         if name in saved:
-            check_state_names(str(path), name, saved[name], state_names(p))
+            check_state_names(str(path), name, saved[name], states(p))
             start, stop = held_rows(p)
-            shape = (stop - start, *p.shape[1:])
-            wanted.append((p, {m: rows_piece(f"optimizer/{name}.{m}", p,
-                                             torch.zeros(shape, dtype=torch.float32, device=p.device), start)
-                               for m in state_names(p)}))
+            pieces = {}
+            for m, split in states(p).items():
+                key = f"optimizer/{name}.{m}"
+                stored = metadata.state_dict_metadata[key].size
+                shape = (stop - start, *(p.shape if split == ROWS else stored)[1:]) \
+                    if split == ROWS or stacks_matrices(p) else stored
+                zeros = torch.zeros(shape, dtype=torch.float32, device=p.device)
+                pieces[m] = state_piece(key, p, zeros, start, split)
+            wanted.append((p, pieces))
     load_pieces([piece for _, pieces in wanted for piece in pieces.values()], path, metadata)
     return [(p, {m: piece.tensor for m, piece in pieces.items()}) for p, pieces in wanted]
 
@@ -337,13 +344,13 @@ def check_state_names(source: str, name: str, saved: set[str], names: tuple[str,
             f"that optimizer, or set train.load_optimizer=false to load the weights alone")
 
 
-def _read_whole_state(path: Path, model, held_rows: Callable, state_names: Callable) -> Iterator[tuple]:
+def _read_whole_state(path: Path, model, held_rows: Callable, states: Callable) -> Iterator[tuple]:
     """The format before sharded checkpoints, written by AdamW alone."""
     stored = CheckpointTensors(path, "optimizer")
     for name, p in model.named_parameters():
         if f"{name}.exp_avg" in stored.shapes:
-            check_state_names(str(path), name, {"exp_avg", "exp_avg_sq"}, state_names(p))
+            check_state_names(str(path), name, set(ADAMW_STATE), states(p))
             start, stop = held_rows(p)
             # A copy: a view would keep the whole tensor alive in the optimizer's state.
             yield p, {m: local_slice(stored.read(f"{name}.{m}"), p)[start:stop].to(p.device, copy=True)
-                      for m in state_names(p)}
+                      for m in states(p)}

@@ -192,7 +192,7 @@ class DeepSpeedEngine(EngineBase):
             norm = torch.as_tensor(self.engine.get_global_grad_norm())
         return norm
 
-    def state_names(self, p: torch.nn.Parameter) -> tuple[str, ...]:
+    def states(self, p: torch.nn.Parameter) -> dict[str, str]:
         return ADAMW_STATE
 
     def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:

@@ -15,8 +15,9 @@ all-gathered; with zero_stage=0, or a single replica, NativeEngine: replicated s
 all-reduced in buckets overlapped with backward. deepspeed: DeepSpeed ZeRO stage 0, 1 or 2
 (deepspeed_engine.py). Every engine tells which rows of a parameter's local tensor it holds
 (`held_rows`) and reads and sets their weight and optimizer state by name (`master`,
-`state_names`, `optimizer_state`, `load_optimizer_state`), so checkpoints stay layout-,
-engine- and optimizer-independent. Which optimizer steps (AdamW, Muon) is training/optimizers/.
+`states`, `optimizer_state`, `load_optimizer_state`), so checkpoints stay layout-,
+engine- and optimizer-independent. Which optimizer steps (AdamW, Muon, Adafactor) is
+training/optimizers/, and each says how its state is split (chained.ROWS, MATRICES).
 
 train.precision=pure_bf16 (native only): the engine keeps fp32 masters of the then bf16 model
 (mixed_precision.py); `master(p)` is the fp32 weight a checkpoint saves for model parameter p.
@@ -60,13 +61,14 @@ class EngineBase:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_ratio", 1.0)
 
-    def state_names(self, p: torch.nn.Parameter) -> tuple[str, ...]:
-        """The per-parameter state p's optimizer keeps (AdamW's moments, Muon's momentum)."""
-        return self.optimizer.state_names(self.master(p))
+    def states(self, p: torch.nn.Parameter) -> dict[str, str]:
+        """The per-parameter state p's optimizer keeps (AdamW's moments, Muon's momentum,
+        Adafactor's factors), by name, with its split (optimizers/chained.py)."""
+        return self.optimizer.states(self.master(p))
 
     def optimizer_state(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """p's optimizer state by name, rows `held_rows(p)` of this rank's TP slice (none
-        before the first step)."""
+        """p's optimizer state by name, as `states(p)` splits it: ROWS, rows `held_rows(p)` of
+        this rank's TP slice (none before the first step)."""
         return self.optimizer.state_of(self.master(p))
 
     def load_optimizer_state(self, pairs: Iterable[tuple[torch.nn.Parameter, dict]],

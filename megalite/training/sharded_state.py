@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megalite.parallel.sharding import full_shape, row_range, shard_of, split_of
 from megalite.parallel.state import ParallelState
 from megalite.training.grads import replica_rank
+from megalite.training.optimizers.chained import ROWS
+from megalite.training.optimizers.matrices import stacks_matrices
 from megalite.typed_config import ConfigError
 
 # DCP warns whenever it runs in one process, which tools and single-process runs mean to do.
@@ -63,6 +65,19 @@ def rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) ->
     return Piece(key, rows, full_shape(p), tuple(offsets))
 
 
+def state_piece(key: str, p: torch.Tensor, t: torch.Tensor, first_row: int, split: str) -> Piece:
+    """Optimizer state `t` of p's rows `first_row`... (split as optimizers/chained.py says),
+    placed in its global tensor: ROWS as p's rows; MATRICES, one entry per logical matrix,
+    stacked experts' at their rows, other matrices whole (the same on each rank holding them:
+    DCP writes one copy)."""
+    rows = rows_piece(key, p, t, first_row)
+    if split == ROWS:
+        return rows
+    if stacks_matrices(p):
+        return Piece(key, t, torch.Size((rows.shape[0], *t.shape[1:])), (rows.offsets[0],) + (0,) * (t.dim() - 1))
+    return Piece(key, t, t.shape, (0,) * t.dim())
+
+
 def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Iterator[Piece]:
     """The weights and optimizer state this rank writes (see the module docstring).
 
@@ -81,10 +96,14 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         # rows it does not hold would save another rank's state as its own.
         if not held[0] <= start <= stop <= held[1]:
             raise RuntimeError(f"{name}: this rank writes rows {start}:{stop} but holds {held}")
-        # AdamW's exp_avg..., Muon's momentum_buffer
-        named = {f"model/{name}": engine.master(p), **{f"optimizer/{name}.{k}": t for k, t in state.items()}}
-        for key, t in named.items():
-            yield rows_piece(key, p, t.detach().narrow(0, start - held[0], stop - start), start)
+        # AdamW's exp_avg..., Muon's momentum_buffer, Adafactor's factors
+        splits = engine.states(p) if state else {}
+        named = {f"model/{name}": (engine.master(p), ROWS),
+                 **{f"optimizer/{name}.{k}": (t, splits[k]) for k, t in state.items()}}
+        for key, (t, split) in named.items():
+            if split == ROWS or stacks_matrices(p):
+                t = t.narrow(0, start - held[0], stop - start)
+            yield state_piece(key, p, t.detach(), start, split)
 
 
 def blocks(piece: Piece) -> Iterator[Piece]:

@@ -6,16 +6,22 @@ from typing import Iterable
 import torch
 
 
-ADAMW_STATE = ("exp_avg", "exp_avg_sq")
+# How a piece of per-parameter state is split where its parameter is (checkpoints read and
+# write it by this, training/sharded_state.state_piece):
+ROWS = "rows"  # shaped as the stepped tensor, element by element (AdamW's moments, Muon's momentum)
+MATRICES = "matrices"  # one entry per logical matrix along dim 0 (optimizers/matrices.py), the
+# same on every rank holding the matrices: stacked experts' along their rows, else all of them
+
+ADAMW_STATE = {"exp_avg": ROWS, "exp_avg_sq": ROWS}
 
 
-def state_names(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    """The per-parameter state an optimizer keeps: torch's AdamW (DeepSpeed takes it by its
-    exact type) its two moments; megalite's own optimizers say theirs."""
-    return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else optimizer.state_names
+def states(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """The per-parameter state an optimizer keeps, by name, with its split: torch's AdamW
+    (DeepSpeed takes it by its exact type) its two moments; megalite's own optimizers say theirs."""
+    return ADAMW_STATE if isinstance(optimizer, torch.optim.AdamW) else optimizer.states
 
 
-def state_by_name(optimizer, t: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def state_by_name(optimizer, t: torch.Tensor, names) -> dict[str, torch.Tensor]:
     """Stepped tensor t's state `names` in `optimizer` (none before its first step)."""
     state = optimizer.state.get(t, {})
     return {name: state[name] for name in names if name in state}
@@ -55,14 +61,14 @@ class ChainedOptimizer:
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
-    def state_names(self, t: torch.Tensor) -> tuple[str, ...]:
-        """The names of the per-parameter state the optimizer of stepped tensor t keeps."""
-        return state_names(self.owner[id(t)])
+    def states(self, t: torch.Tensor) -> dict[str, str]:
+        """The per-parameter state the optimizer of stepped tensor t keeps, with its splits."""
+        return states(self.owner[id(t)])
 
     def state_of(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         """Stepped tensor t's state by name (none before its first step)."""
         owner = self.owner[id(t)]
-        return state_by_name(owner, t, state_names(owner))
+        return state_by_name(owner, t, states(owner))
 
     def load_state(self, pairs: Iterable[tuple[torch.Tensor, dict]], step: int) -> None:
         """Set each stepped tensor's state from {name: tensor} after `step` steps."""
@@ -70,5 +76,5 @@ class ChainedOptimizer:
         for t, tensors in pairs:
             mine[id(self.owner[id(t)])][id(t)] = tensors
         for o in self.optimizers:
-            # AdamW's state holds the step count (its bias correction).
-            load_state(o, mine[id(o)], step, counted=isinstance(o, torch.optim.AdamW))
+            # AdamW's and Adafactor's state hold the step count (bias correction, relative step).
+            load_state(o, mine[id(o)], step, counted=getattr(o, "steps_counted", True))

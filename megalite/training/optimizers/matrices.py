@@ -86,11 +86,16 @@ def _gather(t: torch.Tensor, group, size: int, spans: list[tuple[int, int]]) -> 
                       for k, (start, stop) in enumerate(spans)])
 
 
+def stacks_matrices(p: torch.Tensor) -> bool:
+    """Whether dim 0 of p indexes its matrices (MoE experts)."""
+    return expert_shard_of(p) is not None or p.dim() == 3
+
+
 def layout_of(p: torch.Tensor, pstate, rows: tuple[int, int] | None = None,
               replicas: tuple = (None, 0, 1)) -> MatrixLayout:
     """The layout of the tensor stepped for model parameter p: its local tensor, or (ZeRO-1)
     rows `rows` of it, held by member replicas[1] of the replica group (group, index, size)."""
-    if expert_shard_of(p) is not None or p.dim() == 3:
+    if stacks_matrices(p):
         return MatrixLayout(stacked=True)
     shard = shard_of(p)
     split = shard is not None and shard.count > 1

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from megalite.training.optimizers.chained import ROWS
 from megalite.training.optimizers.matrices import MatrixLayout
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,7 +47,8 @@ class Muon(torch.optim.Optimizer):
     """Muon over tensors each described by a MatrixLayout (`layouts`, by the tensor's id): its
     logical matrices are orthogonalised whole, whichever part of them the tensor is."""
 
-    state_names = ("momentum_buffer",)
+    states = {"momentum_buffer": ROWS}
+    steps_counted = False  # no step count in its state
 
     def __init__(self, params, layouts: dict[int, MatrixLayout], settings):
         """settings: train.muon (run_config.MuonConfig), every field a parameter group's default."""

@@ -1,10 +1,12 @@
-"""train.optimizer=muon trains at every layout as one process does: losses, gradient norms
-(clipping active) and final weights after 10 steps, to 1e-5 (fp32, Newton-Schulz in fp32:
-train.muon.ns_dtype=fp32). Each layout takes Muon's matrices apart differently: TP slices by
-rows and by columns (and a KV head held by two TP ranks), ZeRO-1 rows over the replicas,
-pipeline stages, experts over EP, CP ranks as replicas. A Muon checkpoint written at TP2 x DP2 (ZeRO-1) resumes at
-TP1 x DP4 and at PP2 with the original's losses; an AdamW checkpoint is refused by a Muon run
-naming both optimizers, and loads its weights alone when asked."""
+"""The optimizers of whole matrices, train.optimizer=muon and adafactor, train at every layout
+as one process does: losses, gradient norms (clipping active) and final weights after 10
+steps, to 1e-5 (fp32, Newton-Schulz in fp32: train.muon.ns_dtype=fp32). Each layout takes the
+matrices apart differently: TP slices by rows and by columns (and a KV head held by two TP
+ranks), ZeRO-1 rows over the replicas, pipeline stages, experts over EP, CP ranks as replicas.
+A checkpoint of either written at TP2 x DP2 (ZeRO-1) resumes at TP1 x DP4 and at PP2 with the
+original's losses (Adafactor's factors, one per logical matrix, are read whole at any layout);
+an AdamW checkpoint is refused by a Muon run naming both optimizers, and loads its weights
+alone when asked."""
 import pytest
 
 from megalite.typed_config import ConfigError
@@ -15,6 +17,11 @@ pytestmark = pytest.mark.exactness
 
 MUON = ["train.optimizer=muon", "train.muon.ns_dtype=fp32", "train.muon.lr=0.02",
         "train.checkpoint_every=5"]
+# A rate at which its steps move the weights (its default 1e-2 is a relative step, of ~1e-2 x
+# the weights' RMS).
+ADAFACTOR = ["train.optimizer=adafactor", "train.adafactor.lr=0.1", "train.adafactor.weight_decay=0.01",
+             "train.checkpoint_every=5"]
+OPTIMIZERS = {"muon": MUON, "adafactor": ADAFACTOR}
 LLAMA = ["model.positions.kind=rotary", "model.attention.n_kv_heads=1", "model.mlp.activation=swiglu",
          "model.norms.kind=rmsnorm", "model.bias=false", "model.tie_embeddings=false", "train.lr=5e-3"]
 MOE = LLAMA[:1] + ["model.attention.n_kv_heads=2"] + LLAMA[2:] + [
@@ -33,23 +40,29 @@ SAVED_AT = 5
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache):
-    """The one-process Muon run of each model, made once a module."""
+    """The one-process run of each optimizer and model, made once a module."""
     runs = one_process_runs(tmp_path_factory)
 
-    def run(model: str, extra: tuple[str, ...] = ()):
-        return runs((model, *extra), lambda run_dir: common(cache, run_dir, "packed") + MODELS[model]
-                    + MUON + list(extra) + ["parallel.tp=1", "train.micro_batch_size=8"],
-                    f"single-{model}")
+    def run(optimizer: str, model: str, extra: tuple[str, ...] = ()):
+        return runs((optimizer, model, *extra), lambda run_dir: common(cache, run_dir, "packed")
+                    + MODELS[model] + OPTIMIZERS[optimizer] + list(extra)
+                    + ["parallel.tp=1", "train.micro_batch_size=8"], f"single-{optimizer}-{model}")
     return run
 
 
 @pytest.fixture(scope="module")
 def tp2_dp2(tmp_path_factory, cache):
-    run_dir = tmp_path_factory.mktemp("tp2-dp2-zero1")
-    model, layout = LAYOUTS["tp2-dp2-zero1"]
-    train_run(4, common(cache, run_dir, "packed") + MODELS[model] + MUON + layout
-              + ["train.micro_batch_size=2"])
-    return run_dir
+    """Each optimizer's TP2 x DP2 (ZeRO-1) run, made once a module."""
+    made = {}
+
+    def run(optimizer: str):
+        if optimizer not in made:
+            made[optimizer] = tmp_path_factory.mktemp(f"tp2-dp2-zero1-{optimizer}")
+            model, layout = LAYOUTS["tp2-dp2-zero1"]
+            train_run(4, common(cache, made[optimizer], "packed") + MODELS[model] + OPTIMIZERS[optimizer]
+                      + layout + ["train.micro_batch_size=2"])
+        return made[optimizer]
+    return run
 
 
 def layout_extra(layout: str) -> tuple[str, ...]:
@@ -57,25 +70,33 @@ def layout_extra(layout: str) -> tuple[str, ...]:
     return tuple(s for s in LAYOUTS[layout][1] if s.startswith("model."))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_muon_trains_like_one_process(tmp_path, cache, single, tp2_dp2, layout):
+# Adafactor at the layouts its issue names (TP + SP replicated is Muon's alone: its rows are
+# the same gathers as TP2 x DP2's).
+RUNS = [("muon", layout) for layout in LAYOUTS] + [
+    ("adafactor", layout) for layout in ("tp2-dp2-zero1", "pp2-dp2-zero1", "ep2-dp2-zero1", "cp2-dp2-zero1")]
+
+
+@pytest.mark.parametrize("optimizer,layout", RUNS)
+def test_a_matrix_optimizer_trains_like_one_process(tmp_path, cache, single, tp2_dp2, optimizer, layout):
     model, settings = LAYOUTS[layout]
     if layout == "tp2-dp2-zero1":
-        run_dir = tp2_dp2
+        run_dir = tp2_dp2(optimizer)
     else:
         run_dir = tmp_path / layout
-        train_run(4, common(cache, run_dir, "packed") + MODELS[model] + MUON + settings
+        train_run(4, common(cache, run_dir, "packed") + MODELS[model] + OPTIMIZERS[optimizer] + settings
                   + ["train.micro_batch_size=2"])
-    assert_same_training(single(model, layout_extra(layout)), run_dir)
+    assert_same_training(single(optimizer, model, layout_extra(layout)), run_dir)
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("layout", [["parallel.tp=1"], ["parallel.pp=2"]])
-def test_a_muon_checkpoint_resumes_at_another_layout(tmp_path, cache, tp2_dp2, layout):
-    checkpoint = tp2_dp2 / "checkpoints" / f"step_{SAVED_AT:08d}"
+def test_a_checkpoint_resumes_at_another_layout(tmp_path, cache, tp2_dp2, optimizer, layout):
+    saved = tp2_dp2(optimizer)
+    checkpoint = saved / "checkpoints" / f"step_{SAVED_AT:08d}"
     resumed = tmp_path / "resumed"
-    train_run(4, common(cache, resumed, "packed") + LLAMA + MUON + layout
+    train_run(4, common(cache, resumed, "packed") + LLAMA + OPTIMIZERS[optimizer] + layout
               + ["train.micro_batch_size=2", f"train.resume={checkpoint}"])
-    expected, got = losses(tp2_dp2), losses(resumed)
+    expected, got = losses(saved), losses(resumed)
     assert sorted(got) == list(range(SAVED_AT + 1, STEPS + 1))
     for step in got:
         assert abs(got[step] - expected[step]) <= 1e-5, (layout, step, got[step], expected[step])
