@@ -12,6 +12,7 @@ import torch
 from megalite import train as train_module
 from megalite.data.batches import Prefetcher
 from megalite.training import checkpoint
+from megalite.training.optimizers.chained import ROWS
 from megalite.training.checkpoint import CheckpointError, CheckpointWriter
 from megalite.training.checkpoint_dirs import latest_checkpoint
 from tests.support.checkpoints import WeightsOnly, fill_disk_of_rank_0, read_whole_state
@@ -134,6 +135,9 @@ def check_background_write_failing_on_rank_0(tmp):
     class WithMoments(WeightsOnly):
         def optimizer_state(self, p):
             return {"exp_avg": p.detach()}
+
+        def states(self, p):
+            return {"exp_avg": ROWS}
 
     with CheckpointWriter(ps) as writer:
         writer.save(tmp, 1, model, WeightsOnly(), {"x": torch.zeros(1)}, {}, 3)
