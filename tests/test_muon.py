@@ -9,35 +9,17 @@ biases to AdamW. A checkpoint's optimizer state of another optimizer is refused 
 import pytest
 import torch
 
-from megalite.config import Experts, GroupedQuery, ModelConfig, Norms, Rotary
 from megalite.model import GPT
 from megalite.parallel.state import ParallelState
-from megalite.run_config import MuonConfig, TrainConfig, load_config
-from megalite.plan import validate
+from megalite.run_config import MuonConfig, TrainConfig
 from megalite.run_setup import check_same_optimizer
 from megalite.training.engine import NativeEngine
 from megalite.training.optimizers.build import takes_muon
 from megalite.training.optimizers.muon import Muon
 from megalite.typed_config import ConfigError
+from tests.support.matrix_optimizers import CFG, logical_matrices, refused
 
 pytestmark = pytest.mark.unit
-
-CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, max_seq_len=16,
-                  attention=GroupedQuery(n_kv_heads=2), positions=Rotary(), norms=Norms(kind="rmsnorm"),
-                  mlp=Experts(activation="swiglu", experts=4, top_k=2, expert_ffn_hidden=24,
-                              dense_layers=(0,)))
-
-
-def logical_matrices(name: str, p: torch.Tensor) -> dict[str, callable]:
-    """How Hugging Face's model holds p: as K and V, as experts, or whole."""
-    if p.dim() == 3:
-        return {f"{name}[{e}]": (lambda w, e=e: w[e]) for e in range(p.shape[0])}
-    if name.endswith("kv_proj.weight"):
-        size = CFG.hidden // CFG.n_heads
-        return {f"{name}:{j}": (lambda w, j=j: w.view(-1, 2, size, w.shape[-1])[:, j].reshape(-1, w.shape[-1]))
-                for j in range(2)}
-    return {name: lambda w: w}
-
 
 @pytest.mark.parametrize("adjust_lr,nesterov", [("original", True), ("match_rms_adamw", False)])
 def test_a_step_is_torch_muon_on_each_logical_matrix(adjust_lr, nesterov):
@@ -77,13 +59,9 @@ def test_a_step_is_torch_muon_on_each_logical_matrix(adjust_lr, nesterov):
 
 
 def test_muon_settings_and_engines_are_checked_before_the_run():
-    def refused(*overrides):
-        with pytest.raises(ConfigError) as err:
-            validate(load_config(None, ["train.optimizer=muon", *overrides]), 4)
-        return str(err.value)
-    assert "train.muon.momentum=1.5" in refused("train.muon.momentum=1.5")
-    assert "train.muon.ns_steps=0" in refused("train.muon.ns_steps=0")
-    message = refused("train.engine=deepspeed")
+    assert "train.muon.momentum=1.5" in refused("muon", "train.muon.momentum=1.5")
+    assert "train.muon.ns_steps=0" in refused("muon", "train.muon.ns_steps=0")
+    message = refused("muon", "train.engine=deepspeed")
     assert "train.optimizer=muon with train.engine=deepspeed" in message and "engine=native" in message
 
 
