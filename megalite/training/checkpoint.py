@@ -37,9 +37,8 @@ from megalite.parallel.sharding import full_shape, local_slice, split_of
 from megalite.parallel.state import ParallelState
 from megalite.failures import CheckpointError
 from megalite.training.optimizers.chained import ADAMW_STATE, ROWS
-from megalite.training.optimizers.matrices import stacks_matrices
 from megalite.training.sharded_state import (Piece, blocks, load_pieces, read_metadata, rows_piece,
-                                             save_pieces, state_piece, written_pieces)
+                                             save_pieces, state_piece, written_pieces, by_rows)
 from megalite.training.checkpoint_dirs import _step_dirs, not_a_checkpoint
 from megalite.typed_config import ConfigError
 
@@ -325,8 +324,8 @@ def read_optimizer_state(path: Path, model: torch.nn.Module, held_rows: Callable
             for m, split in states(p).items():
                 key = f"optimizer/{name}.{m}"
                 stored = metadata.state_dict_metadata[key].size
-                shape = (stop - start, *(p.shape if split == ROWS else stored)[1:]) \
-                    if split == ROWS or stacks_matrices(p) else stored
+                rows = (stop - start, *(p.shape if split == ROWS else stored)[1:])
+                shape = rows if by_rows(p, split) else stored
                 zeros = torch.zeros(shape, dtype=torch.float32, device=p.device)
                 pieces[m] = state_piece(key, p, zeros, start, split)
             wanted.append((p, pieces))

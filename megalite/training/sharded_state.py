@@ -65,6 +65,12 @@ def rows_piece(key: str, p: torch.Tensor, rows: torch.Tensor, first_row: int) ->
     return Piece(key, rows, full_shape(p), tuple(offsets))
 
 
+def by_rows(p: torch.Tensor, split: str) -> bool:
+    """Whether state of `split` for p holds p's rows along dim 0 (ROWS; MATRICES of stacked
+    experts), so that a rank holds and writes the rows it steps; else it is whole."""
+    return split == ROWS or stacks_matrices(p)
+
+
 def state_piece(key: str, p: torch.Tensor, t: torch.Tensor, first_row: int, split: str) -> Piece:
     """Optimizer state `t` of p's rows `first_row`... (split as optimizers/chained.py says),
     placed in its global tensor: ROWS as p's rows; MATRICES, one entry per logical matrix,
@@ -73,7 +79,7 @@ def state_piece(key: str, p: torch.Tensor, t: torch.Tensor, first_row: int, spli
     rows = rows_piece(key, p, t, first_row)
     if split == ROWS:
         return rows
-    if stacks_matrices(p):
+    if by_rows(p, split):
         return Piece(key, t, torch.Size((rows.shape[0], *t.shape[1:])), (rows.offsets[0],) + (0,) * (t.dim() - 1))
     return Piece(key, t, t.shape, (0,) * t.dim())
 
@@ -101,7 +107,7 @@ def written_pieces(model: torch.nn.Module, engine, pstate: ParallelState) -> Ite
         named = {f"model/{name}": (engine.master(p), ROWS),
                  **{f"optimizer/{name}.{k}": (t, splits[k]) for k, t in state.items()}}
         for key, (t, split) in named.items():
-            if split == ROWS or stacks_matrices(p):
+            if by_rows(p, split):
                 t = t.narrow(0, start - held[0], stop - start)
             yield state_piece(key, p, t.detach(), start, split)
 
