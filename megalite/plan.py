@@ -24,6 +24,7 @@ from megalite.run_setup import (check_run_dir, find_resume, with_epochs, with_pr
                                 with_schedule, with_tokenizer_vocab)
 from megalite.training.build import inductor_options
 from megalite.training.deepspeed_engine import deepspeed_problems
+from megalite.pipeline.objective import objective_of
 from megalite.typed_config import ConfigError, failing
 
 
@@ -175,7 +176,18 @@ def train_problems(t: TrainConfig) -> list[str]:
         problems.append(f"train.snapshot_every={t.snapshot_every} with train.engine={t.engine}: in-memory "
                         f"snapshots are not written for it yet; set train.snapshot_every=0 "
                         f"(disk checkpoints: train.checkpoint_every)")
-    return problems + compile_problems(t)
+    return problems + objective_problems(t) + compile_problems(t)
+
+
+def objective_problems(t: TrainConfig) -> list[str]:
+    """train.objective is one, and each micro-batch holds whole groups of its rows."""
+    try:
+        rows = objective_of(t.objective).group_rows
+    except ValueError as e:
+        return [str(e)]
+    return failing((t.micro_batch_size % rows == 0,
+                    f"train.micro_batch_size={t.micro_batch_size} with train.objective={t.objective}: its "
+                    f"rows come in groups of {rows}, which a micro-batch keeps together; use a multiple of {rows}"))
 
 
 def compile_problems(t: TrainConfig) -> list[str]:

@@ -145,6 +145,9 @@ class TrainConfig:
     # Tokens per chunk of the fused LM head + loss, which holds chunk x padded_vocab / tp fp32
     # logits at a time (and never the whole batch's): lower it if memory is tight.
     loss_chunk_tokens: int = 4096
+    # What a step minimises (pipeline/objective.py): lm, next-token cross-entropy over the global
+    # batch's target tokens; or a class by import path, package.module:Name (eval stays lm's)
+    objective: str = "lm"
     compile: bool = False  # torch.compile the whole model, embedding to loss (the first steps compile)
     # train.compile's torch.compile mode: reduce-overhead replays the compiled step as CUDA
     # graphs (less launch time where a GPU's work per step is small); max-autotune also tunes

@@ -33,6 +33,7 @@ from megalite.training.evaluation import all_reduce_loss, eval_plan, evaluate
 from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
+from megalite.pipeline.objective import objective_of
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.optimizers.build import describe_optimizers
 from megalite.training.peers import Peers
@@ -98,7 +99,9 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
         return
     val_set = sample_sets(data.val, cfg, data).nonempty()
     metrics = open_run(cfg, ps, data, start, model, val_set)
-    order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed)
+    objective = objective_of(t.objective)
+    order = BatchOrder(train_set.sizes, train_set.weights, t.global_batch_size, cfg.run.seed,
+                       objective.group_rows)
     autocast = autocast_for(ps.device, t.precision)
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = peak_flops(ps.device)
@@ -144,7 +147,8 @@ def train(plan: Plan, ps: ParallelState, stop: StopRequest, peers: Peers) -> Non
                                                        for b in batches), ps.dp_group))
             model.train()
             with profiler.step(done):
-                loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule)
+                loss, grad_norm = train_step(engine, batches, n_tokens, autocast, cfg.parallel.pp_schedule,
+                                             objective)
 
             last = done == t.max_steps
             logged = done % t.log_every == 0 or last

@@ -171,20 +171,27 @@ SAMPLE_ORDER = 2  # 2: shuffle.py's keyed permutation
 
 
 class BatchOrder:
-    """Which samples form the global batch of each step, and which rows each DP rank reads."""
+    """Which samples form the global batch of each step, and which rows each DP rank reads.
+    group_rows: samples come in groups of that many consecutive ones (a preference pair), which
+    the order shuffles as one, so a group stays whole in a micro-batch (the objective's)."""
 
-    def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int):
+    def __init__(self, sizes: list[int], weights: list[float], global_batch: int, seed: int,
+                 group_rows: int = 1):
         self.sizes, self.weights, self.global_batch, self.seed = sizes, weights, global_batch, seed
+        self.group_rows = group_rows
 
     def picks(self, positions: np.ndarray) -> np.ndarray:
-        """(source, sample) for each global sample position (a source's q-th is place q % n of
-        its epoch q // n)."""
+        """(source, group) for each global group position (a source's q-th is place q % n of
+        its epoch q // n; a group is a sample where group_rows is 1)."""
         source, q = assign(np.asarray(positions, dtype=np.int64), self.weights)
-        n = np.asarray(self.sizes, dtype=np.int64)[source]
+        n = np.asarray(self.sizes, dtype=np.int64)[source] // self.group_rows
         return np.stack([source, permute(q % n, n, key_of(self.seed, q // n, source))], axis=1)
 
     def global_batch_picks(self, step: int) -> np.ndarray:
-        return self.picks(np.arange(step * self.global_batch, (step + 1) * self.global_batch))
+        k = self.group_rows
+        groups = self.picks(np.arange(step * self.global_batch // k, (step + 1) * self.global_batch // k))
+        rows = groups[:, None, :] * [1, k] + np.stack([np.zeros(k, np.int64), np.arange(k)], axis=1)
+        return rows.reshape(-1, 2)
 
     def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro: int) -> list[np.ndarray]:
         per_rank = self.global_batch // dp_size

@@ -117,6 +117,9 @@ reduce_scatter_to_sequence_parallel_region = primitive(
 gather_from_sequence_parallel_region = primitive(
     "gather_from_sequence_parallel_region",
     along(all_gather, SEQ_DIM), along(reduce_scatter, SEQ_DIM))
+# Each rank's share of a sum that every rank then uses whole (a row's log-probability over its
+# CP shares): the gradient of a share is the sum of every rank's gradient of the whole.
+sum_shares = primitive("sum_shares",       _all_reduce,             _all_reduce)
 
 
 def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):

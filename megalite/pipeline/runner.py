@@ -12,6 +12,7 @@ import torch
 
 from megalite.parallel.p2p import Message, PipeComm
 from megalite.pipeline.schedules import Action, Exchange, message_in, message_out, plan
+from megalite.pipeline.objective import LanguageModel
 
 
 class PipelineRun:
@@ -67,28 +68,33 @@ class PipelineRun:
                                chunk=a.chunk, hidden=hidden, **{**kwargs, **self.forward_kwargs})
 
 
-def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast,
-                    schedule_name: str) -> torch.Tensor:
+def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast, schedule_name: str,
+                    objective=LanguageModel()) -> torch.Tensor:
     """Forwards and backwards of this rank's micro-batches in the schedule's order (at pp=1 too:
     the one micro-batch loop); returns the sum of the micro-batch losses on the last stage (zero
-    on the others). `last` tells the engine a chunk's last backward (where the native engine
-    starts that chunk's DP buckets)."""
+    on the others). The last stage's output goes to the objective (pipeline/objective.py), scaled
+    by 1 / its denominator over the global batch. `last` tells the engine a chunk's last backward
+    (where the native engine starts that chunk's DP buckets)."""
     run = PipelineRun(engine.model, batches, autocast, engine.module)
     ps = engine.model.pstate
     steps = plan(schedule_name, ps.pp_size, ps.pp_rank, len(engine.model.chunks), len(batches))
     last_backward = {a.chunk: a for a in steps if isinstance(a, Action) and a.kind == "B"}
     held = {}  # (chunk, micro-batch) -> a forward's input and output, until its backward
     loss = torch.zeros((), device=n_tokens.device)
+    scale = 1.0 / objective.denominator(batches, n_tokens, ps.dp_group)
+    asked = objective.forward_kwargs(scale)
 
     def step(a: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         if a.kind == "F":
             if received is not None:
                 received.requires_grad_()
-            out = run._forward(a, received, loss_scale=1.0 / n_tokens)
-            held[a.chunk, a.micro] = received, (out.hidden if out.loss is None else out.loss)
-            if out.loss is None:
+            out = run._forward(a, received, **asked)
+            if out.hidden is not None:  # not the last stage
+                held[a.chunk, a.micro] = received, out.hidden
                 return out.hidden.detach()
-            loss.add_(out.loss.detach())
+            held[a.chunk, a.micro] = received, objective.loss(out, batches[a.micro], scale,
+                                                               engine.model.split.cp)
+            loss.add_(held[a.chunk, a.micro][1].detach())
             return None
         x, out = held.pop((a.chunk, a.micro))
         engine.backward(out, last=a == last_backward[a.chunk],

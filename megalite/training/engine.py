@@ -34,6 +34,7 @@ from megalite.pipeline.runner import train_pipelined
 from megalite.model.moe import update_expert_bias
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
 from megalite.training.mixed_precision import MasterWeights
+from megalite.pipeline.objective import LanguageModel
 from megalite.training.optimizers.build import build_optimizer
 from megalite.training.optimizers.chained import ChainedOptimizer
 
@@ -136,17 +137,17 @@ def autocast_for(device: torch.device, precision: str):
 
 
 def train_step(engine, batches: list, n_tokens: torch.Tensor, autocast,
-               pp_schedule: str = "1f1b") -> tuple[torch.Tensor, torch.Tensor]:
+               pp_schedule: str = "1f1b", objective=LanguageModel()) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this DP rank's micro-batches: (loss, gradient norm).
 
-    The loss is the mean over every real target token of the GLOBAL batch (`n_tokens`, all
-    micro-batches of all DP ranks): each micro-batch's token-loss sum is divided by that count,
-    so the sum over micro-batches and DP ranks is the same number for any layout. The returned
-    loss is this rank's part of it (zero off the last pipeline stage).
+    The loss is the objective's mean over the GLOBAL batch (the language model's: over every
+    real target token, `n_tokens`, all micro-batches of all DP ranks): each micro-batch's loss
+    sum is divided by that count, so the sum over micro-batches and DP ranks is the same number
+    for any layout. The returned loss is this rank's part of it (zero off the last pipeline stage).
     """
     # One stage runs every schedule in 1F1B's order: each backward right after its forward.
     schedule = pp_schedule if engine.pstate.pp_size > 1 else "1f1b"
-    loss = train_pipelined(engine, batches, n_tokens, autocast, schedule)
+    loss = train_pipelined(engine, batches, n_tokens, autocast, schedule, objective)
     norm = engine.step()
     update_expert_bias(engine.model, engine.pstate.dp_group)
     return loss, norm
