@@ -19,12 +19,12 @@ from megalite.data.prepared import PreparedData, data_for_run
 from megalite.fp8.convert import fp8_problems
 from megalite.layout_rules import data_parallel_size, layout_problems
 from megalite.parallel.context import context_chunks
+from megalite.pipeline.objective import objective_of
 from megalite.run_config import Config, TrainConfig
 from megalite.run_setup import (check_run_dir, find_resume, with_epochs, with_pretrained,
                                 with_schedule, with_tokenizer_vocab)
 from megalite.training.build import inductor_options
 from megalite.training.deepspeed_engine import deepspeed_problems
-from megalite.pipeline.objective import objective_of
 from megalite.typed_config import ConfigError, failing
 
 

@@ -24,6 +24,7 @@ from megalite.hf.convert import load_pretrained, pretrained_model
 from megalite.parallel.mappings import all_reduce_over
 from megalite.parallel.random import restore_run_rng, run_rng_state
 from megalite.parallel.state import ParallelState, init_parallel
+from megalite.pipeline.objective import objective_of
 from megalite.progress import Progress
 from megalite.run_config import Config, given_keys, load_config, to_dict
 from megalite.training.checkpoint import CheckpointWriter, layout_of, load_checkpoint, read_optimizer_state
@@ -33,7 +34,6 @@ from megalite.training.evaluation import all_reduce_loss, eval_plan, evaluate
 from megalite.training.host_memory import map_large_blocks
 from megalite.training.metrics import (MetricsLog, flops_per_token, moe_metrics, peak_flops,
                                        peak_memory_bytes, plot_losses, start_wandb)
-from megalite.pipeline.objective import objective_of
 from megalite.training.optim import describe_schedule, lr_at
 from megalite.training.optimizers.build import describe_optimizers
 from megalite.training.peers import Peers

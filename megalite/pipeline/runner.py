@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 
 from megalite.parallel.p2p import Message, PipeComm
-from megalite.pipeline.schedules import Action, Exchange, message_in, message_out, plan
 from megalite.pipeline.objective import LanguageModel
+from megalite.pipeline.schedules import Action, Exchange, message_in, message_out, plan
 
 
 class PipelineRun:
@@ -92,9 +92,9 @@ def train_pipelined(engine, batches: list, n_tokens: torch.Tensor, autocast, sch
             if out.hidden is not None:  # not the last stage
                 held[a.chunk, a.micro] = received, out.hidden
                 return out.hidden.detach()
-            held[a.chunk, a.micro] = received, objective.loss(out, batches[a.micro], scale,
-                                                               engine.model.split.cp)
-            loss.add_(held[a.chunk, a.micro][1].detach())
+            micro_loss = objective.loss(out, batches[a.micro], scale, engine.model.split.cp)
+            held[a.chunk, a.micro] = received, micro_loss
+            loss.add_(micro_loss.detach())
             return None
         x, out = held.pop((a.chunk, a.micro))
         engine.backward(out, last=a == last_backward[a.chunk],

@@ -30,11 +30,11 @@ import torch
 from megalite.config import ParallelConfig
 from megalite.parallel.state import ParallelState
 from megalite.run_config import TrainConfig
+from megalite.pipeline.objective import LanguageModel
 from megalite.pipeline.runner import train_pipelined
 from megalite.model.moe import update_expert_bias
 from megalite.training.grads import DataParallelGradSync, clip_grad_norm_, sum_embedding_copies
 from megalite.training.mixed_precision import MasterWeights
-from megalite.pipeline.objective import LanguageModel
 from megalite.training.optimizers.build import build_optimizer
 from megalite.training.optimizers.chained import ChainedOptimizer
 
